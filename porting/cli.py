@@ -1,0 +1,55 @@
+"""The `porting` command line: a thin typed layer over library functions.
+
+Each subcommand lives in its own module exposing ``register(subparsers)``, which adds a parser
+whose ``func`` default takes the parsed namespace and returns an exit code. Modules are listed
+explicitly so that registration is never accidental. Heavy imports (NeMo, Megatron, torch) happen
+inside the command functions, so ``porting --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+_SUBCOMMAND_MODULES = (
+    "porting.commands",
+)
+
+
+class UserError(Exception):
+    """An error caused by the user's input; printed without a traceback, exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the top-level parser with every subcommand registered."""
+    parser = argparse.ArgumentParser(
+        prog="porting",
+        description="Import Hugging Face checkpoints into NeMo 2.0 / Megatron-Core, verify "
+        "logit parity, export back, prepare data and plan training.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in _SUBCOMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the console script; returns the process exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.func(args) or 0)
+    except UserError as err:
+        print(f"porting {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
