@@ -13,13 +13,11 @@ import importlib
 import logging
 import sys
 
+from porting.errors import PortingError
+
 _SUBCOMMAND_MODULES = (
     "porting.commands",
 )
-
-
-class UserError(Exception):
-    """An error caused by the user's input; printed without a traceback, exit code 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return int(args.func(args) or 0)
-    except UserError as err:
+    except PortingError as err:
         print(f"porting {args.command}: error: {err}", file=sys.stderr)
         return 2
 
