@@ -1,0 +1,205 @@
+"""tsuzumi-style family <-> HF ``LlamaForCausalLM``: config mapping, weight table, NeMo connectors.
+
+The HF side uses the Llama checkpoint layout, so parity is checked against the third-party
+``transformers`` Llama implementation. Layout facts (see also ``porting/transforms.py``):
+
+- HF keeps ``q_proj``, ``k_proj``, ``v_proj`` apart; Megatron fuses them per query group.
+- HF ``rotate_half`` rotary and Megatron's non-interleaved rotary are the same convention
+  (``transformers/models/llama/modeling_llama.py`` vs
+  ``megatron/core/models/common/embeddings/rope_utils.py``), so no q/k row permutation is needed.
+- HF ``gate_proj``/``up_proj`` stack into Megatron's gated ``linear_fc1``.
+"""
+
+from __future__ import annotations
+
+from nemo.lightning import io
+
+from models.tsuzumi import TsuzumiConfig, TsuzumiModel
+from porting.config_map import Carry, Derived, Field, Require
+from porting.convert import PortingExporter, PortingImporter
+from porting.errors import PortingError
+from porting.family import Family, ShapeContext
+from porting.mapping import Fused, Ignore, Rename
+from porting.transforms import GATED_MLP, QKV, VOCAB_PAD
+
+
+def _query_groups_to_mcore(hf: dict) -> dict:
+    heads = hf["num_attention_heads"]
+    kv = hf.get("num_key_value_heads") or heads
+    if heads % kv:
+        raise PortingError(
+            f"config.json: num_key_value_heads={kv} does not divide num_attention_heads={heads}"
+        )
+    return {"num_query_groups": kv}
+
+
+def _biases_to_mcore(hf: dict) -> dict:
+    attention, mlp = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
+    if attention != mlp:
+        # Megatron's add_bias_linear puts biases on all four linears at once; add_qkv_bias covers
+        # q/k/v only, but HF attention_bias also biases o_proj. No Megatron switch matches either mix.
+        raise PortingError(
+            f"config.json: attention_bias={attention} with mlp_bias={mlp} is not supported: "
+            "Megatron biases either all linear layers (add_bias_linear) or none"
+        )
+    return {"add_bias_linear": attention}
+
+
+def _biases_to_hf(c) -> dict:
+    return {"attention_bias": c.add_bias_linear, "mlp_bias": c.add_bias_linear}
+
+
+_ROPE_KEYS = {"rope_type", "type", "factor", "low_freq_factor", "high_freq_factor",
+              "original_max_position_embeddings"}
+
+
+def _rope_to_mcore(hf: dict) -> dict:
+    rs = hf.get("rope_scaling")
+    if rs is None:
+        return {"rope_scaling_type": None}
+    if not isinstance(rs, dict):
+        raise PortingError(f"config.json: rope_scaling must be an object, not {rs!r}")
+    kind = rs.get("rope_type", rs.get("type"))
+    unknown = set(rs) - _ROPE_KEYS
+    if kind == "default":
+        return {"rope_scaling_type": None}
+    if kind == "linear" and not unknown - {"rope_type", "type", "factor"}:
+        # HF divides inv_freq by the factor; Megatron divides positions by it: the same angles.
+        return {"rope_scaling_type": "linear", "seq_len_interpolation_factor": float(rs["factor"])}
+    if kind == "llama3" and not unknown:
+        return {
+            "rope_scaling_type": "llama3",
+            "rope_scaling_factor": float(rs["factor"]),
+            "rope_scaling_low_freq_factor": float(rs["low_freq_factor"]),
+            "rope_scaling_high_freq_factor": float(rs["high_freq_factor"]),
+            "rope_scaling_original_max_position_embeddings": int(
+                rs["original_max_position_embeddings"]
+            ),
+        }
+    raise PortingError(
+        f"config.json: rope_scaling={rs!r} is not supported (supported: none, 'linear', 'llama3')"
+    )
+
+
+def _rope_to_hf(c) -> dict:
+    # The original rope_scaling object is carried verbatim by config_map.to_hf; nothing to re-derive
+    # beyond confirming the type survived.
+    return {}
+
+
+CONFIG = (
+    Field("num_hidden_layers", "num_layers"),
+    Field("hidden_size", "hidden_size"),
+    Field("intermediate_size", "ffn_hidden_size"),
+    Field("num_attention_heads", "num_attention_heads"),
+    Derived(
+        ("num_key_value_heads",),
+        _query_groups_to_mcore,
+        lambda c: {"num_key_value_heads": c.num_query_groups},
+    ),
+    Field("head_dim", "kv_channels", default=None),
+    Field("rms_norm_eps", "layernorm_epsilon"),
+    Field("rope_theta", "rotary_base", default=10000.0),
+    Field("tie_word_embeddings", "share_embeddings_and_output_weights", default=False),
+    Field("max_position_embeddings", "seq_length"),
+    Field("initializer_range", "init_method_std", default=0.02),
+    Field("attention_dropout", "attention_dropout", default=0.0),
+    Derived(("attention_bias", "mlp_bias"), _biases_to_mcore, _biases_to_hf),
+    Derived(("rope_scaling",), _rope_to_mcore, _rope_to_hf),
+    Require("hidden_act", lambda v: v == "silu", "the family's MLP is SwiGLU (silu-gated)"),
+    Require("pretraining_tp", lambda v: v == 1, "sliced-matmul emulation is not modelled"),
+    Require("model_type", lambda v: v == "llama", "the HF side is the Llama layout"),
+    Carry("architectures"),
+    Carry("vocab_size"),  # padded on the Megatron side by the engine, restored exactly on export
+    Carry("bos_token_id"),
+    Carry("eos_token_id"),
+    Carry("pad_token_id"),
+    Carry("torch_dtype"),
+    Carry("dtype"),
+    Carry("transformers_version"),
+    Carry("use_cache"),
+)
+
+_L = "model.layers.*."
+_M = "decoder.layers.*."
+
+
+def _biased(ctx: ShapeContext) -> bool:
+    return ctx.attention_bias
+
+
+WEIGHTS = (
+    Fused(("model.embed_tokens.weight",), "embedding.word_embeddings.weight", VOCAB_PAD),
+    Rename(_L + "input_layernorm.weight", _M + "input_layernorm.weight"),
+    Fused(
+        (_L + "self_attn.q_proj.weight", _L + "self_attn.k_proj.weight", _L + "self_attn.v_proj.weight"),
+        _M + "self_attention.linear_qkv.weight",
+        QKV,
+    ),
+    Fused(
+        (_L + "self_attn.q_proj.bias", _L + "self_attn.k_proj.bias", _L + "self_attn.v_proj.bias"),
+        _M + "self_attention.linear_qkv.bias",
+        QKV,
+        when=_biased,
+    ),
+    Rename(_L + "self_attn.o_proj.weight", _M + "self_attention.linear_proj.weight"),
+    Rename(_L + "self_attn.o_proj.bias", _M + "self_attention.linear_proj.bias", when=_biased),
+    Rename(_L + "post_attention_layernorm.weight", _M + "pre_mlp_layernorm.weight"),
+    Fused((_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"), _M + "mlp.linear_fc1.weight", GATED_MLP),
+    Fused(
+        (_L + "mlp.gate_proj.bias", _L + "mlp.up_proj.bias"),
+        _M + "mlp.linear_fc1.bias",
+        GATED_MLP,
+        when=_biased,
+    ),
+    Rename(_L + "mlp.down_proj.weight", _M + "mlp.linear_fc2.weight"),
+    Rename(_L + "mlp.down_proj.bias", _M + "mlp.linear_fc2.bias", when=_biased),
+    Rename("model.norm.weight", "decoder.final_layernorm.weight"),
+    Fused(("lm_head.weight",), "output_layer.weight", VOCAB_PAD, when=lambda c: not c.tied_output),
+    Ignore(
+        "lm_head.weight",
+        "tied to model.embed_tokens.weight; transformers ignores it too",
+        when=lambda c: c.tied_output,
+    ),
+    Ignore(_L + "self_attn.rotary_emb.inv_freq", "a buffer recomputed from rope_theta"),
+)
+
+
+def shape_context(config: TsuzumiConfig, vocab_size: int) -> ShapeContext:
+    """Shape facts of a tsuzumi config for the transforms (``vocab_size`` is the HF, unpadded one)."""
+    return ShapeContext(
+        num_layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        num_heads=config.num_attention_heads,
+        num_query_groups=config.num_query_groups or config.num_attention_heads,
+        head_dim=config.kv_channels,
+        vocab_size=vocab_size,
+        padded_vocab_size=config.vocab_size,
+        tied_output=config.share_embeddings_and_output_weights,
+        attention_bias=config.add_bias_linear,
+        mlp_bias=config.add_bias_linear,
+    )
+
+
+FAMILY = Family(
+    name="tsuzumi",
+    hf_architecture="LlamaForCausalLM",
+    config_entries=CONFIG,
+    weights=WEIGHTS,
+    config_cls=TsuzumiConfig,
+    model_cls=TsuzumiModel,
+    shape_context=shape_context,
+    hf_model_class="LlamaForCausalLM",
+)
+
+
+@io.model_importer(TsuzumiModel, "hf")
+class HFTsuzumiImporter(PortingImporter):
+    """``llm.import_ckpt(model=TsuzumiModel(...), source="hf://DIR")`` for Llama-layout checkpoints."""
+
+    FAMILY = FAMILY
+
+
+@io.model_exporter(TsuzumiModel, "hf")
+class HFTsuzumiExporter(PortingExporter):
+    """``llm.export_ckpt(path, target="hf")`` for tsuzumi checkpoints."""

@@ -1,0 +1,361 @@
+"""HF <-> NeMo 2.0 conversion: the generic NeMo ``io.ModelConnector`` importer/exporter and the
+functions the CLI calls.
+
+A family's converter module subclasses :class:`PortingImporter` / :class:`PortingExporter`, sets
+``FAMILY`` and registers them with ``io.model_importer`` / ``io.model_exporter``; everything else
+(streaming weights through the table, the NeMo checkpoint, the manifest, the tokenizer) is here and
+serves every family.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import math
+import shutil
+from pathlib import Path
+
+import torch
+from nemo.lightning import io
+from tqdm import tqdm
+
+from porting import config_map, cpu
+from porting.checkpoint import (
+    EXTRA_HF_FILES,
+    Manifest,
+    atomic_dir,
+    prepare_output,
+    read_manifest,
+    write_manifest,
+)
+from porting.errors import PortingError
+from porting.family import Family, ShapeContext
+from porting.mapping import export_weights, import_weights
+from porting.registry import family_by_name, family_for_hf_dir, read_hf_config
+from porting.safetensors_io import SafetensorsSource, ShardedWriter
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TOKENIZER_SUBDIR = "context/nemo_tokenizer"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def padded_vocab(vocab_size: int, divisible_by: int) -> int:
+    """Megatron's vocabulary padding (``megatron/training/tokenizer``: ``_vocab_size_with_padding``)."""
+    return int(math.ceil(vocab_size / divisible_by) * divisible_by)
+
+
+def resolve_dtype(source: SafetensorsSource, requested: str | None) -> torch.dtype:
+    """The weight dtype of the import: the checkpoint's own unless the user asks for another.
+
+    A checkpoint mixing floating dtypes is refused without an explicit ``--dtype``: picking one
+    would silently change some tensors.
+    """
+    if requested is not None:
+        if requested not in DTYPES:
+            raise PortingError(f"--dtype must be one of {', '.join(DTYPES)}, not {requested!r}")
+        return DTYPES[requested]
+    found = source.dtypes()
+    if len(found) != 1:
+        names = ", ".join(sorted(dtype_name(d) for d in found)) or "none"
+        raise PortingError(
+            f"{source.dir}: weights mix dtypes ({names}); pass --dtype to choose the import dtype"
+        )
+    return found.pop()
+
+
+class _CastingSource:
+    """A tensor source that casts to the import dtype; used only when the user chose ``--dtype``."""
+
+    def __init__(self, inner: SafetensorsSource, dtype: torch.dtype) -> None:
+        self.inner, self.dtype = inner, dtype
+
+    def keys(self) -> list[str]:
+        return self.inner.keys()
+
+    def get(self, key: str) -> torch.Tensor:
+        t = self.inner.get(key)
+        return t.to(self.dtype) if t.is_floating_point() else t
+
+
+def build_config(family: Family, hf_config: dict, dtype: torch.dtype, vocab_divisor: int):
+    """The family's Megatron config for ``hf_config`` and its shape context.
+
+    Raises :class:`PortingError` for config fields the family cannot represent.
+    """
+    kwargs = config_map.to_mcore(hf_config, family.config_entries)
+    vocab = hf_config.get("vocab_size")
+    if not isinstance(vocab, int) or vocab <= 0:
+        raise PortingError(f"config.json: vocab_size must be a positive integer, not {vocab!r}")
+    kwargs.update(
+        vocab_size=padded_vocab(vocab, vocab_divisor),
+        make_vocab_size_divisible_by=vocab_divisor,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        pipeline_dtype=dtype,
+        autocast_dtype=dtype,
+    )
+    config = family.config_cls(**kwargs)
+    return config, family.shape_context(config, vocab)
+
+
+def _nemo_tokenizer(hf_dir: Path, staging: Path):
+    """NeMo's HF tokenizer wrapper over a local copy of the checkpoint's tokenizer files."""
+    from nemo.collections.common.tokenizers.huggingface.auto_tokenizer import AutoTokenizer
+    from transformers import AutoTokenizer as HFAutoTokenizer
+
+    try:
+        tok = HFAutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise PortingError(f"{hf_dir}: no usable tokenizer ({err})") from err
+    tok.save_pretrained(str(staging))
+    return AutoTokenizer(str(staging))
+
+
+class PortingImporter(io.ModelConnector):
+    """Generic HF -> NeMo 2.0 importer; a family subclass sets ``FAMILY``.
+
+    Used both by ``llm.import_ckpt(model=FamilyModel(...), source="hf://DIR")`` and by
+    ``porting import``. Options beyond NeMo's interface are class attributes a caller may set on the
+    instance: ``dtype`` (None = the checkpoint's), ``allow_pickle``, ``vocab_divisor``.
+    """
+
+    FAMILY: Family
+    dtype: str | None = None
+    allow_pickle: bool = False
+    vocab_divisor: int = 128
+    show_progress: bool = True
+
+    def init(self):
+        """A fresh family model with the config derived from the HF directory."""
+        return self.FAMILY.model_cls(self.config, tokenizer=self.tokenizer)
+
+    @property
+    def hf_config(self) -> dict:
+        """The HF ``config.json`` as a dict."""
+        return read_hf_config(str(self))
+
+    @property
+    def config(self):
+        """The family's Megatron config (padded vocabulary, checkpoint dtype)."""
+        source = SafetensorsSource(str(self), allow_pickle=self.allow_pickle)
+        return build_config(
+            self.FAMILY, self.hf_config, resolve_dtype(source, self.dtype), self.vocab_divisor
+        )[0]
+
+    @property
+    def tokenizer(self):
+        """NeMo's wrapper of the HF tokenizer (staged once per importer)."""
+        if getattr(self, "_tokenizer", None) is None:
+            import tempfile
+
+            self._tokenizer_dir = Path(tempfile.mkdtemp(prefix="porting-tokenizer-"))
+            self._tokenizer = _nemo_tokenizer(Path(str(self)), self._tokenizer_dir)
+        return self._tokenizer
+
+    def apply(self, output_path: Path) -> Path:
+        """Convert into ``output_path``; nothing appears under that name unless it completes."""
+        with atomic_dir(output_path) as tmp:
+            self.convert_into(tmp)
+        return Path(output_path)
+
+    def convert_into(self, out: Path) -> Manifest:
+        """Stream the HF weights through the family table into a NeMo checkpoint at ``out``."""
+        from nemo.lightning import teardown
+
+        cpu.enable()
+        cpu.ensure_rendezvous_env()
+        hf_dir = Path(str(self))
+        family = self.FAMILY
+        hf_config = self.hf_config
+        if hf_config["architectures"][0] != family.hf_architecture:
+            raise PortingError(
+                f"{hf_dir}/config.json: architecture {hf_config['architectures'][0]!r} is not "
+                f"{family.hf_architecture!r} (family {family.name})"
+            )
+        source = SafetensorsSource(hf_dir, allow_pickle=self.allow_pickle)
+        dtype = resolve_dtype(source, self.dtype)
+        reader = _CastingSource(source, dtype) if self.dtype else source
+        config, ctx = build_config(family, hf_config, dtype, self.vocab_divisor)
+        model = family.model_cls(config, tokenizer=self.tokenizer)
+        trainer = self.nemo_setup(model, ckpt_async_save=False)
+        target = {
+            k: v
+            for k, v in model.module.state_dict(keep_vars=True).items()
+            if not k.endswith("_extra_state")
+        }
+        progress = (
+            (lambda it: tqdm(it, desc="import", unit="tensor", leave=False))
+            if self.show_progress
+            else (lambda it: it)
+        )
+        report = import_weights(reader, target, family.weights, ctx, ctx.num_layers, progress)
+        del target
+        source.close()
+        self.nemo_save(out, trainer)
+        teardown(trainer, model)
+        del trainer, model
+        gc.collect()
+        manifest = self._write_extras(out, hf_dir, hf_config, ctx, dtype)
+        log.info(
+            "imported %s (%s, %s): %d HF tensors -> %d Megatron parameters, %d ignored",
+            hf_dir,
+            family.name,
+            dtype_name(dtype),
+            report.consumed,
+            report.written,
+            len(report.ignored),
+        )
+        return manifest
+
+    def _write_extras(
+        self, out: Path, hf_dir: Path, hf_config: dict, ctx: ShapeContext, dtype: torch.dtype
+    ) -> Manifest:
+        tok_dir = out / TOKENIZER_SUBDIR
+        if not tok_dir.is_dir():
+            # NeMo copies tokenizer artifacts into context/ on dump; keep a copy where the manifest
+            # says if a NeMo version does not.
+            shutil.copytree(self._tokenizer_dir, tok_dir)
+        extra_dir = out / "context" / "hf_extra"
+        extras = []
+        for name in EXTRA_HF_FILES:
+            if (hf_dir / name).exists():
+                extra_dir.mkdir(exist_ok=True)
+                shutil.copy2(hf_dir / name, extra_dir / name)
+                extras.append(name)
+        manifest = Manifest(
+            family=self.FAMILY.name,
+            hf_architecture=self.FAMILY.hf_architecture,
+            hf_config=hf_config,
+            vocab_size=ctx.vocab_size,
+            padded_vocab_size=ctx.padded_vocab_size,
+            dtype=dtype_name(dtype),
+            tokenizer={"kind": "hf", "path": TOKENIZER_SUBDIR},
+            extra_files=extras,
+        )
+        write_manifest(out, manifest)
+        return manifest
+
+
+class PortingExporter(io.ModelConnector):
+    """Generic NeMo 2.0 -> HF exporter (``llm.export_ckpt(path, target="hf")``)."""
+
+    def apply(self, output_path: Path) -> Path:
+        """Export the checkpoint at ``self`` into ``output_path`` atomically."""
+        with atomic_dir(output_path) as tmp:
+            export_into(Path(str(self)), tmp)
+        return Path(output_path)
+
+
+def export_into(ckpt: Path, out: Path, max_shard_bytes: int = 5 * 2**30) -> Manifest:
+    """Write the HF directory for our NeMo checkpoint ``ckpt`` into ``out`` (an empty directory)."""
+    from porting.megatron import init_parallel, load_mcore_from_checkpoint
+
+    manifest = read_manifest(ckpt)
+    family = family_by_name(manifest.family)
+    init_parallel()
+    model, nemo_model = load_mcore_from_checkpoint(ckpt)
+    config = nemo_model.config
+    ctx = family.shape_context(config, manifest.vocab_size)
+    if ctx.padded_vocab_size != manifest.padded_vocab_size:
+        raise PortingError(
+            f"{ckpt}: model vocabulary {ctx.padded_vocab_size} differs from the manifest's "
+            f"padded vocabulary {manifest.padded_vocab_size}"
+        )
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    writer = ShardedWriter(out, max_shard_bytes)
+    for key, tensor in export_weights(state, family.weights, ctx, ctx.num_layers):
+        writer.add(key, tensor)
+    writer.close()
+    del state, model
+    gc.collect()
+    hf_config = config_map.to_hf(config, manifest.hf_config, family.config_entries)
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    tok_dir = Path(ckpt) / manifest.tokenizer["path"]
+    for f in tok_dir.iterdir():
+        if f.is_file():
+            shutil.copy2(f, out / f.name)
+    for name in manifest.extra_files:
+        shutil.copy2(Path(ckpt) / "context" / "hf_extra" / name, out / name)
+    return manifest
+
+
+def import_hf(
+    hf_dir: str | Path,
+    out: str | Path,
+    *,
+    overwrite: bool = False,
+    dtype: str | None = None,
+    allow_pickle: bool = False,
+    vocab_divisor: int = 128,
+    verify: bool = True,
+    atol: float | None = None,
+    rtol: float | None = None,
+    show_progress: bool = True,
+):
+    """Import an HF directory into a NeMo 2.0 checkpoint at ``out``; gate it on parity.
+
+    Returns the parity report (``None`` with ``verify=False``). On a failed parity check the
+    checkpoint is not left under ``out`` and :class:`PortingError` is raised with the report.
+    """
+    from porting import parity
+
+    out = prepare_output(out, overwrite)
+    family, _ = family_for_hf_dir(hf_dir)
+    importer_cls = family.model_cls._IMPORTERS[str(family.model_cls) + "hf"]
+    importer = importer_cls(str(Path(hf_dir).resolve()))
+    importer.dtype, importer.allow_pickle = dtype, allow_pickle
+    importer.vocab_divisor, importer.show_progress = vocab_divisor, show_progress
+    report = None
+    with atomic_dir(out) as tmp:
+        importer.convert_into(tmp)
+        if verify:
+            report = parity.verify(
+                hf_dir,
+                tmp,
+                atol=parity.DEFAULT_ATOL if atol is None else atol,
+                rtol=parity.DEFAULT_RTOL if rtol is None else rtol,
+            )
+            if not report.passed:
+                raise ParityError(report)
+    return report
+
+
+def export_hf(
+    ckpt: str | Path,
+    out: str | Path,
+    *,
+    overwrite: bool = False,
+    verify: bool = True,
+    max_shard_bytes: int = 5 * 2**30,
+):
+    """Export our NeMo checkpoint to an HF directory at ``out``; gate it on parity.
+
+    Returns the parity report (``None`` with ``verify=False``).
+    """
+    from porting import parity
+
+    out = prepare_output(out, overwrite)
+    report = None
+    with atomic_dir(out) as tmp:
+        export_into(Path(ckpt), tmp, max_shard_bytes)
+        if verify:
+            report = parity.verify(tmp, ckpt)
+            if not report.passed:
+                raise ParityError(report)
+    return report
+
+
+class ParityError(PortingError):
+    """The parity gate failed; carries the report."""
+
+    def __init__(self, report) -> None:
+        super().__init__("parity check failed; no output written\n" + report.summary())
+        self.report = report

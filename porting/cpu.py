@@ -1,0 +1,190 @@
+"""The one place where Megatron-Core and NeMo are taught to run without CUDA.
+
+Megatron-Core 0.15.3 and NeMo 2.7.3 assume a GPU in a handful of places that have nothing to do
+with the maths of a model. Each shim below names the upstream file it answers. :func:`enable`
+installs them once per process and is a no-op when CUDA is available, so the GPU path is always
+the stock one. Config-level switches (fusions that only exist as CUDA kernels) are applied to a
+config object by :func:`cpu_safe_config`, which is also a no-op under CUDA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_ENABLED = False
+
+# TransformerConfig flags that select CUDA-only fused kernels (apex / TE / triton); on the CPU the
+# unfused torch path computes the same function.
+CUDA_ONLY_FUSIONS = (
+    "gradient_accumulation_fusion",
+    "bias_activation_fusion",
+    "masked_softmax_fusion",
+    "persist_layer_norm",
+    "apply_rope_fusion",
+    "bias_dropout_fusion",
+    "cross_entropy_loss_fusion",
+)
+
+
+def cuda_available() -> bool:
+    """True when a CUDA device can be used; every shim here is skipped then."""
+    return torch.cuda.is_available()
+
+
+def cpu_safe_config(config: Any) -> Any:
+    """Turn off CUDA-only fusions on a Megatron/NeMo config in place (no-op under CUDA)."""
+    if cuda_available():
+        return config
+    for name in CUDA_ONLY_FUSIONS:
+        if hasattr(config, name):
+            setattr(config, name, False)
+    if hasattr(config, "use_cpu_initialization"):
+        config.use_cpu_initialization = True
+    return config
+
+
+class _CpuRNGStatesTracker:
+    """Megatron's model-parallel RNG tracker on the CPU generator.
+
+    Answers ``megatron/core/tensor_parallel/random.py``: ``CudaRNGStatesTracker.add`` and ``fork``
+    read and write ``torch.cuda`` generator states. The semantics (named states, forked around
+    dropout and weight init) are kept; only the generator differs.
+    """
+
+    def __init__(self) -> None:
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def reset(self) -> None:
+        self.states_ = {}
+        self.seeds_ = set()
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return dict(self.states_)
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self.states_ = dict(states)
+
+    def add(self, name: str, seed: int) -> None:
+        if seed in self.seeds_:
+            raise RuntimeError(f"seed {seed} already exists")
+        self.seeds_.add(seed)
+        if name in self.states_:
+            raise RuntimeError(f"rng state {name} already exists")
+        orig = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(orig)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng"):
+        if name not in self.states_:
+            raise RuntimeError(f"rng state {name} is not added")
+        orig = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+
+def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
+    # megatron/core/transformer/utils.py builds this on device="cuda".
+    return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
+
+
+def _cpu_sliding_window_causal_mask(sq: int, skv: int, window_size) -> torch.Tensor:
+    m = torch.ones(sq, skv, dtype=torch.bool)
+    return m.triu(diagonal=window_size[1] + 1) | m.tril(diagonal=-(window_size[0] + 1))
+
+
+def enable() -> None:
+    """Install the CPU shims for Megatron-Core and NeMo once per process (no-op under CUDA)."""
+    global _ENABLED
+    if _ENABLED or cuda_available():
+        return
+    _ENABLED = True
+
+    # Megatron asks torch.cuda.current_device() for the device of the rotary table
+    # (models/common/embeddings/rotary_pos_embedding.py), the global memory buffer (utils.py)
+    # and tensor-parallel scratch buffers (tensor_parallel/layers.py).
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    # dist_checkpointing/strategies/filesystem_async.py synchronizes before staging tensors.
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.tensor_parallel import random as mp_random
+    from megatron.core.transformer import utils as tf_utils
+
+    tracker = _CpuRNGStatesTracker()
+    mp_random._CUDA_RNG_STATE_TRACKER = tracker
+    mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    mp_random.initialize_rng_tracker = lambda *a, **k: None
+    mp_random.get_cuda_rng_tracker = lambda *a, **k: tracker
+    # model_parallel_cuda_manual_seed seeds torch.cuda and re-creates the tracker.
+    mp_random.model_parallel_cuda_manual_seed = _cpu_model_parallel_seed
+    import megatron.core.tensor_parallel as tp
+
+    tp.get_cuda_rng_tracker = mp_random.get_cuda_rng_tracker
+    tp.model_parallel_cuda_manual_seed = _cpu_model_parallel_seed
+
+    # NeMo seeds the tracker only on its CUDA path (nemo/lightning/_strategy_lib.py), so give it
+    # Megatron's default seed here; model_parallel_cuda_manual_seed re-seeds it as upstream.
+    _cpu_model_parallel_seed(1234)
+
+    for module in (tf_utils, fused_softmax):
+        module.get_default_causal_mask = _cpu_default_causal_mask
+        module.get_sliding_window_causal_mask = _cpu_sliding_window_causal_mask
+    log.debug("Megatron-Core CPU compatibility shims installed")
+
+
+def _cpu_model_parallel_seed(seed: int, *args: Any, **kwargs: Any) -> None:
+    """CPU version of ``tensor_parallel.random.model_parallel_cuda_manual_seed``.
+
+    Keeps Megatron's seeding scheme (default state from ``seed``; the model-parallel state offset
+    by 2718 + 100 x TP rank) so that weight init and dropout differ per TP rank as upstream.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mp_random
+
+    tp_rank = (
+        parallel_state.get_tensor_model_parallel_rank()
+        if parallel_state.model_parallel_is_initialized()
+        else 0
+    )
+    torch.manual_seed(seed)
+    tracker = mp_random._CUDA_RNG_STATE_TRACKER
+    tracker.reset()
+    tracker.add(mp_random._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + 100 * tp_rank)
+    tracker.add(mp_random._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    if hasattr(mp_random, "_EXPERT_PARALLEL_RNG_TRACKER_NAME"):
+        tracker.add(mp_random._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * tp_rank)
+
+
+def free_port() -> int:
+    """An unused TCP port on loopback for a torch.distributed rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_rendezvous_env() -> None:
+    """Point a single-process torch.distributed rendezvous at a free loopback port.
+
+    NeMo's MegatronStrategy initialises a process group even for one device and otherwise uses a
+    fixed port, which collides when two imports run on one machine.
+    """
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))

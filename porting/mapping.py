@@ -1,0 +1,272 @@
+"""Declarative weight mapping between a Hugging Face checkpoint and a Megatron-Core model.
+
+A family's mapping is one module-level tuple of typed entries:
+
+- :class:`Rename` - one HF tensor is one Megatron tensor, unchanged;
+- :class:`Fused`  - several (or one) HF tensors become one Megatron tensor through a
+  :class:`~porting.transforms.TransformPair`, whose inverse serves export;
+- :class:`Ignore` - an HF key that is deliberately not carried (a buffer recomputed from config).
+
+Patterns use ``*`` for the layer index. An entry may carry ``when``, a predicate on the shape
+context, for parts that exist only in some configs (biases, an untied output layer).
+
+Import and export are both driven by :func:`expand`; completeness is accounted both ways: every
+source key is consumed exactly once and every target parameter is written exactly once, with shape
+and dtype checked and the offending key named in the error.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from porting.errors import PortingError
+from porting.transforms import IDENTITY, TransformPair
+
+log = logging.getLogger(__name__)
+
+Predicate = Callable[[Any], bool]
+
+
+@dataclass(frozen=True)
+class Rename:
+    """One HF tensor maps to one Megatron tensor unchanged."""
+
+    hf: str
+    mcore: str
+    when: Predicate | None = None
+
+
+@dataclass(frozen=True)
+class Fused:
+    """HF tensors ``hf`` (in order) map to Megatron tensor ``mcore`` through ``transform``."""
+
+    hf: tuple[str, ...]
+    mcore: str
+    transform: TransformPair
+    when: Predicate | None = None
+
+
+@dataclass(frozen=True)
+class Ignore:
+    """HF keys matching ``hf`` (an fnmatch pattern) are skipped on purpose; ``reason`` says why."""
+
+    hf: str
+    reason: str
+    when: Predicate | None = None
+
+
+Entry = Rename | Fused | Ignore
+
+
+@dataclass(frozen=True)
+class Concrete:
+    """One entry with the layer wildcard filled in."""
+
+    hf: tuple[str, ...]
+    mcore: str
+    transform: TransformPair
+
+
+# Transformer Engine fuses the pre-attention and pre-MLP norms into the following linear layer
+# (megatron/core/models/gpt/gpt_layer_specs.py, get_gpt_layer_with_transformer_engine_spec); the
+# local spec keeps them as modules. Tables are written with the local names; this is the one place
+# that maps them onto a TE model's parameter names.
+TE_FUSED_NORM_NAMES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+    "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
+}
+
+
+def _fill(pattern: str, layer: int | None) -> str:
+    return pattern if layer is None else pattern.replace("*", str(layer))
+
+
+def expand(table: Iterable[Entry], ctx: Any, num_layers: int) -> tuple[list[Concrete], list[Ignore]]:
+    """Expand layer wildcards and drop entries whose ``when`` is false for ``ctx``."""
+    concrete: list[Concrete] = []
+    ignores: list[Ignore] = []
+    for entry in table:
+        if entry.when is not None and not entry.when(ctx):
+            continue
+        if isinstance(entry, Ignore):
+            ignores.append(entry)
+            continue
+        hf = (entry.hf,) if isinstance(entry, Rename) else entry.hf
+        transform = IDENTITY if isinstance(entry, Rename) else entry.transform
+        layered = "*" in entry.mcore or any("*" in k for k in hf)
+        for layer in range(num_layers) if layered else [None]:
+            concrete.append(
+                Concrete(tuple(_fill(k, layer) for k in hf), _fill(entry.mcore, layer), transform)
+            )
+    return concrete, ignores
+
+
+def resolve_target_names(entries: list[Concrete], target_names: Iterable[str]) -> list[Concrete]:
+    """Rename table targets to the names the model really has (local vs Transformer Engine spec)."""
+    names = set(target_names)
+    resolved = []
+    for c in entries:
+        name = c.mcore
+        if name not in names:
+            for local, te in TE_FUSED_NORM_NAMES.items():
+                if name.endswith(local) and name[: -len(local)] + te in names:
+                    name = name[: -len(local)] + te
+                    break
+        resolved.append(Concrete(c.hf, name, c.transform))
+    return resolved
+
+
+class TensorSource(Protocol):
+    """What the engine needs of a checkpoint reader: key listing, header facts, and one-tensor reads."""
+
+    def keys(self) -> list[str]: ...
+
+    def get(self, key: str) -> torch.Tensor: ...
+
+
+@dataclass
+class ImportReport:
+    """What an import consumed and wrote; returned for logging and tests."""
+
+    consumed: int = 0
+    ignored: list[str] = field(default_factory=list)
+    written: int = 0
+
+
+def plan_import(
+    entries: list[Concrete], ignores: list[Ignore], source_keys: Iterable[str]
+) -> tuple[list[Concrete], list[str]]:
+    """Check that every source key is claimed exactly once; return entries and ignored keys.
+
+    Raises :class:`PortingError` naming unknown keys, keys claimed twice and keys the table needs
+    but the checkpoint lacks.
+    """
+    source = list(source_keys)
+    source_set = set(source)
+    claimed: dict[str, str] = {}
+    for c in entries:
+        for k in c.hf:
+            if k in claimed:
+                raise PortingError(f"mapping table claims source key {k!r} twice")
+            claimed[k] = c.mcore
+    missing = [k for c in entries for k in c.hf if k not in source_set]
+    ignored, unknown = [], []
+    for k in source:
+        if k in claimed:
+            continue
+        if any(fnmatch.fnmatchcase(k, i.hf) for i in ignores):
+            ignored.append(k)
+        else:
+            unknown.append(k)
+    if unknown:
+        raise PortingError(
+            f"{len(unknown)} checkpoint key(s) are not in the mapping table: "
+            + ", ".join(repr(k) for k in unknown[:10])
+            + (" ..." if len(unknown) > 10 else "")
+            + " (refusing to drop weights silently)"
+        )
+    if missing:
+        raise PortingError(
+            f"{len(missing)} key(s) the model needs are missing from the checkpoint: "
+            + ", ".join(repr(k) for k in missing[:10])
+            + (" ..." if len(missing) > 10 else "")
+        )
+    return entries, ignored
+
+
+def import_weights(
+    source: TensorSource,
+    target: Mapping[str, torch.Tensor],
+    table: Iterable[Entry],
+    ctx: Any,
+    num_layers: int,
+    progress: Callable[[Iterable[Concrete]], Iterable[Concrete]] = lambda x: x,
+) -> ImportReport:
+    """Stream tensors from ``source`` into the Megatron parameters ``target`` (name -> tensor).
+
+    Tensors are read one entry at a time and copied in place, so peak memory is the model plus the
+    largest fused group, never the whole HF checkpoint. Every target parameter must be written
+    exactly once and its shape and dtype must match.
+    """
+    entries, ignores = expand(table, ctx, num_layers)
+    entries = resolve_target_names(entries, target.keys())
+    entries, ignored = plan_import(entries, ignores, source.keys())
+    written: set[str] = set()
+    unknown_targets = [c.mcore for c in entries if c.mcore not in target]
+    if unknown_targets:
+        raise PortingError(
+            "mapping table writes parameter(s) the Megatron model does not have: "
+            + ", ".join(repr(k) for k in unknown_targets[:10])
+        )
+    for c in progress(entries):
+        if c.mcore in written:
+            raise PortingError(f"Megatron parameter {c.mcore!r} would be written twice")
+        tensors = [source.get(k) for k in c.hf]
+        value = c.transform.forward(*tensors, ctx)
+        dest = target[c.mcore]
+        if tuple(value.shape) != tuple(dest.shape):
+            raise PortingError(
+                f"shape mismatch for {c.mcore!r} (from {', '.join(c.hf)}): checkpoint gives "
+                f"{tuple(value.shape)}, model expects {tuple(dest.shape)}"
+            )
+        if value.dtype != dest.dtype:
+            raise PortingError(
+                f"dtype mismatch for {c.mcore!r} (from {', '.join(c.hf)}): checkpoint has "
+                f"{value.dtype}, model has {dest.dtype}"
+            )
+        with torch.no_grad():
+            dest.copy_(value)
+        written.add(c.mcore)
+        del tensors, value
+    unwritten = sorted(set(target) - written)
+    if unwritten:
+        raise PortingError(
+            f"{len(unwritten)} Megatron parameter(s) were not written by the mapping table: "
+            + ", ".join(repr(k) for k in unwritten[:10])
+        )
+    log.info("imported %d tensors into %d parameters", len(entries), len(written))
+    return ImportReport(
+        consumed=sum(len(c.hf) for c in entries), ignored=ignored, written=len(written)
+    )
+
+
+def export_weights(
+    source: Mapping[str, torch.Tensor],
+    table: Iterable[Entry],
+    ctx: Any,
+    num_layers: int,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_key, tensor)`` pairs derived from Megatron parameters through the inverse table.
+
+    Every Megatron parameter must be used exactly once; an unused one is an error (it would be lost).
+    """
+    entries, _ = expand(table, ctx, num_layers)
+    entries = resolve_target_names(entries, source.keys())
+    used = {c.mcore for c in entries}
+    missing = [c.mcore for c in entries if c.mcore not in source]
+    if missing:
+        raise PortingError(
+            "the NeMo checkpoint lacks parameter(s) the mapping needs: "
+            + ", ".join(repr(k) for k in missing[:10])
+        )
+    left = sorted(set(source) - used)
+    if left:
+        raise PortingError(
+            f"{len(left)} Megatron parameter(s) have no HF destination in the mapping table: "
+            + ", ".join(repr(k) for k in left[:10])
+        )
+    for c in entries:
+        outs = c.transform.inverse(source[c.mcore], ctx)
+        if len(outs) != len(c.hf):
+            raise PortingError(
+                f"transform {c.transform.name} gave {len(outs)} tensors for {len(c.hf)} HF keys"
+            )
+        yield from zip(c.hf, outs, strict=True)

@@ -1,0 +1,171 @@
+"""The parity harness: the same prompts through HF and through Megatron, full logits compared.
+
+Prompts are fixed: texts of several lengths through the checkpoint's own tokenizer, plus one
+seeded sequence of random token ids spanning the whole vocabulary. Every position of every prompt
+is compared (no means, no samples). The gate is ``torch.testing.assert_close``'s criterion,
+``|hf - mc| <= atol + rtol * |mc|`` element-wise, plus a minimum top-1 agreement.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+PROMPT_TEXTS = (
+    "Hello",
+    "The quick brown fox jumps over the lazy dog.",
+    "東京は日本の首都です。Megatron and NeMo train large language models across many GPUs, "
+    "while Hugging Face transformers is where most checkpoints are shared and evaluated.",
+)
+RANDOM_PROMPT_LEN = 64
+DEFAULT_ATOL = 1e-4
+DEFAULT_RTOL = 1e-4
+DEFAULT_MIN_TOP1 = 0.999
+
+
+@dataclass
+class ParityReport:
+    """Full-logit comparison over all positions of all prompts."""
+
+    prompts: int
+    positions: int
+    vocab_size: int
+    max_abs_diff: float
+    mean_abs_diff: float
+    kl_hf_mcore: float
+    top1_agreement: float
+    atol: float
+    rtol: float
+    min_top1: float
+    worst_excess: float
+    passed: bool
+
+    def as_dict(self) -> dict:
+        """JSON-ready dict."""
+        return asdict(self)
+
+    def summary(self) -> str:
+        """Human-readable one-block summary."""
+        verdict = "PASS" if self.passed else "FAIL"
+        return (
+            f"parity {verdict}: {self.prompts} prompts, {self.positions} positions, "
+            f"vocab {self.vocab_size}\n"
+            f"  max |dlogit|   {self.max_abs_diff:.3e}   (gate: atol {self.atol:g} + rtol "
+            f"{self.rtol:g} * |logit|)\n"
+            f"  mean |dlogit|  {self.mean_abs_diff:.3e}\n"
+            f"  KL(HF||Mcore)  {self.kl_hf_mcore:.3e}\n"
+            f"  top-1 agree    {100 * self.top1_agreement:.2f}%   (gate: >= {100 * self.min_top1:.1f}%)"
+        )
+
+
+def build_prompts(tokenizer, vocab_size: int, seed: int = 0) -> list[torch.Tensor]:
+    """The fixed prompts as ``[1, seq]`` id tensors (text prompts plus one random-id prompt)."""
+    prompts = []
+    for text in PROMPT_TEXTS:
+        ids = tokenizer(text, add_special_tokens=True)["input_ids"] if tokenizer else []
+        if ids:
+            prompts.append(torch.tensor([ids], dtype=torch.long))
+    g = torch.Generator().manual_seed(seed)
+    prompts.append(torch.randint(0, vocab_size, (1, RANDOM_PROMPT_LEN), generator=g))
+    return prompts
+
+
+def compare(
+    hf: list[torch.Tensor],
+    mc: list[torch.Tensor],
+    atol: float = DEFAULT_ATOL,
+    rtol: float = DEFAULT_RTOL,
+    min_top1: float = DEFAULT_MIN_TOP1,
+) -> ParityReport:
+    """Compare per-prompt logits ``[1, seq, vocab]`` (Megatron's already cut to the HF vocabulary)."""
+    a = torch.cat([t.reshape(-1, t.shape[-1]) for t in hf]).double()
+    b = torch.cat([t.reshape(-1, t.shape[-1]) for t in mc]).double()
+    if a.shape != b.shape:
+        raise ValueError(f"logit shapes differ: HF {tuple(a.shape)} vs Megatron {tuple(b.shape)}")
+    diff = (a - b).abs()
+    excess = (diff - (atol + rtol * b.abs())).max().item()
+    logp = torch.log_softmax(a, -1)
+    logq = torch.log_softmax(b, -1)
+    kl = (logp.exp() * (logp - logq)).sum(-1).mean().item()
+    top1 = (a.argmax(-1) == b.argmax(-1)).double().mean().item()
+    finite = bool(torch.isfinite(a).all() and torch.isfinite(b).all())
+    return ParityReport(
+        prompts=len(hf),
+        positions=a.shape[0],
+        vocab_size=a.shape[1],
+        max_abs_diff=diff.max().item(),
+        mean_abs_diff=diff.mean().item(),
+        kl_hf_mcore=kl,
+        top1_agreement=top1,
+        atol=atol,
+        rtol=rtol,
+        min_top1=min_top1,
+        worst_excess=excess,
+        passed=finite and excess <= 0 and top1 >= min_top1,
+    )
+
+
+@torch.no_grad()
+def hf_logits(hf_dir: str | Path, hf_model_class: str, prompts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Logits of the HF model in fp32 (eager attention) for each prompt; frees the model after."""
+    import transformers
+
+    cls = getattr(transformers, hf_model_class)
+    model = cls.from_pretrained(
+        str(hf_dir), torch_dtype=torch.float32, attn_implementation="eager", local_files_only=True
+    )
+    model.eval()
+    out = [model(p).logits.float() for p in prompts]
+    del model
+    gc.collect()
+    return out
+
+
+def megatron_logits_from_checkpoint(
+    ckpt: str | Path, prompts: list[torch.Tensor], vocab_size: int
+) -> list[torch.Tensor]:
+    """Logits of the Megatron model loaded from ``ckpt`` in fp32, cut to the HF vocabulary."""
+    from porting.megatron import init_parallel, load_mcore_from_checkpoint, mcore_logits
+
+    init_parallel()
+    model, _ = load_mcore_from_checkpoint(ckpt, dtype=torch.float32)
+    out = [mcore_logits(model, p)[..., :vocab_size] for p in prompts]
+    del model
+    gc.collect()
+    return out
+
+
+def verify(
+    hf_dir: str | Path,
+    ckpt: str | Path,
+    atol: float = DEFAULT_ATOL,
+    rtol: float = DEFAULT_RTOL,
+    min_top1: float = DEFAULT_MIN_TOP1,
+    megatron_logits: Callable[..., list[torch.Tensor]] = megatron_logits_from_checkpoint,
+) -> ParityReport:
+    """Run the parity check of an HF directory against one of our NeMo checkpoints.
+
+    The two models are never in memory together: Megatron logits first, then HF logits.
+    """
+    from transformers import AutoTokenizer
+
+    from porting.checkpoint import read_manifest
+    from porting.registry import family_by_name
+
+    manifest = read_manifest(ckpt)
+    family = family_by_name(manifest.family)
+    tok_path = Path(ckpt) / manifest.tokenizer["path"] if manifest.tokenizer else None
+    tokenizer = AutoTokenizer.from_pretrained(str(tok_path), local_files_only=True) if tok_path else None
+    prompts = build_prompts(tokenizer, manifest.vocab_size)
+    mc = megatron_logits(ckpt, prompts, manifest.vocab_size)
+    hf = hf_logits(hf_dir, family.hf_model_class, prompts)
+    report = compare(hf, mc, atol=atol, rtol=rtol, min_top1=min_top1)
+    log.info("%s", report.summary())
+    return report

@@ -1,0 +1,111 @@
+"""Tiny random-init Hugging Face checkpoints and tokenizers built locally (no hub).
+
+Used by the test suite, ``porting demo`` and the benchmarks. Random init leaves every norm weight at
+1.0 and every bias at 0, so a dropped norm or bias would pass parity unnoticed; :func:`perturb`
+moves them away from their init.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CORPUS = (
+    "The quick brown fox jumps over the lazy dog. "
+    "Megatron trains large language models with tensor and pipeline parallelism. "
+    "東京は日本の首都です。京都には古い寺がたくさんあります。 "
+    "Hello world, hello NeMo, hello Hugging Face. 0123456789 "
+)
+
+
+def make_tokenizer(out_dir: str | Path, vocab_size: int = 120):
+    """Train a tiny byte-level BPE on :data:`CORPUS` and save it as an HF fast tokenizer.
+
+    BOS is added by the post-processor, as in Llama-style tokenizers.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>", "<pad>"],
+        show_progress=False,
+    )
+    tok.train_from_iterator([CORPUS] * 4, trainer=trainer)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+@torch.no_grad()
+def perturb(model: torch.nn.Module, seed: int = 0) -> None:
+    """Move every norm weight and bias away from its init (1.0 / 0.0) deterministically."""
+    g = torch.Generator().manual_seed(seed + 1)
+    for name, p in model.named_parameters():
+        if "norm" in name or name.endswith(".bias"):
+            p.add_(0.2 * torch.randn(p.shape, generator=g, dtype=torch.float32).to(p.dtype))
+
+
+def make_llama(
+    out_dir: str | Path,
+    *,
+    vocab_size: int = 130,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 97,
+    tie_word_embeddings: bool = False,
+    rope_theta: float = 10000.0,
+    rope_scaling: dict | None = None,
+    bias: bool = False,
+    head_dim: int | None = None,
+    max_position_embeddings: int = 256,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    tokenizer_vocab: int = 120,
+) -> Path:
+    """Save a tiny random ``LlamaForCausalLM`` plus tokenizer at ``out_dir``; return the path."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = make_tokenizer(out, vocab_size=tokenizer_vocab)
+    kwargs = {"head_dim": head_dim} if head_dim else {}
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=tie_word_embeddings,
+        attention_bias=bias,
+        mlp_bias=bias,
+        rms_norm_eps=1e-5,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **kwargs,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    perturb(model, seed)
+    model = model.to(dtype)
+    save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(str(out), safe_serialization=True, **save_kwargs)
+    return out
