@@ -155,8 +155,13 @@ class PortingImporter(io.ModelConnector):
         """NeMo's wrapper of the HF tokenizer (staged once per importer)."""
         if getattr(self, "_tokenizer", None) is None:
             import tempfile
+            import weakref
 
-            self._tokenizer_dir = Path(tempfile.mkdtemp(prefix="porting-tokenizer-"))
+            staging = Path(tempfile.mkdtemp(prefix="porting-tokenizer-"))
+            weakref.finalize(self, shutil.rmtree, staging, True)
+            # NeMo copies the artifact directory into context/ under its own name; naming it
+            # nemo_tokenizer makes that the one copy (and the place the manifest points at).
+            self._tokenizer_dir = staging / "nemo_tokenizer"
             self._tokenizer = _nemo_tokenizer(Path(str(self)), self._tokenizer_dir)
         return self._tokenizer
 
@@ -186,6 +191,10 @@ class PortingImporter(io.ModelConnector):
         config, ctx = build_config(family, hf_config, dtype, self.vocab_divisor)
         model = family.model_cls(config, tokenizer=self.tokenizer)
         trainer = self.nemo_setup(model, ckpt_async_save=False)
+        # The local spec builds norms in fp32 whatever params_dtype says (torch.nn norms); NeMo's
+        # bf16 training wraps the whole module in half precision, so store every tensor in the
+        # checkpoint's dtype, as the source has it (NeMo's own importer fails exactly here).
+        model.module.to(dtype)
         target = {
             k: v
             for k, v in model.module.state_dict(keep_vars=True).items()

@@ -100,6 +100,19 @@ class _CpuRNGStatesTracker:
             torch.set_rng_state(orig)
 
 
+class _NoStream:
+    """Stands in for ``torch.cuda.Stream`` where upstream only uses a stream as a context."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+
 def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
     # megatron/core/transformer/utils.py builds this on device="cuda".
     return torch.triu(torch.ones(sq, sq), diagonal=1).bool()
@@ -123,6 +136,17 @@ def enable() -> None:
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     # dist_checkpointing/strategies/filesystem_async.py synchronizes before staging tensors.
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+
+    # nemo/lightning/megatron_parallel.py (init_model_parallel) builds DDP on a side stream.
+    torch.cuda.Stream = _NoStream  # type: ignore[assignment,misc]
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
+    torch.cuda.current_stream = lambda *a, **k: _NoStream()  # type: ignore[assignment]
+
+    from nemo.lightning.io import pl as nemo_io_pl
+
+    # nemo/lightning/io/pl.py (_fix_tensors_device) asserts torch.cuda.is_initialized() to move
+    # loaded tensors between GPUs; on the CPU there is nothing to move.
+    nemo_io_pl._fix_tensors_device = lambda ckpt: ckpt
 
     from megatron.core.fusions import fused_softmax
     from megatron.core.tensor_parallel import random as mp_random

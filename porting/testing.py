@@ -109,3 +109,22 @@ def make_llama(
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(str(out), safe_serialization=True, **save_kwargs)
     return out
+
+
+def tp_logits_worker(rank: int, world_size: int, ckpt: str, ids: torch.Tensor, out: str, port: int) -> None:
+    """One rank of a tensor-parallel logits run over gloo; rank 0 saves the gathered logits.
+
+    Runs in a ``torch.multiprocessing.spawn`` child, so it lives in an importable module.
+    """
+    import os
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    from porting.megatron import init_parallel, load_mcore_from_checkpoint, mcore_logits, shutdown_parallel
+
+    init_parallel(tp=world_size, rank=rank, world_size=world_size)
+    model, _ = load_mcore_from_checkpoint(ckpt, dtype=torch.float32)
+    logits = mcore_logits(model, ids)
+    if rank == 0:
+        torch.save(logits, out)
+    shutdown_parallel()

@@ -1,0 +1,32 @@
+"""Shared fixtures: tiny HF checkpoints built locally and their imported NeMo checkpoints.
+
+pytest runs with --import-mode=importlib (NeMo installs a top-level `tests` package), so helpers
+live here or in `porting.testing`, never in an importable `tests.` module.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    """A tiny GQA (4 heads / 2 KV), untied, padded-vocab Llama-layout HF directory (FFN 98: TP=2)."""
+    from porting.testing import make_llama
+
+    return make_llama(tmp_path_factory.mktemp("hf") / "gqa", rope_theta=50000.0, intermediate_size=98)
+
+
+@pytest.fixture(scope="session")
+def tiny_nemo(tiny_llama, tmp_path_factory):
+    """``tiny_llama`` imported with `porting import` (parity-gated)."""
+    from porting.convert import import_hf
+
+    out = tmp_path_factory.mktemp("nemo") / "ckpt"
+    import_hf(tiny_llama, out, show_progress=False)
+    return out

@@ -1,0 +1,106 @@
+"""Completeness accounting of the mapping engine on a small synthetic table (no NeMo needed)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from porting.errors import PortingError
+from porting.mapping import Fused, Ignore, Rename, export_weights, import_weights
+from porting.transforms import GATED_MLP
+
+TABLE = (
+    Rename("emb", "embedding.weight"),
+    Fused(("l.*.gate", "l.*.up"), "layers.*.fc1", GATED_MLP),
+    Rename("head", "output.weight", when=lambda c: not c.tied),
+    Ignore("l.*.inv_freq", "buffer"),
+)
+CTX = SimpleNamespace(tied=False)
+
+
+class Source:
+    def __init__(self, tensors):
+        self.t = tensors
+
+    def keys(self):
+        return list(self.t)
+
+    def get(self, k):
+        return self.t[k]
+
+
+def _hf():
+    return {
+        "emb": torch.randn(5, 3),
+        "l.0.gate": torch.randn(2, 3),
+        "l.0.up": torch.randn(2, 3),
+        "l.1.gate": torch.randn(2, 3),
+        "l.1.up": torch.randn(2, 3),
+        "l.0.inv_freq": torch.randn(2),
+        "head": torch.randn(5, 3),
+    }
+
+
+def _target():
+    return {
+        "embedding.weight": torch.zeros(5, 3),
+        "layers.0.fc1": torch.zeros(4, 3),
+        "layers.1.fc1": torch.zeros(4, 3),
+        "output.weight": torch.zeros(5, 3),
+    }
+
+
+def test_import_then_export_is_identity():
+    hf, target = _hf(), _target()
+    report = import_weights(Source(hf), target, TABLE, CTX, num_layers=2)
+    assert report.written == 4 and report.ignored == ["l.0.inv_freq"]
+    back = dict(export_weights(target, TABLE, CTX, num_layers=2))
+    assert set(back) == set(hf) - {"l.0.inv_freq"}
+    assert all(torch.equal(back[k], hf[k]) for k in back)
+
+
+def test_unknown_source_key_is_named():
+    hf = _hf() | {"l.0.surprise": torch.zeros(1)}
+    with pytest.raises(PortingError, match="l.0.surprise"):
+        import_weights(Source(hf), _target(), TABLE, CTX, num_layers=2)
+
+
+def test_missing_source_key_is_named():
+    hf = _hf()
+    del hf["l.1.up"]
+    with pytest.raises(PortingError, match="missing from the checkpoint.*l.1.up"):
+        import_weights(Source(hf), _target(), TABLE, CTX, num_layers=2)
+
+
+def test_shape_mismatch_names_key_and_shapes():
+    hf = _hf()
+    hf["emb"] = torch.randn(6, 3)
+    with pytest.raises(PortingError, match=r"embedding.weight.*\(6, 3\).*\(5, 3\)"):
+        import_weights(Source(hf), _target(), TABLE, CTX, num_layers=2)
+
+
+def test_dtype_mismatch_is_an_error():
+    hf = _hf()
+    hf["emb"] = hf["emb"].to(torch.bfloat16)
+    with pytest.raises(PortingError, match="dtype mismatch for 'embedding.weight'"):
+        import_weights(Source(hf), _target(), TABLE, CTX, num_layers=2)
+
+
+def test_unwritten_target_parameter_is_an_error():
+    target = _target() | {"layers.0.norm": torch.zeros(3)}
+    with pytest.raises(PortingError, match="not written.*layers.0.norm"):
+        import_weights(Source(_hf()), target, TABLE, CTX, num_layers=2)
+
+
+def test_when_false_entry_leaves_key_unclaimed():
+    tied = SimpleNamespace(tied=True)
+    target = _target()
+    del target["output.weight"]
+    with pytest.raises(PortingError, match="'head'"):
+        import_weights(Source(_hf()), target, TABLE, tied, num_layers=2)
+
+
+def test_export_refuses_unused_megatron_parameter():
+    target = _target() | {"extra.weight": torch.zeros(1)}
+    with pytest.raises(PortingError, match="no HF destination.*extra.weight"):
+        list(export_weights(target, TABLE, CTX, num_layers=2))
