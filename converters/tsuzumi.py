@@ -49,8 +49,14 @@ def _biases_to_hf(c) -> dict:
     return {"attention_bias": c.add_bias_linear, "mlp_bias": c.add_bias_linear}
 
 
-_ROPE_KEYS = {"rope_type", "type", "factor", "low_freq_factor", "high_freq_factor",
-              "original_max_position_embeddings"}
+_ROPE_KEYS = {
+    "rope_type",
+    "type",
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position_embeddings",
+}
 
 
 def _rope_to_mcore(hf: dict) -> dict:
@@ -132,7 +138,11 @@ WEIGHTS = (
     Fused(("model.embed_tokens.weight",), "embedding.word_embeddings.weight", VOCAB_PAD),
     Rename(_L + "input_layernorm.weight", _M + "input_layernorm.weight"),
     Fused(
-        (_L + "self_attn.q_proj.weight", _L + "self_attn.k_proj.weight", _L + "self_attn.v_proj.weight"),
+        (
+            _L + "self_attn.q_proj.weight",
+            _L + "self_attn.k_proj.weight",
+            _L + "self_attn.v_proj.weight",
+        ),
         _M + "self_attention.linear_qkv.weight",
         QKV,
     ),
@@ -145,7 +155,11 @@ WEIGHTS = (
     Rename(_L + "self_attn.o_proj.weight", _M + "self_attention.linear_proj.weight"),
     Rename(_L + "self_attn.o_proj.bias", _M + "self_attention.linear_proj.bias", when=_biased),
     Rename(_L + "post_attention_layernorm.weight", _M + "pre_mlp_layernorm.weight"),
-    Fused((_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"), _M + "mlp.linear_fc1.weight", GATED_MLP),
+    Fused(
+        (_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"),
+        _M + "mlp.linear_fc1.weight",
+        GATED_MLP,
+    ),
     Fused(
         (_L + "mlp.gate_proj.bias", _L + "mlp.up_proj.bias"),
         _M + "mlp.linear_fc1.bias",

@@ -113,9 +113,14 @@ class TsuzumiConfig(GPTConfig):
 class TsuzumiModel(GPTModel):
     """NeMo 2.0 model for the tsuzumi-style family (a ``GPTModel`` with :class:`TsuzumiConfig`)."""
 
-    def __init__(self, config: TsuzumiConfig | None = None, optim=None, tokenizer=None, model_transform=None):
+    def __init__(
+        self, config: TsuzumiConfig | None = None, optim=None, tokenizer=None, model_transform=None
+    ):
         super().__init__(
-            config or TsuzumiConfig(), optim=optim, tokenizer=tokenizer, model_transform=model_transform
+            config or TsuzumiConfig(),
+            optim=optim,
+            tokenizer=tokenizer,
+            model_transform=model_transform,
         )
 
 

@@ -15,9 +15,7 @@ import sys
 
 from porting.errors import PortingError
 
-_SUBCOMMAND_MODULES = (
-    "porting.commands",
-)
+_SUBCOMMAND_MODULES = ("porting.commands",)
 
 
 def build_parser() -> argparse.ArgumentParser:

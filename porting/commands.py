@@ -16,8 +16,12 @@ def _offline() -> None:
 
 
 def _add_gate_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--atol", type=float, default=None, help="parity: absolute logit tolerance (1e-4)")
-    p.add_argument("--rtol", type=float, default=None, help="parity: relative logit tolerance (1e-4)")
+    p.add_argument(
+        "--atol", type=float, default=None, help="parity: absolute logit tolerance (1e-4)"
+    )
+    p.add_argument(
+        "--rtol", type=float, default=None, help="parity: relative logit tolerance (1e-4)"
+    )
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -318,8 +318,7 @@ def import_hf(
 
     out = prepare_output(out, overwrite)
     family, _ = family_for_hf_dir(hf_dir)
-    importer_cls = family.model_cls._IMPORTERS[str(family.model_cls) + "hf"]
-    importer = importer_cls(str(Path(hf_dir).resolve()))
+    importer = family.model_cls.importer(f"hf://{Path(hf_dir).resolve()}")
     importer.dtype, importer.allow_pickle = dtype, allow_pickle
     importer.vocab_divisor, importer.show_progress = vocab_divisor, show_progress
     report = None

@@ -26,7 +26,9 @@ class RoundTrip:
     def exact(self) -> bool:
         """True when keys, every tensor (``torch.equal``) and every config field match."""
         return (
-            self.same_keys and self.equal_tensors == self.tensors and not self.config_fields_differing
+            self.same_keys
+            and self.equal_tensors == self.tensors
+            and not self.config_fields_differing
         )
 
 
@@ -68,7 +70,9 @@ def run_demo(workdir: Path) -> int:
         "build tiny HF model",
         lambda: make_llama(workdir / "hf", vocab_size=130, num_kv_heads=2, rope_theta=50000.0),
     )
-    imp = step("import (+ parity gate)", lambda: import_hf(hf, workdir / "nemo", show_progress=False))
+    imp = step(
+        "import (+ parity gate)", lambda: import_hf(hf, workdir / "nemo", show_progress=False)
+    )
     exp = step(
         "export (+ parity gate)",
         lambda: export_hf(workdir / "nemo", workdir / "hf-back"),
@@ -76,7 +80,9 @@ def run_demo(workdir: Path) -> int:
     rt = step("round trip check", lambda: compare_hf_dirs(hf, workdir / "hf-back"))
 
     print()
-    print("porting demo: tiny tsuzumi-style model (Llama layout, 2 layers, GQA 4/2, vocab 130->256)")
+    print(
+        "porting demo: tiny tsuzumi-style model (Llama layout, 2 layers, GQA 4/2, vocab 130->256)"
+    )
     print(f"{'step':<26}{'seconds':>9}")
     for name, sec in rows:
         print(f"{name:<26}{sec:>9.1f}")

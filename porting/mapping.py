@@ -89,7 +89,9 @@ def _fill(pattern: str, layer: int | None) -> str:
     return pattern if layer is None else pattern.replace("*", str(layer))
 
 
-def expand(table: Iterable[Entry], ctx: Any, num_layers: int) -> tuple[list[Concrete], list[Ignore]]:
+def expand(
+    table: Iterable[Entry], ctx: Any, num_layers: int
+) -> tuple[list[Concrete], list[Ignore]]:
     """Expand layer wildcards and drop entries whose ``when`` is false for ``ctx``."""
     concrete: list[Concrete] = []
     ignores: list[Ignore] = []

@@ -113,7 +113,9 @@ def compare(
 
 
 @torch.no_grad()
-def hf_logits(hf_dir: str | Path, hf_model_class: str, prompts: list[torch.Tensor]) -> list[torch.Tensor]:
+def hf_logits(
+    hf_dir: str | Path, hf_model_class: str, prompts: list[torch.Tensor]
+) -> list[torch.Tensor]:
     """Logits of the HF model in fp32 (eager attention) for each prompt; frees the model after."""
     import transformers
 
@@ -162,7 +164,9 @@ def verify(
     manifest = read_manifest(ckpt)
     family = family_by_name(manifest.family)
     tok_path = Path(ckpt) / manifest.tokenizer["path"] if manifest.tokenizer else None
-    tokenizer = AutoTokenizer.from_pretrained(str(tok_path), local_files_only=True) if tok_path else None
+    tokenizer = (
+        AutoTokenizer.from_pretrained(str(tok_path), local_files_only=True) if tok_path else None
+    )
     prompts = build_prompts(tokenizer, manifest.vocab_size)
     mc = megatron_logits(ckpt, prompts, manifest.vocab_size)
     hf = hf_logits(hf_dir, family.hf_model_class, prompts)

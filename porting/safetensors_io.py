@@ -66,7 +66,10 @@ def _check_safetensors_file(path: Path) -> None:
         count = 1
         for d in info["shape"]:
             count *= d
-        if stop - start != count * _DTYPE_SIZES.get(info["dtype"], 0) and info["dtype"] in _DTYPE_SIZES:
+        if (
+            stop - start != count * _DTYPE_SIZES.get(info["dtype"], 0)
+            and info["dtype"] in _DTYPE_SIZES
+        ):
             raise PortingError(f"{path}: tensor {name!r} has inconsistent size in the header")
         end = max(end, stop)
     if 8 + n + end > size:
@@ -101,9 +104,7 @@ class SafetensorsSource:
             files = sorted(set(self._key_to_file.values()))
             missing = [f.name for f in files if not f.exists()]
             if missing:
-                raise PortingError(
-                    f"{index} lists shard(s) that are missing: {', '.join(missing)}"
-                )
+                raise PortingError(f"{index} lists shard(s) that are missing: {', '.join(missing)}")
             for f in files:
                 _check_safetensors_file(f)
                 with safe_open(f, framework="pt") as h:
@@ -239,6 +240,9 @@ class ShardedWriter:
             path.rename(self.out_dir / name)
             paths.append(self.out_dir / name)
             weight_map.update({k: name for k in keys})
-        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        index = {
+            "metadata": {"total_size": self.total_bytes},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
         (self.out_dir / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
         return paths

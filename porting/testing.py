@@ -111,7 +111,9 @@ def make_llama(
     return out
 
 
-def tp_logits_worker(rank: int, world_size: int, ckpt: str, ids: torch.Tensor, out: str, port: int) -> None:
+def tp_logits_worker(
+    rank: int, world_size: int, ckpt: str, ids: torch.Tensor, out: str, port: int
+) -> None:
     """One rank of a tensor-parallel logits run over gloo; rank 0 saves the gathered logits.
 
     Runs in a ``torch.multiprocessing.spawn`` child, so it lives in an importable module.
@@ -120,7 +122,12 @@ def tp_logits_worker(rank: int, world_size: int, ckpt: str, ids: torch.Tensor, o
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    from porting.megatron import init_parallel, load_mcore_from_checkpoint, mcore_logits, shutdown_parallel
+    from porting.megatron import (
+        init_parallel,
+        load_mcore_from_checkpoint,
+        mcore_logits,
+        shutdown_parallel,
+    )
 
     init_parallel(tp=world_size, rank=rank, world_size=world_size)
     model, _ = load_mcore_from_checkpoint(ckpt, dtype=torch.float32)

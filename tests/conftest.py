@@ -19,7 +19,9 @@ def tiny_llama(tmp_path_factory):
     """A tiny GQA (4 heads / 2 KV), untied, padded-vocab Llama-layout HF directory (FFN 98: TP=2)."""
     from porting.testing import make_llama
 
-    return make_llama(tmp_path_factory.mktemp("hf") / "gqa", rope_theta=50000.0, intermediate_size=98)
+    return make_llama(
+        tmp_path_factory.mktemp("hf") / "gqa", rope_theta=50000.0, intermediate_size=98
+    )
 
 
 @pytest.fixture(scope="session")

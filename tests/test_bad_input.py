@@ -49,7 +49,9 @@ def test_missing_config_json(hf, tmp_path, capsys):
 def test_unknown_architecture_lists_known_ones(hf, tmp_path, capsys):
     _edit_config(hf, architectures=["MambaForCausalLM"])
     code, err = _run_import(capsys, hf, tmp_path / "out")
-    _assert_refused(code, err, tmp_path / "out", "'MambaForCausalLM'", "known: ", "LlamaForCausalLM")
+    _assert_refused(
+        code, err, tmp_path / "out", "'MambaForCausalLM'", "known: ", "LlamaForCausalLM"
+    )
 
 
 def test_missing_shard_is_named(tmp_path, capsys):
@@ -75,7 +77,12 @@ def test_wrong_shape_tensor_is_named(hf, tmp_path, capsys):
     save_file(sd, hf / "model.safetensors", metadata={"format": "pt"})
     code, err = _run_import(capsys, hf, tmp_path / "out")
     _assert_refused(
-        code, err, tmp_path / "out", "decoder.layers.1.mlp.linear_fc2.weight", "(64, 50)", "(64, 98)"
+        code,
+        err,
+        tmp_path / "out",
+        "decoder.layers.1.mlp.linear_fc2.weight",
+        "(64, 50)",
+        "(64, 98)",
     )
 
 
@@ -84,7 +91,9 @@ def test_extra_unknown_key_is_named(hf, tmp_path, capsys):
     sd["model.layers.0.mlp.surprise.weight"] = torch.zeros(3)
     save_file(sd, hf / "model.safetensors", metadata={"format": "pt"})
     code, err = _run_import(capsys, hf, tmp_path / "out")
-    _assert_refused(code, err, tmp_path / "out", "model.layers.0.mlp.surprise.weight", "not in the mapping")
+    _assert_refused(
+        code, err, tmp_path / "out", "model.layers.0.mlp.surprise.weight", "not in the mapping"
+    )
 
 
 def test_existing_output_is_refused_without_overwrite(hf, tmp_path, capsys):

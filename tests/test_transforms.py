@@ -28,9 +28,15 @@ def test_qkv_interleave_layout_and_inverse(heads, groups, bias):
     for g in range(groups):
         for j in range(per):
             head = g * per + j
-            torch.testing.assert_close(grouped[g, j * hn : (j + 1) * hn], q[head * hn : (head + 1) * hn], rtol=0, atol=0)
-        torch.testing.assert_close(grouped[g, per * hn : (per + 1) * hn], k[g * hn : (g + 1) * hn], rtol=0, atol=0)
-        torch.testing.assert_close(grouped[g, (per + 1) * hn :], v[g * hn : (g + 1) * hn], rtol=0, atol=0)
+            torch.testing.assert_close(
+                grouped[g, j * hn : (j + 1) * hn], q[head * hn : (head + 1) * hn], rtol=0, atol=0
+            )
+        torch.testing.assert_close(
+            grouped[g, per * hn : (per + 1) * hn], k[g * hn : (g + 1) * hn], rtol=0, atol=0
+        )
+        torch.testing.assert_close(
+            grouped[g, (per + 1) * hn :], v[g * hn : (g + 1) * hn], rtol=0, atol=0
+        )
     q2, k2, v2 = split_qkv(fused, num_heads=heads, num_query_groups=groups, head_dim=hn)
     assert torch.equal(q, q2) and torch.equal(k, k2) and torch.equal(v, v2)
 

@@ -128,7 +128,13 @@ def test_round_trip_is_exact_and_loads_in_transformers(tiny_llama, tiny_nemo, tm
     assert rt.config_fields_differing == []
     a = json.loads((tiny_llama / "config.json").read_text())
     b = json.loads((out / "config.json").read_text())
-    for field in ("bos_token_id", "eos_token_id", "max_position_embeddings", "rope_theta", "vocab_size"):
+    for field in (
+        "bos_token_id",
+        "eos_token_id",
+        "max_position_embeddings",
+        "rope_theta",
+        "vocab_size",
+    ):
         assert a[field] == b[field]
     tok_a = AutoTokenizer.from_pretrained(str(tiny_llama))
     tok_b = AutoTokenizer.from_pretrained(str(out))
