@@ -190,7 +190,7 @@ class PortingImporter(io.ModelConnector):
         reader = _CastingSource(source, dtype) if self.dtype else source
         config, ctx = build_config(family, hf_config, dtype, self.vocab_divisor)
         model = family.model_cls(config, tokenizer=self.tokenizer)
-        trainer = self.nemo_setup(model, ckpt_async_save=False)
+        trainer = self.nemo_setup(model)
         # The local spec builds norms in fp32 whatever params_dtype says (torch.nn norms); NeMo's
         # bf16 training wraps the whole module in half precision, so store every tensor in the
         # checkpoint's dtype, as the source has it (NeMo's own importer fails exactly here).

@@ -225,7 +225,12 @@ def import_weights(
                 f"{value.dtype}, model has {dest.dtype}"
             )
         with torch.no_grad():
-            dest.copy_(value)
+            if isinstance(dest, torch.nn.Parameter):
+                # Adopt the freshly produced tensor instead of copying it: a second pass over every
+                # byte of the model costs as much as the transforms themselves.
+                dest.data = value
+            else:
+                dest.copy_(value)
         written.add(c.mcore)
         del tensors, value
     unwritten = sorted(set(target) - written)

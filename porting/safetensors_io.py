@@ -90,7 +90,6 @@ class SafetensorsSource:
     def __init__(self, model_dir: str | os.PathLike, allow_pickle: bool = False) -> None:
         self.dir = Path(model_dir)
         self._key_to_file: dict[str, Path] = {}
-        self._handles: dict[Path, object] = {}
         self._pickled: dict[str, torch.Tensor] | None = None
         index = self.dir / SAFE_INDEX
         single = self.dir / SAFE_SINGLE
@@ -158,12 +157,10 @@ class SafetensorsSource:
         """Read one tensor (a fresh CPU tensor, not a view into the mapped file)."""
         if self._pickled is not None:
             return self._pickled[key]
-        f = self._key_to_file[key]
-        h = self._handles.get(f)
-        if h is None:
-            h = safe_open(f, framework="pt")
-            self._handles[f] = h
-        return h.get_tensor(key)
+        # A handle per read: the mapped pages are released right after the copy, so resident
+        # memory never accumulates the shards already streamed (a kept handle would hold them).
+        with safe_open(self._key_to_file[key], framework="pt") as h:
+            return h.get_tensor(key)
 
     def dtypes(self) -> set[torch.dtype]:
         """The set of floating dtypes in the checkpoint (read from headers only where possible)."""
@@ -178,8 +175,7 @@ class SafetensorsSource:
         return seen
 
     def close(self) -> None:
-        """Drop the memory maps."""
-        self._handles.clear()
+        """Drop the tensors of a pickle checkpoint (safetensors reads hold nothing open)."""
         self._pickled = None
 
 

@@ -124,7 +124,9 @@ def child(which: str, hf: Path, out: Path) -> None:
             GPTConfig.__post_init__(self)
 
         LlamaConfig.__post_init__ = post_init
-        llm.import_ckpt(model=llm.LlamaModel(LlamaConfig()), source=f"hf://{hf}", output_path=out)
+        # The importer builds its config from the HF directory; this one only selects the class.
+        placeholder = LlamaConfig(num_layers=1, hidden_size=64, num_attention_heads=4)
+        llm.import_ckpt(model=llm.LlamaModel(placeholder), source=f"hf://{hf}", output_path=out)
     wall = time.perf_counter() - t0
     rss = max(
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,

@@ -192,6 +192,9 @@ def test_llm_import_ckpt_then_nemo_loads_it_back(tiny_llama, tmp_path):
 
     teardown(trainer, loaded)
 
+    exported = llm.export_ckpt(path=out, target="hf", output_path=tmp_path / "via-llm-hf")
+    assert compare_hf_dirs(tiny_llama, exported).exact
+
 
 def test_tensor_parallel_2_matches_tp_1(tiny_nemo, tmp_path):
     import torch.multiprocessing as mp
