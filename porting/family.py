@@ -42,6 +42,9 @@ class Family:
         model_cls: the family's NeMo ``GPTModel`` subclass.
         shape_context: builds the :class:`ShapeContext` from a Megatron config.
         hf_model_class: the ``transformers`` class name that loads the HF side.
+        hf_attn_implementation: the ``transformers`` attention implementation parity runs the HF
+            side with; ``"eager"`` unless the family's eager path disagrees with its default one
+            (transformers 4.57's eager Falcon adds ALiBi twice; its default, sdpa, once).
     """
 
     name: str
@@ -52,3 +55,4 @@ class Family:
     model_cls: type
     shape_context: Callable[[Any], ShapeContext]
     hf_model_class: str
+    hf_attn_implementation: str = "eager"

@@ -114,14 +114,23 @@ def compare(
 
 @torch.no_grad()
 def hf_logits(
-    hf_dir: str | Path, hf_model_class: str, prompts: list[torch.Tensor]
+    hf_dir: str | Path,
+    hf_model_class: str,
+    prompts: list[torch.Tensor],
+    attn_implementation: str = "eager",
 ) -> list[torch.Tensor]:
-    """Logits of the HF model in fp32 (eager attention) for each prompt; frees the model after."""
+    """Logits of the HF model in fp32 for each prompt; frees the model after.
+
+    ``attn_implementation`` is the family's choice (:attr:`Family.hf_attn_implementation`).
+    """
     import transformers
 
     cls = getattr(transformers, hf_model_class)
     model = cls.from_pretrained(
-        str(hf_dir), torch_dtype=torch.float32, attn_implementation="eager", local_files_only=True
+        str(hf_dir),
+        torch_dtype=torch.float32,
+        attn_implementation=attn_implementation,
+        local_files_only=True,
     )
     model.eval()
     out = [model(p).logits.float() for p in prompts]
@@ -169,7 +178,7 @@ def verify(
     )
     prompts = build_prompts(tokenizer, manifest.vocab_size)
     mc = megatron_logits(ckpt, prompts, manifest.vocab_size)
-    hf = hf_logits(hf_dir, family.hf_model_class, prompts)
+    hf = hf_logits(hf_dir, family.hf_model_class, prompts, family.hf_attn_implementation)
     report = compare(hf, mc, atol=atol, rtol=rtol, min_top1=min_top1)
     log.info("%s", report.summary())
     return report
