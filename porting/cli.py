@@ -15,7 +15,10 @@ import sys
 
 from porting.errors import PortingError
 
-_SUBCOMMAND_MODULES = ("porting.commands",)
+_SUBCOMMAND_MODULES = (
+    "porting.commands",
+    "porting.train_cli",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

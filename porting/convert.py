@@ -280,8 +280,9 @@ def export_into(ckpt: Path, out: Path, max_shard_bytes: int = 5 * 2**30) -> Mani
         )
     state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     writer = ShardedWriter(out, max_shard_bytes)
+    dtype = DTYPES[manifest.dtype]  # training keeps fp32 master weights; HF gets the import dtype
     for key, tensor in export_weights(state, family.weights, ctx, ctx.num_layers):
-        writer.add(key, tensor)
+        writer.add(key, tensor.to(dtype))
     writer.close()
     del state, model
     gc.collect()

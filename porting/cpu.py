@@ -174,6 +174,78 @@ def enable() -> None:
     log.debug("Megatron-Core CPU compatibility shims installed")
 
 
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, int):
+        return True
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, str) and device.startswith("cuda")
+
+
+class _CpuDeviceMode(torch.overrides.TorchFunctionMode):
+    """Maps ``device="cuda"``, ``.cuda()``, ``.to("cuda")`` and ``pin_memory=True`` to the CPU.
+
+    Megatron's optimizer (``megatron/core/optimizer/``: grad buffers, ``found_inf``, norms) and
+    NeMo's ``MegatronStrategy.training_step`` logging create tensors on CUDA unconditionally.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in (torch.Tensor.cuda, torch.Tensor.pin_memory):
+            return args[0]
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if func is torch.Tensor.to:
+            args = tuple("cpu" if _is_cuda_device(a) else a for a in args)
+        return func(*args, **kwargs)
+
+
+def _cpu_clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """CPU version of ``megatron/core/optimizer/clip_grads.py::clip_grad_by_total_norm_fp32``.
+
+    Upstream asserts ``grad.type() == 'torch.cuda.FloatTensor'`` and scales with apex's
+    multi-tensor kernel; the arithmetic is the same.
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        for p in parameters:
+            grad = (
+                p.decoupled_grad
+                if use_decoupled_grad
+                else p.main_grad
+                if hasattr(p, "main_grad")
+                else p.grad
+            )
+            if grad is not None:
+                grad.detach().mul_(clip_coeff)
+
+
+_TRAINING_MODE: _CpuDeviceMode | None = None
+
+
+def enable_training() -> None:
+    """Install the extra shims NeMo's training loop needs on the CPU (no-op under CUDA).
+
+    Kept separate from :func:`enable` because the device mode intercepts every torch call of the
+    process; conversion does not need it.
+    """
+    global _TRAINING_MODE
+    enable()
+    if _TRAINING_MODE is not None or cuda_available():
+        return
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+
+    for module in (clip_grads, optimizer, distrib_optimizer):
+        if hasattr(module, "clip_grad_by_total_norm_fp32"):
+            module.clip_grad_by_total_norm_fp32 = _cpu_clip_grad_by_total_norm_fp32
+    _TRAINING_MODE = _CpuDeviceMode()
+    _TRAINING_MODE.__enter__()
+
+
 def _cpu_model_parallel_seed(seed: int, *args: Any, **kwargs: Any) -> None:
     """CPU version of ``tensor_parallel.random.model_parallel_cuda_manual_seed``.
 

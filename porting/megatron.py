@@ -68,8 +68,17 @@ def load_nemo_model_context(ckpt: str | Path):
 
 def build_mcore_model(nemo_model) -> torch.nn.Module:
     """Instantiate the Megatron-Core module for the current parallel state (no weights loaded)."""
+    from megatron.core import parallel_state
+
     config = nemo_model.config
     config.perform_initialization = False
+    # A training checkpoint records the layout it was trained with; build for the current one
+    # (dist_checkpointing reshards on load).
+    config.tensor_model_parallel_size = parallel_state.get_tensor_model_parallel_world_size()
+    config.pipeline_model_parallel_size = parallel_state.get_pipeline_model_parallel_world_size()
+    config.virtual_pipeline_model_parallel_size = None
+    config.sequence_parallel = False
+    config.context_parallel_size = 1
     cpu.cpu_safe_config(config)
     model = config.configure_model(nemo_model.tokenizer)
     model.eval()

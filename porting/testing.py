@@ -111,6 +111,73 @@ def make_llama(
     return out
 
 
+def make_falcon(
+    out_dir: str | Path,
+    *,
+    vocab_size: int = 130,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int | None = None,
+    ffn_hidden_size: int = 97,
+    multi_query: bool = True,
+    new_decoder_architecture: bool = False,
+    parallel_attn: bool = True,
+    num_ln_in_parallel_attn: int | None = None,
+    alibi: bool = False,
+    bias: bool = False,
+    tie_word_embeddings: bool = True,
+    rope_theta: float = 10000.0,
+    max_position_embeddings: int = 256,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    tokenizer_vocab: int = 120,
+) -> Path:
+    """Save a tiny random ``FalconForCausalLM`` plus tokenizer at ``out_dir``; return the path.
+
+    The defaults are the 7B layout (MQA, parallel block with one shared norm, tied output); the
+    switches are ``transformers``' ``FalconConfig`` fields of the same names.
+    """
+    from transformers import FalconConfig, FalconForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = make_tokenizer(out, vocab_size=tokenizer_vocab)
+    config = FalconConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        ffn_hidden_size=ffn_hidden_size,
+        multi_query=multi_query,
+        new_decoder_architecture=new_decoder_architecture,
+        parallel_attn=parallel_attn,
+        num_ln_in_parallel_attn=num_ln_in_parallel_attn,
+        alibi=alibi,
+        bias=bias,
+        tie_word_embeddings=tie_word_embeddings,
+        rope_theta=rope_theta,
+        max_position_embeddings=max_position_embeddings,
+        layer_norm_epsilon=1e-5,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = FalconForCausalLM(config)
+    perturb(model, seed)
+    # perturb() finds norm weights by name; Falcon's ln_attn, ln_mlp and ln_f need a hand
+    g = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.LayerNorm) and "norm" not in name:
+                module.weight.add_(0.2 * torch.randn(module.weight.shape, generator=g))
+    model = model.to(dtype)
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
 def tp_logits_worker(
     rank: int, world_size: int, ckpt: str, ids: torch.Tensor, out: str, port: int
 ) -> None:
@@ -135,3 +202,20 @@ def tp_logits_worker(
     if rank == 0:
         torch.save(logits, out)
     shutdown_parallel()
+
+
+def make_indexed_dataset(
+    prefix: str | Path, tokenizer, texts: list[str], append_eod: bool = True
+) -> Path:
+    """Write ``texts`` tokenized by ``tokenizer`` as a Megatron ``.bin/.idx`` pair at ``prefix``."""
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = Path(prefix)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    builder = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=np.uint16)
+    for text in texts:
+        ids = tokenizer(text)["input_ids"] + ([tokenizer.eos_token_id] if append_eod else [])
+        builder.add_document(torch.tensor(ids, dtype=torch.int64), [len(ids)])
+    builder.finalize(str(prefix) + ".idx")
+    return prefix

@@ -1,0 +1,170 @@
+"""``porting train``: continued pretraining from an imported checkpoint (see :mod:`porting.train`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from porting.errors import PortingError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``train`` subcommand."""
+    p = sub.add_parser(
+        "train",
+        help="continue pretraining an imported checkpoint on prepared .bin/.idx data",
+        description="Continue pretraining a checkpoint made by `porting import` with NeMo 2.0 / "
+        "Megatron-Core (tensor, pipeline, data, sequence parallel; bf16 on GPUs, fp32 on the "
+        "CPU). Checkpoints go to OUT/checkpoints (OUT/checkpoints/last links the newest), logs "
+        "to OUT/tb (TensorBoard) and OUT/csv/metrics.csv. Re-running the same command resumes "
+        "an interrupted run from its last checkpoint. Export a result with "
+        "`porting export OUT/checkpoints/last --out DIR`.",
+    )
+    p.add_argument(
+        "--checkpoint", type=Path, required=True, help="checkpoint from `porting import`"
+    )
+    p.add_argument(
+        "--data",
+        nargs="+",
+        required=True,
+        help="dataset prefixes (PREFIX for PREFIX.bin/.idx), or a blend W1 PREFIX1 W2 PREFIX2 ...",
+    )
+    p.add_argument("--out", type=Path, required=True, help="run directory")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--vp", type=int, default=None, help="virtual pipeline stages per rank")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size")
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--seq-length", type=int, default=2048)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--lr", type=float, default=3e-5)
+    p.add_argument("--min-lr", type=float, default=None, help="cosine floor (default lr/10)")
+    p.add_argument("--warmup", type=int, default=0, help="linear warmup steps")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (0: none)")
+    p.add_argument("--val-every", type=int, default=None, help="validate every N steps (end)")
+    p.add_argument("--split", default="99,1,0", help="train,valid,test split of the data")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument(
+        "--gpus-per-node", type=int, default=1, help="processes per node (GPUs; CPU processes)"
+    )
+    p.add_argument("--no-distributed-optimizer", action="store_true")
+    p.add_argument(
+        "--use-tp-pp-dp-mapping",
+        action="store_true",
+        help="Megatron's tp-cp-ep-pp-dp rank order (keeps PP inside a site; see `porting plan`)",
+    )
+    p.add_argument("--num-distributed-optimizer-instances", type=int, default=1)
+    p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto")
+    p.add_argument(
+        "--executor",
+        choices=["local", "torchrun", "slurm"],
+        default="local",
+        help="local: this process (or the rank torchrun/srun started); torchrun: start "
+        "--gpus-per-node processes here; slurm: write OUT/train.sbatch for a multi-node job",
+    )
+    p.add_argument("--dry-run", action="store_true", help="validate and print the plan only")
+    p.set_defaults(func=_cmd_train)
+
+
+def _spec(args):
+    from porting.train import TrainSpec
+
+    return TrainSpec(
+        checkpoint=args.checkpoint,
+        data=list(args.data),
+        out=args.out,
+        tp=args.tp,
+        pp=args.pp,
+        vp=args.vp,
+        cp=args.cp,
+        sequence_parallel=args.sequence_parallel,
+        seq_length=args.seq_length,
+        micro_batch=args.micro_batch,
+        global_batch=args.global_batch,
+        steps=args.steps,
+        lr=args.lr,
+        min_lr=args.min_lr,
+        warmup=args.warmup,
+        weight_decay=args.weight_decay,
+        save_every=args.save_every,
+        val_every=args.val_every,
+        split=args.split,
+        seed=args.seed,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        distributed_optimizer=not args.no_distributed_optimizer,
+        use_tp_pp_dp_mapping=args.use_tp_pp_dp_mapping,
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+        precision=args.precision,
+    )
+
+
+def _rank_argv() -> list[str]:
+    """This command's arguments with the executor switched to local (what each rank runs)."""
+    argv = sys.argv[sys.argv.index("train") + 1 :]
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--executor":
+            skip = True
+            continue
+        if a.startswith("--executor="):
+            continue
+        out.append(a)
+    return out + ["--executor", "local"]
+
+
+def _cmd_train(args) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from porting import train
+
+    spec = _spec(args)
+    if args.executor == "slurm":
+        Path(spec.out).mkdir(parents=True, exist_ok=True)
+        script = Path(spec.out) / "train.sbatch"
+        script.write_text(train.slurm_script(spec, _rank_argv()))
+        print(f"wrote {script}; submit with: sbatch {script}")
+        return 0
+    if args.executor == "torchrun":
+        if spec.nodes != 1:
+            raise PortingError("--executor torchrun starts processes on this node only; use slurm")
+        torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
+        cmd = [
+            torchrun,
+            "--standalone",
+            f"--nproc-per-node={spec.gpus_per_node}",
+            "-m",
+            "porting.cli",
+            "train",
+            *_rank_argv(),
+        ]
+        return subprocess.call(cmd)
+    if spec.world_size > 1 and "LOCAL_RANK" not in os.environ and "SLURM_PROCID" not in os.environ:
+        raise PortingError(
+            f"{spec.world_size} processes requested: use --executor torchrun (one node) or "
+            "--executor slurm"
+        )
+    r = train.recipe(spec)
+    if args.dry_run:
+        for w in r.warnings:
+            print(f"warning: {w}", file=sys.stderr)
+        print(
+            f"ok: TP {spec.tp} x PP {spec.pp} x CP {spec.cp} x DP {spec.data_parallel}, "
+            f"global batch {spec.global_batch} = micro {spec.micro_batch} x DP x "
+            f"{spec.global_batch // (spec.micro_batch * spec.data_parallel)} accumulation steps"
+        )
+        return 0
+    out = train.run(r)
+    print(f"done: checkpoints in {out / 'checkpoints'} (last: {out / 'checkpoints' / 'last'})")
+    return 0

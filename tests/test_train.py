@@ -1,0 +1,311 @@
+"""Continued pretraining through `porting train` on the CPU (fp32, gloo), tsuzumi family.
+
+Each run is a real `porting train` process (NeMo's trainer, MegatronStrategy, Megatron's GPT dataset
+over a .bin/.idx written by Megatron's IndexedDatasetBuilder).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from porting.errors import PortingError
+
+TEXT = "The quick brown fox jumps over the lazy dog. Hello world, hello NeMo."
+COMMON = ["--seq-length", "32", "--micro-batch", "2", "--global-batch", "4", "--lr", "1e-2"]
+
+
+def _env() -> dict:
+    # This pytest process holds a rendezvous port of its own; a child must pick a fresh one.
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    return env | {"PYTHONUNBUFFERED": "1"}
+
+
+def _porting(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "porting.cli", *args],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        **kw,
+    )
+
+
+def _losses(out: Path) -> dict[int, float]:
+    """step -> reduced_train_loss from every metrics.csv NeMo/Lightning left in the run."""
+    losses = {}
+    for f in sorted(out.rglob("metrics.csv")):
+        with open(f) as fh:
+            for row in csv.DictReader(fh):
+                if row.get("reduced_train_loss") and row.get("global_step"):
+                    losses[int(float(row["global_step"]))] = float(row["reduced_train_loss"])
+    return losses
+
+
+@pytest.fixture(scope="module")
+def corpus(tiny_llama, tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from porting.testing import make_indexed_dataset
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+    return make_indexed_dataset(
+        tmp_path_factory.mktemp("data") / "corpus_text_document", tok, [TEXT] * 300
+    )
+
+
+@pytest.fixture(scope="module")
+def reference_run(tiny_nemo, corpus, tmp_path_factory):
+    """An uninterrupted 24-step run, checkpointing every 4 steps."""
+    out = tmp_path_factory.mktemp("runs") / "ref"
+    r = _porting(
+        "train",
+        "--checkpoint",
+        str(tiny_nemo),
+        "--data",
+        str(corpus),
+        "--out",
+        str(out),
+        "--steps",
+        "24",
+        "--warmup",
+        "2",
+        "--save-every",
+        "4",
+        *COMMON,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def test_loss_falls_and_checkpoints_appear(reference_run):
+    losses = _losses(reference_run)
+    assert sorted(losses) == list(range(24))
+    # a repeated sentence: the tiny model must fit it well within 24 steps
+    assert losses[23] < 0.6 * losses[0], losses
+    last = reference_run / "checkpoints" / "last"
+    assert last.is_symlink() and (last / "weights" / "metadata.json").exists()
+    assert (last / "context" / "porting.json").exists()
+    assert list((reference_run / "tb").glob("events.out.tfevents.*"))
+    assert (reference_run / "run.json").exists()
+
+
+def test_resume_after_kill_continues_with_the_same_data_order(
+    tiny_nemo, corpus, reference_run, tmp_path
+):
+    out = tmp_path / "killed"
+    args = [
+        sys.executable,
+        "-m",
+        "porting.cli",
+        "train",
+        "--checkpoint",
+        str(tiny_nemo),
+        "--data",
+        str(corpus),
+        "--out",
+        str(out),
+        "--steps",
+        "24",
+        "--warmup",
+        "2",
+        "--save-every",
+        "4",
+        *COMMON,
+    ]
+    proc = subprocess.Popen(
+        args,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        env=_env(),
+    )
+    deadline = time.time() + 300
+    ckpts = out / "checkpoints"
+    while time.time() < deadline and proc.poll() is None:
+        done = [
+            p
+            for p in ckpts.glob("step=*-last")
+            if (p / "context" / "porting.json").exists()
+            and not p.with_name(p.name + "-unfinished").exists()
+        ]
+        if done:
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+    before = _losses(out)
+    assert max(before, default=-1) < 23
+
+    r = subprocess.run(args, capture_output=True, text=True, env=_env())
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Resuming" in r.stdout + r.stderr or "resum" in (r.stdout + r.stderr).lower()
+    ref, after = _losses(reference_run), _losses(out)
+    resumed_from = (
+        min(s for s in after if s not in before or after[s] != before.get(s)) if after else None
+    )
+    assert set(after) >= set(range(resumed_from, 24))
+    assert resumed_from > 0, "training restarted from step 0 instead of resuming"
+    for step in range(resumed_from, 24):
+        assert after[step] == pytest.approx(ref[step], abs=1e-5), step
+
+
+def test_export_after_training_matches_the_trained_model(tiny_llama, reference_run, tmp_path):
+    from porting.convert import export_hf
+    from porting.safetensors_io import SafetensorsSource
+
+    report = export_hf(reference_run / "checkpoints" / "last", tmp_path / "hf")
+    assert report.passed and report.top1_agreement == 1.0
+    before, after = SafetensorsSource(tiny_llama), SafetensorsSource(tmp_path / "hf")
+    assert set(before.keys()) == set(after.keys())
+    changed = [k for k in before.keys() if not torch.equal(before.get(k), after.get(k))]
+    assert len(changed) == len(before.keys()), "training left some weights unchanged"
+
+
+@pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2"]], ids=["tp2", "pp2"])
+def test_two_process_layouts_give_the_first_step_loss_of_one(
+    layout, tiny_nemo, corpus, reference_run, tmp_path
+):
+    out = tmp_path / "run"
+    r = _porting(
+        "train",
+        "--checkpoint",
+        str(tiny_nemo),
+        "--data",
+        str(corpus),
+        "--out",
+        str(out),
+        "--steps",
+        "1",
+        "--save-every",
+        "0",
+        "--gpus-per-node",
+        "2",
+        "--executor",
+        "torchrun",
+        *layout,
+        *COMMON,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    first = _losses(out)[0]
+    assert first == pytest.approx(_losses(reference_run)[0], abs=1e-5)
+
+
+def _spec(tiny_nemo, corpus, **kw):
+    from porting.train import TrainSpec
+
+    return TrainSpec(checkpoint=tiny_nemo, data=[str(corpus)], out=Path("unused"), **kw)
+
+
+@pytest.mark.parametrize(
+    "kw,needle",
+    [
+        (dict(tp=3, gpus_per_node=3), "--tp 3 does not divide the 4 attention heads"),
+        (dict(tp=4, gpus_per_node=4), "exceeds the 2 KV groups"),
+        (dict(pp=3, gpus_per_node=3), "--pp 3 does not divide the 2 layers"),
+        (dict(global_batch=6, micro_batch=4), "--global-batch 6 is not divisible"),
+        (dict(tp=2), "1 devices are not a multiple of TP x PP x CP = 2"),
+        (dict(warmup=10, steps=10), "--warmup 10 must be below --steps 10"),
+        (dict(sequence_parallel=True), "--sequence-parallel needs --tp > 1"),
+    ],
+)
+def test_validation_errors(tiny_nemo, corpus, kw, needle):
+    from porting.megatron import load_nemo_model_context
+    from porting.train import validate
+
+    config = load_nemo_model_context(tiny_nemo).config
+    with pytest.raises(PortingError) as err:
+        validate(_spec(tiny_nemo, corpus, **kw), config, 256)
+    assert needle in str(err.value)
+
+
+def test_validation_catches_data_from_another_tokenizer(tiny_nemo, tmp_path):
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    from porting.megatron import load_nemo_model_context
+    from porting.train import validate
+
+    prefix = tmp_path / "big_ids"
+    b = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=np.uint16)
+    b.add_document(torch.tensor([5, 300, 7]), [3])
+    b.finalize(str(prefix) + ".idx")
+    config = load_nemo_model_context(tiny_nemo).config
+    with pytest.raises(PortingError, match="token id 300, beyond the model's vocabulary of 256"):
+        validate(_spec(tiny_nemo, prefix), config, 256)
+    with pytest.raises(PortingError, match="does not exist"):
+        validate(_spec(tiny_nemo, tmp_path / "nothing"), config, 256)
+
+
+def test_validation_warns_past_the_trained_context(tiny_nemo, corpus):
+    from porting.megatron import load_nemo_model_context
+    from porting.train import validate
+
+    config = load_nemo_model_context(tiny_nemo).config
+    assert validate(_spec(tiny_nemo, corpus, seq_length=256), config, 256) == []
+    (warning,) = validate(_spec(tiny_nemo, corpus, seq_length=512), config, 256)
+    assert "exceeds the 256 positions" in warning
+
+
+def test_cli_dry_run_and_slurm_script(tiny_nemo, corpus, tmp_path):
+    r = _porting(
+        "train",
+        "--checkpoint",
+        str(tiny_nemo),
+        "--data",
+        "0.3",
+        str(corpus),
+        "0.7",
+        str(corpus),
+        "--out",
+        str(tmp_path / "run"),
+        "--dry-run",
+        *COMMON,
+    )
+    assert r.returncode == 0 and "ok: TP 1 x PP 1" in r.stdout, r.stderr[-2000:]
+    r = _porting(
+        "train",
+        "--checkpoint",
+        str(tiny_nemo),
+        "--data",
+        str(corpus),
+        "--out",
+        str(tmp_path / "run"),
+        "--nodes",
+        "4",
+        "--gpus-per-node",
+        "8",
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--executor",
+        "slurm",
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    script = tmp_path / "run" / "train.sbatch"
+    assert "--nnodes=4 --nproc-per-node=8" in script.read_text()
+    assert "--executor local" in script.read_text()
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    r = _porting(
+        "train",
+        "--checkpoint",
+        str(tiny_nemo),
+        "--data",
+        str(corpus),
+        "--out",
+        str(tmp_path / "x"),
+        "--gpus-per-node",
+        "2",
+    )
+    assert r.returncode == 2 and "--executor torchrun" in r.stderr
