@@ -258,7 +258,9 @@ def recipe(spec: TrainSpec) -> Recipe:
 
     blend = parse_blend(spec.data)
     paths = (
-        blend if isinstance(blend, list) else [x for pair in zip(blend[1], blend[0]) for x in pair]
+        blend
+        if isinstance(blend, list)
+        else [x for pair in zip(blend[1], blend[0], strict=True) for x in pair]
     )
     data = llm.PreTrainingDataModule(
         paths=paths,
