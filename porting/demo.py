@@ -53,7 +53,7 @@ def compare_hf_dirs(a: str | Path, b: str | Path, ignore_fields: tuple[str, ...]
 def run_demo(workdir: Path) -> int:
     """Build, import, verify, export and round-trip a tiny model; print a table; 0 on success."""
     from porting.convert import export_hf, import_hf
-    from porting.testing import make_llama
+    from porting.testing import make_falcon, make_llama
 
     workdir = Path(workdir)
     if workdir.exists():
@@ -79,9 +79,26 @@ def run_demo(workdir: Path) -> int:
     )
     rt = step("round trip check", lambda: compare_hf_dirs(hf, workdir / "hf-back"))
 
+    fdir = workdir / "falcon"
+    f_hf = step(
+        "falcon: build tiny model",
+        lambda: make_falcon(
+            fdir / "hf", new_decoder_architecture=True, num_kv_heads=2, ffn_hidden_size=98
+        ),
+    )
+    f_imp = step(
+        "falcon: import (+ gate)", lambda: import_hf(f_hf, fdir / "nemo", show_progress=False)
+    )
+    f_exp = step("falcon: export (+ gate)", lambda: export_hf(fdir / "nemo", fdir / "hf-back"))
+    f_rt = step("falcon: round trip check", lambda: compare_hf_dirs(f_hf, fdir / "hf-back"))
+
     print()
     print(
         "porting demo: tiny tsuzumi-style model (Llama layout, 2 layers, GQA 4/2, vocab 130->256)"
+    )
+    print(
+        "              tiny Falcon-style model (40B layout: parallel attention + MLP, two norms, "
+        "GQA 4/2, vocab 130->256)"
     )
     print(f"{'step':<26}{'seconds':>9}")
     for name, sec in rows:
@@ -93,6 +110,11 @@ def run_demo(workdir: Path) -> int:
     print(f"{'export parity max|dlogit|':<34}{exp.max_abs_diff:>24.2e}")
     print(f"{'round trip tensors equal':<34}{f'{rt.equal_tensors}/{rt.tensors}':>24}")
     print(f"{'round trip config fields differ':<34}{len(rt.config_fields_differing):>24}")
-    ok = imp.passed and exp.passed and rt.exact
+    print(f"{'falcon import parity max|dlogit|':<34}{f_imp.max_abs_diff:>24.2e}")
+    print(f"{'falcon import parity top-1':<34}{100 * f_imp.top1_agreement:>23.1f}%")
+    print(f"{'falcon export parity max|dlogit|':<34}{f_exp.max_abs_diff:>24.2e}")
+    print(f"{'falcon round trip tensors equal':<34}{f'{f_rt.equal_tensors}/{f_rt.tensors}':>24}")
+    print(f"{'falcon rt config fields differ':<34}{len(f_rt.config_fields_differing):>24}")
+    ok = imp.passed and exp.passed and rt.exact and f_imp.passed and f_exp.passed and f_rt.exact
     print(f"\n{'OK' if ok else 'FAILED'}: outputs in {workdir}/")
     return 0 if ok else 1

@@ -15,6 +15,7 @@ from porting.errors import PortingError
 from porting.family import Family
 
 FAMILIES: dict[str, str] = {
+    "FalconForCausalLM": "converters.falcon",
     "LlamaForCausalLM": "converters.tsuzumi",
 }
 

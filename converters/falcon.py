@@ -1,0 +1,245 @@
+"""Falcon-style family <-> HF ``FalconForCausalLM``: config mapping, weight table, NeMo connectors.
+
+Parity is checked against the third-party ``transformers`` Falcon implementation. The variant
+(7B MQA parallel, 40B/180B two-norm GQA, 11B one-norm GQA, RW sequential ALiBi) is chosen by the
+config switches alone (``new_decoder_architecture``, ``multi_query``, ``parallel_attn``,
+``num_ln_in_parallel_attn``, ``alibi``, ``bias``), never by a model name. Layout facts:
+
+- ``query_key_value`` copies verbatim into ``linear_qkv`` (see the comment at its table entry).
+- The MLP is ungated: ``dense_h_to_4h`` is ``linear_fc1`` as it is.
+- HF ``rotate_half`` rotary and Megatron's non-interleaved rotary are the same convention
+  (``transformers/models/falcon/modeling_falcon.py`` vs
+  ``megatron/core/models/common/embeddings/rope_utils.py``); no q/k row permutation.
+- The norms a layer has depend on its block: sequential ``input_layernorm`` +
+  ``post_attention_layernorm``; parallel with one norm ``input_layernorm``; parallel with two
+  ``ln_attn`` + ``ln_mlp``. They land on Megatron's ``input_layernorm`` / ``pre_mlp_layernorm``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nemo.lightning import io
+
+from models.falcon import FalconBlock, FalconConfig, FalconModel, falcon_block
+from porting.config_map import Carry, Derived, Field, Require
+from porting.convert import PortingExporter, PortingImporter
+from porting.errors import PortingError
+from porting.family import Family, ShapeContext
+from porting.mapping import Fused, Ignore, Rename
+from porting.transforms import VOCAB_PAD
+
+
+def _query_groups_to_mcore(hf: dict) -> dict:
+    """Megatron's query-group count for the HF attention layout; validates the switches together."""
+    heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
+    if not isinstance(heads, int) or heads <= 0 or hidden % heads:
+        raise PortingError(
+            f"config.json: hidden_size={hidden} is not a multiple of num_attention_heads={heads}"
+        )
+    try:
+        falcon_block(
+            new_decoder_architecture=hf.get("new_decoder_architecture", False),
+            parallel_attn=hf.get("parallel_attn", True),
+            num_ln_in_parallel_attn=hf.get("num_ln_in_parallel_attn"),
+        )
+    except ValueError as err:
+        raise PortingError(f"config.json: {err}") from err
+    kv = hf.get("num_kv_heads")
+    if hf.get("new_decoder_architecture", False):
+        kv = heads if kv is None else kv
+        if not isinstance(kv, int) or kv <= 0 or heads % kv:
+            raise PortingError(
+                f"config.json: num_kv_heads={kv!r} does not divide num_attention_heads={heads}"
+            )
+        return {"num_query_groups": kv}
+    if hf.get("multi_query", True):
+        # transformers ignores num_kv_heads here (FalconAttention: one KV head)
+        return {"num_query_groups": 1}
+    if kv not in (None, heads):
+        raise PortingError(
+            f"config.json: num_kv_heads={kv} with multi_query=False and "
+            "new_decoder_architecture=False is not supported: this layout has one KV head per "
+            f"query head ({heads}), and transformers' Falcon cannot run it either"
+        )
+    return {"num_query_groups": heads}
+
+
+def _query_groups_to_hf(c: FalconConfig) -> dict:
+    # num_kv_heads means something only in the new architecture; elsewhere it is carried as it was
+    # (the classic layouts are fixed by multi_query, which FalconConfig keeps consistent).
+    return {"num_kv_heads": c.num_query_groups} if c.new_decoder_architecture else {}
+
+
+def _ffn_to_mcore(hf: dict) -> dict:
+    ffn = hf.get("ffn_hidden_size")
+    # transformers' FalconConfig: None means 4 * hidden_size (Falcon-7B's config.json omits it)
+    return {"ffn_hidden_size": 4 * hf["hidden_size"] if ffn is None else ffn}
+
+
+def _ffn_to_hf(c: FalconConfig) -> dict:
+    # At the default the original spelling (absent, null or explicit) is carried unchanged.
+    return {} if c.ffn_hidden_size == 4 * c.hidden_size else {"ffn_hidden_size": c.ffn_hidden_size}
+
+
+CONFIG = (
+    Field("num_hidden_layers", "num_layers"),
+    Field("hidden_size", "hidden_size"),
+    Field("num_attention_heads", "num_attention_heads"),
+    Derived(("num_kv_heads",), _query_groups_to_mcore, _query_groups_to_hf),
+    Derived(("ffn_hidden_size",), _ffn_to_mcore, _ffn_to_hf),
+    Field("new_decoder_architecture", "new_decoder_architecture", default=False),
+    Field("multi_query", "multi_query", default=True),
+    Field("parallel_attn", "parallel_attn", default=True),
+    Field("num_ln_in_parallel_attn", "num_ln_in_parallel_attn", default=None),
+    Field("alibi", "alibi", default=False),
+    Field("bias", "add_bias_linear", default=False),
+    Field("layer_norm_epsilon", "layernorm_epsilon", default=1e-5),
+    Field("rope_theta", "rotary_base", default=10000.0),
+    Field("max_position_embeddings", "seq_length", default=2048),
+    Field("tie_word_embeddings", "share_embeddings_and_output_weights", default=True),
+    Field("initializer_range", "init_method_std", default=0.02),
+    Require("activation", lambda v: v == "gelu", "the family's MLP is exact (erf) GELU"),
+    Require("rope_scaling", lambda v: v is None, "only unscaled rotary (rope_theta) is supported"),
+    Require(
+        "hidden_dropout",
+        lambda v: v == 0.0,
+        "transformers' Falcon drops out different sums per variant than Megatron; set dropout on "
+        "the NeMo config for training instead",
+    ),
+    Require(
+        "attention_dropout",
+        lambda v: v == 0.0,
+        "transformers' Falcon applies it to the attention residual (sequential) and to ALiBi "
+        "probabilities only, unlike Megatron; set dropout on the NeMo config for training instead",
+    ),
+    Require(
+        "apply_residual_connection_post_layernorm",
+        lambda v: v is False,
+        "transformers' Falcon ignores it, so a checkpoint trained with it has no reference to match",
+    ),
+    Require("model_type", lambda v: v == "falcon", "the HF side is transformers' Falcon layout"),
+    Carry("architectures"),
+    Carry("vocab_size"),  # padded on the Megatron side by the engine, restored exactly on export
+    Carry("bos_token_id"),
+    Carry("eos_token_id"),
+    Carry("pad_token_id"),
+    Carry("torch_dtype"),
+    Carry("dtype"),
+    Carry("transformers_version"),
+    Carry("use_cache"),
+)
+
+
+@dataclass(frozen=True)
+class FalconShapeContext(ShapeContext):
+    """:class:`ShapeContext` plus the decoder block, which decides the per-layer norm keys."""
+
+    block: FalconBlock = FalconBlock.SEQUENTIAL
+
+
+def _biased(ctx: FalconShapeContext) -> bool:
+    return ctx.attention_bias
+
+
+def _sequential(ctx: FalconShapeContext) -> bool:
+    return ctx.block == FalconBlock.SEQUENTIAL
+
+
+def _two_norms(ctx: FalconShapeContext) -> bool:
+    return ctx.block == FalconBlock.PARALLEL_TWO_NORMS
+
+
+def _one_input_norm(ctx: FalconShapeContext) -> bool:
+    return ctx.block != FalconBlock.PARALLEL_TWO_NORMS
+
+
+_L = "transformer.h.*."
+_M = "decoder.layers.*."
+
+
+def _norm(hf: str, mcore: str, when) -> tuple[Rename, Rename]:
+    """A LayerNorm's weight and bias (Falcon's norms always have a bias)."""
+    return (
+        Rename(f"{hf}.weight", f"{mcore}.weight", when=when),
+        Rename(f"{hf}.bias", f"{mcore}.bias", when=when),
+    )
+
+
+def _linear(hf: str, mcore: str) -> tuple[Rename, Rename]:
+    """A linear layer's weight, and its bias where the config has ``bias=True``."""
+    return (
+        Rename(f"{hf}.weight", f"{mcore}.weight"),
+        Rename(f"{hf}.bias", f"{mcore}.bias", when=_biased),
+    )
+
+
+WEIGHTS = (
+    Fused(("transformer.word_embeddings.weight",), "embedding.word_embeddings.weight", VOCAB_PAD),
+    *_norm(_L + "input_layernorm", _M + "input_layernorm", _one_input_norm),
+    *_norm(_L + "post_attention_layernorm", _M + "pre_mlp_layernorm", _sequential),
+    *_norm(_L + "ln_attn", _M + "input_layernorm", _two_norms),
+    *_norm(_L + "ln_mlp", _M + "pre_mlp_layernorm", _two_norms),
+    # Verbatim: transformers' FalconAttention._split_heads reads query_key_value as, per query
+    # group, that group's query heads then one key head then one value head (new architecture:
+    # view [ng, np/ng + 2, hn]; multi_query: [np + 2, hn], i.e. one group; classic MHA:
+    # [np, 3, hn], i.e. np groups of one query head), which is exactly Megatron-Core's
+    # linear_qkv layout [ng, (np/ng + 2) * hn] (megatron/core/transformer/attention.py,
+    # SelfAttention.get_query_key_value_tensors) once num_query_groups is num_kv_heads, 1 or np.
+    # The parity tests cover all three.
+    *_linear(_L + "self_attention.query_key_value", _M + "self_attention.linear_qkv"),
+    *_linear(_L + "self_attention.dense", _M + "self_attention.linear_proj"),
+    *_linear(_L + "mlp.dense_h_to_4h", _M + "mlp.linear_fc1"),
+    *_linear(_L + "mlp.dense_4h_to_h", _M + "mlp.linear_fc2"),
+    *_norm("transformer.ln_f", "decoder.final_layernorm", None),
+    Fused(("lm_head.weight",), "output_layer.weight", VOCAB_PAD, when=lambda c: not c.tied_output),
+    Ignore(
+        "lm_head.weight",
+        "tied to transformer.word_embeddings.weight; transformers ignores it too",
+        when=lambda c: c.tied_output,
+    ),
+)
+
+
+def shape_context(config: FalconConfig, vocab_size: int) -> FalconShapeContext:
+    """Shape facts of a Falcon config for the table (``vocab_size`` is the HF, unpadded one)."""
+    return FalconShapeContext(
+        num_layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        num_heads=config.num_attention_heads,
+        num_query_groups=config.num_query_groups or config.num_attention_heads,
+        head_dim=config.kv_channels,
+        vocab_size=vocab_size,
+        padded_vocab_size=config.vocab_size,
+        tied_output=config.share_embeddings_and_output_weights,
+        attention_bias=config.add_bias_linear,
+        mlp_bias=config.add_bias_linear,
+        block=config.block,
+    )
+
+
+FAMILY = Family(
+    name="falcon",
+    hf_architecture="FalconForCausalLM",
+    config_entries=CONFIG,
+    weights=WEIGHTS,
+    config_cls=FalconConfig,
+    model_cls=FalconModel,
+    shape_context=shape_context,
+    hf_model_class="FalconForCausalLM",
+    # transformers' default for Falcon; its eager path (4.57) adds ALiBi a second time through the
+    # causal mask (FalconModel._update_causal_mask), unlike the original RW code and sdpa
+    hf_attn_implementation="sdpa",
+)
+
+
+@io.model_importer(FalconModel, "hf")
+class HFFalconImporter(PortingImporter):
+    """``llm.import_ckpt(model=FalconModel(...), source="hf://DIR")`` for ``FalconForCausalLM``."""
+
+    FAMILY = FAMILY
+
+
+@io.model_exporter(FalconModel, "hf")
+class HFFalconExporter(PortingExporter):
+    """``llm.export_ckpt(path, target="hf")`` for Falcon checkpoints."""
