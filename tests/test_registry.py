@@ -6,6 +6,7 @@ from porting import registry
 def test_registry_lists_exactly_the_known_families():
     assert registry.FAMILIES == {
         "LlamaForCausalLM": "converters.tsuzumi",
+        "FalconForCausalLM": "converters.falcon",
     }
 
 

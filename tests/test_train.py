@@ -309,3 +309,40 @@ def test_cli_dry_run_and_slurm_script(tiny_nemo, corpus, tmp_path):
         "2",
     )
     assert r.returncode == 2 and "--executor torchrun" in r.stderr
+
+
+def test_falcon_trains_through_the_same_entry_and_exports(tmp_path):
+    """The Falcon family's custom spec trains with the same `porting train` and exports with parity."""
+    from transformers import AutoTokenizer
+
+    from porting.convert import export_hf, import_hf
+    from porting.testing import make_falcon, make_indexed_dataset
+
+    hf = make_falcon(
+        tmp_path / "hf", new_decoder_architecture=True, num_kv_heads=2, ffn_hidden_size=98
+    )
+    import_hf(hf, tmp_path / "nemo", show_progress=False)
+    tok = AutoTokenizer.from_pretrained(str(hf))
+    data = make_indexed_dataset(tmp_path / "data" / "corpus_text_document", tok, [TEXT] * 300)
+    out = tmp_path / "run"
+    r = _porting(
+        "train",
+        "--checkpoint",
+        str(tmp_path / "nemo"),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--steps",
+        "16",
+        "--warmup",
+        "2",
+        "--save-every",
+        "16",
+        *COMMON,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    losses = _losses(out)
+    assert losses[15] < 0.6 * losses[0], losses
+    report = export_hf(out / "checkpoints" / "last", tmp_path / "back")
+    assert report.passed and report.top1_agreement == 1.0
