@@ -61,10 +61,17 @@ def build(family: str, root: Path, args) -> Path:
     )
     if family == "tsuzumi":
         return testing.make_llama(root / family, intermediate_size=args.ffn, **common)
-    builder = getattr(testing, f"make_{family}", None)
-    if builder is None:
-        raise SystemExit(f"no test builder for family {family}")
-    return builder(root / family, **common)
+    if family == "falcon":
+        # 40B layout (GQA, two norms, parallel block), GELU MLP of 4h: the same FLOPs per token
+        # as the SwiGLU of 2/3 x 4h above.
+        return testing.make_falcon(
+            root / family,
+            ffn_hidden_size=4 * args.hidden,
+            new_decoder_architecture=True,
+            multi_query=False,
+            **common,
+        )
+    raise SystemExit(f"no benchmark builder for family {family}")
 
 
 def bench(ckpt: Path, args, device: torch.device, peak: float) -> dict:
