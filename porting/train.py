@@ -13,8 +13,14 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from nemo.lightning.ckpt_utils import ckpt_to_dir
+from nemo.lightning.pytorch.callbacks import ModelCheckpoint
 
 from porting import cpu
 from porting.errors import PortingError
@@ -203,7 +209,6 @@ class Recipe:
 
 def recipe(spec: TrainSpec) -> Recipe:
     """Build the NeMo 2.0 objects for ``spec`` (validated first)."""
-    import torch
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
     from nemo import lightning as nl
@@ -313,6 +318,7 @@ def recipe(spec: TrainSpec) -> Recipe:
         enable_progress_bar=True,
         use_distributed_sampler=False,
         enable_checkpointing=spec.save_every > 0,
+        callbacks=[ThroughputLogger(spec.global_batch * spec.seq_length)],
     )
     opt = OptimizerConfig(
         optimizer="adam",
@@ -336,7 +342,7 @@ def recipe(spec: TrainSpec) -> Recipe:
     ckpt_cb = (
         None
         if spec.save_every == 0
-        else _SelfDescribingCheckpoint(
+        else SelfDescribingCheckpoint(
             source=Path(spec.checkpoint),
             every_n_train_steps=spec.save_every,
             save_last=True,
@@ -362,31 +368,41 @@ def recipe(spec: TrainSpec) -> Recipe:
     return Recipe(spec, model, data, trainer, optim, logger, resume, warnings)
 
 
-def _self_describing_checkpoint_cls():
-    from nemo.lightning.pytorch.callbacks import ModelCheckpoint
+class ThroughputLogger(Callback):
+    """Logs ``tokens_per_s`` (global batch x sequence / step time) and, on GPUs, ``gpu_mem_gib``.
 
-    class SelfDescribingCheckpoint(ModelCheckpoint):
-        """NeMo's ModelCheckpoint that also copies our manifest into every checkpoint's context.
+    A Lightning batch under MegatronStrategy is one global step (all micro-batches), so one
+    timing per batch is one optimizer step.
+    """
 
-        A training checkpoint then exports on its own, like an imported one.
-        """
+    def __init__(self, tokens_per_step: int) -> None:
+        self.tokens_per_step = tokens_per_step
+        self._start = 0.0
 
-        def __init__(self, *args, source: Path, **kwargs):
-            super().__init__(*args, **kwargs)
-            self._source = Path(source)
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._start = time.perf_counter()
 
-        def _save_checkpoint(self, trainer, filepath: str) -> None:
-            super()._save_checkpoint(trainer, filepath)
-            if trainer.global_rank == 0:
-                from nemo.lightning.ckpt_utils import ckpt_to_dir
-
-                copy_manifest(self._source, ckpt_to_dir(filepath))
-
-    return SelfDescribingCheckpoint
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        elapsed = max(time.perf_counter() - self._start, 1e-9)
+        pl_module.log("tokens_per_s", self.tokens_per_step / elapsed, batch_size=1)
+        if torch.cuda.is_available():
+            pl_module.log("gpu_mem_gib", torch.cuda.max_memory_allocated() / 2**30, batch_size=1)
 
 
-def _SelfDescribingCheckpoint(**kwargs):  # noqa: N802 - a class factory, used like a class
-    return _self_describing_checkpoint_cls()(**kwargs)
+class SelfDescribingCheckpoint(ModelCheckpoint):
+    """NeMo's ModelCheckpoint that also copies our manifest into every checkpoint's context.
+
+    A training checkpoint then exports on its own, like an imported one.
+    """
+
+    def __init__(self, *args, source: Path, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._source = Path(source)
+
+    def _save_checkpoint(self, trainer, filepath: str) -> None:
+        super()._save_checkpoint(trainer, filepath)
+        if trainer.global_rank == 0:
+            copy_manifest(self._source, ckpt_to_dir(filepath))
 
 
 def copy_manifest(source_ckpt: Path, ckpt: Path) -> None:
@@ -483,3 +499,28 @@ srun torchrun \\
   --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \\
   -m porting.cli train {cmd}
 """
+
+
+def launch_nemo_run(spec: TrainSpec, argv: list[str]) -> int:
+    """Run ``porting train ARGV`` through NeMo-Run (``LocalExecutor`` with the torchrun launcher).
+
+    NeMo-Run records the experiment under ``OUT/nemo_run``; users who run on a cluster through
+    NeMo-Run swap the executor (``run.SlurmExecutor``) in their own script around the same
+    ``run.Script``.
+    """
+    import os
+
+    import nemo_run as run
+
+    if spec.nodes != 1:
+        raise PortingError("--executor nemo-run launches on this node; use slurm for --nodes > 1")
+    import sys
+
+    os.environ.setdefault("NEMORUN_HOME", str(Path(spec.out).resolve() / "nemo_run"))
+    # NeMo-Run finds torchrun on PATH; make it this environment's, as a venv need not be activated.
+    bindir = str(Path(sys.executable).parent)
+    os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+    script = run.Script(path="porting.cli", args=["train", *argv], entrypoint="python", m=True)
+    executor = run.LocalExecutor(ntasks_per_node=spec.gpus_per_node, launcher="torchrun")
+    run.run(script, executor=executor, name="porting-train")
+    return 0

@@ -65,10 +65,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto")
     p.add_argument(
         "--executor",
-        choices=["local", "torchrun", "slurm"],
+        choices=["local", "torchrun", "slurm", "nemo-run"],
         default="local",
         help="local: this process (or the rank torchrun/srun started); torchrun: start "
-        "--gpus-per-node processes here; slurm: write OUT/train.sbatch for a multi-node job",
+        "--gpus-per-node processes here; slurm: write OUT/train.sbatch for a multi-node job; "
+        "nemo-run: launch through NeMo-Run's LocalExecutor with its torchrun launcher",
     )
     p.add_argument("--dry-run", action="store_true", help="validate and print the plan only")
     p.set_defaults(func=_cmd_train)
@@ -150,6 +151,8 @@ def _cmd_train(args) -> int:
             *_rank_argv(),
         ]
         return subprocess.call(cmd)
+    if args.executor == "nemo-run":
+        return train.launch_nemo_run(spec, _rank_argv())
     if spec.world_size > 1 and "LOCAL_RANK" not in os.environ and "SLURM_PROCID" not in os.environ:
         raise PortingError(
             f"{spec.world_size} processes requested: use --executor torchrun (one node) or "

@@ -96,6 +96,10 @@ def test_loss_falls_and_checkpoints_appear(reference_run):
     assert (last / "context" / "porting.json").exists()
     assert list((reference_run / "tb").glob("events.out.tfevents.*"))
     assert (reference_run / "run.json").exists()
+    with open(reference_run / "csv" / "metrics.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert {"lr", "reduced_train_loss", "tokens_per_s"} <= set(rows[0])
+    assert any(float(r["tokens_per_s"]) > 0 for r in rows if r.get("tokens_per_s"))
 
 
 def test_resume_after_kill_continues_with_the_same_data_order(
@@ -346,3 +350,26 @@ def test_falcon_trains_through_the_same_entry_and_exports(tmp_path):
     assert losses[15] < 0.6 * losses[0], losses
     report = export_hf(out / "checkpoints" / "last", tmp_path / "back")
     assert report.passed and report.top1_agreement == 1.0
+
+
+def test_nemo_run_executor_launches_the_same_training(tiny_nemo, corpus, tmp_path):
+    out = tmp_path / "nr"
+    r = _porting(
+        "train",
+        "--checkpoint",
+        str(tiny_nemo),
+        "--data",
+        str(corpus),
+        "--out",
+        str(out),
+        "--steps",
+        "2",
+        "--save-every",
+        "0",
+        "--executor",
+        "nemo-run",
+        *COMMON,
+        timeout=600,
+    )
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert sorted(_losses(out)) == [0, 1]
