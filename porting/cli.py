@@ -21,6 +21,9 @@ _SUBCOMMAND_MODULES = (
 )
 
 
+_OWN_PACKAGES = ("porting", "models", "converters", "data_prep")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the top-level parser with every subcommand registered."""
     parser = argparse.ArgumentParser(
@@ -39,10 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script; returns the process exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    # Our packages log at INFO; third-party libraries only from WARNING up unless -v.
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
+        level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    for name in _OWN_PACKAGES:
+        logging.getLogger(name).setLevel(logging.DEBUG if args.verbose else logging.INFO)
     try:
         return int(args.func(args) or 0)
     except PortingError as err:

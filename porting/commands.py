@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -13,6 +14,14 @@ def _offline() -> None:
     # Nothing we run may reach a hub: every model and tokenizer is a local directory.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def _quiet_nemo(args) -> None:
+    """Keep NeMo's own INFO narration (one line per setup step) out of conversion output."""
+    if not args.verbose:
+        from nemo.utils import logging as nemo_logging
+
+        nemo_logging.setLevel(logging.WARNING)
 
 
 def _add_gate_flags(p: argparse.ArgumentParser) -> None:
@@ -110,6 +119,8 @@ def _cmd_import(args) -> int:
     _offline()
     from porting.convert import import_hf
 
+    _quiet_nemo(args)
+
     report = import_hf(
         args.hf_dir,
         args.out,
@@ -132,6 +143,8 @@ def _cmd_verify(args) -> int:
     _offline()
     from porting import parity
 
+    _quiet_nemo(args)
+
     kwargs = {
         k: v
         for k, v in (("atol", args.atol), ("rtol", args.rtol), ("min_top1", args.min_top1))
@@ -145,6 +158,8 @@ def _cmd_verify(args) -> int:
 def _cmd_export(args) -> int:
     _offline()
     from porting.convert import export_hf
+
+    _quiet_nemo(args)
 
     report = export_hf(
         args.ckpt,
@@ -162,5 +177,7 @@ def _cmd_export(args) -> int:
 def _cmd_demo(args) -> int:
     _offline()
     from porting.demo import run_demo
+
+    _quiet_nemo(args)
 
     return run_demo(args.workdir)
