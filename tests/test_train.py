@@ -29,6 +29,20 @@ def _env() -> dict:
     return env | {"PYTHONUNBUFFERED": "1"}
 
 
+def _train_argv(ckpt, data, out, *extra: str) -> list[str]:
+    """`python -m porting.cli train` for ``ckpt`` on ``data`` into ``out``, plus ``extra`` flags."""
+    return [
+        sys.executable, "-m", "porting.cli", "train",
+        "--checkpoint", str(ckpt), "--data", str(data), "--out", str(out), *extra, *COMMON,
+    ]  # fmt: skip
+
+
+def _run_train(ckpt, data, out, *extra: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        _train_argv(ckpt, data, out, *extra), capture_output=True, text=True, env=_env(), **kw
+    )
+
+
 def _porting(*args: str, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "porting.cli", *args],
@@ -66,22 +80,10 @@ def corpus(tiny_llama, tmp_path_factory):
 def reference_run(tiny_nemo, corpus, tmp_path_factory):
     """An uninterrupted 24-step run, checkpointing every 4 steps."""
     out = tmp_path_factory.mktemp("runs") / "ref"
-    r = _porting(
-        "train",
-        "--checkpoint",
-        str(tiny_nemo),
-        "--data",
-        str(corpus),
-        "--out",
-        str(out),
-        "--steps",
-        "24",
-        "--warmup",
-        "2",
-        "--save-every",
-        "4",
-        *COMMON,
+    argv = _train_argv(
+        tiny_nemo, corpus, out, "--steps", "24", "--warmup", "2", "--save-every", "4"
     )
+    r = subprocess.run(argv, capture_output=True, text=True, env=_env())
     assert r.returncode == 0, r.stderr[-3000:]
     return out
 
@@ -106,25 +108,9 @@ def test_resume_after_kill_continues_with_the_same_data_order(
     tiny_nemo, corpus, reference_run, tmp_path
 ):
     out = tmp_path / "killed"
-    args = [
-        sys.executable,
-        "-m",
-        "porting.cli",
-        "train",
-        "--checkpoint",
-        str(tiny_nemo),
-        "--data",
-        str(corpus),
-        "--out",
-        str(out),
-        "--steps",
-        "24",
-        "--warmup",
-        "2",
-        "--save-every",
-        "4",
-        *COMMON,
-    ]
+    args = _train_argv(
+        tiny_nemo, corpus, out, "--steps", "24", "--warmup", "2", "--save-every", "4"
+    )
     proc = subprocess.Popen(
         args,
         stdout=subprocess.DEVNULL,
@@ -180,13 +166,9 @@ def test_two_process_layouts_give_the_first_step_loss_of_one(
     layout, tiny_nemo, corpus, reference_run, tmp_path
 ):
     out = tmp_path / "run"
-    r = _porting(
-        "train",
-        "--checkpoint",
+    r = _run_train(
         str(tiny_nemo),
-        "--data",
         str(corpus),
-        "--out",
         str(out),
         "--steps",
         "1",
@@ -197,7 +179,6 @@ def test_two_process_layouts_give_the_first_step_loss_of_one(
         "--executor",
         "torchrun",
         *layout,
-        *COMMON,
         timeout=600,
     )
     assert r.returncode == 0, r.stderr[-3000:]
@@ -329,13 +310,9 @@ def test_falcon_trains_through_the_same_entry_and_exports(tmp_path):
     tok = AutoTokenizer.from_pretrained(str(hf))
     data = make_indexed_dataset(tmp_path / "data" / "corpus_text_document", tok, [TEXT] * 300)
     out = tmp_path / "run"
-    r = _porting(
-        "train",
-        "--checkpoint",
+    r = _run_train(
         str(tmp_path / "nemo"),
-        "--data",
         str(data),
-        "--out",
         str(out),
         "--steps",
         "16",
@@ -343,7 +320,6 @@ def test_falcon_trains_through_the_same_entry_and_exports(tmp_path):
         "2",
         "--save-every",
         "16",
-        *COMMON,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     losses = _losses(out)
@@ -354,13 +330,9 @@ def test_falcon_trains_through_the_same_entry_and_exports(tmp_path):
 
 def test_nemo_run_executor_launches_the_same_training(tiny_nemo, corpus, tmp_path):
     out = tmp_path / "nr"
-    r = _porting(
-        "train",
-        "--checkpoint",
+    r = _run_train(
         str(tiny_nemo),
-        "--data",
         str(corpus),
-        "--out",
         str(out),
         "--steps",
         "2",
@@ -368,7 +340,6 @@ def test_nemo_run_executor_launches_the_same_training(tiny_nemo, corpus, tmp_pat
         "0",
         "--executor",
         "nemo-run",
-        *COMMON,
         timeout=600,
     )
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
