@@ -18,6 +18,7 @@ from porting.errors import PortingError
 _SUBCOMMAND_MODULES = (
     "porting.commands",
     "porting.train_cli",
+    "porting.planner.cli",
 )
 
 

@@ -1,0 +1,325 @@
+"""Calibration: read nccl-tests logs and a measured step time, refit the efficiency constants.
+
+nccl-tests (github.com/NVIDIA/nccl-tests) print one row per message size: ``size count type
+redop root`` then, out of place and in place, ``time (us) algbw busbw #wrong``; a header lists
+every rank as ``#  Rank  N Group G Pid P on HOST device D``. Bus bandwidth already folds in the
+``2(n-1)/n`` ring factor, so the largest messages' busbw is the per-rank bandwidth the comm model
+calls ``bw``, and the smallest messages' time is its latency term.
+
+The log's name says which level it measured: ``node_*``, ``site-<site>_*`` (or ``site_*``) and
+``link-<a>-<b>_*``, as ``nccl_tests.sh`` (from ``--emit``) writes them.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from porting.errors import PortingError
+from porting.planner.cluster import Cluster
+from porting.planner.comm import Efficiency, Network, allreduce, p2p
+from porting.planner.perf import Evaluator, Layout
+from porting.planner.placement import NODE, SITE, WAN, GroupShape
+
+_RANK = re.compile(r"^#\s*Rank\s+(\d+)\s+Group\s+\d+\s+Pid\s+\d+\s+on\s+(\S+)")
+_COLLECTIVE = re.compile(r"(all_reduce|all_gather|reduce_scatter|sendrecv|alltoall|broadcast)")
+
+
+@dataclass(frozen=True)
+class NcclTest:
+    """One nccl-tests log: which level, which collective, how many ranks and nodes, the rows."""
+
+    path: str
+    level: int
+    link: str | None  # "a-b" as in the file name; resolved against the cluster's sites
+    site: str | None
+    collective: str
+    ranks: int
+    nodes: int
+    rows: tuple[tuple[int, float, float], ...]  # (bytes, time in seconds, busbw in bytes/s)
+
+    @property
+    def busbw(self) -> float:
+        """Bus bandwidth at the largest messages (bytes/s)."""
+        return max(r[2] for r in self.rows[-3:])
+
+    @property
+    def small_time(self) -> float:
+        """Time of the smallest message (seconds): the latency term."""
+        return self.rows[0][1]
+
+
+def parse_nccl_test(path: str | Path) -> NcclTest:
+    """Parse one nccl-tests log; the level comes from the file name."""
+    p = Path(path)
+    text = p.read_text(errors="replace")
+    name = p.name
+    link = site = None
+    tail = re.match(r"^(node|site|link)(?:-(.+?))?_(?:" + _COLLECTIVE.pattern[1:-1] + ")", name)
+    if name.startswith("node"):
+        level = NODE
+    elif name.startswith("site"):
+        level = SITE
+        site = tail.group(2) if tail else None
+    elif name.startswith("link-"):
+        level = WAN
+        if not tail or not tail.group(2) or "-" not in tail.group(2):
+            raise PortingError(f"{p}: cannot tell the two sites from the name (link-A-B_*.log)")
+        link = tail.group(2)
+    else:
+        raise PortingError(f"{p}: name must start with node, site or link-A-B (the level)")
+    found = _COLLECTIVE.search(name) or _COLLECTIVE.search(text)
+    if not found:
+        raise PortingError(f"{p}: cannot tell the collective (all_reduce, sendrecv, ...)")
+    hosts: dict[int, str] = {}
+    rows: list[tuple[int, float, float]] = []
+    for line in text.splitlines():
+        m = _RANK.match(line.strip())
+        if m:
+            hosts[int(m.group(1))] = m.group(2)
+            continue
+        if line.lstrip().startswith("#") or not line.strip():
+            continue
+        tok = line.split()
+        if not tok[0].isdigit() or len(tok) < 9:
+            continue
+        try:
+            size = int(tok[0])
+            t_us, busbw = float(tok[-8]), float(tok[-6])
+        except ValueError:
+            continue
+        rows.append((size, t_us * 1e-6, busbw * 1e9))
+    if not rows:
+        raise PortingError(f"{p}: no result rows (size count type ... time algbw busbw)")
+    if not hosts:
+        raise PortingError(f"{p}: no '# Rank N ... on HOST' lines; cannot tell the rank count")
+    rows.sort()
+    return NcclTest(
+        path=str(p),
+        level=level,
+        link=link,
+        site=site,
+        collective=found.group(1),
+        ranks=len(hosts),
+        nodes=len(set(hosts.values())),
+        rows=tuple(rows),
+    )
+
+
+def load_nccl_tests(directory: str | Path) -> list[NcclTest]:
+    """Every ``*.log``/``*.txt`` nccl-tests output in ``directory``."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise PortingError(f"--calibrate {d}: not a directory")
+    files = sorted(f for f in d.iterdir() if f.suffix in (".log", ".txt", ".out"))
+    if not files:
+        raise PortingError(f"--calibrate {d}: no nccl-tests logs (*.log, *.txt, *.out)")
+    return [parse_nccl_test(f) for f in files]
+
+
+def _test_shape(cluster: Cluster, t: NcclTest) -> GroupShape:
+    per_node = max(1, t.ranks // max(1, t.nodes))
+    if t.level == WAN:
+        return GroupShape(t.ranks, WAN, per_node, (resolve_link(cluster, t),), 1)
+    return GroupShape(t.ranks, t.level, per_node, (), 1)
+
+
+def resolve_link(cluster: Cluster, t: NcclTest):
+    """The cluster link a ``link-A-B_*`` log measured (site names may contain hyphens)."""
+    raw = t.link or ""
+    names = {s.name for s in cluster.sites}
+    for i, ch in enumerate(raw):
+        if ch == "-" and raw[:i] in names and raw[i + 1 :] in names:
+            return cluster.link(raw[:i], raw[i + 1 :])
+    raise PortingError(f"{t.path}: {raw!r} does not name two sites of the cluster")
+
+
+def predict_test(cluster: Cluster, eff: Efficiency, t: NcclTest, size: float) -> float:
+    """What the comm model predicts for one nccl-tests row of ``size`` bytes (seconds)."""
+    net = Network(cluster, eff, tune=False)
+    path = net.path(_test_shape(cluster, t))
+    if t.collective == "sendrecv":
+        return p2p(size, path)
+    if t.collective in ("all_gather", "reduce_scatter"):
+        n = t.ranks
+        return (n - 1) * path.latency + (n - 1) / n * size / path.bandwidth
+    return allreduce(t.ranks, size, path)
+
+
+def _steps(t: NcclTest) -> float:
+    n = t.ranks
+    if t.collective == "sendrecv":
+        return 1
+    if t.collective in ("all_gather", "reduce_scatter"):
+        return n - 1
+    return min(2 * (n - 1), 2 * math.ceil(math.log2(max(n, 2))))
+
+
+@dataclass(frozen=True)
+class LevelFit:
+    """Measured against predicted for one log, and the constant it set."""
+
+    path: str
+    level: str
+    predicted_busbw: float
+    measured_busbw: float
+    predicted_latency: float
+    measured_latency: float
+    constant: str
+    value: float
+
+
+def fit_levels(
+    cluster: Cluster, eff: Efficiency, tests: list[NcclTest]
+) -> tuple[Efficiency, list[LevelFit]]:
+    """Refit bandwidth efficiency and latency per level from nccl-tests logs."""
+    fits: list[LevelFit] = []
+    for t in tests:
+        if t.collective not in ("all_reduce", "sendrecv", "all_gather", "reduce_scatter"):
+            continue
+        big = t.rows[-1][0]
+        before = predict_test(cluster, eff, t, big)
+        pred_busbw = _busbw(t, big, before)
+        scale = t.busbw / pred_busbw
+        if t.level == NODE:
+            name, value = "node_bw", eff.node_bw * scale
+            lat = t.small_time / _steps(t)
+            eff = replace(eff, node_bw=value, node_latency=lat)
+        elif t.level == SITE:
+            name, value = "site_bw", eff.site_bw * scale
+            lat = t.small_time / _steps(t)
+            eff = replace(eff, site_bw=value, site_latency=lat)
+        else:
+            link = resolve_link(cluster, t)
+            name = "wan_tcp" if link.transport == "tcp" else "wan_rdma"
+            value = getattr(eff, name) * scale
+            small = t.rows[0][0]
+            lat_before = predict_test(cluster, eff, t, small)
+            eff = replace(eff, **{name: value})
+            eff = replace(eff, wan_latency_scale=eff.wan_latency_scale * t.small_time / lat_before)
+        fits.append(
+            LevelFit(
+                path=t.path,
+                level=("node", "site", "wan")[t.level],
+                predicted_busbw=pred_busbw,
+                measured_busbw=t.busbw,
+                predicted_latency=predict_test(cluster, eff, t, t.rows[0][0]),
+                measured_latency=t.small_time,
+                constant=name,
+                value=value,
+            )
+        )
+    return eff, fits
+
+
+def _busbw(t: NcclTest, size: float, seconds: float) -> float:
+    """nccl-tests' bus bandwidth of a ``size``-byte operation taking ``seconds``."""
+    n = t.ranks
+    algbw = size / seconds
+    if t.collective == "all_reduce":
+        return algbw * 2 * (n - 1) / n
+    if t.collective in ("all_gather", "reduce_scatter"):
+        return algbw * (n - 1) / n
+    return algbw
+
+
+def fit_step(ev: Evaluator, layout: Layout, measured: float) -> Efficiency:
+    """The compute efficiency that makes ``layout``'s predicted step equal ``measured``.
+
+    Step time falls monotonically as the efficiency rises, so bisection on [0.01, 1] finds it;
+    a measurement outside what any efficiency can explain is an error naming the bounds.
+    """
+
+    def step(c: float) -> float:
+        return _with_eff(ev, replace(ev.eff, compute=c)).predict(layout).step
+
+    lo, hi = 0.01, 1.0
+    if not step(hi) <= measured <= step(lo):
+        raise PortingError(
+            f"--measured-step {measured}: outside what the model explains for {layout.label()} "
+            f"({step(hi):.3g} s at 100% compute efficiency to {step(lo):.3g} s at 1%); "
+            "check the layout and the cluster file"
+        )
+    for _ in range(60):
+        mid = math.sqrt(lo * hi)
+        if step(mid) > measured:
+            lo = mid
+        else:
+            hi = mid
+    return replace(ev.eff, compute=math.sqrt(lo * hi))
+
+
+def _with_eff(ev: Evaluator, eff: Efficiency) -> Evaluator:
+    return Evaluator(ev.model, ev.cluster, ev.seq, ev.global_batch, ev.settings, eff)
+
+
+def fit_constants(
+    observations: list[tuple[Evaluator, Layout, float]],
+    eff: Efficiency,
+    names: tuple[str, ...] = ("compute", "memory_passes"),
+) -> Efficiency:
+    """Fit up to two constants so that each observation's step equals its measured time.
+
+    Newton's method on the log of predicted/measured, with finite-difference derivatives: the
+    step time is close to linear in 1/compute and in memory_passes, so it converges in a few
+    iterations. Needs as many observations as constants.
+    """
+    if len(observations) < len(names):
+        raise PortingError(f"fitting {len(names)} constants needs as many measurements")
+    obs = observations[: len(names)]
+
+    def residual(values: list[float]) -> list[float]:
+        e = replace(eff, **dict(zip(names, values, strict=True)))
+        return [math.log(_with_eff(ev, e).predict(lay).step / meas) for ev, lay, meas in obs]
+
+    x = [getattr(eff, n) for n in names]
+    for _ in range(20):
+        r = residual(x)
+        if max(abs(v) for v in r) < 1e-9:
+            break
+        jac = []
+        for j in range(len(x)):
+            dx = list(x)
+            dx[j] *= 1.001
+            rj = residual(dx)
+            jac.append([(rj[i] - r[i]) / (x[j] * 0.001) for i in range(len(r))])
+        step = _solve([[jac[j][i] for j in range(len(x))] for i in range(len(r))], r)
+        x = [max(1e-3, xi - si) for xi, si in zip(x, step, strict=True)]
+    return replace(eff, **dict(zip(names, x, strict=True)))
+
+
+def _solve(a: list[list[float]], b: list[float]) -> list[float]:
+    """Solve a 1x1 or 2x2 linear system."""
+    if len(b) == 1:
+        return [b[0] / a[0][0]]
+    det = a[0][0] * a[1][1] - a[0][1] * a[1][0]
+    if det == 0:
+        raise PortingError("the measurements do not separate the constants (singular fit)")
+    return [
+        (b[0] * a[1][1] - a[0][1] * b[1]) / det,
+        (a[0][0] * b[1] - b[0] * a[1][0]) / det,
+    ]
+
+
+def load_constants(path: str | Path) -> Efficiency:
+    """Efficiency constants from a YAML file written by ``--save-constants``."""
+    import yaml
+
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except (OSError, yaml.YAMLError) as err:
+        raise PortingError(f"--constants {p}: cannot read ({err})") from err
+    if not isinstance(data, dict):
+        raise PortingError(f"{p}: expected a mapping of constant names to numbers")
+    known = set(Efficiency.__dataclass_fields__)
+    for key, value in data.items():
+        if key not in known:
+            raise PortingError(f"{p}: {key}: unknown constant (known: {', '.join(sorted(known))})")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise PortingError(f"{p}: {key}: expected a number, got {value!r}")
+        if value is not None and value <= 0 and key != "wan_latency_scale":
+            raise PortingError(f"{p}: {key}: must be > 0")
+    return replace(Efficiency(), **data)

@@ -1,0 +1,199 @@
+"""Alpha-beta costs of NCCL collectives, and the bandwidth a group sees at each level.
+
+A collective over ``n`` ranks moving ``size`` bytes per rank costs ``steps x alpha + bytes / bw``
+(Hockney's model; ring and tree forms as in Thakur, Rabenseifner and Gropp, "Optimization of
+Collective Communication Operations in MPICH", IJHPCA 2005, and NCCL's ``doc/PERFORMANCE.md``):
+
+- ring all-reduce: ``2(n-1) alpha + 2 (n-1)/n size / bw``
+- tree all-reduce (NCCL's double binary tree): ``2 ceil(log2 n) alpha + 2 size / bw``
+- ring reduce-scatter / all-gather: ``(n-1) alpha + (n-1)/n size / bw`` (``size`` = full buffer)
+- point-to-point: ``alpha + size / bw``
+
+``bw`` is the bus bandwidth one rank gets: NVLink inside a node; ``members per node x NIC``
+between nodes (a ring crosses each node boundary once, and the node's NICs carry all the rings
+that cross it); over an inter-site link, the link's usable bandwidth shared by the groups that
+cross it at once, and at most ``channels x NCCL_BUFFSIZE / RTT`` per group: NCCL keeps one
+buffer (``NCCL_STEPS`` = 8 slots) in flight per channel and connection, so a channel cannot move
+more than one buffer per round trip.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from porting.planner.cluster import MIB, Cluster, Link, NcclSettings
+from porting.planner.placement import NODE, SITE, WAN, GroupShape
+
+# NCCL_BUFFSIZE values the planner recommends stay within these bounds: NCCL's default, and a
+# ceiling past which the buffers' GPU memory (channels x peers x buffer) starts to matter.
+MIN_BUFFSIZE = 4 * MIB
+MAX_BUFFSIZE = 64 * MIB
+MAX_STREAMS = 8
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """The fitted constants: fractions of nominal speed reached in practice.
+
+    ``compute`` is the fraction of dense bf16 peak that the GEMMs reach; ``memory_passes`` is
+    how many times the memory-bound kernels (norms, activations, dropout, softmax, residuals)
+    read or write each activation byte that a layer stores (Korthikanti et al. 2022's count),
+    over forward and backward. Defaults: fitted to Narayanan et al. Table 1 rows 1.7B and 145B
+    (A100, see tests/test_plan_published.py); the bandwidth fractions are typical nccl-tests
+    bus bandwidths over nominal. ``porting plan --calibrate`` refits them from measurements.
+    """
+
+    compute: float = 0.677
+    memory_passes: float = 7.24
+    node_bw: float = 0.80
+    site_bw: float = 0.85
+    wan_rdma: float = 0.90
+    wan_tcp: float = 0.60
+    node_latency: float | None = None  # seconds per step; None: the cluster file's value
+    site_latency: float | None = None
+    wan_latency_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class Path:
+    """What one rank of a group sees: bytes/s, seconds per step, and the widest level."""
+
+    bandwidth: float
+    latency: float
+    level: int
+
+
+def ring_allreduce(n: int, size: float, p: Path) -> float:
+    """Ring all-reduce time."""
+    if n <= 1 or size <= 0:
+        return 0.0
+    return 2 * (n - 1) * p.latency + 2 * (n - 1) / n * size / p.bandwidth
+
+
+def tree_allreduce(n: int, size: float, p: Path) -> float:
+    """Double-binary-tree all-reduce time (log latency, full-buffer bandwidth term)."""
+    if n <= 1 or size <= 0:
+        return 0.0
+    return 2 * math.ceil(math.log2(n)) * p.latency + 2 * size / p.bandwidth
+
+
+def allreduce(n: int, size: float, p: Path) -> float:
+    """NCCL picks the faster of ring and tree for each message size."""
+    return min(ring_allreduce(n, size, p), tree_allreduce(n, size, p))
+
+
+def reduce_scatter(n: int, size: float, p: Path) -> float:
+    """Ring reduce-scatter of a ``size``-byte buffer (all-gather costs the same)."""
+    if n <= 1 or size <= 0:
+        return 0.0
+    return (n - 1) * p.latency + (n - 1) / n * size / p.bandwidth
+
+
+all_gather = reduce_scatter
+
+
+def p2p(size: float, p: Path) -> float:
+    """One point-to-point transfer."""
+    if size <= 0:
+        return 0.0
+    return p.latency + size / p.bandwidth
+
+
+def tuned_streams(base: NcclSettings, link: Link) -> int:
+    """Queue pairs (or sockets) per connection: enough for one flow to use every parallel link."""
+    return min(MAX_STREAMS, max(base.streams, link.count))
+
+
+def tuned_nccl(base: NcclSettings, share: float, link: Link) -> NcclSettings:
+    """NCCL settings for flows of ``share`` bytes/s over ``link``.
+
+    The buffer is the bandwidth-delay product per channel (``share x RTT / channels``), rounded
+    up to a power of two within [4, 64] MiB; queue pairs (or sockets for TCP) are raised until
+    the flows crossing can hash onto every parallel link.
+    """
+    need = share * link.rtt / base.channels
+    buff = MIN_BUFFSIZE
+    while buff < need and buff < MAX_BUFFSIZE:
+        buff *= 2
+    streams = tuned_streams(base, link)
+    if link.transport == "tcp":
+        threads = min(MAX_STREAMS, max(base.socket_threads, math.ceil(streams / 2)))
+        return NcclSettings(
+            buffsize=max(buff, base.buffsize),
+            channels=base.channels,
+            qps_per_connection=base.qps_per_connection,
+            socket_threads=threads,
+            socks_per_thread=max(base.socks_per_thread, 2 if streams > 1 else 1),
+        )
+    return NcclSettings(
+        buffsize=max(buff, base.buffsize),
+        channels=base.channels,
+        qps_per_connection=max(base.qps_per_connection, streams),
+        socket_threads=base.socket_threads,
+        socks_per_thread=base.socks_per_thread,
+    )
+
+
+class Network:
+    """Bandwidth and latency per level for one cluster under one set of efficiency constants."""
+
+    def __init__(self, cluster: Cluster, eff: Efficiency, tune: bool = True):
+        self.cluster = cluster
+        self.eff = eff
+        self.tune = tune
+        sites = cluster.sites
+        self.node_bw = min(s.node.bandwidth for s in sites)
+        self.net_bw = min(s.net.bandwidth for s in sites)
+        self.node_lat = (
+            eff.node_latency if eff.node_latency is not None else max(s.node.latency for s in sites)
+        )
+        self.site_lat = (
+            eff.site_latency if eff.site_latency is not None else max(s.net.latency for s in sites)
+        )
+
+    def link_share(self, link: Link, flows: int) -> tuple[float, NcclSettings]:
+        """Bandwidth one of ``flows`` concurrent flows gets over ``link``, and the NCCL settings.
+
+        Each flow hashes onto one of the parallel links per stream (queue pair or socket), so
+        ``count`` links are only all in use once ``flows x streams >= count``. With tuning, the
+        streams are raised first and the buffer is then sized for the resulting share, so the
+        result is ``min(share, channels x buffer ceiling / RTT)``: never lower for more
+        bandwidth, never higher for a longer RTT.
+        """
+        flows = max(1, flows)
+        eff = self.eff.wan_tcp if link.transport == "tcp" else self.eff.wan_rdma
+        base = self.cluster.nccl
+        streams = tuned_streams(base, link) if self.tune else base.streams
+        usable = link.bandwidth * min(link.count, flows * streams) * eff
+        share = min(usable / flows, self.net_bw * self.eff.site_bw)
+        nccl = tuned_nccl(base, share, link) if self.tune else base
+        window = nccl.channels * nccl.buffsize / link.rtt
+        return min(share, window), nccl
+
+    def path(self, g: GroupShape, flows: int | None = None) -> Path:
+        """The path a ring over groups shaped ``g`` sees (``flows``: groups crossing at once)."""
+        node = self.node_bw * self.eff.node_bw
+        if g.level == NODE:
+            return Path(node, self.node_lat, NODE)
+        site = min(self.node_bw, g.members_per_node * self.net_bw) * self.eff.site_bw
+        if g.level == SITE:
+            return Path(min(node, site), self.site_lat, SITE)
+        bw, lat = min(node, site), self.site_lat
+        for link in g.links:
+            share, _ = self.link_share(link, flows if flows is not None else g.count)
+            bw = min(bw, share)
+            lat = max(lat, link.one_way * self.eff.wan_latency_scale + self.site_lat)
+        return Path(bw, lat, WAN)
+
+    def link_path(self, link: Link, flows: int) -> Path:
+        """A point-to-point path over one inter-site link with ``flows`` concurrent flows."""
+        share, _ = self.link_share(link, flows)
+        bw = min(share, self.net_bw * self.eff.site_bw)
+        return Path(bw, link.one_way * self.eff.wan_latency_scale + self.site_lat, WAN)
+
+    def level_path(self, level: int) -> Path:
+        """A point-to-point path inside a node or between nodes of a site."""
+        if level == NODE:
+            return Path(self.node_bw * self.eff.node_bw, self.node_lat, NODE)
+        return Path(self.net_bw * self.eff.site_bw, self.site_lat, SITE)

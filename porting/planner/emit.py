@@ -1,0 +1,395 @@
+"""Launch files for a chosen layout: ``porting train`` flags, a NeMo ``MegatronStrategy`` snippet,
+per-node torchrun commands, a Slurm script, ``nccl.env`` and the nccl-tests that measure each level.
+
+Every file is written to a temporary name in the target directory and renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from pathlib import Path
+
+from porting.errors import PortingError
+from porting.planner.cluster import MIB, Cluster, NcclSettings
+from porting.planner.perf import Evaluator, Prediction
+from porting.planner.placement import ORDER_TP_PP_DP, WAN
+from porting.planner.report import plan_dict, prediction_dict
+from porting.planner.search import Plan
+
+MASTER_PORT = 29500
+
+
+def gpus_per_node(cluster: Cluster) -> int:
+    """The one ``--gpus-per-node`` value ``porting train`` takes."""
+    values = {s.gpus_per_node for s in cluster.sites}
+    if len(values) != 1:
+        raise PortingError(
+            "sites differ in gpus_per_node "
+            f"({', '.join(f'{s.name}: {s.gpus_per_node}' for s in cluster.sites)}); "
+            "porting train takes one --gpus-per-node"
+        )
+    return values.pop()
+
+
+def train_argv(p: Prediction, plan: Plan, checkpoint: str, data: str, out: str) -> list[str]:
+    """``porting train`` arguments for a layout (the flags the train entry must accept)."""
+    lay = p.layout
+    argv = [
+        "--checkpoint", checkpoint,
+        "--data", data,
+        "--out", out,
+        "--tp", str(lay.tp),
+        "--pp", str(lay.pp),
+    ]  # fmt: skip
+    if lay.vp > 1:
+        argv += ["--vp", str(lay.vp)]
+    argv += ["--cp", str(lay.cp)]
+    if lay.sequence_parallel:
+        argv.append("--sequence-parallel")
+    argv += [
+        "--seq-length", str(plan.seq_length),
+        "--micro-batch", str(lay.micro_batch),
+        "--global-batch", str(plan.global_batch),
+        "--nodes", str(plan.cluster.nodes),
+        "--gpus-per-node", str(gpus_per_node(plan.cluster)),
+    ]  # fmt: skip
+    if p.order == ORDER_TP_PP_DP:
+        argv.append("--use-tp-pp-dp-mapping")
+    if not plan.settings.distributed_optimizer:
+        argv.append("--no-distributed-optimizer")
+    argv += ["--num-distributed-optimizer-instances", str(lay.instances)]
+    return argv
+
+
+def _required_vars(argv: list[str]) -> list[str]:
+    """Names of the shell variables (``"$NAME"``) the arguments refer to."""
+    return [a[2:-1] for a in argv if a.startswith('"$') and a.endswith('"')]
+
+
+def _var_checks(argv: list[str]) -> str:
+    return "\n".join(f': "${{{v}:?set {v}}}"' for v in _required_vars(argv))
+
+
+def _shell_argv(argv: list[str]) -> str:
+    """Quote arguments, leaving ``"$VAR"`` references for the shell to expand."""
+    out = []
+    for a in argv:
+        out.append(a if a.startswith('"$') else shlex.quote(a))
+    return " ".join(out)
+
+
+def strategy_snippet(p: Prediction, plan: Plan) -> str:
+    """Python that builds the NeMo 2.0 ``MegatronStrategy`` of the chosen layout."""
+    lay, s = p.layout, plan.settings
+    vp = lay.vp if lay.vp > 1 else None
+    rc = {"none": None, "selective": "selective", "full": "full"}[lay.recompute]
+    return f'''"""NeMo 2.0 strategy for {lay.label()} on {plan.cluster.name}, as planned by `porting plan`.
+
+Model config: recompute_granularity={rc!r}{", recompute_method='uniform', recompute_num_layers=1" if rc == "full" else ""}.
+Data module: seq_length={plan.seq_length}, micro_batch_size={lay.micro_batch}, global_batch_size={plan.global_batch}.
+Trainer: num_nodes={plan.cluster.nodes}, devices={gpus_per_node(plan.cluster)}; ranks ordered site by site.
+"""
+
+import torch
+from megatron.core.distributed import DistributedDataParallelConfig
+from nemo import lightning as nl
+
+ddp = DistributedDataParallelConfig(
+    use_distributed_optimizer={s.distributed_optimizer},
+    grad_reduce_in_fp32={s.grad_reduce_in_fp32},
+    overlap_grad_reduce={s.overlap_grad_reduce},
+    overlap_param_gather={s.overlap_param_gather},
+    num_distributed_optimizer_instances={lay.instances},
+    check_for_nan_in_grad=True,
+)
+
+strategy = nl.MegatronStrategy(
+    tensor_model_parallel_size={lay.tp},
+    pipeline_model_parallel_size={lay.pp},
+    virtual_pipeline_model_parallel_size={vp},
+    context_parallel_size={lay.cp},
+    sequence_parallel={lay.sequence_parallel},
+    pipeline_dtype=torch.bfloat16,
+    use_tp_pp_dp_mapping={p.order == ORDER_TP_PP_DP},
+    num_distributed_optimizer_instances={lay.instances},
+    ddp=ddp,
+)
+'''
+
+
+def _node_list(cluster: Cluster) -> list[tuple[str, int]]:
+    """(site, index in site) for every node in rank order."""
+    return [(s.name, i) for s in cluster.sites for i in range(s.nodes)]
+
+
+def hosts_example(cluster: Cluster) -> str:
+    """A hostfile template in rank order: replace the names, keep the order (site by site)."""
+    lines = ["# one hostname per line, site by site in the order of the cluster file"]
+    lines += [f"{site}-node{i:03d}" for site, i in _node_list(cluster)]
+    return "\n".join(lines) + "\n"
+
+
+def _torchrun(plan: Plan, node_rank: str, cmd: str) -> str:
+    n = plan.cluster.nodes
+    gpn = gpus_per_node(plan.cluster)
+    return (
+        f"torchrun --nnodes={n} --node-rank={node_rank} --nproc-per-node={gpn} "
+        f'--master-addr="$MASTER_ADDR" --master-port="${{MASTER_PORT:-{MASTER_PORT}}}" '
+        f"-m porting.cli train {cmd}"
+    )
+
+
+def torchrun_commands(plan: Plan, argv: list[str]) -> str:
+    """One torchrun command per node, nodes in rank order (site by site)."""
+    cmd = _shell_argv(argv)
+    lines = [
+        f"# torchrun per node of {plan.cluster.name}, in node-rank order (site by site).",
+        "# Run each line on the node named before it (names from hosts.example), after",
+        "# `source nccl.env`, with MASTER_ADDR (node rank 0) and the variables the command uses set.",
+    ]
+    for rank, (site, i) in enumerate(_node_list(plan.cluster)):
+        lines.append(f"# {site}-node{i:03d} (site {site}, node {i})")
+        lines.append(_torchrun(plan, str(rank), cmd))
+    return "\n".join(lines) + "\n"
+
+
+def torchrun_script(plan: Plan, argv: list[str]) -> str:
+    """``bash torchrun.sh NODE_RANK`` on every node; ranks are given out site by site."""
+    cmd = _shell_argv(argv)
+    ranges, first = [], 0
+    for s in plan.cluster.sites:
+        ranges.append(f"#   site {s.name}: node ranks {first}-{first + s.nodes - 1}")
+        first += s.nodes
+    n = plan.cluster.nodes
+    return f"""#!/bin/bash
+# torchrun on each node of {plan.cluster.name}: run `bash torchrun.sh NODE_RANK` on every node
+# (torchrun_per_node.txt lists each node's full command). Node ranks go site by site:
+{chr(10).join(ranges)}
+# A static node rank (no c10d rendezvous) keeps global ranks in that order.
+set -euo pipefail
+cd "$(dirname "$0")"
+source ./nccl.env
+: "${{MASTER_ADDR:?set MASTER_ADDR to the host of node rank 0}}"
+{_var_checks(argv)}
+NODE_RANK="${{1:?usage: torchrun.sh NODE_RANK}}"
+if ! [ "$NODE_RANK" -ge 0 ] 2>/dev/null || [ "$NODE_RANK" -ge {n} ]; then
+  echo "node rank must be 0..{n - 1}" >&2
+  exit 2
+fi
+exec {_torchrun(plan, '"$NODE_RANK"', cmd)}
+"""
+
+
+def slurm_script(plan: Plan, argv: list[str]) -> str:
+    """A Slurm batch script: node ranks from a site-ordered hostfile, torchrun.sh on each node."""
+    n = plan.cluster.nodes
+    gpn = gpus_per_node(plan.cluster)
+    return f"""#!/bin/bash
+#SBATCH --job-name=porting-train
+#SBATCH --nodes={n}
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node={gpn}
+#SBATCH --exclusive
+# Submit from this directory (with the variables below set). HOSTFILE (default ./hosts) lists
+# the allocated hosts site by site (see hosts.example); a node's rank is its line in that file,
+# so ranks follow the sites whatever order Slurm lists the nodes in. Each node runs torchrun.sh.
+set -euo pipefail
+cd "${{SLURM_SUBMIT_DIR:-.}}"
+HOSTFILE="${{HOSTFILE:-./hosts}}"
+{_var_checks(argv)}
+mapfile -t HOSTS < <(grep -v '^#' "$HOSTFILE" | sed '/^$/d')
+if [ "${{#HOSTS[@]}}" -ne {n} ]; then
+  echo "$HOSTFILE lists ${{#HOSTS[@]}} hosts, the plan needs {n}" >&2
+  exit 2
+fi
+if [ "$(printf '%s\\n' "${{HOSTS[@]}}" | sort)" != "$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sort)" ]; then
+  echo "$HOSTFILE does not list exactly the allocated nodes" >&2
+  exit 2
+fi
+export MASTER_ADDR="${{HOSTS[0]}}" MASTER_PORT="${{MASTER_PORT:-{MASTER_PORT}}}" HOSTFILE
+{"export " + " ".join(_required_vars(argv)) if _required_vars(argv) else ""}
+srun --ntasks-per-node=1 bash -c \\
+  'exec ./torchrun.sh "$(( $(grep -v "^#" "$HOSTFILE" | sed "/^$/d" | grep -nxF "$(hostname -s)" | cut -d: -f1) - 1 ))"'
+"""
+
+
+def nccl_settings(ev: Evaluator, p: Prediction) -> tuple[NcclSettings, list[str]]:
+    """NCCL settings for the layout's inter-site flows, and how each value was derived."""
+    base = ev.cluster.nccl
+    lay = p.layout
+    place = ev.topology.placement(lay.tp, lay.cp, lay.pp, lay.dp, lay.instances, p.order)
+    why: list[str] = []
+    buff, qps, threads, socks = base.buffsize, base.qps_per_connection, 1, 1
+    flows_by_link: dict[str, tuple[object, int, str]] = {}
+    group = place.cross if ev.settings.distributed_optimizer and lay.instances > 1 else place.dp
+    if group.level == WAN:
+        for link in group.links:
+            flows_by_link[f"{link.a}-{link.b}"] = (link, group.count, "data-parallel gradients")
+    for _level, link in place.pp_boundaries:
+        if link is not None:
+            flows_by_link.setdefault(f"{link.a}-{link.b}", (link, place.pp_count, "pipeline"))
+    for name, (link, flows, what) in flows_by_link.items():
+        share, tuned = ev.net.link_share(link, flows)
+        buff = max(buff, tuned.buffsize)
+        qps = max(qps, tuned.qps_per_connection)
+        threads = max(threads, tuned.socket_threads)
+        socks = max(socks, tuned.socks_per_thread)
+        why.append(
+            f"link {name} ({link.transport}, {link.count} x {link.bandwidth * 8 / 1e9:.0f} Gb/s, "
+            f"RTT {link.rtt * 1e3:.2f} ms): {flows} concurrent {what} flows of "
+            f"{share / 1e9:.2f} GB/s each; bandwidth-delay product per channel "
+            f"{share * link.rtt / base.channels / MIB:.2f} MiB -> buffer {tuned.buffsize // MIB} MiB"
+        )
+    return (
+        NcclSettings(
+            buffsize=buff,
+            channels=base.channels,
+            qps_per_connection=qps,
+            socket_threads=threads,
+            socks_per_thread=socks,
+        ),
+        why,
+    )
+
+
+def nccl_env(ev: Evaluator, p: Prediction) -> str:
+    """``nccl.env``: buffer from the bandwidth-delay product, QPs, TCP sockets, timeouts."""
+    nccl, why = nccl_settings(ev, p)
+    links = ev.cluster.links
+    longest = max((ln.rtt for ln in links), default=0.0)
+    tcp = any(ln.transport == "tcp" for ln in links)
+    lines = [
+        f"# NCCL settings for {p.layout.label()} on {ev.cluster.name} (porting plan).",
+        "# NCCL keeps one NCCL_BUFFSIZE buffer (8 slots) in flight per channel and connection, so",
+        "# one channel moves at most NCCL_BUFFSIZE per round trip; the buffer is sized to the",
+        "# bandwidth-delay product of each inter-site flow. Each connection's buffers take GPU",
+        "# memory (about 2 x channels x NCCL_BUFFSIZE per peer).",
+    ]
+    lines += [f"#   {w}" for w in why] or ["#   no inter-site traffic in this layout"]
+    lines.append(f"export NCCL_BUFFSIZE={nccl.buffsize}")
+    lines.append(f"export NCCL_MIN_NCHANNELS={nccl.channels}")
+    lines += [
+        "# several queue pairs per connection let ECMP spread one connection over parallel links",
+        f"export NCCL_IB_QPS_PER_CONNECTION={nccl.qps_per_connection}",
+        f"export NCCL_IB_SPLIT_DATA_ON_QPS={1 if nccl.qps_per_connection > 1 else 0}",
+    ]
+    # IB transport timeout is 4.096 us x 2^N; long RTTs under load need more than the default.
+    timeout = 22 if longest > 1e-3 else 20
+    lines += [
+        f"export NCCL_IB_TIMEOUT={timeout}",
+        "export NCCL_IB_RETRY_CNT=7",
+    ]
+    if tcp:
+        lines += [
+            "# TCP links: NCCL's socket transport, several threads and sockets per connection.",
+            "# NCCL uses one network for a whole job: if sites are joined only by TCP, set",
+            "# NCCL_NET=Socket (inside each site traffic then also goes over TCP).",
+            f"export NCCL_SOCKET_NTHREADS={nccl.socket_threads}",
+            f"export NCCL_NSOCKS_PERTHREAD={nccl.socks_per_thread}",
+            "# export NCCL_NET=Socket",
+        ]
+    lines += [
+        "# PyTorch: fail a stuck collective instead of hanging (minutes are generous for WAN)",
+        "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1",
+        "export NCCL_DEBUG=${NCCL_DEBUG:-WARN}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def nccl_tests_script(cluster: Cluster) -> str:
+    """nccl-tests commands that measure each level; their logs feed ``--calibrate``."""
+    gpn = gpus_per_node(cluster)
+    first = cluster.sites[0]
+    lines = [
+        "#!/bin/bash",
+        f"# Measure each level of {cluster.name} with nccl-tests; then",
+        "#   porting plan ... --calibrate nccl-logs/ [--measured-step SECONDS]",
+        "# Log names say the level: node_*, site-<site>_*, link-<a>-<b>_*. Host variables default",
+        "# to the names in hosts.example; set them to real hosts.",
+        "set -euo pipefail",
+        'cd "$(dirname "$0")"',
+        "source ./nccl.env",
+        'NT="${NCCL_TESTS:-./build}"',
+        "mkdir -p nccl-logs",
+        "ARGS='-b 8 -e 4G -f 2 -g 1'",
+        "# inside one node (NVLink)",
+        f'mpirun -np {gpn} -H "${{NODE_A:-{first.name}-node000}}:{gpn}" '
+        f'"$NT/all_reduce_perf" $ARGS | tee nccl-logs/node_all_reduce.log',
+    ]
+    for s in cluster.sites:
+        if s.nodes < 2:
+            continue
+        var = s.name.upper().replace("-", "_")
+        h0 = f"${{{var}_0:-{s.name}-node000}}"
+        h1 = f"${{{var}_1:-{s.name}-node001}}"
+        lines += [
+            f"# between two nodes of site {s.name}",
+            f'mpirun -np {2 * s.gpus_per_node} -H "{h0}:{s.gpus_per_node},{h1}:{s.gpus_per_node}" '
+            f'"$NT/all_reduce_perf" $ARGS | tee nccl-logs/site-{s.name}_all_reduce.log',
+        ]
+    for ln in cluster.links:
+        va, vb = (x.upper().replace("-", "_") for x in (ln.a, ln.b))
+        ha, hb = f"${{{va}_0:-{ln.a}-node000}}", f"${{{vb}_0:-{ln.b}-node000}}"
+        lines += [
+            f"# across the {ln.a}-{ln.b} link: one node in each site",
+            f'mpirun -np {2 * gpn} -H "{ha}:{gpn},{hb}:{gpn}" "$NT/all_reduce_perf" $ARGS '
+            f"| tee nccl-logs/link-{ln.a}-{ln.b}_all_reduce.log",
+            f'mpirun -np 2 -H "{ha}:1,{hb}:1" "$NT/sendrecv_perf" $ARGS '
+            f"| tee nccl-logs/link-{ln.a}-{ln.b}_sendrecv.log",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
+    """Write ``text`` to a temporary file next to ``path`` and rename it into place."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+def default_checkpoint(model_spec: str) -> str:
+    """The ``--model`` argument when it is an imported checkpoint, else a shell variable."""
+    path = Path(model_spec)
+    if (path / "context" / "porting.json").is_file():
+        return str(path.resolve())
+    return '"$CHECKPOINT"'
+
+
+def write_launch(
+    out_dir: str | os.PathLike,
+    plan: Plan,
+    ev: Evaluator,
+    p: Prediction | None = None,
+    *,
+    checkpoint: str = '"$CHECKPOINT"',
+    data: str = '"$DATA"',
+    run_dir: str = '"$OUT"',
+) -> list[Path]:
+    """Write every launch file for ``p`` (default: the best layout) into ``out_dir``."""
+    p = p or plan.best
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    argv = train_argv(p, plan, checkpoint, data, run_dir)
+    chosen = plan_dict(plan, top=0)
+    chosen["layouts"] = [prediction_dict(p)]
+    chosen["train_argv"] = argv
+    files = {
+        "plan.json": (json.dumps(chosen, indent=2, default=str) + "\n", 0o644),
+        "train_flags.txt": (" ".join(argv) + "\n", 0o644),
+        "strategy.py": (strategy_snippet(p, plan), 0o644),
+        "torchrun.sh": (torchrun_script(plan, argv), 0o755),
+        "torchrun_per_node.txt": (torchrun_commands(plan, argv), 0o644),
+        "train.sbatch": (slurm_script(plan, argv), 0o755),
+        "hosts.example": (hosts_example(plan.cluster), 0o644),
+        "nccl.env": (nccl_env(ev, p), 0o644),
+        "nccl_tests.sh": (nccl_tests_script(plan.cluster), 0o755),
+    }
+    written = []
+    for name, (text, mode) in files.items():
+        path = out / name
+        write_atomic(path, text, mode)
+        written.append(path)
+    return written

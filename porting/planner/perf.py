@@ -1,0 +1,492 @@
+"""Step time and memory per GPU of one layout: the model the search ranks layouts by.
+
+Sources of the formulas (each repeated where it is used):
+
+- FLOPs: Narayanan et al., SC'21, eq. 3 (``96 B s l h^2 (1 + s/6h + V/16lh)`` with full
+  recomputation), generalised to GQA and gated MLPs through the matmul parameter count.
+- Activation memory: Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
+  Models" (MLSys 2023), Table 2 (``s b h (34 + 5 a s / h)`` per layer, split into the part
+  tensor parallelism shards and the part only sequence parallelism shards); in-flight
+  microbatches per stage from Megatron-Core's schedules (``schedules.py``: ``p - rank`` for
+  1F1B, ``2(p - rank - 1) + (v - 1) p + 1`` model chunks for the interleaved schedule).
+- Weights and optimizer: 2 (bf16 weights) + 4 (fp32 main gradients) + 12 (fp32 master weights,
+  Adam m and v) bytes per parameter, the 12 sharded over the distributed optimizer's data-parallel
+  ranks (Megatron-LM ``theoretical_memory_usage.py``: ``18`` or ``6 + 12 / d``).
+- Pipeline bubble: ``(p - 1) / v`` stage-times per step (Narayanan et al. section 2.2).
+- Communication: alpha-beta ring/tree costs (``comm.py``) per group, with the overlaps Megatron
+  performs: gradient reduce-scatter during the last microbatch's backward
+  (``overlap_grad_reduce``), parameter all-gather during the next forward
+  (``overlap_param_gather``), context-parallel KV exchange behind attention.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from porting.planner.cluster import GIB, Cluster
+from porting.planner.comm import Efficiency, Network, all_gather, allreduce, p2p, reduce_scatter
+from porting.planner.model import ModelShape
+from porting.planner.placement import LEVEL_NAMES, ORDER_DEFAULT, ORDER_TP_PP_DP, Topology
+
+RECOMPUTE = ("none", "selective", "full")
+# Adam step traffic per parameter of the local shard: read the gradient (4), read and write the
+# fp32 master weight (8), m (8) and v (8), write the bf16 weight (2).
+OPTIMIZER_BYTES_PER_PARAM = 30
+# Megatron's default gradient bucket: max(40M, 1M x data-parallel size) parameters
+# (megatron/core/distributed/distributed_data_parallel.py).
+BUCKET_PARAMS = 40_000_000
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How training runs; defaults follow ``porting train`` (porting/train.py's DDP config)."""
+
+    sequence_parallel: bool = True  # used whenever TP > 1
+    flash_attention: bool = True  # fused attention: no s x s scores stored or streamed
+    distributed_optimizer: bool = True
+    instances: int | None = None  # distributed-optimizer instances; None: one per site
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    overlap_p2p: bool = False
+    tp_comm_overlap: bool = False
+    # Narayanan et al. section 4.1: without SP, send 1/TP of a stage's output between nodes and
+    # all-gather it over NVLink (Megatron-LM of 2021; with SP the tensor is sharded anyway).
+    p2p_scatter_gather: bool = False
+    grad_reduce_in_fp32: bool = True
+    param_bytes: int = 2
+    reserve_bytes: float = 3 * GIB  # CUDA context, NCCL buffers, cuBLAS workspace, fragmentation
+    mapping: str = ORDER_TP_PP_DP
+    tune_nccl: bool = True
+    micro_batches: tuple[int, ...] = (1, 2, 4, 8)
+    recompute: tuple[str, ...] = RECOMPUTE
+    context_parallel: tuple[int, ...] = (1, 2, 4, 8)
+    max_vp: int = 8
+
+    def order_for(self, pp: int) -> str:
+        """Megatron's rank order for a layout (with PP = 1 both orders give the same groups)."""
+        return self.mapping
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to split the model and the batch over the cluster."""
+
+    tp: int
+    cp: int
+    pp: int
+    vp: int
+    dp: int
+    micro_batch: int
+    recompute: str
+    instances: int = 1
+    sequence_parallel: bool = False
+
+    def label(self) -> str:
+        """Short form for tables: ``TP8 PP4 VP5 CP1 DP16 mb1 sel``."""
+        vp = f" VP{self.vp}" if self.vp > 1 else ""
+        rc = {"none": "none", "selective": "sel", "full": "full"}[self.recompute]
+        return f"TP{self.tp} PP{self.pp}{vp} CP{self.cp} DP{self.dp} mb{self.micro_batch} {rc}" + (
+            f" I{self.instances}" if self.instances > 1 else ""
+        )
+
+
+@dataclass
+class Memory:
+    """Bytes per GPU on the most loaded pipeline stage, by part."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    other: float
+    stage: int = 0
+
+    @property
+    def total(self) -> float:
+        """Sum of the parts."""
+        return self.weights + self.grads + self.optimizer + self.activations + self.other
+
+
+@dataclass
+class Prediction:
+    """Predicted step time, throughput and memory of one layout, with its parts."""
+
+    layout: Layout
+    step: float
+    tokens_per_s: float
+    mfu: float
+    memory: Memory
+    parts: dict[str, float]
+    exposed: dict[str, float]
+    hidden: dict[str, float]
+    order: str
+    num_microbatches: int
+    slowdown: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+class Infeasible(Exception):
+    """A layout that cannot run; the message says why (shown with ``--rejected``)."""
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def layer_activation_bytes(
+    m: ModelShape,
+    tokens: int,
+    seq: int,
+    tp: int,
+    sp: bool,
+    *,
+    scores: bool,
+) -> tuple[float, float]:
+    """Bytes one layer stores for backward for one microbatch: (SP-sharded part, TP part).
+
+    Korthikanti et al. Table 2 term by term, with bf16 tensors (2 bytes) and 1-byte dropout
+    masks. The first part (norm inputs, the GEMM inputs after each norm, dropout masks) is
+    replicated over TP ranks unless sequence parallelism shards it; the second part (Q, K, V,
+    attention output, MLP activation input and output) is always TP-sharded. For GPT (4h GELU
+    MLP, MHA) this is ``10 sbh`` and ``24 sbh`` (+ ``5 a s^2 b`` for stored scores).
+    """
+    h = m.hidden
+    rep = 2 * tokens * h * m.norms_per_layer  # norm inputs
+    rep += 2 * tokens * h  # QKV input (first norm's output)
+    if not m.parallel_attn or m.norms_per_layer == 2:
+        rep += 2 * tokens * h  # fc1 input (second norm's output)
+    if m.dropout:
+        rep += 2 * tokens * h  # masks of the two residual dropouts
+    sh = 2 * tokens * (m.q_width + m.kv_width)  # Q and K for the score GEMM
+    sh += 2 * tokens * m.kv_width  # V
+    sh += 2 * tokens * m.q_width  # attention output = projection input
+    sh += 2 * tokens * m.ffn * (2 if m.gated else 1)  # activation input
+    sh += 2 * tokens * m.ffn  # activation output = fc2 input
+    if scores:
+        # softmax output (2 bytes), dropout mask (1) and dropout output (2) per score
+        sh += (5 if m.dropout else 2) * m.heads * tokens * seq
+    return rep / (tp if sp else 1), sh / tp
+
+
+def inflight_chunks(pp: int, vp: int, rank: int, microbatches: int) -> int:
+    """Model chunks whose activations a pipeline rank holds at its peak (Megatron schedules)."""
+    if pp == 1:
+        return 1
+    if vp == 1:
+        return min(microbatches, pp - rank)
+    return min(microbatches * vp, 2 * (pp - rank - 1) + (vp - 1) * pp + 1)
+
+
+def stage_params(m: ModelShape, tp: int, pp: int, stage: int) -> float:
+    """Parameters one GPU of pipeline stage ``stage`` holds (TP-sharded where Megatron shards)."""
+    n = m.layers // pp * m.params_per_layer() / tp
+    if stage == 0:
+        n += m.padded_vocab(tp) * m.hidden / tp + m.learned_positions * m.hidden
+    if stage == pp - 1:
+        n += m.hidden * (2 if m.layernorm else 1)
+        if not m.tied or pp > 1:
+            # untied output layer, or the tied copy Megatron keeps on the last stage
+            n += m.padded_vocab(tp) * m.hidden / tp
+    return n
+
+
+def memory(
+    m: ModelShape,
+    layout: Layout,
+    seq: int,
+    microbatches: int,
+    settings: Settings,
+    stage: int,
+) -> Memory:
+    """Memory per GPU of pipeline stage ``stage``."""
+    tp, cp, pp, vp = layout.tp, layout.cp, layout.pp, layout.vp
+    sp = layout.sequence_parallel
+    params = stage_params(m, tp, pp, stage)
+    grad_bytes = 4 if settings.grad_reduce_in_fp32 else settings.param_bytes
+    shard = 1
+    if settings.distributed_optimizer:
+        shard = layout.dp * cp // layout.instances
+    tokens = layout.micro_batch * seq // cp
+    scores = layout.recompute == "none" and not settings.flash_attention
+    rep, sh = layer_activation_bytes(m, tokens, seq, tp, sp, scores=scores)
+    per_layer = rep + sh
+    chunk_layers = m.layers // (pp * vp)
+    chunks = inflight_chunks(pp, vp, stage, microbatches)
+    if layout.recompute == "full":
+        # Only each layer's input stays; one layer is rebuilt at a time during backward.
+        kept = 2 * tokens * m.hidden / (tp if sp else 1)
+        acts = chunks * chunk_layers * kept + per_layer
+    else:
+        acts = chunks * chunk_layers * per_layer
+    sp_div = tp if sp else 1
+    if stage == 0:
+        # token ids (int64) and the embedding dropout mask, per in-flight microbatch
+        in_flight = min(microbatches, pp) if pp > 1 else 1
+        acts += in_flight * (8 * tokens + (tokens * m.hidden if m.dropout else 0)) / sp_div
+    if stage == pp - 1:
+        # final norm output and fp32 logits for the cross-entropy (vocab-parallel)
+        acts += 4 * tokens * m.hidden / sp_div + 4 * tokens * m.padded_vocab(tp) / tp
+    return Memory(
+        weights=params * settings.param_bytes,
+        grads=params * grad_bytes,
+        optimizer=params * 12 / shard,
+        activations=acts,
+        other=settings.reserve_bytes,
+        stage=stage,
+    )
+
+
+def peak_memory(
+    m: ModelShape, layout: Layout, seq: int, microbatches: int, settings: Settings
+) -> Memory:
+    """The most loaded stage: the first (most microbatches in flight) or the last (logits)."""
+    first = memory(m, layout, seq, microbatches, settings, 0)
+    if layout.pp == 1:
+        return first
+    last = memory(m, layout, seq, microbatches, settings, layout.pp - 1)
+    return first if first.total >= last.total else last
+
+
+class Evaluator:
+    """Predicts layouts of one model on one cluster; caches what layouts share."""
+
+    def __init__(
+        self,
+        model: ModelShape,
+        cluster: Cluster,
+        seq_length: int,
+        global_batch: int,
+        settings: Settings | None = None,
+        eff: Efficiency | None = None,
+    ):
+        self.model = model
+        self.cluster = cluster
+        self.seq = seq_length
+        self.global_batch = global_batch
+        self.settings = settings or Settings()
+        self.eff = eff or Efficiency()
+        self.gpu = cluster.slowest_gpu()
+        self.topology = Topology(cluster)
+        self.net = Network(cluster, self.eff, tune=self.settings.tune_nccl)
+        self.evaluated = 0
+
+    def instances_for(self, tp: int, cp: int, pp: int) -> int:
+        """Distributed-optimizer instances: one per site where the sites' shares allow.
+
+        Megatron splits each data-parallel group into equal contiguous instances; with ranks
+        ordered site by site, an instance stays inside a site when its size divides every
+        site's number of model replicas. So: DP / gcd(replicas per site).
+        """
+        s = self.settings
+        mp = tp * cp * pp
+        dp = self.cluster.world // mp
+        if not s.distributed_optimizer:
+            return 1
+        if s.instances is not None:
+            return s.instances
+        per_site = [site.gpus // mp for site in self.cluster.sites]
+        if any(site.gpus % mp for site in self.cluster.sites):
+            return 1
+        return dp // math.gcd(*per_site)
+
+    def predict(self, layout: Layout, order: str | None = None) -> Prediction:
+        """Step time, throughput and memory of ``layout``; raises Infeasible with the reason."""
+        self.evaluated += 1
+        m, s, eff, gpu = self.model, self.settings, self.eff, self.gpu
+        tp, cp, pp, vp, dp = layout.tp, layout.cp, layout.pp, layout.vp, layout.dp
+        b, seq = layout.micro_batch, self.seq
+        order = order or s.order_for(pp)
+        per_step = self.global_batch // (b * dp)
+        mem = peak_memory(m, layout, seq, per_step, s)
+        if mem.total > gpu.memory_bytes:
+            raise Infeasible(
+                f"needs {mem.total / GIB:.1f} GiB per GPU on stage {mem.stage} "
+                f"(weights {mem.weights / GIB:.1f}, grads {mem.grads / GIB:.1f}, optimizer "
+                f"{mem.optimizer / GIB:.1f}, activations {mem.activations / GIB:.1f}, other "
+                f"{mem.other / GIB:.1f}) > {gpu.memory_bytes / GIB:.0f} GiB"
+            )
+        place = self.topology.placement(tp, cp, pp, dp, layout.instances, order)
+        net = self.net
+        peak = gpu.peak_flops * eff.compute
+        hbm = gpu.hbm_bytes_s
+        tokens = b * seq // cp
+        sp = layout.sequence_parallel
+        exposed = [0.0, 0.0, 0.0]
+        hidden = [0.0, 0.0, 0.0]
+
+        # --- one layer, one microbatch, one GPU
+        gemm_f = 2 * tokens * m.matmul_params_per_layer() / tp / peak
+        attn_f = 4 * tokens * seq * m.q_width / tp / peak
+        rep, sh = layer_activation_bytes(
+            m, tokens, seq, tp, sp, scores=not s.flash_attention and cp == 1
+        )
+        mem_pass = eff.memory_passes * (rep + sh) / hbm  # forward + backward
+        fwd = gemm_f + attn_f + mem_pass / 3
+        bwd = 2 * (gemm_f + attn_f) + 2 * mem_pass / 3
+        if layout.recompute == "full":
+            recompute = fwd
+        elif layout.recompute == "selective":
+            recompute = attn_f
+        else:
+            recompute = 0.0
+        # TP: per pass, 2 all-reduces (or 2 all-gathers + 2 reduce-scatters with SP)
+        tp_one = 0.0
+        if tp > 1:
+            path = net.path(place.tp)
+            act = tokens * m.hidden * s.param_bytes
+            tp_one = 4 * reduce_scatter(tp, act, path)
+        passes = 3 if layout.recompute == "full" else 2
+        tp_comm = passes * tp_one
+        tp_exp = max(0.0, tp_comm - (gemm_f * (passes + 1))) if s.tp_comm_overlap else tp_comm
+        # CP: ring exchange of K and V chunks, behind the attention kernel
+        cp_comm = cp_exp = 0.0
+        if cp > 1:
+            path = net.path(place.cp)
+            kv = 2 * tokens * m.kv_width / tp * s.param_bytes
+            sends = (cp - 1) * (3 + (1 if layout.recompute == "full" else 0))
+            cp_comm = sends * p2p(kv, path)
+            cp_exp = max(0.0, cp_comm - 3 * attn_f)
+        layer = fwd + bwd + recompute + tp_exp + cp_exp
+        per_stage_layers = m.layers // pp
+        stage_t = per_stage_layers * layer
+        logits = 6 * tokens * m.hidden * m.padded_vocab(tp) / tp / peak
+        logits += 3 * 4 * tokens * m.padded_vocab(tp) / tp / hbm
+        t_last = stage_t + logits
+        t_avg = stage_t + logits / pp
+
+        # --- pipeline point-to-point
+        p2p_max = p2p_avg = 0.0
+        if pp > 1:
+            split = tp if (sp or s.p2p_scatter_gather) else 1
+            act = tokens * m.hidden * s.param_bytes / split
+            flows = place.pp_count
+            times = []
+            bounds = list(place.pp_boundaries)
+            if vp > 1:
+                bounds.append(place.pp_wrap)
+            for level, link in bounds:
+                path = net.link_path(link, flows) if link is not None else net.level_path(level)
+                t = p2p(act, path)
+                times.append((level, t))
+            per_mb = 2 * vp  # activation forward and gradient backward, per model chunk
+            chunk_compute = stage_t / vp / 2
+            exp_list = []
+            for level, t in times:
+                e = max(0.0, t - chunk_compute) if s.overlap_p2p else t
+                exp_list.append((level, per_mb * e, per_mb * t))
+            worst = max(exp_list, key=lambda x: x[1])
+            p2p_max = worst[1]
+            p2p_avg = sum(x[1] for x in exp_list) / len(exp_list)
+        slots = per_step * (t_last + p2p_max) + (pp - 1) / vp * (t_avg + p2p_avg)
+        if pp > 1:
+            total_p2p = per_step * p2p_max + (pp - 1) / vp * p2p_avg
+            lv = max(bounds, key=lambda x: x[0])[0]
+            exposed[lv] += total_p2p
+            all_p2p = (per_step + (pp - 1) / vp) * max(x[2] for x in exp_list)
+            hidden[lv] += max(0.0, all_p2p - total_p2p)
+
+        # --- data-parallel gradient reduction and parameter gather
+        params = max(stage_params(m, tp, pp, 0), stage_params(m, tp, pp, pp - 1))
+        grad_bytes = (4 if s.grad_reduce_in_fp32 else s.param_bytes) * params
+        d = dp * cp
+        buckets = max(1, _ceil_div(int(params), max(BUCKET_PARAMS, 1_000_000 * d)))
+        grad_parts: list[tuple[int, float]] = []
+        gather_parts: list[tuple[int, float]] = []
+        if d > 1:
+            per = grad_bytes / buckets
+            k = layout.instances
+            if not s.distributed_optimizer:
+                path = net.path(place.dp)
+                grad_parts.append((path.level, buckets * allreduce(d, per, path)))
+            else:
+                n_i = d // k
+                if n_i > 1:
+                    ipath = net.path(place.instance)
+                    grad_parts.append((ipath.level, buckets * reduce_scatter(n_i, per, ipath)))
+                    pbytes = params * s.param_bytes / buckets
+                    gather_parts.append((ipath.level, buckets * all_gather(n_i, pbytes, ipath)))
+                if k > 1:
+                    cpath = net.path(place.cross)
+                    grad_parts.append((cpath.level, buckets * allreduce(k, per / n_i, cpath)))
+        # the backward of the last microbatch on the first stage (which finishes last)
+        window = (bwd + recompute) * per_stage_layers if s.overlap_grad_reduce else 0.0
+        grad_exp = _expose(grad_parts, window, exposed, hidden)
+        window = fwd * per_stage_layers if s.overlap_param_gather else 0.0
+        gather_exp = _expose(gather_parts, window, exposed, hidden)
+        shard = d // layout.instances if s.distributed_optimizer else 1
+        optimizer = params / shard * OPTIMIZER_BYTES_PER_PARAM / hbm
+
+        tp_lv = place.tp.level
+        exposed[tp_lv] += per_step * per_stage_layers * tp_exp
+        hidden[tp_lv] += per_step * per_stage_layers * (tp_comm - tp_exp)
+        if cp > 1:
+            exposed[place.cp.level] += per_step * per_stage_layers * cp_exp
+            hidden[place.cp.level] += per_step * per_stage_layers * (cp_comm - cp_exp)
+
+        step = slots + grad_exp + gather_exp + optimizer
+        n_mb = per_step * per_stage_layers
+        parts = {
+            "compute": per_step * (per_stage_layers * 3 * (gemm_f + attn_f) + logits),
+            "memory-bound": n_mb * mem_pass,
+            "recompute": n_mb * recompute,
+            "tp/cp comm": n_mb * (tp_exp + cp_exp),
+            "pp comm": per_step * p2p_max + (pp - 1) / vp * p2p_avg,
+            "bubble": (pp - 1) / vp * t_avg,
+            "dp comm": grad_exp + gather_exp,
+            "optimizer": optimizer,
+        }
+        tokens_step = self.global_batch * seq
+        world = dp * tp * cp * pp
+        mfu = m.model_flops_per_token(seq) * tokens_step / (step * world * gpu.peak_flops)
+        return Prediction(
+            layout=layout,
+            step=step,
+            tokens_per_s=tokens_step / step,
+            mfu=mfu,
+            memory=mem,
+            parts=parts,
+            exposed=dict(zip(LEVEL_NAMES, exposed, strict=True)),
+            hidden=dict(zip(LEVEL_NAMES, hidden, strict=True)),
+            order=order,
+            num_microbatches=per_step,
+        )
+
+    def with_cluster(self, cluster: Cluster) -> Evaluator:
+        """The same model, batch, settings and constants on another cluster."""
+        return Evaluator(self.model, cluster, self.seq, self.global_batch, self.settings, self.eff)
+
+    def with_settings(self, **changes: object) -> Evaluator:
+        """The same problem under changed settings."""
+        return Evaluator(
+            self.model,
+            self.cluster,
+            self.seq,
+            self.global_batch,
+            replace(self.settings, **changes),
+            self.eff,
+        )
+
+
+def _expose(
+    parts: list[tuple[int, float]], window: float, exposed: list[float], hidden: list[float]
+) -> float:
+    """Time of sequential collectives not hidden by ``window``; split over levels pro rata."""
+    total = sum(t for _, t in parts)
+    if total <= 0:
+        return 0.0
+    out = max(0.0, total - window)
+    for level, t in parts:
+        exposed[level] += out * t / total
+        hidden[level] += (total - out) * t / total
+    return out
+
+
+def default_order_crosses_sites(ev: Evaluator, layout: Layout) -> bool:
+    """Whether Megatron's default rank order would put this layout's pipeline across sites."""
+    if layout.pp == 1 or len(ev.cluster.sites) == 1:
+        return False
+    place = ev.topology.placement(
+        layout.tp, layout.cp, layout.pp, layout.dp, layout.instances, ORDER_DEFAULT
+    )
+    return place.pp_crosses_sites
