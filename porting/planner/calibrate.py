@@ -174,7 +174,11 @@ class LevelFit:
 def fit_levels(
     cluster: Cluster, eff: Efficiency, tests: list[NcclTest]
 ) -> tuple[Efficiency, list[LevelFit]]:
-    """Refit bandwidth efficiency and latency per level from nccl-tests logs."""
+    """Refit bandwidth efficiency and latency per level from nccl-tests logs.
+
+    Each log scales its level's efficiency by measured / predicted bus bandwidth; for a link this
+    assumes the link (not the NICs) limits the test, as it does across sites.
+    """
     fits: list[LevelFit] = []
     for t in tests:
         if t.collective not in ("all_reduce", "sendrecv", "all_gather", "reduce_scatter"):
@@ -233,6 +237,7 @@ def fit_step(ev: Evaluator, layout: Layout, measured: float) -> Efficiency:
     """
 
     def step(c: float) -> float:
+        """Predicted step at compute efficiency ``c``."""
         return _with_eff(ev, replace(ev.eff, compute=c)).predict(layout).step
 
     lo, hi = 0.01, 1.0
@@ -271,6 +276,7 @@ def fit_constants(
     obs = observations[: len(names)]
 
     def residual(values: list[float]) -> list[float]:
+        """log(predicted / measured) per observation."""
         e = replace(eff, **dict(zip(names, values, strict=True)))
         return [math.log(_with_eff(ev, e).predict(lay).step / meas) for ev, lay, meas in obs]
 

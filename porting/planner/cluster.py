@@ -175,19 +175,23 @@ class _Reader:
         self.source = source
 
     def fail(self, where: str, message: str) -> PortingError:
+        """An error naming the file and the field path."""
         return PortingError(f"{self.source}: {where}: {message}")
 
     def mapping(self, value: object, where: str) -> dict:
+        """``value`` if it is a mapping."""
         if not isinstance(value, dict):
             raise self.fail(where, "expected a mapping")
         return value
 
     def get(self, d: dict, key: str, where: str) -> object:
+        """A required field."""
         if key not in d or d[key] is None:
             raise self.fail(f"{where}.{key}" if where else key, "missing field")
         return d[key]
 
     def number(self, d: dict, key: str, where: str, *, positive: bool = True) -> float:
+        """A required number, > 0 (or >= 0 when ``positive`` is False)."""
         value = self.get(d, key, where)
         path = f"{where}.{key}" if where else key
         if isinstance(value, bool) or not isinstance(value, int | float):
@@ -199,6 +203,7 @@ class _Reader:
         return float(value)
 
     def integer(self, d: dict, key: str, where: str, default: int | None = None) -> int:
+        """A positive integer, or ``default`` when the field is absent and a default is given."""
         if default is not None and key not in d:
             return default
         value = self.get(d, key, where)

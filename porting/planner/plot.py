@@ -33,6 +33,7 @@ def sweep(plan: Plan, ev: Evaluator, p: Prediction | None = None) -> Sweep:
     base = ev.with_cluster(cluster.one_site()).predict(p.layout).step
 
     def slowdown(c) -> float:
+        """Step on cluster ``c`` over the one-site step (NaN where the layout cannot run)."""
         try:
             return ev.with_cluster(c).predict(p.layout, order=p.order).step / base
         except Infeasible:

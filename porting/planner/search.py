@@ -20,7 +20,7 @@ from porting.planner.perf import (
     Settings,
     default_order_crosses_sites,
 )
-from porting.planner.placement import ORDER_DEFAULT
+from porting.planner.placement import ORDER_DEFAULT, ORDER_TP_PP_DP, WAN
 
 log = logging.getLogger(__name__)
 
@@ -210,18 +210,28 @@ def plan(
                 p.slowdown = None
     best = ranked[0]
     if default_order_crosses_sites(ev, best.layout):
+        other = ORDER_TP_PP_DP if best.order == ORDER_DEFAULT else ORDER_DEFAULT
         try:
-            alt = ev.predict(best.layout, order=ORDER_DEFAULT).step
-            cost = f"; predicted {alt:.2f} s per step that way instead of {best.step:.2f} s"
-        except Infeasible:
-            cost = ""
-        result.notes.append(
-            "Megatron's default rank order (tp-cp-ep-dp-pp) would put this layout's pipeline "
-            f"stages in different sites{cost}. The emitted settings use the tp-cp-ep-pp-dp "
-            "order (--use-tp-pp-dp-mapping / use_tp_pp_dp_mapping=True); rank layouts under "
-            "the default order with --order default."
-        )
-    if best.layout.instances > 1:
+            alt = f"{ev.predict(best.layout, order=other).step:.2f} s"
+        except Infeasible as err:
+            alt = f"infeasible ({err})"
+        if best.order == ORDER_DEFAULT:
+            result.notes.append(
+                "Under Megatron's default rank order (tp-cp-ep-dp-pp, chosen with --order "
+                "default) this layout's pipeline stages are in different sites; with the "
+                f"tp-cp-ep-pp-dp order (--use-tp-pp-dp-mapping) it is predicted at {alt} per step."
+            )
+        else:
+            result.notes.append(
+                "Megatron's default rank order (tp-cp-ep-dp-pp) would put this layout's pipeline "
+                f"stages in different sites (predicted {alt} per step that way, against "
+                f"{best.step:.2f} s). The emitted settings use the tp-cp-ep-pp-dp order "
+                "(--use-tp-pp-dp-mapping / use_tp_pp_dp_mapping=True); rank layouts under the "
+                "default order with --order default."
+            )
+    lay = best.layout
+    place = ev.topology.placement(lay.tp, lay.cp, lay.pp, lay.dp, lay.instances, best.order)
+    if lay.instances > 1 and place.instance.level < WAN:
         result.notes.append(
             f"{best.layout.instances} distributed-optimizer instances: gradients are "
             "reduce-scattered inside each instance (never across sites) and only the shards "
