@@ -18,6 +18,7 @@ from porting.errors import PortingError
 _SUBCOMMAND_MODULES = (
     "porting.commands",
     "porting.train_cli",
+    "data_prep.cli",
     "porting.planner.cli",
 )
 

@@ -1,0 +1,243 @@
+"""``porting prep-data`` (and its ``merge`` and ``inspect`` actions): the command-line layer.
+
+Flags that Megatron-LM's ``tools/preprocess_data.py`` or NeMo's ``preprocess_data_for_megatron.py``
+also have keep their names and meaning, so their scripts port by changing the command name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from porting.errors import PortingError
+
+
+def register(subparsers) -> None:
+    """Add ``prep-data`` with its ``merge`` and ``inspect`` actions."""
+    p = subparsers.add_parser(
+        "prep-data",
+        help="tokenize JSONL / local datasets into Megatron .bin/.idx (also: merge, inspect)",
+        description="Tokenize JSONL files (globs, .jsonl.gz) or local Hugging Face datasets into "
+        "Megatron's indexed dataset, byte-identical to Megatron-LM's tools/preprocess_data.py. "
+        "Writes {output_prefix}_{key}_document.bin/.idx per --json-keys entry and "
+        "{output_prefix}.prep-report.json.",
+        epilog="examples:\n"
+        "  porting prep-data --input 'corpus/*.jsonl' --output-prefix out/corpus \\\n"
+        "      --tokenizer ./my-nemo-ckpt --append-eod --workers 2\n"
+        "  porting prep-data ... --resume            # continue a killed run\n"
+        "  porting prep-data inspect out/corpus_text_document\n"
+        "  porting prep-data merge out/a_text_document out/b_text_document --output-prefix out/ab\n"
+        "details: docs/data_prep.md",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    g = p.add_argument_group("input data")
+    g.add_argument(
+        "--input",
+        nargs="+",
+        metavar="PATH",
+        help="JSONL files, globs, .jsonl.gz, "
+        "folders of JSONL, saved HF datasets (save_to_disk) or .parquet files",
+    )
+    g.add_argument(
+        "--json-keys", nargs="+", default=["text"], help="keys to tokenize (default text)"
+    )
+    g.add_argument("--hf-split", default=None, help="split of a saved DatasetDict")
+    g.add_argument(
+        "--preproc-folder",
+        action="store_true",
+        help="NeMo's flag; a folder given to --input is always read as JSONL files",
+    )
+    g.add_argument("--split-sentences", action="store_true", help=argparse.SUPPRESS)
+    g = p.add_argument_group("tokenizer")
+    g.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="an imported checkpoint (its tokenizer, checked against the model's "
+        "vocabulary), an HF tokenizer directory or a sentencepiece .model",
+    )
+    g.add_argument(
+        "--tokenizer-type",
+        help="Megatron's: HuggingFaceTokenizer, "
+        "SentencePieceTokenizer, GPTSentencePieceTokenizer, Llama2Tokenizer (with NeMo's "
+        "--tokenizer-library huggingface: the tokenizer directory)",
+    )
+    g.add_argument("--tokenizer-model", help="Megatron's: tokenizer directory or .model file")
+    g.add_argument("--tokenizer-library", choices=["huggingface", "sentencepiece"], help="NeMo's")
+    g.add_argument(
+        "--tokenizer-backend",
+        default="auto",
+        choices=["auto", "hf", "sentencepiece", "gigatoken", "megatron"],
+        help="what encodes: auto = hf (tokenizers) or sentencepiece; gigatoken is "
+        "faster and checked against Megatron's tokenizer; megatron is the reference "
+        "itself, one document at a time",
+    )
+    g.add_argument(
+        "--tokenizer-hf-no-include-special-tokens",
+        action="store_true",
+        help="no BOS/EOS from the HF post-processor (megatron-core 0.15/0.16's default)",
+    )
+    g.add_argument(
+        "--tokenizer-hf-no-use-fast",
+        action="store_true",
+        help="load the slow transformers tokenizer (megatron-core 0.15/0.16's default)",
+    )
+    g = p.add_argument_group("output data")
+    g.add_argument("--output-prefix", help="output path without suffix")
+    g.add_argument(
+        "--append-eod",
+        action="store_true",
+        help="append EOD (the tokenizer's EOS) to every non-empty document",
+    )
+    g.add_argument("--dataset-impl", choices=["mmap"], default="mmap", help="NeMo's; only mmap")
+    g.add_argument("--overwrite", action="store_true", help="replace existing outputs")
+    g = p.add_argument_group("runtime")
+    g.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1)")
+    g.add_argument(
+        "--on-error",
+        choices=["fail", "skip"],
+        default="fail",
+        help="a bad record stops the run at its file:line (fail) or is skipped and "
+        "listed in the report (skip)",
+    )
+    g.add_argument(
+        "--keep-empty",
+        action="store_true",
+        help='keep "text": "" as an empty '
+        "document, as preprocess_data.py does, instead of treating it as an error",
+    )
+    g.add_argument("--resume", action="store_true", help="continue an interrupted run")
+    g.add_argument("--chunk-mb", type=float, default=4.0, help="input per work unit (MiB)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=run_prep)
+
+    actions = p.add_subparsers(dest="prep_action", metavar="ACTION")
+    m = actions.add_parser("merge", help="merge .bin/.idx pairs (as merge_datasets.py)")
+    m.add_argument("prefixes", nargs="*", help="prefixes to merge, in this order")
+    m.add_argument(
+        "--input",
+        dest="merge_dir",
+        help="a directory: merge every pair in it, sorted (merge_datasets.py's --input)",
+    )
+    m.add_argument("--output-prefix", dest="merge_out", required=True)
+    m.add_argument("--overwrite", dest="merge_overwrite", action="store_true")
+    m.set_defaults(func=run_merge)
+    i = actions.add_parser("inspect", help="counts and the first documents decoded")
+    i.add_argument("prefix", help="e.g. out/corpus_text_document")
+    i.add_argument(
+        "--tokenizer",
+        dest="inspect_tokenizer",
+        help="default: the one in the prep-data report beside the prefix",
+    )
+    i.add_argument("--docs", type=int, default=3)
+    i.add_argument("--max-tokens", type=int, default=64)
+    i.add_argument("--json", dest="inspect_json", action="store_true")
+    i.set_defaults(func=run_inspect)
+
+
+def run_prep(args) -> int:
+    """``porting prep-data``."""
+    from data_prep.prep import PrepConfig, prepare
+    from data_prep.tokenizer import resolve
+
+    if args.split_sentences:
+        raise PortingError("--split-sentences (NLTK sentence splitting) is not supported")
+    if not args.input or not args.output_prefix:
+        raise PortingError("--input and --output-prefix are required")
+    source = resolve(
+        args.tokenizer, args.tokenizer_type, args.tokenizer_model, args.tokenizer_library
+    )
+    cfg = PrepConfig(
+        inputs=args.input,
+        output_prefix=args.output_prefix,
+        tokenizer=source,
+        json_keys=tuple(args.json_keys),
+        append_eod=args.append_eod,
+        workers=args.workers,
+        include_special_tokens=not args.tokenizer_hf_no_include_special_tokens,
+        use_fast=not args.tokenizer_hf_no_use_fast,
+        backend=args.tokenizer_backend,
+        on_error=args.on_error,
+        keep_empty=args.keep_empty,
+        resume=args.resume,
+        overwrite=args.overwrite,
+        chunk_bytes=max(1, int(args.chunk_mb * (1 << 20))),
+        split=args.hf_split,
+        show_progress=not args.no_progress,
+    )
+    report = prepare(cfg)
+    if args.json:
+        print(json.dumps(report, indent=2, ensure_ascii=False))
+        return 0
+    t = report["time"]
+    for key, out in report["outputs"].items():
+        print(
+            f"{out['prefix']}.bin/.idx  {key}: {out['documents']} documents, "
+            f"{out['tokens']} tokens ({out['empty_documents']} empty)"
+        )
+    print(
+        f"records {report['records']}, skipped {report['skipped']}"
+        + (f" {report['problems']}" if report["problems"] else "")
+    )
+    ckpt = report["tokenizer"].get("checkpoint")
+    if ckpt:
+        print(
+            f"checkpoint {ckpt['path']}: every id < {ckpt['padded_vocab_size']}, "
+            f"EOD {report['tokenizer']['eod']} (model eos_token_id {ckpt['eos_token_id']})"
+        )
+    lossy = report["lossiness"]
+    print(
+        f"tokenizer {report['tokenizer']['path']} ({report['tokenizer']['backend']}, "
+        f"{report['tokenizer']['dtype']}); decode(encode(text)) != text on "
+        f"{lossy['differing']}/{lossy['sampled_documents']} sampled documents"
+    )
+    if lossy["example"]:
+        ex = lossy["example"]
+        print(f"  e.g. {ex['text'][:60]!r} -> {ex['decoded'][:60]!r}")
+    print(
+        f"{t['seconds']:.1f} s, {t['bytes_per_s'] / 1e6:.1f} MB/s, "
+        f"{t['tokens_per_s'] / 1e6:.2f} Mtok/s; report {args.output_prefix}.prep-report.json"
+    )
+    return 0
+
+
+def run_merge(args) -> int:
+    """``porting prep-data merge``."""
+    from data_prep.merge import merge, prefixes_in
+
+    if bool(args.merge_dir) == bool(args.prefixes):
+        raise PortingError("give either prefixes or --input DIR")
+    prefixes = prefixes_in(args.merge_dir) if args.merge_dir else args.prefixes
+    out = merge(prefixes, args.merge_out, overwrite=args.merge_overwrite)
+    print(
+        f"{out['output_prefix']}.bin/.idx: {out['documents']} documents, {out['sequences']} "
+        f"sequences ({out['dtype']}) from {len(prefixes)} inputs"
+    )
+    return 0
+
+
+def run_inspect(args) -> int:
+    """``porting prep-data inspect``."""
+    from data_prep.inspection import inspect_dataset
+    from data_prep.tokenizer import resolve
+
+    tok = resolve(args.inspect_tokenizer) if args.inspect_tokenizer else None
+    info = inspect_dataset(args.prefix, tok, n_docs=args.docs, max_tokens=args.max_tokens)
+    if args.inspect_json:
+        print(json.dumps(info, indent=2, ensure_ascii=False))
+        return 0
+    print(
+        f"{info['prefix']}: {info['documents']} documents ({info['empty_documents']} empty), "
+        f"{info['sequences']} sequences, {info['tokens']} tokens, {info['dtype']}, "
+        f"{info['bin_bytes']} bytes"
+    )
+    dt = info["document_tokens"]
+    print(f"tokens per document: min {dt['min']}, mean {dt['mean']}, max {dt['max']}")
+    if "eod" in info:
+        print(f"EOD {info['eod']}: ends {info['documents_ending_in_eod']} non-empty documents")
+    for doc in info["first_documents"]:
+        print(f"--- document {doc['document']} ({doc['tokens']} tokens) ids {doc['ids'][:16]}")
+        if "text" in doc:
+            sys.stdout.write(doc["text"] + "\n")
+    return 0

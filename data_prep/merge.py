@@ -1,0 +1,115 @@
+"""``porting prep-data merge``: several ``.bin``/``.idx`` pairs into one, as ``merge_datasets.py``.
+
+Megatron-LM's ``tools/merge_datasets.py`` takes every pair in a directory (sorted by prefix) and
+chains them with ``IndexedDatasetBuilder.add_index``; the result here is byte-identical, but the
+index is streamed from the inputs' memory-mapped indexes rather than gathered into Python lists.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from data_prep.writer import index_header, write_index
+from porting.errors import PortingError
+
+
+def prefixes_in(directory: str | Path) -> list[str]:
+    """Every ``.bin``/``.idx`` pair in a directory, sorted (``merge_datasets.py``'s order)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise PortingError(f"{directory}: not a directory")
+    found = set()
+    for p in directory.iterdir():
+        if p.is_file() and p.suffix in (".bin", ".idx"):
+            other = p.with_suffix(".idx" if p.suffix == ".bin" else ".bin")
+            if not other.is_file():
+                raise PortingError(f"{other}: missing (its pair {p.name} is there)")
+            found.add(str(p.with_suffix("")))
+    if not found:
+        raise PortingError(f"{directory}: no .bin/.idx pairs")
+    return sorted(found)
+
+
+def _open_index(prefix: str):
+    from megatron.core.datasets.indexed_dataset import DType, _IndexReader
+
+    idx, bin_ = Path(prefix + ".idx"), Path(prefix + ".bin")
+    for p in (idx, bin_):
+        if not p.is_file():
+            raise PortingError(f"{p}: missing")
+    try:
+        index = _IndexReader(str(idx), multimodal=False)
+    except (AssertionError, ValueError, struct.error) as err:
+        raise PortingError(f"{idx}: not a Megatron index ({err})") from err
+    expected = int(np.asarray(index.sequence_lengths, dtype=np.int64).sum()) * DType.size(
+        index.dtype
+    )
+    if bin_.stat().st_size != expected:
+        raise PortingError(
+            f"{bin_}: {bin_.stat().st_size} bytes, but its index describes {expected}"
+        )
+    return index
+
+
+def merge(prefixes: list[str], output_prefix: str | Path, overwrite: bool = False) -> dict:
+    """Concatenate datasets in the given order into ``output_prefix``; return counts."""
+    if not prefixes:
+        raise PortingError("nothing to merge")
+    out_bin, out_idx = Path(f"{output_prefix}.bin"), Path(f"{output_prefix}.idx")
+    for p in (out_bin, out_idx):
+        if p.exists() and not overwrite:
+            raise PortingError(f"{p} exists; pass --overwrite to replace it")
+    out_bin.parent.mkdir(parents=True, exist_ok=True)
+    indexes = [_open_index(str(p)) for p in prefixes]
+    dtype = indexes[0].dtype
+    for p, index in zip(prefixes, indexes, strict=True):
+        if index.dtype != dtype:
+            raise PortingError(
+                f"{p}: token dtype {np.dtype(index.dtype).name} differs from "
+                f"{prefixes[0]}'s {np.dtype(dtype).name} (different tokenizers?)"
+            )
+    n_seq = sum(len(ix.sequence_lengths) for ix in indexes)
+    n_docs = 1 + sum(len(ix.document_indices) - 1 for ix in indexes)
+
+    def seq_lengths():
+        for ix in indexes:
+            yield from (
+                ix.sequence_lengths[i : i + (1 << 20)]
+                for i in range(0, len(ix.sequence_lengths), 1 << 20)
+            )
+
+    def doc_indices():
+        yield np.zeros(1, dtype=np.int64)
+        offset = 0
+        for ix in indexes:
+            di = ix.document_indices
+            for i in range(1, len(di), 1 << 20):
+                yield np.asarray(di[i : i + (1 << 20)], dtype=np.int64) + offset
+            offset += len(ix.sequence_lengths)
+
+    tmp_bin = out_bin.with_name(out_bin.name + ".tmp")
+    tmp_idx = out_idx.with_name(out_idx.name + ".tmp")
+    try:
+        with open(tmp_bin, "wb") as f:
+            for p in prefixes:
+                with open(str(p) + ".bin", "rb") as src:
+                    shutil.copyfileobj(src, f, 1 << 22)
+        itemsize = np.dtype(dtype).itemsize
+        write_index(tmp_idx, index_header(dtype), itemsize, n_seq, n_docs, seq_lengths, doc_indices)
+        os.replace(tmp_bin, out_bin)
+        os.replace(tmp_idx, out_idx)
+    finally:
+        for t in (tmp_bin, tmp_idx):
+            t.unlink(missing_ok=True)
+    return {
+        "output_prefix": str(output_prefix),
+        "inputs": [str(p) for p in prefixes],
+        "documents": n_docs - 1,
+        "sequences": n_seq,
+        "dtype": np.dtype(dtype).name,
+    }

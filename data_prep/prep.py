@@ -1,0 +1,594 @@
+"""``porting prep-data``: JSONL / local datasets to Megatron's ``.bin``/``.idx``, resumably.
+
+The main process plans chunks, hands them to ``spawn``-ed workers (parse with orjson, batch-encode,
+flat arrays back), and consumes results strictly in input order: it places problems at their
+file and line, checks sampled documents against Megatron's own tokenizer, appends tokens and
+document lengths to the partial outputs and commits the run's state after every chunk. At the
+end it writes each ``.idx``, renames the pairs to ``{prefix}_{key}_document.{bin,idx}`` and
+writes the report. Output bytes equal Megatron-LM's ``tools/preprocess_data.py`` (no sentence
+splitting) for the same tokenizer, input and flags.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from data_prep import worker
+from data_prep.backends import LightReference, build_backend, describe_diff
+from data_prep.records import PROBLEM_KINDS, parse_jsonl, parse_rows
+from data_prep.report import Progress, rate, report_path, write_json_atomic
+from data_prep.sources import Source, expand_inputs, iter_tasks, read_range
+from data_prep.tokenizer import (
+    Facts,
+    TokenizerSource,
+    backend_spec,
+    check_contract,
+    fingerprint,
+    megatron_facts,
+    provisional,
+    quiet_third_party,
+)
+from data_prep.writer import WorkDir, total_tokens, write_index_from_doc_lengths
+from porting.errors import PortingError
+
+log = logging.getLogger(__name__)
+
+LEVEL = "document"
+ON_ERROR = ("fail", "skip")
+
+
+@dataclass
+class PrepConfig:
+    """One ``prep-data`` run. Field names follow the command-line flags."""
+
+    inputs: list[str]
+    output_prefix: str
+    tokenizer: TokenizerSource
+    json_keys: tuple[str, ...] = ("text",)
+    append_eod: bool = False
+    workers: int = 1
+    include_special_tokens: bool = True
+    use_fast: bool = True
+    backend: str = "auto"
+    on_error: str = "fail"
+    keep_empty: bool = False
+    resume: bool = False
+    overwrite: bool = False
+    chunk_bytes: int = 4 << 20
+    split: str | None = None
+    show_progress: bool = False
+    # Tests: encode in this process (no worker start-up cost).
+    in_process: bool = False
+    # Tests: die (os._exit) after this many chunks, their tokens flushed but not committed.
+    crash_after_chunks: int | None = None
+
+
+def output_prefix_for(output_prefix: str | Path, key: str) -> Path:
+    """``{output_prefix}_{key}_document``, the name Megatron and NeMo give each key's pair."""
+    return Path(f"{output_prefix}_{key}_{LEVEL}")
+
+
+def work_path(output_prefix: str | Path) -> Path:
+    """Where an unfinished run keeps its partial outputs."""
+    return Path(f"{output_prefix}.prep-data.partial")
+
+
+def _run_fingerprint(cfg: PrepConfig, sources: list[Source], tok_fp: str) -> str:
+    data = {
+        "inputs": [[str(s.path.resolve()), s.kind, s.size, s.mtime_ns] for s in sources],
+        "keys": list(cfg.json_keys),
+        "append_eod": cfg.append_eod,
+        "keep_empty": cfg.keep_empty,
+        "split": cfg.split,
+        "tokenizer": tok_fp,
+    }
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def _fresh_state(fp: str, keys: tuple[str, ...]) -> dict:
+    return {
+        "fingerprint": fp,
+        "position": {"source": 0, "offset": 0, "line": 0},
+        "keys": {k: {"bin_bytes": 0, "documents": 0, "tokens": 0, "empty": 0} for k in keys},
+        "lines": 0,
+        "records": 0,
+        "skipped": 0,
+        "problems_bytes": 0,
+        "problem_counts": dict.fromkeys(PROBLEM_KINDS, 0),
+        "bytes": 0,
+        "chunks": 0,
+        "compared": 0,
+        "lossy": {"sampled": 0, "differing": 0, "example": None},
+        "elapsed": 0.0,
+        "runs": 0,
+    }
+
+
+def _default_backend(kind: str) -> str:
+    return "hf" if kind == "hf" else "sentencepiece"
+
+
+def check_backend(facts: Facts, backend_name: str, spec) -> int:
+    """Refuse a backend (or a light reference) that differs from Megatron's tokenizer on the
+    probes and the head of the corpus; return how many texts were compared."""
+    if backend_name == "megatron":
+        return 0
+    try:
+        backend = build_backend(spec)
+    except ImportError as err:
+        raise PortingError(
+            f"the {backend_name} backend needs a package that is not installed ({err.name}); "
+            f"pip install {err.name}"
+        ) from err
+    except (ValueError, RuntimeError, OSError) as err:
+        raise PortingError(f"the {backend_name} backend cannot load {facts.path}: {err}") from err
+    light = LightReference(facts.kind, facts.payload, facts.include_special_tokens)
+    for text, want in zip(facts.texts, facts.ids, strict=True):
+        ids, _ = backend.encode([text])
+        diff = describe_diff(ids.tolist(), list(want), text)
+        if diff is not None:
+            raise PortingError(
+                f"the {backend_name} backend does not reproduce Megatron's tokenizer "
+                f"({facts.path}) on {diff}; use --tokenizer-backend "
+                f"{_default_backend(facts.kind)} (or megatron)"
+            )
+        diff = describe_diff(light.encode(text), list(want), text)
+        if diff is not None:
+            raise PortingError(
+                f"{facts.path}: the tokenizers library alone does not reproduce Megatron's "
+                f"tokenizer on {diff}; use --tokenizer-backend megatron"
+            )
+    return len(facts.texts)
+
+
+def _head_texts(sources: list[Source], keys, pos: dict, cfg: PrepConfig, n: int = 32) -> list[str]:
+    """The first ``n`` usable texts of every key where this run starts (for the setup check)."""
+    task = next(
+        iter_tasks(
+            sources, keys, min(cfg.chunk_bytes, 1 << 20), pos["source"], pos["offset"], cfg.split
+        ),
+        None,
+    )
+    if task is None:
+        return []
+    kind, *rest = task.payload
+    if kind == "rows":
+        parsed = parse_rows(rest[0], keys, cfg.keep_empty, False)
+    else:
+        parsed = parse_jsonl(
+            read_range(*rest) if kind == "range" else rest[0], keys, cfg.keep_empty, False
+        )
+    return [t for k in keys for t in parsed.texts[k][:n]]
+
+
+def _megatron_facts(cfg: PrepConfig, head: list[str]) -> Facts:
+    """:func:`megatron_facts` in a short-lived process (in this one for ``in_process``)."""
+    src = cfg.tokenizer
+    args = (src.kind, str(src.path), cfg.include_special_tokens, cfg.use_fast, head)
+    if cfg.in_process:
+        return megatron_facts(*args)
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_facts_quietly, *args).result()
+
+
+def _facts_quietly(*args) -> Facts:
+    """:func:`megatron_facts` in the child, without the import-time chatter of torch and
+    megatron.core (deprecation warnings and log lines about CUDA, Apex, end-of-life functions)."""
+    quiet_third_party()
+    return megatron_facts(*args)
+
+
+def _bytes_done(sources: list[Source], position: dict) -> int:
+    """On-disk bytes already behind the resume point (for the progress bar)."""
+    done = sum(s.size for s in sources[: position["source"]])
+    if position["source"] < len(sources):
+        src = sources[position["source"]]
+        if src.kind == "jsonl":
+            done += min(position["offset"], src.size)
+    return done
+
+
+class _Done:
+    """A result computed in this process, shaped like a Future."""
+
+    def __init__(self, value) -> None:
+        self._value = value
+
+    def result(self):
+        """The value."""
+        return self._value
+
+
+class _Runner:
+    """Hands tasks to the workers through a bounded window; yields results in task order.
+
+    :meth:`fill` can run ahead (a head start while the main process is still loading Megatron);
+    :meth:`restart` reruns everything in flight under another worker configuration.
+    """
+
+    def __init__(self, cfg: PrepConfig, tasks, head_first: bool) -> None:
+        self._cfg = cfg
+        self._tasks = iter(tasks)
+        self._window: collections.deque = collections.deque()
+        self._pool = None
+        self._head = head_first
+        self.config: worker.WorkerConfig | None = None
+
+    def start(self, wcfg: worker.WorkerConfig) -> None:
+        """Start the workers with this configuration."""
+        self.config = wcfg
+        if self._cfg.in_process:
+            worker.init(wcfg)
+        else:
+            self._pool = ProcessPoolExecutor(
+                max_workers=self._cfg.workers,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=worker.init,
+                initargs=(wcfg,),
+            )
+
+    def _submit(self, task, head: bool):
+        if self._pool is None:
+            return _Done(worker.run(task.payload, head))
+        return self._pool.submit(worker.run, task.payload, head)
+
+    def fill(self, n: int) -> None:
+        """Keep ``n`` chunks handed out (fewer at the end of the input)."""
+        while len(self._window) < n:
+            task = next(self._tasks, None)
+            if task is None:
+                return
+            self._window.append((task, self._head, self._submit(task, self._head)))
+            self._head = False
+
+    def restart(self, wcfg: worker.WorkerConfig) -> None:
+        """New workers with ``wcfg``; what was in flight is computed again by them."""
+        self.close()
+        self.start(wcfg)
+        pending = list(self._window)
+        self._window = collections.deque(
+            (task, head, self._submit(task, head)) for task, head, _ in pending
+        )
+
+    def results(self):
+        """(task, ChunkResult) pairs in task order, two chunks per worker in flight."""
+        limit = 2 * self._cfg.workers
+        while True:
+            self.fill(limit)
+            if not self._window:
+                return
+            task, _, fut = self._window.popleft()
+            yield task, fut.result()
+
+    def close(self) -> None:
+        """Stop the workers, cancelling what has not started."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+
+def _worker_config(
+    cfg: PrepConfig, spec, eod: int | None, vocab_size: int, dtype: str, contract, payload
+) -> worker.WorkerConfig:
+    """What the workers run with; ``payload`` builds the reference gigatoken is checked against."""
+    reference = None
+    if spec.name == "gigatoken":
+        reference = (cfg.tokenizer.kind, payload, cfg.include_special_tokens)
+    return worker.WorkerConfig(
+        keys=tuple(cfg.json_keys),
+        backend=spec,
+        eod=eod if cfg.append_eod else None,
+        keep_empty=cfg.keep_empty,
+        stop_at_first=cfg.on_error == "fail",
+        dtype=dtype,
+        id_limit=contract.padded_vocab_size if contract else vocab_size,
+        reference=reference,
+    )
+
+
+def _guess_dtype(vocab_size: int) -> str:
+    # DType.optimal_dtype's rule, for the head start only; the real one is compared after import.
+    return "uint16" if vocab_size < 65500 else "int32"
+
+
+class _Run:
+    """The state of one run while it consumes results: placing, checking, writing, counting."""
+
+    def __init__(self, cfg, sources, work: WorkDir, facts: Facts, backend_name: str, id_limit):
+        self.cfg, self.sources, self.work, self.facts = cfg, sources, work, facts
+        self.backend_name, self.id_limit = backend_name, id_limit
+        self.state = work.state
+        self.run_bytes = self.run_tokens = self.run_docs = 0
+
+    def add(self, task, res: worker.ChunkResult) -> tuple[int, int]:
+        """Account for one chunk (in input order); return (documents, tokens) added."""
+        cfg, state, src = self.cfg, self.state, self.cfg.tokenizer
+        pos = state["position"]
+        source = self.sources[task.source_index]
+        line0 = pos["line"] if task.source_index == pos["source"] else 0
+        if res.problems and cfg.on_error == "fail":
+            rel, kind, detail = res.problems[0]
+            raise PortingError(
+                f"{source.path}:{line0 + rel + 1}: {kind}: {detail} "
+                "(--on-error skip skips and lists such records)"
+            )
+        if res.bad_id is not None:
+            rel, key, bad = res.bad_id
+            what = (
+                f"the model's vocabulary ({self.id_limit}, {src.contract.checkpoint})"
+                if src.contract
+                else f"the tokenizer's vocabulary ({self.id_limit})"
+            )
+            raise PortingError(
+                f"{source.path}:{line0 + rel + 1}: key {key!r}: token id {bad} is outside {what}"
+            )
+        for rel, key, diff, text, decoded in res.samples:
+            self._check_sample(source, line0 + rel + 1, key, diff, text, decoded)
+        keys = tuple(cfg.json_keys)
+        n_docs = len(res.doc_lens[keys[0]])
+        n_tokens = 0
+        for key in keys:
+            lens, tokens = res.doc_lens[key], res.tokens[key]
+            self.work.append(key, tokens, lens)
+            entry = state["keys"][key]
+            entry["tokens"] += int(tokens.size)
+            entry["empty"] += int(np.count_nonzero(lens == 0))
+            n_tokens += int(tokens.size)
+        rows = []
+        for rel, kind, detail in res.problems:
+            state["problem_counts"][kind] += 1
+            rows.append(
+                {
+                    "file": str(source.path),
+                    source.unit: line0 + rel + 1,
+                    "reason": kind,
+                    "detail": detail,
+                }
+            )
+        self.work.add_problems(rows)
+        state["skipped"] += len(rows)
+        state["records"] += n_docs
+        state["lines"] += res.n_lines
+        state["bytes"] += res.nbytes
+        state["chunks"] += 1
+        state["position"] = {
+            "source": task.source_index,
+            "offset": task.end,
+            "line": line0 + res.n_lines,
+        }
+        self.run_bytes += res.nbytes
+        self.run_docs += n_docs
+        self.run_tokens += n_tokens
+        if cfg.crash_after_chunks is not None and state["chunks"] > cfg.crash_after_chunks:
+            self.work.flush()
+            os._exit(3)
+        self.work.commit()
+        return n_docs, n_tokens
+
+    def _check_sample(self, source: Source, line: int, key: str, diff, text, decoded) -> None:
+        """The equivalence check against the reference, and the lossiness estimate."""
+        state = self.state
+        if diff is not None:
+            raise PortingError(
+                f"{source.path}:{line}: key {key!r}: the {self.backend_name} backend does not "
+                f"reproduce Megatron's tokenizer on {diff}; use --tokenizer-backend "
+                f"{_default_backend(self.facts.kind)} (or megatron)"
+            )
+        if self.backend_name == "gigatoken":
+            state["compared"] += 1
+        lossy = state["lossy"]
+        lossy["sampled"] += 1
+        if text is not None:
+            lossy["differing"] += 1
+            if lossy["example"] is None:
+                lossy["example"] = {
+                    "file": str(source.path),
+                    source.unit: line,
+                    "key": key,
+                    "text": text,
+                    "decoded": decoded,
+                }
+
+
+def _open_work(cfg: PrepConfig, keys, run_fp: str) -> WorkDir:
+    finals = [output_prefix_for(cfg.output_prefix, k) for k in keys]
+    existing = [p for f in finals for p in (Path(f"{f}.bin"), Path(f"{f}.idx")) if p.exists()]
+    if existing and not cfg.overwrite:
+        raise PortingError(f"{existing[0]} exists; pass --overwrite to replace it")
+    Path(cfg.output_prefix).parent.mkdir(parents=True, exist_ok=True)
+    work = WorkDir(work_path(cfg.output_prefix), keys)
+    if cfg.resume and work.exists():
+        work.resume(run_fp)
+        log.info("resuming %s after %d chunks", work.path, work.state["chunks"])
+    else:
+        if work.path.exists():
+            log.info("replacing the partial run in %s (pass --resume to continue it)", work.path)
+        work.start(_fresh_state(run_fp, keys))
+    work.state["runs"] += 1
+    return work
+
+
+def prepare(cfg: PrepConfig) -> dict:
+    """Run one ``prep-data``; return the report (also written next to the outputs)."""
+    t_start = time.perf_counter()
+    keys = tuple(cfg.json_keys)
+    if not keys or len(set(keys)) != len(keys):
+        raise PortingError(f"--json-keys {' '.join(keys)}: need distinct keys")
+    if cfg.on_error not in ON_ERROR:
+        raise PortingError(f"--on-error {cfg.on_error}: one of {', '.join(ON_ERROR)}")
+    if cfg.workers < 1:
+        raise PortingError(f"--workers {cfg.workers}: need at least 1")
+    sources = expand_inputs(cfg.inputs)
+    src = cfg.tokenizer
+    backend_name = _default_backend(src.kind) if cfg.backend == "auto" else cfg.backend
+    tok_fp = fingerprint(src, cfg.include_special_tokens, cfg.use_fast)
+    work = _open_work(cfg, keys, _run_fingerprint(cfg, sources, tok_fp))
+    state = work.state
+    pos = state["position"]
+    tasks = iter_tasks(sources, keys, cfg.chunk_bytes, pos["source"], pos["offset"], cfg.split)
+    runner = _Runner(cfg, tasks, head_first=state["chunks"] == 0)
+    progress = None
+    t_work = time.perf_counter()
+    try:
+        head = _head_texts(sources, keys, pos, cfg)
+        # Workers start on a guess while Megatron's tokenizer loads, where spare cores can absorb
+        # the loading (and its memory is not on top of theirs on a small machine).
+        guess = None
+        if cfg.in_process or (os.cpu_count() or 1) > cfg.workers + 1:
+            guess = provisional(src, cfg.include_special_tokens, backend_name)
+        if guess is not None:
+            spec, eod, vocab = guess
+            guessed = _worker_config(
+                cfg, spec, eod, vocab, _guess_dtype(vocab), src.contract, spec.payload
+            )
+            runner.start(guessed)
+            runner.fill(min(32, 8 * cfg.workers))
+
+        facts = _megatron_facts(cfg, head)
+        if src.contract is not None:
+            check_contract(facts, src.contract, cfg.append_eod)
+        if cfg.append_eod and facts.eod is None:
+            raise PortingError(f"{src.path}: the tokenizer has no EOS token to append as EOD")
+        spec = backend_spec(facts, backend_name)
+        n_probes = check_backend(facts, backend_name, spec)
+        dtype = np.dtype(facts.dtype)
+        wcfg = _worker_config(
+            cfg, spec, facts.eod, facts.vocab_size, dtype.name, src.contract, facts.payload
+        )
+        if runner.config is None:
+            runner.start(wcfg)
+        elif runner.config != wcfg:
+            log.info("the tokenizer as Megatron loads it differs from its files; restarting")
+            runner.restart(wcfg)
+        log.info(
+            "tokenizer %s (%s, backend %s, vocab %d, eod %s, dtype %s); %d input(s)",
+            src.path, src.kind, backend_name, facts.vocab_size, wcfg.eod, dtype.name, len(sources),
+        )  # fmt: skip
+        run = _Run(cfg, sources, work, facts, backend_name, wcfg.id_limit)
+        progress = Progress(
+            sum(s.size for s in sources), _bytes_done(sources, pos), cfg.show_progress
+        )
+        for task, res in runner.results():
+            docs, tokens = run.add(task, res)
+            progress.update(task.disk_bytes, docs, tokens, res.nbytes)
+    except BaseException:
+        runner.close()
+        if progress is not None:
+            progress.close()
+        if state["chunks"] == 0:
+            work.remove()  # nothing worth resuming
+        else:
+            work.close()
+        raise
+    runner.close()
+    progress.close()
+    work.close()
+    t_work = time.perf_counter() - t_work
+
+    for key in keys:
+        lengths = work.lens_path(key)
+        if work.bin_path(key).stat().st_size != total_tokens(lengths) * dtype.itemsize:
+            raise PortingError(f"{work.bin_path(key)}: size does not match its document lengths")
+        write_index_from_doc_lengths(
+            work.path / f"{key}.idx", facts.index_header, dtype.itemsize, lengths
+        )
+    elapsed = time.perf_counter() - t_start
+    state["elapsed"] += elapsed
+    report = _report(
+        cfg, sources, src, facts, backend_name, dtype, state, work.problems(), tok_fp, n_probes
+    )
+    report["time"] = {
+        "seconds": round(elapsed, 3),
+        # From the first chunk handed out to the last one written: the steady-state part.
+        "processing_seconds": round(t_work, 3),
+        "seconds_all_runs": round(state["elapsed"], 3),
+        "runs": state["runs"],
+        "bytes_this_run": run.run_bytes,
+        "bytes_per_s": round(rate(run.run_bytes, elapsed), 1),
+        "tokens_per_s": round(rate(run.run_tokens, elapsed), 1),
+        "documents_per_s": round(rate(run.run_docs, elapsed), 1),
+    }
+    for key in keys:
+        final = output_prefix_for(cfg.output_prefix, key)
+        os.replace(work.bin_path(key), f"{final}.bin")
+        os.replace(work.path / f"{key}.idx", f"{final}.idx")
+    rpath = report_path(cfg.output_prefix)
+    write_json_atomic(rpath, report)
+    work.remove()
+    log.info("wrote %s (%d records, %d skipped)", rpath, state["records"], state["skipped"])
+    return report
+
+
+def _report(
+    cfg, sources, src, facts, backend_name, dtype, state, skipped, tok_fp, n_probes
+) -> dict:
+    lossy = state["lossy"]
+    outputs = {}
+    for key in cfg.json_keys:
+        entry = state["keys"][key]
+        prefix = output_prefix_for(cfg.output_prefix, key)
+        outputs[key] = {
+            "prefix": str(prefix),
+            "documents": entry["documents"],
+            "sequences": entry["documents"] - entry["empty"],
+            "empty_documents": entry["empty"],
+            "tokens": entry["tokens"],
+        }
+    tokenizer = {
+        "kind": src.kind,
+        "path": str(src.path),
+        "fingerprint": tok_fp,
+        "backend": backend_name,
+        "vocab_size": facts.vocab_size,
+        "dtype": dtype.name,
+        "eod": facts.eod if cfg.append_eod else None,
+        "include_special_tokens": cfg.include_special_tokens if src.kind == "hf" else None,
+        "use_fast": cfg.use_fast if src.kind == "hf" else None,
+    }
+    if src.contract is not None:
+        tokenizer["checkpoint"] = {
+            "path": str(src.contract.checkpoint),
+            "padded_vocab_size": src.contract.padded_vocab_size,
+            "eos_token_id": src.contract.eos_token_id,
+        }
+    return {
+        "inputs": [{"path": str(s.path), "kind": s.kind, "bytes": s.size} for s in sources],
+        "json_keys": list(cfg.json_keys),
+        "append_eod": cfg.append_eod,
+        "keep_empty": cfg.keep_empty,
+        "on_error": cfg.on_error,
+        "outputs": outputs,
+        "lines": state["lines"],
+        "records": state["records"],
+        "bytes": state["bytes"],
+        "skipped": state["skipped"],
+        "problems": {k: v for k, v in state["problem_counts"].items() if v},
+        "skipped_records": skipped,
+        "tokenizer": tokenizer,
+        "equivalence": {
+            "reference": "megatron.core.tokenizers (as tools/preprocess_data.py builds it)",
+            # Probe texts and the head of the corpus, compared with Megatron's own ids at start.
+            "texts_checked_at_start": n_probes,
+            # gigatoken only: sampled documents re-encoded by the tokenizers/sentencepiece object
+            # Megatron's tokenizer wraps (the other backends are that object).
+            "documents_compared": state["compared"],
+            "differences": 0,
+        },
+        "lossiness": {
+            "sampled_documents": lossy["sampled"],
+            "differing": lossy["differing"],
+            "share": round(rate(lossy["differing"], lossy["sampled"]), 4),
+            "example": lossy["example"],
+        },
+    }

@@ -1,0 +1,242 @@
+"""Inputs: JSONL files and globs, ``.jsonl.gz``, local Hugging Face datasets; cut into chunks.
+
+A chunk is a run of whole lines (or rows) of one input, about ``chunk_bytes`` long. Plain files
+are cut by seeking, and the workers read their own byte ranges; gzip files are decompressed here
+and sent as bytes; dataset rows are sent as Python lists. A chunk's position is an offset into
+the decoded stream (bytes) or a row number, so a resumed run can start exactly where the last
+committed chunk ended.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from porting.errors import PortingError
+
+_JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".ndjson")
+_DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+_SEEK_BLOCK = 1 << 16
+
+
+@dataclass(frozen=True)
+class Source:
+    """One input: ``kind`` is ``jsonl``, ``jsonl.gz``, ``parquet`` or ``hf-dataset``."""
+
+    path: Path
+    kind: str
+    size: int
+    mtime_ns: int
+
+    @property
+    def unit(self) -> str:
+        """What the numbers in problem locations count."""
+        return "row" if self.kind in ("parquet", "hf-dataset") else "line"
+
+
+@dataclass(frozen=True)
+class Task:
+    """A chunk of work: ``payload`` goes to a worker, the rest stays with the main process."""
+
+    source_index: int
+    start: int
+    end: int
+    payload: tuple
+    disk_bytes: int
+
+
+def _is_dataset_dir(path: Path) -> bool:
+    return any((path / m).is_file() for m in _DATASET_MARKERS)
+
+
+def _dir_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _source(path: Path) -> Source:
+    st = path.stat()
+    if path.is_dir():
+        return Source(path, "hf-dataset", _dir_size(path), st.st_mtime_ns)
+    name = path.name.lower()
+    if name.endswith(".gz"):
+        kind = "jsonl.gz"
+    elif name.endswith(".parquet"):
+        kind = "parquet"
+    else:
+        kind = "jsonl"
+    return Source(path, kind, st.st_size, st.st_mtime_ns)
+
+
+def expand_inputs(patterns: list[str]) -> list[Source]:
+    """Files, globs and directories, in the order given (each glob sorted), without duplicates.
+
+    A directory is a saved Hugging Face dataset when it has ``save_to_disk``'s markers; otherwise
+    every JSONL file directly in it is taken (NeMo's ``--preproc-folder``).
+    """
+    sources, seen = [], set()
+    for pattern in patterns:
+        if any(ch in pattern for ch in "*?["):
+            matches = sorted(glob.glob(pattern, recursive=True))
+            if not matches:
+                raise PortingError(f"--input {pattern}: matches no file")
+        else:
+            if not os.path.exists(pattern):
+                raise PortingError(f"--input {pattern}: no such file or directory")
+            matches = [pattern]
+        for match in matches:
+            path = Path(match)
+            if path.is_dir() and not _is_dataset_dir(path):
+                files = sorted(
+                    p for p in path.iterdir() if p.is_file() and p.name.endswith(_JSONL_SUFFIXES)
+                )
+                if not files:
+                    raise PortingError(
+                        f"{path}: neither a saved dataset nor a folder of JSONL files"
+                    )
+            else:
+                files = [path]
+            for f in files:
+                key = f.resolve()
+                if key not in seen:
+                    seen.add(key)
+                    sources.append(_source(f))
+    if not sources:
+        raise PortingError("no input")
+    return sources
+
+
+def _line_end(f, pos: int, size: int) -> int:
+    """The offset just past the first newline at or after ``pos`` (or ``size``)."""
+    f.seek(pos)
+    while pos < size:
+        block = f.read(_SEEK_BLOCK)
+        if not block:
+            return size
+        k = block.find(b"\n")
+        if k >= 0:
+            return pos + k + 1
+        pos += len(block)
+    return size
+
+
+def _plain_tasks(i: int, src: Source, start: int, chunk_bytes: int) -> Iterator[Task]:
+    with open(src.path, "rb") as f:
+        pos = start
+        while pos < src.size:
+            end = _line_end(f, min(pos + chunk_bytes, src.size) - 1, src.size)
+            yield Task(i, pos, end, ("range", str(src.path), pos, end), end - pos)
+            pos = end
+
+
+def _gzip_tasks(i: int, src: Source, start: int, chunk_bytes: int) -> Iterator[Task]:
+    with open(src.path, "rb") as raw, gzip.GzipFile(fileobj=raw, mode="rb") as f:
+        # A gzip stream cannot seek: resuming re-reads (but does not re-tokenize) what was done.
+        skipped = 0
+        while skipped < start:
+            got = len(f.read(min(chunk_bytes, start - skipped)))
+            if not got:
+                break
+            skipped += got
+        pos, disk = start, raw.tell()
+        while True:
+            try:
+                data = f.read(chunk_bytes)
+                if data and not data.endswith(b"\n"):
+                    data += f.readline()
+            except (OSError, EOFError) as err:
+                raise PortingError(f"{src.path}: corrupt gzip stream ({err})") from err
+            if not data:
+                return
+            now = raw.tell()
+            yield Task(i, pos, pos + len(data), ("bytes", data), now - disk)
+            pos, disk = pos + len(data), now
+
+
+def _dataset_columns(src: Source, keys: tuple[str, ...], split: str | None):
+    """The requested columns of a saved dataset, as a pyarrow table (memory-mapped)."""
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(src.path))
+    except (FileNotFoundError, ValueError) as err:
+        raise PortingError(f"{src.path}: cannot load the saved dataset ({err})") from err
+    if isinstance(ds, datasets.DatasetDict):
+        if split is None:
+            if len(ds) != 1:
+                raise PortingError(f"{src.path}: splits {sorted(ds)}; choose one with --hf-split")
+            split = next(iter(ds))
+        if split not in ds:
+            raise PortingError(f"{src.path}: no split {split!r} (has {sorted(ds)})")
+        ds = ds[split]
+    missing = [k for k in keys if k not in ds.column_names]
+    if missing:
+        raise PortingError(f"{src.path}: no column {missing[0]!r} (columns: {ds.column_names})")
+    # Slicing through the dataset (arrow format) honours an indices mapping, if any.
+    ds = ds.select_columns(list(keys)).with_format("arrow")
+    return ds.num_rows, ds.data.nbytes, lambda a, b: ds[a:b]
+
+
+def _parquet_columns(src: Source, keys: tuple[str, ...]):
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(src.path, columns=None, memory_map=True)
+    except Exception as err:  # pyarrow raises its own hierarchy for unreadable files
+        raise PortingError(f"{src.path}: cannot read parquet ({err})") from err
+    missing = [k for k in keys if k not in table.column_names]
+    if missing:
+        raise PortingError(f"{src.path}: no column {missing[0]!r} (columns: {table.column_names})")
+    table = table.select(list(keys))
+    return table.num_rows, table.nbytes, lambda a, b: table.slice(a, b - a)
+
+
+def _row_tasks(
+    i: int, src: Source, rows_source, start: int, chunk_bytes: int, keys: tuple[str, ...]
+) -> Iterator[Task]:
+    n, nbytes, get = rows_source
+    per_row = max(1, nbytes // max(n, 1))
+    rows = max(1, chunk_bytes // per_row)
+    pos = start
+    while pos < n:
+        end = min(n, pos + rows)
+        part = get(pos, end)
+        cols = {k: part.column(k).to_pylist() for k in keys}
+        yield Task(i, pos, end, ("rows", cols), src.size * (end - pos) // n)
+        pos = end
+
+
+def iter_tasks(
+    sources: list[Source],
+    keys: tuple[str, ...],
+    chunk_bytes: int,
+    resume_source: int = 0,
+    resume_offset: int = 0,
+    split: str | None = None,
+) -> Iterator[Task]:
+    """Every chunk of every input from the resume point on, in order."""
+    for i, src in enumerate(sources):
+        if i < resume_source:
+            continue
+        start = resume_offset if i == resume_source else 0
+        if src.kind == "jsonl":
+            yield from _plain_tasks(i, src, start, chunk_bytes)
+        elif src.kind == "jsonl.gz":
+            yield from _gzip_tasks(i, src, start, chunk_bytes)
+        else:
+            table = (
+                _parquet_columns(src, keys)
+                if src.kind == "parquet"
+                else _dataset_columns(src, keys, split)
+            )
+            yield from _row_tasks(i, src, table, start, chunk_bytes, keys)
+
+
+def read_range(path: str, start: int, end: int) -> bytes:
+    """The bytes of a plain file between two offsets (what a worker reads for a range task)."""
+    with open(path, "rb") as f:
+        f.seek(start)
+        return f.read(end - start)

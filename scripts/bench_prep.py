@@ -1,0 +1,358 @@
+"""Benchmark: `porting prep-data` against Megatron-LM's `tools/preprocess_data.py`.
+
+Generates a mixed Japanese/English JSONL corpus (~100 MB by default) and two 32k-vocabulary
+tokenizers trained on its head (byte-level BPE saved as an HF directory; sentencepiece unigram with
+default settings), then runs, each in a fresh process and with the same number of workers:
+
+- Megatron's `preprocess_data.py` (from `--megatron-lm PATH`, a checkout of the release matching
+  megatron-core; without it, `data_prep.testing.megatron_reference`, which drives megatron-core's
+  tokenizer and `IndexedDatasetBuilder` the way the script does, pool and all),
+- `porting prep-data` with the HF `tokenizers`, gigatoken and sentencepiece backends,
+- the tokenizer alone: batch-encode of the texts already in memory on the same number of threads,
+  the ceiling for any pipeline.
+
+For each it prints wall time, MB/s of input bytes (not characters), tokens/s, peak memory of the
+whole process tree, and whether the `.bin`/`.idx` equal Megatron's byte for byte. Start-up
+(imports, tokenizer loading) is measured on a 20-line corpus and also subtracted, giving a
+steady-state rate. The HF tokenizer is compared twice: Megatron's script as it ships (megatron-core 0.15's
+`HuggingFaceTokenizer` defaults: slow transformers tokenizer, no special tokens) against
+`porting prep-data --tokenizer-hf-no-include-special-tokens --tokenizer-hf-no-use-fast`, and
+megatron-core's tokenizer with `use_fast` and `include_special_tokens` (fast tokenizer, BOS from
+the post-processor: megatron-core 0.17+'s defaults) driven as the script drives it
+(`data_prep.testing.megatron_reference`, pool and all; 0.15.3's own `--legacy-tokenizer` path is
+broken) against `porting prep-data` with its defaults. Each pair must give the same bytes.
+
+    python scripts/bench_prep.py [--workdir /tmp/porting-bench-prep] [--mb 100] [--workers 2]
+                                 [--megatron-lm PATH] [--index-memory N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+def _tree_memory(proc: psutil.Process) -> tuple[int, int]:
+    """(RSS, PSS) summed over a process and its descendants."""
+    rss = pss = 0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            info = p.memory_full_info()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        rss += info.rss
+        pss += getattr(info, "pss", info.rss)
+    return rss, pss
+
+
+def measure(cmd: list[str], env: dict | None = None) -> dict:
+    """Run ``cmd``; wall time and the peak RSS / PSS of its process tree (sampled every 0.1 s)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    ps = psutil.Process(proc.pid)
+    peak = [0, 0]
+    done = threading.Event()
+
+    def sample():
+        while not done.is_set():
+            try:
+                rss, pss = _tree_memory(ps)
+            except psutil.NoSuchProcess:
+                return
+            peak[0], peak[1] = max(peak[0], rss), max(peak[1], pss)
+            done.wait(0.1)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    out, _ = proc.communicate()
+    wall = time.perf_counter() - t0
+    done.set()
+    thread.join()
+    if proc.returncode != 0:
+        raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{out[-3000:]}")
+    return {"wall": wall, "rss": peak[0], "pss": peak[1], "log": out}
+
+
+def idx_counts(prefix: str) -> tuple[int, int]:
+    """(documents, tokens) of a .bin/.idx pair, from the header and the .bin size."""
+    with open(prefix + ".idx", "rb") as f:
+        head = f.read(34)
+    itemsize = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 8, 8: 2}[head[17]]
+    docs = int.from_bytes(head[26:34], "little") - 1
+    return docs, os.path.getsize(prefix + ".bin") // itemsize
+
+
+def same_bytes(a: str, b: str) -> bool:
+    """Whether two prefixes have identical .bin and .idx files."""
+    for ext in (".bin", ".idx"):
+        if Path(a + ext).read_bytes() != Path(b + ext).read_bytes():
+            return False
+    return True
+
+
+def ceiling(kind: str, tokenizer: str, corpus: str, workers: int) -> None:
+    """(Child process) batch-encode the corpus texts, already in memory, on ``workers`` threads."""
+    import orjson
+
+    texts = [orjson.loads(line)["text"] for line in open(corpus, "rb")]
+    nbytes = sum(len(t.encode()) for t in texts)
+    batches = [texts[i : i + 512] for i in range(0, len(texts), 512)]
+    tokens = 0
+    if kind == "hf":
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(Path(tokenizer) / "tokenizer.json"))
+        t0 = time.perf_counter()
+        for b in batches:
+            tokens += sum(len(e.ids) for e in tok.encode_batch_fast(b, add_special_tokens=False))
+    elif kind == "gigatoken":
+        import gigatoken as gt
+
+        tok = gt.Tokenizer.from_json((Path(tokenizer) / "tokenizer.json").read_text())
+        t0 = time.perf_counter()
+        for b in batches:
+            tokens += int(len(tok.encode_batch(b, parallel=True).layout.content))
+    else:
+        import sentencepiece as spm
+
+        sp = spm.SentencePieceProcessor(model_file=tokenizer)
+        t0 = time.perf_counter()
+        for b in batches:
+            tokens += sum(map(len, sp.encode(b, num_threads=workers)))
+    seconds = time.perf_counter() - t0
+    print(json.dumps({"bytes": nbytes, "tokens": tokens, "seconds": seconds}))
+
+
+def index_memory(n: int) -> None:
+    """(Child processes) peak memory of writing an index of ``n`` documents, both ways."""
+    code = {
+        "IndexedDatasetBuilder": (
+            "import numpy as np, resource, sys\n"
+            "from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder\n"
+            "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+            "b = IndexedDatasetBuilder(sys.argv[1] + '.bin', dtype=np.uint16)\n"
+            "one = np.ones(1, dtype=np.uint16)\n"
+            "for _ in range(int(sys.argv[2])): b.add_document(one, [1])\n"
+            "b.finalize(sys.argv[1] + '.idx')\n"
+            "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)\n"
+        ),
+        "streamed (data_prep.writer)": (
+            "import numpy as np, resource, sys\n"
+            "from data_prep.writer import index_header, write_index_from_doc_lengths\n"
+            "n = int(sys.argv[2])\n"
+            "np.ones(n, dtype=np.int32).tofile(sys.argv[1] + '.lens')\n"
+            "header = index_header(np.uint16)\n"
+            "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+            "write_index_from_doc_lengths(sys.argv[1] + '.idx', header, 2, sys.argv[1] + '.lens')\n"
+            "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024)\n"
+        ),
+    }
+    tmp = Path("/tmp/porting-index-memory")
+    tmp.mkdir(exist_ok=True)
+    for name, src in code.items():
+        out = subprocess.run(
+            [PY, "-c", src, str(tmp / "x"), str(n)], cwd=REPO, capture_output=True, text=True
+        )
+        grown = int(out.stdout.strip().splitlines()[-1])
+        print(f"{name}: {n} documents, peak memory grew {grown / 2**20:.0f} MiB")
+
+
+def main() -> int:
+    """Entry point."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--workdir", default="/tmp/porting-bench-prep")
+    ap.add_argument("--mb", type=float, default=100.0, help="corpus size in MB")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--megatron-lm", help="a Megatron-LM checkout (core_v0.15.x)")
+    ap.add_argument("--index-memory", type=int, metavar="N", help="only measure index memory")
+    ap.add_argument("--ceiling", nargs=4, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.ceiling:
+        ceiling(args.ceiling[0], args.ceiling[1], args.ceiling[2], int(args.ceiling[3]))
+        return 0
+    if args.index_memory:
+        index_memory(args.index_memory)
+        return 0
+
+    sys.path.insert(0, str(REPO))
+    from data_prep import testing as T
+
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    corpus = work / "corpus.jsonl"
+    target = int(args.mb * 1e6)
+    if not corpus.exists() or abs(corpus.stat().st_size - target) > 100_000:
+        t = time.perf_counter()
+        n, size = T.write_synthetic_corpus(corpus, target, seed=0)
+        print(f"corpus: {n} documents, {size / 1e6:.1f} MB ({time.perf_counter() - t:.0f} s)")
+    tiny = work / "tiny.jsonl"
+    with open(corpus, "rb") as f, open(tiny, "wb") as g:
+        for _ in range(20):
+            g.write(f.readline())
+    hf = work / "bpe32k"
+    if not (hf / "tokenizer.json").exists():
+        t = time.perf_counter()
+        T.train_hf_bpe(T.iter_texts(corpus, limit_bytes=8_000_000), hf, vocab_size=32000)
+        print(f"trained byte-level BPE 32k on 8 MB ({time.perf_counter() - t:.0f} s)")
+    sp = work / "sp32k.model"
+    if not sp.exists():
+        t = time.perf_counter()
+        texts = list(T.iter_texts(corpus, limit_bytes=6_000_000))
+        T.train_sentencepiece(texts, sp, vocab_size=32000, num_threads=args.workers)
+        print(f"trained sentencepiece unigram 32k on 6 MB ({time.perf_counter() - t:.0f} s)")
+    size = corpus.stat().st_size
+    w = str(args.workers)
+
+    def megatron_cmd(inp: Path, prefix: Path, ttype: str, model: Path, fast: bool) -> list[str]:
+        # core_v0.15.3's --legacy-tokenizer path is broken (its Encoder.initializer assigns the
+        # tokenizer to a local), so fast-with-BOS always goes through megatron_reference.
+        if args.megatron_lm and not fast:
+            script = str(Path(args.megatron_lm) / "tools" / "preprocess_data.py")
+            return [PY, script, "--input", str(inp), "--output-prefix", str(prefix),
+                    "--tokenizer-type", ttype, "--tokenizer-model", str(model), "--workers", w,
+                    "--append-eod", "--log-interval", "1000000"]  # fmt: skip
+        hf_kwargs = {"include_special_tokens": True, "use_fast": True} if fast else None
+        code = (
+            "import sys\nfrom data_prep.testing import megatron_reference\n"
+            "if __name__ == '__main__':\n"
+            "    megatron_reference(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4],"
+            f" append_eod=True, workers=int(sys.argv[5]), hf_kwargs={hf_kwargs!r})\n"
+        )
+        return [PY, "-c", code, str(inp), str(prefix), ttype, str(model), w]
+
+    def ours_cmd(inp: Path, prefix: Path, model: Path, backend: str, fast: bool) -> list[str]:
+        as_015 = [] if fast else ["--tokenizer-hf-no-include-special-tokens",
+                                  "--tokenizer-hf-no-use-fast"]  # fmt: skip
+        return [PY, "-m", "porting.cli", "prep-data", "--input", str(inp), "--output-prefix",
+                str(prefix), "--tokenizer", str(model), "--workers", w, "--append-eod",
+                "--tokenizer-backend", backend, *as_015, "--no-progress",
+                "--overwrite"]  # fmt: skip
+
+    # (label, name, Megatron tokenizer type or None for ours, model, our backend, fast HF)
+    runs = [
+        ("Megatron preprocess_data.py, HF (0.15 defaults: slow, no BOS)", "meg_hf",
+         "HuggingFaceTokenizer", hf, None, False),
+        ("porting prep-data, hf backend, as 0.15", "ours_hf", None, hf, "hf", False),
+        ("porting prep-data, gigatoken backend, as 0.15", "ours_gt", None, hf, "gigatoken", False),
+        ("Megatron reference, HF (fast, BOS: 0.17+ defaults)", "meg_hff",
+         "HuggingFaceTokenizer", hf, None, True),
+        ("porting prep-data, hf backend, defaults", "ours_hff", None, hf, "hf", True),
+        ("porting prep-data, gigatoken backend, defaults", "ours_gtf", None, hf, "gigatoken",
+         True),
+        ("Megatron preprocess_data.py, sentencepiece", "meg_sp", "SentencePieceTokenizer", sp,
+         None, False),
+        ("porting prep-data, sentencepiece backend", "ours_sp", None, sp, "sentencepiece", False),
+    ]  # fmt: skip
+    results = {}
+    for label, name, ttype, model, backend, fast in runs:
+        out = {}
+        for which, inp in (("tiny", tiny), ("full", corpus)):
+            prefix = work / f"{name}_{which}"
+            cmd = (
+                megatron_cmd(inp, prefix, ttype, model, fast)
+                if backend is None
+                else ours_cmd(inp, prefix, model, backend, fast)
+            )
+            out[which] = measure(cmd)
+        prefix = str(work / f"{name}_full_text_document")
+        docs, tokens = idx_counts(prefix)
+        r = out["full"]
+        steady = r["wall"] - out["tiny"]["wall"]
+        results[name] = {
+            "label": label, "wall": r["wall"], "startup": out["tiny"]["wall"], "steady": steady,
+            "mb_s": size / r["wall"] / 1e6, "tok_s": tokens / r["wall"],
+            "mb_s_steady": size / steady / 1e6, "rss": r["rss"], "pss": r["pss"],
+            "prefix": prefix, "documents": docs, "tokens": tokens,
+        }  # fmt: skip
+        print(f"{label}: {r['wall']:.1f} s", flush=True)
+    results["ours_hf"]["same"] = same_bytes(
+        results["ours_hf"]["prefix"], results["meg_hf"]["prefix"]
+    )
+    results["ours_gt"]["same"] = same_bytes(
+        results["ours_gt"]["prefix"], results["meg_hf"]["prefix"]
+    )
+    for ours, megatron in (("ours_hff", "meg_hff"), ("ours_gtf", "meg_hff"), ("ours_sp", "meg_sp")):
+        results[ours]["same"] = same_bytes(results[ours]["prefix"], results[megatron]["prefix"])
+
+    ceil = {}
+    for kind, model in (("hf", hf), ("gigatoken", hf), ("sentencepiece", sp)):
+        env = dict(os.environ, RAYON_NUM_THREADS=w, TOKENIZERS_PARALLELISM="true")
+        proc = subprocess.run(
+            [PY, __file__, "--ceiling", kind, str(model), str(corpus), w],
+            cwd=REPO, env=env, capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        c = json.loads(proc.stdout.strip().splitlines()[-1])
+        ceil[kind] = c
+        results[f"ceil_{kind}"] = {
+            "label": f"{kind} batch-encode alone ({w} threads, texts in memory)",
+            "wall": c["seconds"], "mb_s": c["bytes"] / c["seconds"] / 1e6,
+            "tok_s": c["tokens"] / c["seconds"],
+        }  # fmt: skip
+
+    ref = (
+        f"Megatron-LM {args.megatron_lm}"
+        if args.megatron_lm
+        else "no --megatron-lm: Megatron rows are data_prep.testing.megatron_reference (megatron-core's "
+        "tokenizer + IndexedDatasetBuilder driven as preprocess_data.py drives them)"
+    )
+    cpu = psutil.cpu_count()
+    print(f"\ncorpus {size / 1e6:.1f} MB, {results['meg_hf']['documents']} documents; {w} workers; "
+          f"{cpu} CPU cores (shared); {ref}\n")  # fmt: skip
+    print("| run | wall s | MB/s | Mtok/s | start-up s | MB/s after start-up | peak RSS (tree) | "
+          "peak PSS (tree) | bytes = Megatron |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|:---:|")
+    for name in ("meg_hf", "ours_hf", "ours_gt", "meg_hff", "ours_hff", "ours_gtf", "ceil_hf",
+                 "ceil_gigatoken", "meg_sp", "ours_sp", "ceil_sentencepiece"):  # fmt: skip
+        r = results[name]
+        if name.startswith("ceil"):
+            print(f"| {r['label']} | {r['wall']:.1f} | {r['mb_s']:.1f} | {r['tok_s'] / 1e6:.2f} "
+                  "| – | – | – | – | – |")  # fmt: skip
+            continue
+        same = {True: "yes", False: "NO"}.get(r.get("same"), "(reference)")
+        print(f"| {r['label']} | {r['wall']:.1f} | {r['mb_s']:.1f} | {r['tok_s'] / 1e6:.2f} | "
+              f"{r['startup']:.1f} | {r['mb_s_steady']:.1f} | {r['rss'] / 2**20:.0f} MiB | "
+              f"{r['pss'] / 2**20:.0f} MiB | {same} |")  # fmt: skip
+
+    def ratio(a: str, b: str, key: str) -> float:
+        return results[a][key] / results[b][key]
+
+    print()
+    for ours, megatron, gt, what in (("ours_hf", "meg_hf", "ours_gt", "as 0.15"),
+                                     ("ours_hff", "meg_hff", "ours_gtf", "fast HF, BOS")):  # fmt: skip
+        print(
+            f"hf backend / Megatron ({what}): {ratio(ours, megatron, 'mb_s'):.2f}x end to end, "
+            f"{ratio(ours, megatron, 'mb_s_steady'):.2f}x after start-up (target 1.3x)"
+        )
+        print(
+            f"hf backend / raw ceiling ({what}): {ratio(ours, 'ceil_hf', 'mb_s'):.0%} end to "
+            f"end, {results[ours]['mb_s_steady'] / results['ceil_hf']['mb_s']:.0%} after "
+            "start-up (target 85%)"
+        )
+        print(
+            f"gigatoken backend / Megatron ({what}): {ratio(gt, megatron, 'mb_s'):.1f}x end to "
+            f"end, {ratio(gt, megatron, 'mb_s_steady'):.1f}x after start-up (target 10x)"
+        )
+    print(
+        f"sentencepiece backend / Megatron: {ratio('ours_sp', 'meg_sp', 'mb_s'):.2f}x end to end, "
+        f"{ratio('ours_sp', 'meg_sp', 'mb_s_steady'):.2f}x after start-up (target 1.5x)"
+    )
+    peak = max(results[n]["pss"] for n in ("ours_hf", "ours_gt", "ours_hff", "ours_gtf", "ours_sp"))
+    print(f"porting prep-data peak PSS {peak / 2**20:.0f} MiB (target < 1 GiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
