@@ -7,6 +7,7 @@ also have keep their names and meaning, so their scripts port by changing the co
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
@@ -136,6 +137,14 @@ def register(subparsers) -> None:
     i.set_defaults(func=run_inspect)
 
 
+def _quieted(args):
+    """merge and inspect import megatron.core in this process; its import-time notices (CUDA,
+    Apex, deprecations) say nothing about the user's data, so only ``-v`` shows them."""
+    from data_prep.tokenizer import third_party_quieted
+
+    return contextlib.nullcontext() if getattr(args, "verbose", False) else third_party_quieted()
+
+
 def run_prep(args) -> int:
     """``porting prep-data``."""
     from data_prep.prep import PrepConfig, prepare
@@ -209,7 +218,8 @@ def run_merge(args) -> int:
     if bool(args.merge_dir) == bool(args.prefixes):
         raise PortingError("give either prefixes or --input DIR")
     prefixes = prefixes_in(args.merge_dir) if args.merge_dir else args.prefixes
-    out = merge(prefixes, args.merge_out, overwrite=args.merge_overwrite)
+    with _quieted(args):
+        out = merge(prefixes, args.merge_out, overwrite=args.merge_overwrite)
     print(
         f"{out['output_prefix']}.bin/.idx: {out['documents']} documents, {out['sequences']} "
         f"sequences ({out['dtype']}) from {len(prefixes)} inputs"
@@ -223,7 +233,8 @@ def run_inspect(args) -> int:
     from data_prep.tokenizer import resolve
 
     tok = resolve(args.inspect_tokenizer) if args.inspect_tokenizer else None
-    info = inspect_dataset(args.prefix, tok, n_docs=args.docs, max_tokens=args.max_tokens)
+    with _quieted(args):
+        info = inspect_dataset(args.prefix, tok, n_docs=args.docs, max_tokens=args.max_tokens)
     if args.inspect_json:
         print(json.dumps(info, indent=2, ensure_ascii=False))
         return 0

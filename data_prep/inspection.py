@@ -13,6 +13,7 @@ import numpy as np
 
 from data_prep.report import REPORT_SUFFIX
 from data_prep.tokenizer import TokenizerSource, load_reference, resolve
+from data_prep.writer import read_index
 from porting.errors import PortingError
 
 
@@ -24,8 +25,10 @@ def find_report(prefix: str | Path) -> dict | None:
             report = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue
+        # A report sits beside its outputs, so names are compared (the paths in it are as the
+        # user typed them, relative to wherever prep-data ran).
         for out in (report.get("outputs") or {}).values():
-            if Path(out.get("prefix", "")).resolve() == prefix.resolve():
+            if Path(out.get("prefix", "")).name == prefix.name:
                 return report
     return None
 
@@ -42,9 +45,7 @@ def inspect_dataset(
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     prefix = str(prefix)
-    for ext in (".bin", ".idx"):
-        if not Path(prefix + ext).is_file():
-            raise PortingError(f"{prefix}{ext}: missing")
+    read_index(prefix)
     ds = IndexedDataset(prefix)
     seq_lens = np.asarray(ds.sequence_lengths, dtype=np.int64)
     doc_idx = np.asarray(ds.document_indices, dtype=np.int64)
@@ -70,7 +71,14 @@ def inspect_dataset(
         report = find_report(prefix)
         if report is not None:
             tok = report["tokenizer"]
-            tokenizer = resolve(tok.get("checkpoint", {}).get("path") or tok["path"])
+            named = tok.get("checkpoint", {}).get("path") or tok["path"]
+            try:
+                tokenizer = resolve(named)
+            except PortingError as err:
+                raise PortingError(
+                    f"the prep-data report beside {prefix} names the tokenizer {named}, which is "
+                    f"not usable here ({err}); pass --tokenizer"
+                ) from err
             include_special_tokens = tok.get("include_special_tokens") is not False
             use_fast = tok.get("use_fast") is not False
             info["tokenizer_from"] = "report"

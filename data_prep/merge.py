@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import struct
 from pathlib import Path
 
 import numpy as np
 
-from data_prep.writer import index_header, write_index
+from data_prep.writer import index_header, read_index, write_index
 from porting.errors import PortingError
 
 
@@ -35,27 +34,6 @@ def prefixes_in(directory: str | Path) -> list[str]:
     return sorted(found)
 
 
-def _open_index(prefix: str):
-    from megatron.core.datasets.indexed_dataset import DType, _IndexReader
-
-    idx, bin_ = Path(prefix + ".idx"), Path(prefix + ".bin")
-    for p in (idx, bin_):
-        if not p.is_file():
-            raise PortingError(f"{p}: missing")
-    try:
-        index = _IndexReader(str(idx), multimodal=False)
-    except (AssertionError, ValueError, struct.error) as err:
-        raise PortingError(f"{idx}: not a Megatron index ({err})") from err
-    expected = int(np.asarray(index.sequence_lengths, dtype=np.int64).sum()) * DType.size(
-        index.dtype
-    )
-    if bin_.stat().st_size != expected:
-        raise PortingError(
-            f"{bin_}: {bin_.stat().st_size} bytes, but its index describes {expected}"
-        )
-    return index
-
-
 def merge(prefixes: list[str], output_prefix: str | Path, overwrite: bool = False) -> dict:
     """Concatenate datasets in the given order into ``output_prefix``; return counts."""
     if not prefixes:
@@ -65,7 +43,7 @@ def merge(prefixes: list[str], output_prefix: str | Path, overwrite: bool = Fals
         if p.exists() and not overwrite:
             raise PortingError(f"{p} exists; pass --overwrite to replace it")
     out_bin.parent.mkdir(parents=True, exist_ok=True)
-    indexes = [_open_index(str(p)) for p in prefixes]
+    indexes = [read_index(str(p)) for p in prefixes]
     dtype = indexes[0].dtype
     for p, index in zip(prefixes, indexes, strict=True):
         if index.dtype != dtype:

@@ -547,7 +547,8 @@ def _report(
         }
     tokenizer = {
         "kind": src.kind,
-        "path": str(src.path),
+        # Absolute, so that `prep-data inspect` finds it from any directory.
+        "path": str(src.path.resolve()),
         "fingerprint": tok_fp,
         "backend": backend_name,
         "vocab_size": facts.vocab_size,
@@ -558,7 +559,7 @@ def _report(
     }
     if src.contract is not None:
         tokenizer["checkpoint"] = {
-            "path": str(src.contract.checkpoint),
+            "path": str(src.contract.checkpoint.resolve()),
             "padded_vocab_size": src.contract.padded_vocab_size,
             "eos_token_id": src.contract.eos_token_id,
         }

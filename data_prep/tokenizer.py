@@ -20,9 +20,11 @@ reproduce the 0.15 script's output.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -326,10 +328,21 @@ def quiet_third_party() -> None:
     Spawned children do not inherit the CLI's logging set-up, so Python's last-resort handler
     would print megatron.core's and torch's import-time notices on the user's terminal.
     """
-    import warnings
-
     warnings.simplefilter("ignore")
     logging.getLogger().setLevel(logging.ERROR)
+
+
+@contextlib.contextmanager
+def third_party_quieted():
+    """:func:`quiet_third_party` for the span of a ``with`` block in this process, undone after."""
+    root = logging.getLogger()
+    level = root.level
+    with warnings.catch_warnings():
+        quiet_third_party()
+        try:
+            yield
+        finally:
+            root.setLevel(level)
 
 
 def load_reference(

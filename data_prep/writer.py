@@ -257,3 +257,26 @@ class WorkDir:
         """Delete the partial run."""
         self.close()
         shutil.rmtree(self.path, ignore_errors=True)
+
+
+def read_index(prefix: str):
+    """Megatron's reader of ``prefix.idx``, after checking the pair is there, the index parses and
+    the ``.bin`` has exactly the bytes it describes (a clear error instead of a traceback)."""
+    from megatron.core.datasets.indexed_dataset import DType, _IndexReader
+
+    idx, bin_ = Path(prefix + ".idx"), Path(prefix + ".bin")
+    for p in (idx, bin_):
+        if not p.is_file():
+            raise PortingError(f"{p}: missing")
+    try:
+        index = _IndexReader(str(idx), multimodal=False)
+    except (AssertionError, ValueError, struct.error) as err:
+        raise PortingError(f"{idx}: not a Megatron index ({err})") from err
+    expected = int(np.asarray(index.sequence_lengths, dtype=np.int64).sum()) * DType.size(
+        index.dtype
+    )
+    if bin_.stat().st_size != expected:
+        raise PortingError(
+            f"{bin_}: {bin_.stat().st_size} bytes, but its index describes {expected}"
+        )
+    return index

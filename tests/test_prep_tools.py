@@ -258,3 +258,12 @@ def test_doc_lengths_index_writer_matches_megatron_builder(tmp_path):
     builder.finalize(str(tmp_path / "ref.idx"))
     write_index_from_doc_lengths(tmp_path / "ours.idx", index_header(np.uint16), 2, lengths)
     assert (tmp_path / "ours.idx").read_bytes() == (tmp_path / "ref.idx").read_bytes()
+
+
+def test_inspect_refuses_a_missing_or_broken_pair(tmp_path, capsys):
+    assert main(["prep-data", "inspect", str(tmp_path / "absent")]) == 2
+    assert re.search(r"absent\.(idx|bin): missing", capsys.readouterr().err)
+    (tmp_path / "x.idx").write_bytes(b"garbage")
+    (tmp_path / "x.bin").write_bytes(b"")
+    assert main(["prep-data", "inspect", str(tmp_path / "x")]) == 2
+    assert "x.idx: not a Megatron index" in capsys.readouterr().err
