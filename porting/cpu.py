@@ -142,11 +142,14 @@ def enable() -> None:
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
     torch.cuda.current_stream = lambda *a, **k: _NoStream()  # type: ignore[assignment]
 
-    from nemo.lightning.io import pl as nemo_io_pl
-
-    # nemo/lightning/io/pl.py (_fix_tensors_device) asserts torch.cuda.is_initialized() to move
-    # loaded tensors between GPUs; on the CPU there is nothing to move.
-    nemo_io_pl._fix_tensors_device = lambda ckpt: ckpt
+    try:
+        from nemo.lightning.io import pl as nemo_io_pl
+    except ImportError:  # Megatron-Core alone (models.falcon_spec needs no NeMo)
+        nemo_io_pl = None
+    if nemo_io_pl is not None:
+        # nemo/lightning/io/pl.py (_fix_tensors_device) asserts torch.cuda.is_initialized() to
+        # move loaded tensors between GPUs; on the CPU there is nothing to move.
+        nemo_io_pl._fix_tensors_device = lambda ckpt: ckpt
 
     from megatron.core.fusions import fused_softmax
     from megatron.core.tensor_parallel import random as mp_random

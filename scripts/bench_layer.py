@@ -9,7 +9,8 @@ the median and the minimum are reported (the CPU machines here are shared; the m
 least disturbed run).
 
     python scripts/bench_layer.py [--hidden 1024] [--seq 512] [--batch 2] [--rounds 7]
-    python scripts/bench_layer.py --device cuda      # on a GPU machine (local spec, no TE needed)
+    python scripts/bench_layer.py --device cuda --dtype bf16   # a GPU (local spec; Megatron-Core
+                                                               # alone, no NeMo or TE needed)
 """
 
 from __future__ import annotations
@@ -42,18 +43,24 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument(
         "--threads", type=int, default=1, help="CPU threads (1: least sensitive to other load)"
     )
     args = p.parse_args()
 
+    import dataclasses
+
     import torch
+    import torch.nn.functional as F
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from models.falcon import FalconBlock, FalconConfig, build_falcon_layer_spec
-    from porting.megatron import init_parallel
+    from models.falcon_spec import HAVE_TE, FalconBlock, build_falcon_layer_spec
+    from porting.cpu import CUDA_ONLY_FUSIONS
+    from porting.megatron import init_parallel, shutdown_parallel
 
     init_parallel()
     torch.manual_seed(0)
@@ -62,46 +69,57 @@ def main() -> None:
     # cost nothing but cache and memory bandwidth. On a GPU it is wall time between synchronisations.
     clock = time.perf_counter if args.device == "cuda" else time.process_time
     device = torch.device(args.device)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
 
-    def config(**switches) -> FalconConfig:
-        return FalconConfig(
-            num_layers=1,
-            hidden_size=args.hidden,
-            ffn_hidden_size=args.ffn,
-            num_attention_heads=args.heads,
-            num_query_groups=args.groups,
-            new_decoder_architecture=True,
-            add_bias_linear=True,
-            **switches,
-        )
-
+    # Falcon's settings (as models.falcon.FalconConfig sets them) on a plain TransformerConfig, so
+    # that the benchmark needs Megatron-Core alone, not NeMo. Fusions that need Transformer Engine
+    # or Apex kernels are off where TE is absent; every layer gets the same config.
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    unfused = {} if HAVE_TE else {n: False for n in CUDA_ONLY_FUSIONS if n in fields}
+    settings = dict(
+        num_layers=1,
+        hidden_size=args.hidden,
+        ffn_hidden_size=args.ffn,
+        num_attention_heads=args.heads,
+        num_query_groups=args.groups,
+        normalization="LayerNorm",
+        activation_func=F.gelu,
+        gated_linear_unit=False,
+        add_bias_linear=True,
+        bias_activation_fusion=False,  # Falcon's GELU is the exact erf one
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=args.device == "cpu",
+    )
+    cfg = TransformerConfig(**{**settings, **unfused})
     cases = {
-        "stock GPT layer (sequential, rotary)": (config(), get_gpt_layer_local_spec(), True),
+        "stock GPT layer (sequential, rotary)": (get_gpt_layer_local_spec(), True),
         "Falcon parallel, shared norm (7B/11B)": (
-            config(num_ln_in_parallel_attn=1),
             build_falcon_layer_spec(FalconBlock.PARALLEL_SHARED_NORM, alibi=False, use_te=False),
             True,
         ),
         "Falcon parallel, two norms (40B/180B)": (
-            config(),
             build_falcon_layer_spec(FalconBlock.PARALLEL_TWO_NORMS, alibi=False, use_te=False),
             True,
         ),
         "Falcon sequential + ALiBi (RW)": (
-            config(alibi=True),
             build_falcon_layer_spec(FalconBlock.SEQUENTIAL, alibi=True, use_te=False),
             False,
         ),
     }
     layers = {}
-    for name, (cfg, spec, rotary) in cases.items():
-        layer = build_module(spec, config=cfg, layer_number=1).to(device)
+    for name, (spec, rotary) in cases.items():
+        # Whole-module cast, as Megatron's Float16Module does for bf16 training (its local
+        # LayerNorm is created in fp32 whatever params_dtype says).
+        layer = build_module(spec, config=cfg, layer_number=1).to(device=device, dtype=dtype)
         rope = None
         if rotary:
             rope = RotaryEmbedding(cfg.kv_channels, rotary_percent=1.0)(args.seq).to(device)
         layers[name] = (layer, rope)
 
-    x = torch.randn(args.seq, args.batch, args.hidden, device=device)
+    x = torch.randn(args.seq, args.batch, args.hidden, device=device, dtype=dtype)
 
     def step(layer, rope) -> float:
         inp = x.detach().requires_grad_()
@@ -127,7 +145,7 @@ def main() -> None:
     base = statistics.median(times["stock GPT layer (sequential, rotary)"])
     print(
         f"device {args.device} ({'wall' if args.device == 'cuda' else 'process CPU'} time), "
-        f"torch threads {torch.get_num_threads()}, fp32; hidden {args.hidden}, "
+        f"torch threads {torch.get_num_threads()}, {args.dtype}; hidden {args.hidden}, "
         f"heads {args.heads}/{args.groups} KV, ffn {args.ffn}, seq {args.seq}, batch "
         f"{args.batch}; {flops / 1e9:.1f} GFLOP per forward+backward; median of {args.rounds}"
     )
@@ -141,6 +159,8 @@ def main() -> None:
             f"{name:<40}{1e3 * med:>10.1f}{flops / med / 1e9:>9.1f}{med / base:>8.3f}x"
             f"{1e3 * best:>9.1f}{best / base_min:>8.3f}x"
         )
+
+    shutdown_parallel()
 
 
 if __name__ == "__main__":

@@ -219,7 +219,7 @@ def test_transformers_eager_alibi_adds_the_bias_twice(converted):
     """Why parity runs transformers' sdpa path for Falcon: in transformers 4.57 the eager path adds
     ALiBi to the scores and again through the causal mask (FalconModel._update_causal_mask), so it
     disagrees with sdpa, with the original RW code and with us; twice our bias matches it."""
-    import models.falcon as mf
+    import models.falcon_spec as mf
     from porting.megatron import init_parallel, load_mcore_from_checkpoint, mcore_logits
 
     hf_dir, ckpt = converted("rw_alibi_biases")
