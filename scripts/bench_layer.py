@@ -31,6 +31,67 @@ def layer_flops(hidden: int, ffn: int, heads: int, groups: int, seq: int, batch:
     return 3 * (2 * tokens * params + attention)
 
 
+def layer_config(args, dtype, cpu_init: bool):
+    """One layer's ``TransformerConfig`` with Falcon's settings (as ``models.falcon.FalconConfig``
+    sets them) and the sizes in ``args`` (hidden, heads, groups, ffn).
+
+    A plain Megatron-Core config, so that these scripts need no NeMo. Fusions that need
+    Transformer Engine or Apex kernels are off where TE is absent; every layer gets this config.
+    """
+    import dataclasses
+
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from models.falcon_spec import HAVE_TE
+    from porting.cpu import CUDA_ONLY_FUSIONS
+
+    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
+    unfused = {} if HAVE_TE else {n: False for n in CUDA_ONLY_FUSIONS if n in fields}
+    settings = dict(
+        num_layers=1,
+        hidden_size=args.hidden,
+        ffn_hidden_size=args.ffn,
+        num_attention_heads=args.heads,
+        num_query_groups=args.groups,
+        normalization="LayerNorm",
+        activation_func=F.gelu,
+        gated_linear_unit=False,
+        add_bias_linear=True,
+        bias_activation_fusion=False,  # Falcon's GELU is the exact erf one
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=cpu_init,
+    )
+    return TransformerConfig(**{**settings, **unfused})
+
+
+def layer_cases() -> dict:
+    """The stock GPT layer and each Falcon block: name -> (local layer spec, takes rotary)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from models.falcon_spec import FalconBlock, build_falcon_layer_spec
+
+    def falcon(block: FalconBlock, alibi: bool):
+        return build_falcon_layer_spec(block, alibi=alibi, use_te=False)
+
+    return {
+        "stock GPT layer (sequential, rotary)": (get_gpt_layer_local_spec(), True),
+        "Falcon parallel, shared norm (7B/11B)": (
+            falcon(FalconBlock.PARALLEL_SHARED_NORM, False),
+            True,
+        ),
+        "Falcon parallel, two norms (40B/180B)": (
+            falcon(FalconBlock.PARALLEL_TWO_NORMS, False),
+            True,
+        ),
+        "Falcon sequential + ALiBi (RW)": (falcon(FalconBlock.SEQUENTIAL, True), False),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -49,17 +110,10 @@ def main() -> None:
     )
     args = p.parse_args()
 
-    import dataclasses
-
     import torch
-    import torch.nn.functional as F
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from models.falcon_spec import HAVE_TE, FalconBlock, build_falcon_layer_spec
-    from porting.cpu import CUDA_ONLY_FUSIONS
     from porting.megatron import init_parallel, shutdown_parallel
 
     init_parallel()
@@ -71,44 +125,8 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
 
-    # Falcon's settings (as models.falcon.FalconConfig sets them) on a plain TransformerConfig, so
-    # that the benchmark needs Megatron-Core alone, not NeMo. Fusions that need Transformer Engine
-    # or Apex kernels are off where TE is absent; every layer gets the same config.
-    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-    unfused = {} if HAVE_TE else {n: False for n in CUDA_ONLY_FUSIONS if n in fields}
-    settings = dict(
-        num_layers=1,
-        hidden_size=args.hidden,
-        ffn_hidden_size=args.ffn,
-        num_attention_heads=args.heads,
-        num_query_groups=args.groups,
-        normalization="LayerNorm",
-        activation_func=F.gelu,
-        gated_linear_unit=False,
-        add_bias_linear=True,
-        bias_activation_fusion=False,  # Falcon's GELU is the exact erf one
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        use_cpu_initialization=args.device == "cpu",
-    )
-    cfg = TransformerConfig(**{**settings, **unfused})
-    cases = {
-        "stock GPT layer (sequential, rotary)": (get_gpt_layer_local_spec(), True),
-        "Falcon parallel, shared norm (7B/11B)": (
-            build_falcon_layer_spec(FalconBlock.PARALLEL_SHARED_NORM, alibi=False, use_te=False),
-            True,
-        ),
-        "Falcon parallel, two norms (40B/180B)": (
-            build_falcon_layer_spec(FalconBlock.PARALLEL_TWO_NORMS, alibi=False, use_te=False),
-            True,
-        ),
-        "Falcon sequential + ALiBi (RW)": (
-            build_falcon_layer_spec(FalconBlock.SEQUENTIAL, alibi=True, use_te=False),
-            False,
-        ),
-    }
+    cfg = layer_config(args, dtype, cpu_init=args.device == "cpu")
+    cases = layer_cases()
     layers = {}
     for name, (spec, rotary) in cases.items():
         # Whole-module cast, as Megatron's Float16Module does for bf16 training (its local

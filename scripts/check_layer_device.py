@@ -13,7 +13,6 @@ code path GPU runs take. Needs Megatron-Core and torch only (no NeMo, no Transfo
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import subprocess
 import sys
@@ -35,14 +34,11 @@ def main() -> None:
     args = p.parse_args()
 
     import torch
-    import torch.nn.functional as F
+    from bench_layer import layer_cases, layer_config  # this script's directory
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from models.falcon_spec import HAVE_TE, FalconBlock, build_falcon_layer_spec
-    from porting.cpu import CUDA_ONLY_FUSIONS
+    from models.falcon_spec import HAVE_TE
     from porting.megatron import init_parallel, shutdown_parallel
 
     if not args.reference:
@@ -59,44 +55,10 @@ def main() -> None:
 
     init_parallel()
     torch.manual_seed(0)
-    fields = {f.name for f in dataclasses.fields(TransformerConfig)}
-    unfused = {} if HAVE_TE else {n: False for n in CUDA_ONLY_FUSIONS if n in fields}
+    cases = layer_cases()
 
-    def config(dtype) -> TransformerConfig:
-        settings = dict(
-            num_layers=1,
-            hidden_size=args.hidden,
-            ffn_hidden_size=args.ffn,
-            num_attention_heads=args.heads,
-            num_query_groups=args.groups,
-            normalization="LayerNorm",
-            activation_func=F.gelu,
-            gated_linear_unit=False,
-            add_bias_linear=True,
-            bias_activation_fusion=False,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            params_dtype=dtype,
-            bf16=dtype == torch.bfloat16,
-            use_cpu_initialization=True,
-        )
-        return TransformerConfig(**{**settings, **unfused})
-
-    cases = {
-        "stock GPT layer (sequential, rotary)": (get_gpt_layer_local_spec(), True),
-        "Falcon parallel, shared norm": (
-            build_falcon_layer_spec(FalconBlock.PARALLEL_SHARED_NORM, alibi=False, use_te=False),
-            True,
-        ),
-        "Falcon parallel, two norms": (
-            build_falcon_layer_spec(FalconBlock.PARALLEL_TWO_NORMS, alibi=False, use_te=False),
-            True,
-        ),
-        "Falcon sequential + ALiBi": (
-            build_falcon_layer_spec(FalconBlock.SEQUENTIAL, alibi=True, use_te=False),
-            False,
-        ),
-    }
+    def config(dtype):
+        return layer_config(args, dtype, cpu_init=True)
 
     def run(layer, x, rope, device, dtype):
         inp = x.to(device=device, dtype=dtype).clone().requires_grad_()
