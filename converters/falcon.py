@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from nemo.lightning import io
 
 from models.falcon import FalconBlock, FalconConfig, FalconModel, falcon_block
-from porting.config_map import Carry, Derived, Field, Require
-from porting.convert import PortingExporter, PortingImporter
+from porting.convert.config_map import Carry, Derived, Field, Require
+from porting.convert.connectors import PortingExporter, PortingImporter
+from porting.convert.mapping import Fused, Ignore, Rename
+from porting.convert.transforms import VOCAB_PAD
 from porting.errors import PortingError
 from porting.family import Family, ShapeContext
-from porting.mapping import Fused, Ignore, Rename
-from porting.transforms import VOCAB_PAD
 
 
 def _query_groups_to_mcore(hf: dict) -> dict:
@@ -243,3 +243,5 @@ class HFFalconImporter(PortingImporter):
 @io.model_exporter(FalconModel, "hf")
 class HFFalconExporter(PortingExporter):
     """``llm.export_ckpt(path, target="hf")`` for Falcon checkpoints."""
+
+    FAMILY = FAMILY

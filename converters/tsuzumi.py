@@ -1,7 +1,7 @@
 """tsuzumi-style family <-> HF ``LlamaForCausalLM``: config mapping, weight table, NeMo connectors.
 
 The HF side uses the Llama checkpoint layout, so parity is checked against the third-party
-``transformers`` Llama implementation. Layout facts (see also ``porting/transforms.py``):
+``transformers`` Llama implementation. Layout facts (see also ``porting/convert/transforms.py``):
 
 - HF keeps ``q_proj``, ``k_proj``, ``v_proj`` apart; Megatron fuses them per query group.
 - HF ``rotate_half`` rotary and Megatron's non-interleaved rotary are the same convention
@@ -15,12 +15,12 @@ from __future__ import annotations
 from nemo.lightning import io
 
 from models.tsuzumi import TsuzumiConfig, TsuzumiModel
-from porting.config_map import Carry, Derived, Field, Require
-from porting.convert import PortingExporter, PortingImporter
+from porting.convert.config_map import Carry, Derived, Field, Require
+from porting.convert.connectors import PortingExporter, PortingImporter
+from porting.convert.mapping import Fused, Ignore, Rename
+from porting.convert.transforms import GATED_MLP, QKV, VOCAB_PAD
 from porting.errors import PortingError
 from porting.family import Family, ShapeContext
-from porting.mapping import Fused, Ignore, Rename
-from porting.transforms import GATED_MLP, QKV, VOCAB_PAD
 
 
 def _query_groups_to_mcore(hf: dict) -> dict:
@@ -217,3 +217,5 @@ class HFTsuzumiImporter(PortingImporter):
 @io.model_exporter(TsuzumiModel, "hf")
 class HFTsuzumiExporter(PortingExporter):
     """``llm.export_ckpt(path, target="hf")`` for tsuzumi checkpoints."""
+
+    FAMILY = FAMILY

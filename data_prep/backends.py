@@ -173,7 +173,7 @@ class MegatronBackend:
     """Megatron's own tokenizer object, one document at a time: slow, exact by construction."""
 
     def __init__(self, spec: BackendSpec) -> None:
-        from data_prep.tokenizer import load_reference
+        from data_prep.reference import load_reference
 
         self._ref = load_reference(**spec.payload)
 

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
+from data_prep.reference import load_reference
 from data_prep.report import REPORT_SUFFIX
-from data_prep.tokenizer import TokenizerSource, load_reference, resolve
+from data_prep.tokenizer import TokenizerSource, resolve
 from data_prep.writer import read_index
 from porting.errors import PortingError
 

@@ -20,9 +20,10 @@ Megatron-Core has no parallel block and no ALiBi: the layers and specs that add 
 :mod:`models.falcon_spec` (Megatron-Core only); this module is the NeMo 2.0 config and model over
 them.
 
-Example (registering the HF importer is part of importing this module)::
+Example (the HF connectors are registered by the converter module, which the registry imports)::
 
     from nemo.collections import llm
+    import converters.falcon  # registers the HF importer/exporter
     from models.falcon import FalconConfig, FalconModel
     llm.import_ckpt(model=FalconModel(FalconConfig()), source="hf:///path/to/hf-dir")
 """
@@ -162,8 +163,3 @@ class FalconModel(GPTModel):
             tokenizer=tokenizer,
             model_transform=model_transform,
         )
-
-
-# The HF importer/exporter are registered on FalconModel by the converter module; importing it here
-# makes `llm.import_ckpt(model=FalconModel(...), source="hf://...")` work after importing this file.
-import converters.falcon  # noqa: E402, F401

@@ -5,9 +5,10 @@ embeddings (configurable base; linear or llama3-type scaling), a SwiGLU MLP, tie
 optional linear biases and QK-norm, and a padded vocabulary. The layer spec is NeMo's default: the
 Transformer Engine spec where TE is installed, the local spec elsewhere (the CPU).
 
-Example (registering the HF importer is part of importing this module)::
+Example (the HF connectors are registered by the converter module, which the registry imports)::
 
     from nemo.collections import llm
+    import converters.tsuzumi  # registers the HF importer/exporter
     from models.tsuzumi import TsuzumiConfig, TsuzumiModel
     llm.import_ckpt(model=TsuzumiModel(TsuzumiConfig()), source="hf:///path/to/hf-dir")
 """
@@ -122,8 +123,3 @@ class TsuzumiModel(GPTModel):
             tokenizer=tokenizer,
             model_transform=model_transform,
         )
-
-
-# The HF importer/exporter are registered on TsuzumiModel by the converter module; importing it here
-# makes `llm.import_ckpt(model=TsuzumiModel(...), source="hf://...")` work after importing this file.
-import converters.tsuzumi  # noqa: E402, F401

@@ -13,11 +13,14 @@ import importlib
 import logging
 import sys
 
+from porting import quiet
 from porting.errors import PortingError
 
 _SUBCOMMAND_MODULES = (
-    "porting.commands",
-    "porting.train_cli",
+    "porting.convert.cli",
+    "porting.parity.cli",
+    "porting.demo",
+    "porting.train.cli",
     "data_prep.cli",
     "porting.planner.cli",
 )
@@ -33,7 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Import Hugging Face checkpoints into NeMo 2.0 / Megatron-Core, verify "
         "logit parity, export back, prepare data and plan training.",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="debug logging, and every third-party warning and notice (hidden by default)",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in _SUBCOMMAND_MODULES:
         importlib.import_module(name).register(sub)
@@ -44,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script; returns the process exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    quiet.install(args.verbose)
     # Our packages log at INFO; third-party libraries only from WARNING up unless -v.
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,

@@ -283,7 +283,14 @@ def ensure_rendezvous_env() -> None:
     """Point a single-process torch.distributed rendezvous at a free loopback port.
 
     NeMo's MegatronStrategy initialises a process group even for one device and otherwise uses a
-    fixed port, which collides when two imports run on one machine.
+    fixed port, which collides when two imports run on one machine. A ``MASTER_PORT`` inherited
+    from a parent process (a training job, a test runner) is in use by that parent, so a
+    single-process run takes a fresh port; under a launcher (``WORLD_SIZE`` > 1) the launcher's
+    settings stand.
     """
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(free_port())

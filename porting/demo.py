@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from porting.safetensors_io import SafetensorsSource
+from porting import quiet
 
 
 @dataclass
@@ -34,6 +33,10 @@ class RoundTrip:
 
 def compare_hf_dirs(a: str | Path, b: str | Path, ignore_fields: tuple[str, ...] = ()) -> RoundTrip:
     """Compare two HF directories: key sets, ``torch.equal`` per tensor, ``config.json`` fields."""
+    import torch
+
+    from porting.convert.safetensors_io import SafetensorsSource
+
     sa, sb = SafetensorsSource(a), SafetensorsSource(b)
     ka, kb = set(sa.keys()), set(sb.keys())
     common = sorted(ka & kb)
@@ -52,7 +55,7 @@ def compare_hf_dirs(a: str | Path, b: str | Path, ignore_fields: tuple[str, ...]
 
 def run_demo(workdir: Path) -> int:
     """Build, import, verify, export and round-trip a tiny model; print a table; 0 on success."""
-    from porting.convert import export_hf, import_hf
+    from porting.convert.api import export_hf, import_hf
     from porting.testing import make_falcon, make_llama
 
     workdir = Path(workdir)
@@ -118,3 +121,22 @@ def run_demo(workdir: Path) -> int:
     ok = imp.passed and exp.passed and rt.exact and f_imp.passed and f_exp.passed and f_rt.exact
     print(f"\n{'OK' if ok else 'FAILED'}: outputs in {workdir}/")
     return 0 if ok else 1
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``demo`` subcommand."""
+    p = sub.add_parser(
+        "demo",
+        help="end to end on tiny built-in models: build, import, verify, export, round trip",
+        description="Build a tiny random tsuzumi-style (Llama layout) and a tiny Falcon-style HF "
+        "checkpoint locally, import each, verify parity, export it back and check the round "
+        "trip; prints a short table.",
+    )
+    p.add_argument("--workdir", type=Path, default=Path("demo-out"))
+    p.set_defaults(func=_cmd_demo)
+
+
+def _cmd_demo(args) -> int:
+    quiet.offline()
+    quiet.quiet_nemo()
+    return run_demo(args.workdir)

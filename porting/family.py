@@ -6,8 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from porting.config_map import ConfigEntry
-from porting.mapping import Entry
+from porting.convert.config_map import ConfigEntry
+from porting.convert.mapping import Entry
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,8 @@ class Family:
     Attributes:
         name: short family name used in manifests and messages (``tsuzumi``).
         hf_architecture: the ``architectures[0]`` value the registry keys on.
-        config_entries: the HF config mapping and lint (:mod:`porting.config_map`).
-        weights: the weight mapping table (:mod:`porting.mapping`).
+        config_entries: the HF config mapping and lint (:mod:`porting.convert.config_map`).
+        weights: the weight mapping table (:mod:`porting.convert.mapping`).
         config_cls: the family's NeMo/Megatron config dataclass.
         model_cls: the family's NeMo ``GPTModel`` subclass.
         shape_context: builds the :class:`ShapeContext` from a Megatron config.

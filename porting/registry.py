@@ -1,16 +1,19 @@
 """The family registry, keyed by the HF ``architectures[0]`` name.
 
-Each value is the module that defines the family's ``FAMILY`` object. The list is explicit so that
-registration is never an import side effect; modules are imported only when a family is used, which
-keeps NeMo (slow to import) out of commands that do not need it.
+Each value is the family's converter module, which defines its ``FAMILY`` object and registers its
+NeMo ``io.ModelConnector`` importer/exporter on the model class. This is the one place that imports
+converters: user code that calls ``llm.import_ckpt`` / ``llm.export_ckpt`` imports the converter
+module itself (``import converters.tsuzumi``) or goes through :func:`family_for_architecture`.
+Modules are imported only when a family is used, which keeps NeMo (slow to import) out of
+commands that do not need it.
 """
 
 from __future__ import annotations
 
 import importlib
-import json
 from pathlib import Path
 
+from porting.convert.config_map import read_hf_config
 from porting.errors import PortingError
 from porting.family import Family
 
@@ -41,23 +44,6 @@ def family_by_name(name: str) -> Family:
         if fam.name == name:
             return fam
     raise PortingError(f"unknown family {name!r}")
-
-
-def read_hf_config(hf_dir: str | Path) -> dict:
-    """Read and minimally validate ``config.json`` of an HF model directory."""
-    path = Path(hf_dir) / "config.json"
-    if not Path(hf_dir).is_dir():
-        raise PortingError(f"{hf_dir}: not a directory")
-    if not path.exists():
-        raise PortingError(f"{path}: missing (is {hf_dir} a Hugging Face model directory?)")
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise PortingError(f"{path}: invalid JSON ({err})") from err
-    archs = cfg.get("architectures")
-    if not archs or not isinstance(archs, list):
-        raise PortingError(f"{path}: no 'architectures' list; cannot tell the model family")
-    return cfg
 
 
 def family_for_hf_dir(hf_dir: str | Path) -> tuple[Family, dict]:

@@ -189,7 +189,7 @@ def tp_logits_worker(
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    from porting.megatron import (
+    from porting.convert.megatron import (
         init_parallel,
         load_mcore_from_checkpoint,
         mcore_logits,
@@ -219,3 +219,32 @@ def make_indexed_dataset(
         builder.add_document(torch.tensor(ids, dtype=torch.int64), [len(ids)])
     builder.finalize(str(prefix) + ".idx")
     return prefix
+
+
+# Every line our commands print, as patterns: log lines of our packages, the parity report, the
+# demo's table, prep-data's summary, train's closing line. A line matching none of them came from a
+# library, and the quiet-output tests fail on it.
+OWN_OUTPUT_PATTERNS = (
+    r"(INFO|WARNING|ERROR) (porting|data_prep|converters|models)[.:]",
+    r"porting [a-z-]+: error: ",
+    r"parity (PASS|FAIL): \d+ prompts",
+    r"  (max \|dlogit\||mean \|dlogit\||KL\(HF\|\|Mcore\)|top-1 agree) ",
+    r"wrote \S",
+    r"done: checkpoints in ",
+    r"porting demo: |              tiny |step +seconds$|check +result$|(OK|FAILED): outputs in ",
+    r"[a-z][\w :+()|%-]*? {2,}[-+\d.e%/]+$",
+    r"\S+\.bin/\.idx  \w+: \d+ documents",
+    r"records \d+, skipped \d+",
+    r"checkpoint \S+: every id < \d+",
+    r"tokenizer \S+ \(\w+, \w+\); decode\(encode\(text\)\)",
+    r"  e\.g\. ",
+    r"[\d.]+ s, [\d.]+ MB/s, [\d.]+ Mtok/s; report ",
+)
+
+
+def foreign_lines(output: str) -> list[str]:
+    """The non-empty lines of ``output`` that match none of :data:`OWN_OUTPUT_PATTERNS`."""
+    import re
+
+    own = re.compile("|".join(f"(?:{p})" for p in OWN_OUTPUT_PATTERNS))
+    return [line for line in output.splitlines() if line.strip() and not own.match(line)]

@@ -114,7 +114,7 @@ def main() -> None:
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.transformer.spec_utils import build_module
 
-    from porting.megatron import init_parallel, shutdown_parallel
+    from porting.convert.megatron import init_parallel, shutdown_parallel
 
     init_parallel()
     torch.manual_seed(0)

@@ -75,7 +75,11 @@ def build(family: str, root: Path, args) -> Path:
 
 
 def bench(ckpt: Path, args, device: torch.device, peak: float) -> dict:
-    from porting.megatron import init_parallel, load_mcore_from_checkpoint, shutdown_parallel
+    from porting.convert.megatron import (
+        init_parallel,
+        load_mcore_from_checkpoint,
+        shutdown_parallel,
+    )
 
     init_parallel()
     model, nemo_model = load_mcore_from_checkpoint(ckpt, dtype=torch.float32)
@@ -135,7 +139,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     from porting import registry
-    from porting.convert import import_hf
+    from porting.convert.api import import_hf
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     peak = args.peak_tflops * 1e12 if device.type == "cuda" else cpu_peak_flops()

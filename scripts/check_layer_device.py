@@ -39,7 +39,7 @@ def main() -> None:
     from megatron.core.transformer.spec_utils import build_module
 
     from models.falcon_spec import HAVE_TE
-    from porting.megatron import init_parallel, shutdown_parallel
+    from porting.convert.megatron import init_parallel, shutdown_parallel
 
     if not args.reference:
         # The CPU side first, in a child that sees no GPU (Megatron's local attention takes its

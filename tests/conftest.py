@@ -27,7 +27,7 @@ def tiny_llama(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_nemo(tiny_llama, tmp_path_factory):
     """``tiny_llama`` imported with `porting import` (parity-gated)."""
-    from porting.convert import import_hf
+    from porting.convert.api import import_hf
 
     out = tmp_path_factory.mktemp("nemo") / "ckpt"
     import_hf(tiny_llama, out, show_progress=False)

@@ -24,9 +24,9 @@ from models.falcon import (
     alibi_slopes,
     build_falcon_layer_spec,
 )
-from porting import parity
+from porting.parity import harness as parity
 from porting.cli import main
-from porting.convert import export_hf, import_hf
+from porting.convert.api import export_hf, import_hf
 from porting.demo import compare_hf_dirs
 from porting.testing import make_falcon
 
@@ -84,7 +84,7 @@ def converted(tmp_path_factory):
 def _prompts(ckpt):
     from transformers import AutoTokenizer
 
-    from porting.checkpoint import read_manifest
+    from porting.convert.checkpoint import read_manifest
 
     m = read_manifest(ckpt)
     tok = AutoTokenizer.from_pretrained(str(ckpt / m.tokenizer["path"]))
@@ -119,7 +119,7 @@ def test_the_variants_build_the_blocks_they_claim(converted):
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from porting.megatron import init_parallel, load_mcore_from_checkpoint
+    from porting.convert.megatron import init_parallel, load_mcore_from_checkpoint
 
     init_parallel()
     expected = {
@@ -147,7 +147,7 @@ def test_parallel_layer_keeps_megatron_parameter_names():
     from megatron.core.transformer.spec_utils import build_module
 
     from models.falcon import FalconConfig
-    from porting.megatron import init_parallel
+    from porting.convert.megatron import init_parallel
 
     init_parallel()
     config = FalconConfig(
@@ -177,7 +177,7 @@ def test_negative_control_parallel_layer_run_sequentially_fails_parity(converted
     """The 40B checkpoint through the stock sequential layer (same weights, same keys) must fail."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from porting.megatron import (
+    from porting.convert.megatron import (
         build_mcore_model,
         init_parallel,
         load_nemo_model_context,
@@ -220,7 +220,7 @@ def test_transformers_eager_alibi_adds_the_bias_twice(converted):
     ALiBi to the scores and again through the causal mask (FalconModel._update_causal_mask), so it
     disagrees with sdpa, with the original RW code and with us; twice our bias matches it."""
     import models.falcon_spec as mf
-    from porting.megatron import init_parallel, load_mcore_from_checkpoint, mcore_logits
+    from porting.convert.megatron import init_parallel, load_mcore_from_checkpoint, mcore_logits
 
     hf_dir, ckpt = converted("rw_alibi_biases")
     ids = torch.randint(0, HF_VOCAB, (1, 48), generator=torch.Generator().manual_seed(5))
@@ -290,8 +290,8 @@ def test_nemo_api_import_and_export(converted, tmp_path):
 # than the rest of this file. A `python -c` child needs no importable test module.
 _TP2_SCRIPT = """
 import sys, torch
-from porting.megatron import init_parallel, load_mcore_from_checkpoint, mcore_logits
-from porting.megatron import shutdown_parallel
+from porting.convert.megatron import init_parallel, load_mcore_from_checkpoint, mcore_logits
+from porting.convert.megatron import shutdown_parallel
 rank, out, ids, ckpts = int(sys.argv[1]), sys.argv[2], torch.load(sys.argv[3]), sys.argv[4:]
 init_parallel(tp=2, rank=rank, world_size=2)
 logits = {}
@@ -407,7 +407,7 @@ def test_config_lint_names_the_field(falcon_hf, tmp_path, capsys, changes, needl
 
 def test_falcon_configs_are_chosen_by_fields_not_names():
     """The table's norm entries follow the block; the same table serves every variant."""
-    from porting.mapping import expand
+    from porting.convert.mapping import expand
 
     def ctx(block):
         return falcon.FalconShapeContext(

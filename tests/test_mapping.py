@@ -5,9 +5,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from porting.convert.mapping import Fused, Ignore, Rename, export_weights, import_weights
+from porting.convert.transforms import GATED_MLP
 from porting.errors import PortingError
-from porting.mapping import Fused, Ignore, Rename, export_weights, import_weights
-from porting.transforms import GATED_MLP
 
 TABLE = (
     Rename("emb", "embedding.weight"),

@@ -150,8 +150,8 @@ def test_resume_after_kill_continues_with_the_same_data_order(
 
 
 def test_export_after_training_matches_the_trained_model(tiny_llama, reference_run, tmp_path):
-    from porting.convert import export_hf
-    from porting.safetensors_io import SafetensorsSource
+    from porting.convert.api import export_hf
+    from porting.convert.safetensors_io import SafetensorsSource
 
     report = export_hf(reference_run / "checkpoints" / "last", tmp_path / "hf")
     assert report.passed and report.top1_agreement == 1.0
@@ -187,7 +187,7 @@ def test_two_process_layouts_give_the_first_step_loss_of_one(
 
 
 def _spec(tiny_nemo, corpus, **kw):
-    from porting.train import TrainSpec
+    from porting.train.recipe import TrainSpec
 
     return TrainSpec(checkpoint=tiny_nemo, data=[str(corpus)], out=Path("unused"), **kw)
 
@@ -205,8 +205,8 @@ def _spec(tiny_nemo, corpus, **kw):
     ],
 )
 def test_validation_errors(tiny_nemo, corpus, kw, needle):
-    from porting.megatron import load_nemo_model_context
-    from porting.train import validate
+    from porting.convert.megatron import load_nemo_model_context
+    from porting.train.recipe import validate
 
     config = load_nemo_model_context(tiny_nemo).config
     with pytest.raises(PortingError) as err:
@@ -218,8 +218,8 @@ def test_validation_catches_data_from_another_tokenizer(tiny_nemo, tmp_path):
     import numpy as np
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    from porting.megatron import load_nemo_model_context
-    from porting.train import validate
+    from porting.convert.megatron import load_nemo_model_context
+    from porting.train.recipe import validate
 
     prefix = tmp_path / "big_ids"
     b = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=np.uint16)
@@ -233,8 +233,8 @@ def test_validation_catches_data_from_another_tokenizer(tiny_nemo, tmp_path):
 
 
 def test_validation_warns_past_the_trained_context(tiny_nemo, corpus):
-    from porting.megatron import load_nemo_model_context
-    from porting.train import validate
+    from porting.convert.megatron import load_nemo_model_context
+    from porting.train.recipe import validate
 
     config = load_nemo_model_context(tiny_nemo).config
     assert validate(_spec(tiny_nemo, corpus, seq_length=256), config, 256) == []
@@ -300,7 +300,7 @@ def test_falcon_trains_through_the_same_entry_and_exports(tmp_path):
     """The Falcon family's custom spec trains with the same `porting train` and exports with parity."""
     from transformers import AutoTokenizer
 
-    from porting.convert import export_hf, import_hf
+    from porting.convert.api import export_hf, import_hf
     from porting.testing import make_falcon, make_indexed_dataset
 
     hf = make_falcon(

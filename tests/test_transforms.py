@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from porting.errors import PortingError
-from porting.transforms import (
+from porting.convert.transforms import (
     concat_gate_up,
     interleave_qkv,
     pad_vocab,
@@ -12,6 +11,7 @@ from porting.transforms import (
     split_qkv,
     unpad_vocab,
 )
+from porting.errors import PortingError
 
 
 @pytest.mark.parametrize("heads,groups", [(4, 2), (4, 1), (4, 4), (8, 2)])

@@ -13,8 +13,8 @@ import json
 import pytest
 import torch
 
-from porting import parity
-from porting.convert import ParityError, export_hf, import_hf
+from porting.parity import harness as parity
+from porting.convert.api import ParityError, export_hf, import_hf
 from porting.demo import compare_hf_dirs
 from porting.testing import make_llama
 
@@ -47,7 +47,7 @@ VARIANTS = {
 def _logits(hf_dir, ckpt):
     from transformers import AutoTokenizer
 
-    from porting.checkpoint import read_manifest
+    from porting.convert.checkpoint import read_manifest
 
     m = read_manifest(ckpt)
     tok = AutoTokenizer.from_pretrained(str(ckpt / m.tokenizer["path"]))
@@ -77,8 +77,8 @@ def test_parity_against_transformers_llama(variant, tmp_path):
 def test_negative_control_plain_qkv_concat_fails_parity(tmp_path):
     """The same check with QKV concatenated instead of interleaved per group must fail."""
     from converters import tsuzumi
-    from porting.mapping import Fused
-    from porting.transforms import TransformPair
+    from porting.convert.mapping import Fused
+    from porting.convert.transforms import TransformPair
 
     concat = TransformPair(
         "plain_concat", lambda q, k, v, ctx: torch.cat([q, k, v]), lambda t, ctx: (t,)
@@ -181,7 +181,7 @@ def test_llm_import_ckpt_then_nemo_loads_it_back(tiny_llama, tmp_path):
     mcore = loaded.module
     while hasattr(mcore, "module"):
         mcore = mcore.module
-    from porting.megatron import mcore_logits
+    from porting.convert.megatron import mcore_logits
 
     tok = loaded.tokenizer
     ids = torch.tensor([tok.text_to_ids("hello world") or [1, 2, 3]])

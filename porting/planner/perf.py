@@ -40,7 +40,7 @@ BUCKET_PARAMS = 40_000_000
 
 @dataclass(frozen=True)
 class Settings:
-    """How training runs; defaults follow ``porting train`` (porting/train.py's DDP config)."""
+    """How training runs; defaults follow ``porting train`` (porting/train/recipe.py's DDP config)."""
 
     sequence_parallel: bool = True  # used whenever TP > 1
     flash_attention: bool = True  # fused attention: no s x s scores stored or streamed

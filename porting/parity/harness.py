@@ -128,7 +128,7 @@ def hf_logits(
     cls = getattr(transformers, hf_model_class)
     model = cls.from_pretrained(
         str(hf_dir),
-        torch_dtype=torch.float32,
+        dtype=torch.float32,
         attn_implementation=attn_implementation,
         local_files_only=True,
     )
@@ -143,7 +143,7 @@ def megatron_logits_from_checkpoint(
     ckpt: str | Path, prompts: list[torch.Tensor], vocab_size: int
 ) -> list[torch.Tensor]:
     """Logits of the Megatron model loaded from ``ckpt`` in fp32, cut to the HF vocabulary."""
-    from porting.megatron import init_parallel, load_mcore_from_checkpoint, mcore_logits
+    from porting.convert.megatron import init_parallel, load_mcore_from_checkpoint, mcore_logits
 
     init_parallel()
     model, _ = load_mcore_from_checkpoint(ckpt, dtype=torch.float32)
@@ -167,7 +167,7 @@ def verify(
     """
     from transformers import AutoTokenizer
 
-    from porting.checkpoint import read_manifest
+    from porting.convert.checkpoint import read_manifest
     from porting.registry import family_by_name
 
     manifest = read_manifest(ckpt)
@@ -180,5 +180,5 @@ def verify(
     mc = megatron_logits(ckpt, prompts, manifest.vocab_size)
     hf = hf_logits(hf_dir, family.hf_model_class, prompts, family.hf_attn_implementation)
     report = compare(hf, mc, atol=atol, rtol=rtol, min_top1=min_top1)
-    log.info("%s", report.summary())
+    log.debug("%s", report.summary())
     return report

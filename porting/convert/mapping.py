@@ -4,7 +4,7 @@ A family's mapping is one module-level tuple of typed entries:
 
 - :class:`Rename` - one HF tensor is one Megatron tensor, unchanged;
 - :class:`Fused`  - several (or one) HF tensors become one Megatron tensor through a
-  :class:`~porting.transforms.TransformPair`, whose inverse serves export;
+  :class:`~porting.convert.transforms.TransformPair`, whose inverse serves export;
 - :class:`Ignore` - an HF key that is deliberately not carried (a buffer recomputed from config).
 
 Patterns use ``*`` for the layer index. An entry may carry ``when``, a predicate on the shape
@@ -25,8 +25,8 @@ from typing import Any, Protocol
 
 import torch
 
+from porting.convert.transforms import IDENTITY, TransformPair
 from porting.errors import PortingError
-from porting.transforms import IDENTITY, TransformPair
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +239,7 @@ def import_weights(
             f"{len(unwritten)} Megatron parameter(s) were not written by the mapping table: "
             + ", ".join(repr(k) for k in unwritten[:10])
         )
-    log.info("imported %d tensors into %d parameters", len(entries), len(written))
+    log.debug("imported %d tensors into %d parameters", len(entries), len(written))
     return ImportReport(
         consumed=sum(len(c.hf) for c in entries), ignored=ignored, written=len(written)
     )

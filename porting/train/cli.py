@@ -1,4 +1,4 @@
-"""``porting train``: continued pretraining from an imported checkpoint (see :mod:`porting.train`)."""
+"""``porting train``: continued pretraining from an imported checkpoint (see :mod:`porting.train.recipe`)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from porting import quiet
 from porting.errors import PortingError
 
 
@@ -76,7 +77,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _spec(args):
-    from porting.train import TrainSpec
+    from porting.train.recipe import TrainSpec
 
     return TrainSpec(
         checkpoint=args.checkpoint,
@@ -126,15 +127,14 @@ def _rank_argv() -> list[str]:
 
 
 def _cmd_train(args) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    from porting import train
+    quiet.offline()
+    from porting.train import launch, recipe
 
     spec = _spec(args)
     if args.executor == "slurm":
         Path(spec.out).mkdir(parents=True, exist_ok=True)
         script = Path(spec.out) / "train.sbatch"
-        script.write_text(train.slurm_script(spec, _rank_argv()))
+        script.write_text(launch.slurm_script(spec, _rank_argv()))
         print(f"wrote {script}; submit with: sbatch {script}")
         return 0
     if args.executor == "torchrun":
@@ -152,13 +152,14 @@ def _cmd_train(args) -> int:
         ]
         return subprocess.call(cmd)
     if args.executor == "nemo-run":
-        return train.launch_nemo_run(spec, _rank_argv())
+        return launch.launch_nemo_run(spec, _rank_argv())
     if spec.world_size > 1 and "LOCAL_RANK" not in os.environ and "SLURM_PROCID" not in os.environ:
         raise PortingError(
             f"{spec.world_size} processes requested: use --executor torchrun (one node) or "
             "--executor slurm"
         )
-    r = train.recipe(spec)
+    quiet.quiet_nemo()
+    r = recipe.recipe(spec)
     if args.dry_run:
         for w in r.warnings:
             print(f"warning: {w}", file=sys.stderr)
@@ -168,6 +169,6 @@ def _cmd_train(args) -> int:
             f"{spec.global_batch // (spec.micro_batch * spec.data_parallel)} accumulation steps"
         )
         return 0
-    out = train.run(r)
+    out = recipe.run(r)
     print(f"done: checkpoints in {out / 'checkpoints'} (last: {out / 'checkpoints' / 'last'})")
     return 0

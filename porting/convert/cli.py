@@ -1,36 +1,13 @@
-"""``porting import``, ``verify``, ``export`` and ``demo``: thin wrappers over library functions."""
+"""``porting import`` and ``porting export``: thin wrappers over :mod:`porting.convert.api`."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import logging
-import os
 import sys
 from pathlib import Path
 
-
-def _offline() -> None:
-    # Nothing we run may reach a hub: every model and tokenizer is a local directory.
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-
-def _quiet_nemo(args) -> None:
-    """Keep NeMo's own INFO narration (one line per setup step) out of conversion output."""
-    if not args.verbose:
-        from nemo.utils import logging as nemo_logging
-
-        nemo_logging.setLevel(logging.WARNING)
-
-
-def _add_gate_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--atol", type=float, default=None, help="parity: absolute logit tolerance (1e-4)"
-    )
-    p.add_argument(
-        "--rtol", type=float, default=None, help="parity: relative logit tolerance (1e-4)"
-    )
+from porting import quiet
+from porting.parity.cli import add_gate_flags, print_report
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -64,22 +41,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="read pytorch_model*.bin when no safetensors exist (torch.load weights_only=True)",
     )
     p.add_argument("--json", action="store_true", help="print the parity report as JSON")
-    _add_gate_flags(p)
+    add_gate_flags(p)
     p.set_defaults(func=_cmd_import)
-
-    p = sub.add_parser(
-        "verify",
-        help="full-logit parity of an HF model against a NeMo checkpoint",
-        description="Run fixed prompts (several lengths, every position) through the HF model and "
-        "the Megatron model of the checkpoint and compare full logits: max and mean |dlogit|, "
-        "KL(HF || Megatron), top-1 agreement. Exits 1 when the gate fails.",
-    )
-    p.add_argument("hf_dir", type=Path)
-    p.add_argument("ckpt", type=Path)
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--min-top1", type=float, default=None, help="minimum top-1 agreement (0.999)")
-    _add_gate_flags(p)
-    p.set_defaults(func=_cmd_verify)
 
     p = sub.add_parser(
         "export",
@@ -96,30 +59,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_export)
 
-    p = sub.add_parser(
-        "demo",
-        help="end to end on a tiny built-in model: build, import, verify, export, round trip",
-        description="Build a tiny random tsuzumi-style (Llama layout) HF checkpoint locally, import "
-        "it, verify parity, export it back and check the round trip; prints a short table.",
-    )
-    p.add_argument("--workdir", type=Path, default=Path("demo-out"))
-    p.set_defaults(func=_cmd_demo)
-
-
-def _print_report(report, as_json: bool) -> None:
-    if report is None:
-        return
-    if as_json:
-        print(json.dumps(report.as_dict(), indent=2))
-    else:
-        print(report.summary())
-
 
 def _cmd_import(args) -> int:
-    _offline()
-    from porting.convert import import_hf
+    quiet.offline()
+    from porting.convert.api import import_hf
 
-    _quiet_nemo(args)
+    quiet.quiet_nemo()
 
     report = import_hf(
         args.hf_dir,
@@ -133,33 +78,17 @@ def _cmd_import(args) -> int:
         rtol=args.rtol,
         show_progress=sys.stderr.isatty(),
     )
-    _print_report(report, args.json)
+    print_report(report, args.json)
     if not args.json:
         print(f"wrote {args.out}")
     return 0
 
 
-def _cmd_verify(args) -> int:
-    _offline()
-    from porting import parity
-
-    _quiet_nemo(args)
-
-    kwargs = {
-        k: v
-        for k, v in (("atol", args.atol), ("rtol", args.rtol), ("min_top1", args.min_top1))
-        if v is not None
-    }
-    report = parity.verify(args.hf_dir, args.ckpt, **kwargs)
-    _print_report(report, args.json)
-    return 0 if report.passed else 1
-
-
 def _cmd_export(args) -> int:
-    _offline()
-    from porting.convert import export_hf
+    quiet.offline()
+    from porting.convert.api import export_hf
 
-    _quiet_nemo(args)
+    quiet.quiet_nemo()
 
     report = export_hf(
         args.ckpt,
@@ -168,16 +97,7 @@ def _cmd_export(args) -> int:
         verify=not args.no_verify,
         max_shard_bytes=int(args.max_shard_gb * 2**30),
     )
-    _print_report(report, args.json)
+    print_report(report, args.json)
     if not args.json:
         print(f"wrote {args.out}")
     return 0
-
-
-def _cmd_demo(args) -> int:
-    _offline()
-    from porting.demo import run_demo
-
-    _quiet_nemo(args)
-
-    return run_demo(args.workdir)

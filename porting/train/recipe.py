@@ -215,8 +215,8 @@ def recipe(spec: TrainSpec) -> Recipe:
     from nemo.collections import llm
     from nemo.lightning.pytorch.optim import CosineAnnealingScheduler, MegatronOptimizerModule
 
-    from porting.checkpoint import read_manifest
-    from porting.megatron import load_nemo_model_context
+    from porting.convert.checkpoint import read_manifest
+    from porting.convert.megatron import load_nemo_model_context
     from porting.registry import family_by_name
 
     manifest = read_manifest(spec.checkpoint)
@@ -244,14 +244,6 @@ def recipe(spec: TrainSpec) -> Recipe:
     cfg.autocast_dtype = cfg.pipeline_dtype
     cfg.perform_initialization = False
     cpu.cpu_safe_config(cfg)
-
-    dist_opt = spec.distributed_optimizer
-    if dist_opt and not gpu:
-        # megatron/core/optimizer/distrib_optimizer.py accepts only torch.cuda.*Tensor parameters.
-        warnings.append(
-            "the distributed optimizer needs CUDA tensors; using the plain one on the CPU"
-        )
-        dist_opt = False
 
     dist_opt = spec.distributed_optimizer
     if dist_opt and not gpu:
@@ -315,7 +307,9 @@ def recipe(spec: TrainSpec) -> Recipe:
         val_check_interval=val_every,
         limit_val_batches=spec.val_batches,
         num_sanity_val_steps=0,
-        enable_progress_bar=True,
+        # our ThroughputLogger prints one line per step instead of Lightning's bar and summary
+        enable_progress_bar=False,
+        enable_model_summary=False,
         use_distributed_sampler=False,
         enable_checkpointing=spec.save_every > 0,
         callbacks=[ThroughputLogger(spec.global_batch * spec.seq_length)],
@@ -369,10 +363,11 @@ def recipe(spec: TrainSpec) -> Recipe:
 
 
 class ThroughputLogger(Callback):
-    """Logs ``tokens_per_s`` (global batch x sequence / step time) and, on GPUs, ``gpu_mem_gib``.
+    """Logs ``tokens_per_s`` (global batch x sequence / step time) and, on GPUs, ``gpu_mem_gib``,
+    and prints one line per step (loss, learning rate, tokens/s) in place of Lightning's bar.
 
     A Lightning batch under MegatronStrategy is one global step (all micro-batches), so one
-    timing per batch is one optimizer step.
+    timing per batch is one optimizer step. Only the first rank prints.
     """
 
     def __init__(self, tokens_per_step: int) -> None:
@@ -384,9 +379,26 @@ class ThroughputLogger(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         elapsed = max(time.perf_counter() - self._start, 1e-9)
-        pl_module.log("tokens_per_s", self.tokens_per_step / elapsed, batch_size=1)
+        tokens_per_s = self.tokens_per_step / elapsed
+        pl_module.log("tokens_per_s", tokens_per_s, batch_size=1)
         if torch.cuda.is_available():
             pl_module.log("gpu_mem_gib", torch.cuda.max_memory_allocated() / 2**30, batch_size=1)
+        if trainer.global_rank == 0:
+            m = trainer.callback_metrics
+            loss, lr = m.get("reduced_train_loss"), m.get("lr")
+            log.info(
+                "step %d/%d  loss %s  lr %s  %.0f tokens/s",
+                trainer.global_step,
+                trainer.max_steps,
+                f"{float(loss):.4f}" if loss is not None else "-",
+                f"{float(lr):.3g}" if lr is not None else "-",
+                tokens_per_s,
+            )
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        loss = trainer.callback_metrics.get("val_loss")
+        if trainer.global_rank == 0 and loss is not None and not trainer.sanity_checking:
+            log.info("validation at step %d  loss %.4f", trainer.global_step, float(loss))
 
 
 class SelfDescribingCheckpoint(ModelCheckpoint):
@@ -403,6 +415,7 @@ class SelfDescribingCheckpoint(ModelCheckpoint):
         super()._save_checkpoint(trainer, filepath)
         if trainer.global_rank == 0:
             copy_manifest(self._source, ckpt_to_dir(filepath))
+            log.info("saved checkpoint %s", ckpt_to_dir(filepath))
 
 
 def copy_manifest(source_ckpt: Path, ckpt: Path) -> None:
@@ -448,7 +461,7 @@ def run(r: Recipe) -> Path:
     """Train with ``llm.train``; returns the run directory. Writes ``run.json`` with the spec."""
     from nemo.collections import llm
 
-    from porting.megatron import shutdown_parallel
+    from porting.convert.megatron import shutdown_parallel
 
     cpu.enable()
     if not cpu.cuda_available():
@@ -474,53 +487,3 @@ def run(r: Recipe) -> Path:
         spec = asdict(r.spec) | {"checkpoint": str(r.spec.checkpoint), "out": str(out)}
         (out / "run.json").write_text(json.dumps(spec, indent=2, default=str) + "\n")
     return out
-
-
-def slurm_script(spec: TrainSpec, argv: list[str], job_name: str = "porting-train") -> str:
-    """A Slurm batch script that runs this training with torchrun on every node.
-
-    ``argv`` are the ``porting train`` arguments to repeat on each node (with ``--executor local``).
-    """
-    import shlex
-
-    cmd = " ".join(shlex.quote(a) for a in argv)
-    return f"""#!/bin/bash
-#SBATCH --job-name={job_name}
-#SBATCH --nodes={spec.nodes}
-#SBATCH --ntasks-per-node=1
-#SBATCH --gpus-per-node={spec.gpus_per_node}
-#SBATCH --exclusive
-#SBATCH --output={spec.out}/slurm-%j.out
-set -euo pipefail
-export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-export MASTER_PORT=${{MASTER_PORT:-29500}}
-srun torchrun \\
-  --nnodes={spec.nodes} --nproc-per-node={spec.gpus_per_node} \\
-  --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \\
-  -m porting.cli train {cmd}
-"""
-
-
-def launch_nemo_run(spec: TrainSpec, argv: list[str]) -> int:
-    """Run ``porting train ARGV`` through NeMo-Run (``LocalExecutor`` with the torchrun launcher).
-
-    NeMo-Run records the experiment under ``OUT/nemo_run``; users who run on a cluster through
-    NeMo-Run swap the executor (``run.SlurmExecutor``) in their own script around the same
-    ``run.Script``.
-    """
-    import os
-
-    import nemo_run as run
-
-    if spec.nodes != 1:
-        raise PortingError("--executor nemo-run launches on this node; use slurm for --nodes > 1")
-    import sys
-
-    os.environ.setdefault("NEMORUN_HOME", str(Path(spec.out).resolve() / "nemo_run"))
-    # NeMo-Run finds torchrun on PATH; make it this environment's, as a venv need not be activated.
-    bindir = str(Path(sys.executable).parent)
-    os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-    script = run.Script(path="porting.cli", args=["train", *argv], entrypoint="python", m=True)
-    executor = run.LocalExecutor(ntasks_per_node=spec.gpus_per_node, launcher="torchrun")
-    run.run(script, executor=executor, name="porting-train")
-    return 0

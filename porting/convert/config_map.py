@@ -15,8 +15,10 @@ never drop one silently.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from porting.errors import PortingError
@@ -128,3 +130,20 @@ def to_hf(mcore_config: Any, original: dict, entries: Iterable[ConfigEntry]) -> 
                 if k in original or v is not None:
                     out[k] = v
     return out
+
+
+def read_hf_config(hf_dir: str | Path) -> dict:
+    """Read and minimally validate ``config.json`` of an HF model directory."""
+    path = Path(hf_dir) / "config.json"
+    if not Path(hf_dir).is_dir():
+        raise PortingError(f"{hf_dir}: not a directory")
+    if not path.exists():
+        raise PortingError(f"{path}: missing (is {hf_dir} a Hugging Face model directory?)")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise PortingError(f"{path}: invalid JSON ({err})") from err
+    archs = cfg.get("architectures")
+    if not archs or not isinstance(archs, list):
+        raise PortingError(f"{path}: no 'architectures' list; cannot tell the model family")
+    return cfg

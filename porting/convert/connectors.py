@@ -1,5 +1,4 @@
-"""HF <-> NeMo 2.0 conversion: the generic NeMo ``io.ModelConnector`` importer/exporter and the
-functions the CLI calls.
+"""HF <-> NeMo 2.0 conversion: the generic NeMo ``io.ModelConnector`` importer and exporter.
 
 A family's converter module subclasses :class:`PortingImporter` / :class:`PortingExporter`, sets
 ``FAMILY`` and registers them with ``io.model_importer`` / ``io.model_exporter``; everything else
@@ -20,20 +19,20 @@ import torch
 from nemo.lightning import io
 from tqdm import tqdm
 
-from porting import config_map, cpu
-from porting.checkpoint import (
+from porting import cpu
+from porting.convert import config_map
+from porting.convert.checkpoint import (
     EXTRA_HF_FILES,
     Manifest,
     atomic_dir,
-    prepare_output,
     read_manifest,
     write_manifest,
 )
+from porting.convert.config_map import read_hf_config
+from porting.convert.mapping import export_weights, import_weights
+from porting.convert.safetensors_io import SafetensorsSource, ShardedWriter
 from porting.errors import PortingError
 from porting.family import Family, ShapeContext
-from porting.mapping import export_weights, import_weights
-from porting.registry import family_by_name, family_for_hf_dir, read_hf_config
-from porting.safetensors_io import SafetensorsSource, ShardedWriter
 
 log = logging.getLogger(__name__)
 
@@ -254,21 +253,29 @@ class PortingImporter(io.ModelConnector):
 
 
 class PortingExporter(io.ModelConnector):
-    """Generic NeMo 2.0 -> HF exporter (``llm.export_ckpt(path, target="hf")``)."""
+    """Generic NeMo 2.0 -> HF exporter (``llm.export_ckpt(path, target="hf")``); a family subclass
+    sets ``FAMILY``."""
+
+    FAMILY: Family
 
     def apply(self, output_path: Path) -> Path:
         """Export the checkpoint at ``self`` into ``output_path`` atomically."""
         with atomic_dir(output_path) as tmp:
-            export_into(Path(str(self)), tmp)
+            export_into(Path(str(self)), tmp, self.FAMILY)
         return Path(output_path)
 
 
-def export_into(ckpt: Path, out: Path, max_shard_bytes: int = 5 * 2**30) -> Manifest:
-    """Write the HF directory for our NeMo checkpoint ``ckpt`` into ``out`` (an empty directory)."""
-    from porting.megatron import init_parallel, load_mcore_from_checkpoint
+def export_into(
+    ckpt: Path, out: Path, family: Family, max_shard_bytes: int = 5 * 2**30
+) -> Manifest:
+    """Write the HF directory for our NeMo checkpoint ``ckpt`` of ``family`` into ``out``."""
+    from porting.convert.megatron import init_parallel, load_mcore_from_checkpoint
 
     manifest = read_manifest(ckpt)
-    family = family_by_name(manifest.family)
+    if manifest.family != family.name:
+        raise PortingError(
+            f"{ckpt}: a {manifest.family!r} checkpoint, not one of family {family.name!r}"
+        )
     init_parallel()
     model, nemo_model = load_mcore_from_checkpoint(ckpt)
     config = nemo_model.config
@@ -295,76 +302,3 @@ def export_into(ckpt: Path, out: Path, max_shard_bytes: int = 5 * 2**30) -> Mani
     for name in manifest.extra_files:
         shutil.copy2(Path(ckpt) / "context" / "hf_extra" / name, out / name)
     return manifest
-
-
-def import_hf(
-    hf_dir: str | Path,
-    out: str | Path,
-    *,
-    overwrite: bool = False,
-    dtype: str | None = None,
-    allow_pickle: bool = False,
-    vocab_divisor: int = 128,
-    verify: bool = True,
-    atol: float | None = None,
-    rtol: float | None = None,
-    show_progress: bool = True,
-):
-    """Import an HF directory into a NeMo 2.0 checkpoint at ``out``; gate it on parity.
-
-    Returns the parity report (``None`` with ``verify=False``). On a failed parity check the
-    checkpoint is not left under ``out`` and :class:`PortingError` is raised with the report.
-    """
-    from porting import parity
-
-    out = prepare_output(out, overwrite)
-    family, _ = family_for_hf_dir(hf_dir)
-    importer = family.model_cls.importer(f"hf://{Path(hf_dir).resolve()}")
-    importer.dtype, importer.allow_pickle = dtype, allow_pickle
-    importer.vocab_divisor, importer.show_progress = vocab_divisor, show_progress
-    report = None
-    with atomic_dir(out) as tmp:
-        importer.convert_into(tmp)
-        if verify:
-            report = parity.verify(
-                hf_dir,
-                tmp,
-                atol=parity.DEFAULT_ATOL if atol is None else atol,
-                rtol=parity.DEFAULT_RTOL if rtol is None else rtol,
-            )
-            if not report.passed:
-                raise ParityError(report)
-    return report
-
-
-def export_hf(
-    ckpt: str | Path,
-    out: str | Path,
-    *,
-    overwrite: bool = False,
-    verify: bool = True,
-    max_shard_bytes: int = 5 * 2**30,
-):
-    """Export our NeMo checkpoint to an HF directory at ``out``; gate it on parity.
-
-    Returns the parity report (``None`` with ``verify=False``).
-    """
-    from porting import parity
-
-    out = prepare_output(out, overwrite)
-    report = None
-    with atomic_dir(out) as tmp:
-        export_into(Path(ckpt), tmp, max_shard_bytes)
-        if verify:
-            report = parity.verify(tmp, ckpt)
-            if not report.passed:
-                raise ParityError(report)
-    return report
-
-
-class ParityError(PortingError):
-    """The parity gate failed; carries the report."""
-
-    def __init__(self, report) -> None:
-        super().__init__("parity check failed; no output written\n" + report.summary())
-        self.report = report

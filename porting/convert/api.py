@@ -1,0 +1,90 @@
+"""The conversion entry points the CLI, the demo and tests call: import and export, each written
+atomically and, unless told otherwise, held back until the parity gate passes.
+
+The family comes from the registry (``config.json``'s architecture on import, the manifest's family
+on export); the gate is :mod:`porting.parity`'s check, run on the finished temporary directory
+before it is renamed into place.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from porting.convert.checkpoint import atomic_dir, prepare_output, read_manifest
+from porting.convert.connectors import export_into
+from porting.errors import PortingError
+from porting.registry import family_by_name, family_for_hf_dir
+
+
+def import_hf(
+    hf_dir: str | Path,
+    out: str | Path,
+    *,
+    overwrite: bool = False,
+    dtype: str | None = None,
+    allow_pickle: bool = False,
+    vocab_divisor: int = 128,
+    verify: bool = True,
+    atol: float | None = None,
+    rtol: float | None = None,
+    show_progress: bool = True,
+):
+    """Import an HF directory into a NeMo 2.0 checkpoint at ``out``; gate it on parity.
+
+    Returns the parity report (``None`` with ``verify=False``). On a failed parity check the
+    checkpoint is not left under ``out`` and :class:`PortingError` is raised with the report.
+    """
+    from porting.parity import harness as parity
+
+    out = prepare_output(out, overwrite)
+    family, _ = family_for_hf_dir(hf_dir)
+    importer = family.model_cls.importer(f"hf://{Path(hf_dir).resolve()}")
+    importer.dtype, importer.allow_pickle = dtype, allow_pickle
+    importer.vocab_divisor, importer.show_progress = vocab_divisor, show_progress
+    report = None
+    with atomic_dir(out) as tmp:
+        importer.convert_into(tmp)
+        if verify:
+            report = parity.verify(
+                hf_dir,
+                tmp,
+                atol=parity.DEFAULT_ATOL if atol is None else atol,
+                rtol=parity.DEFAULT_RTOL if rtol is None else rtol,
+            )
+            if not report.passed:
+                raise ParityError(report)
+    return report
+
+
+def export_hf(
+    ckpt: str | Path,
+    out: str | Path,
+    *,
+    overwrite: bool = False,
+    verify: bool = True,
+    max_shard_bytes: int = 5 * 2**30,
+):
+    """Export our NeMo checkpoint to an HF directory at ``out``; gate it on parity.
+
+    Returns the parity report (``None`` with ``verify=False``).
+    """
+    from porting.parity import harness as parity
+
+    out = prepare_output(out, overwrite)
+    report = None
+    with atomic_dir(out) as tmp:
+        family = family_by_name(read_manifest(ckpt).family)
+        export_into(Path(ckpt), tmp, family, max_shard_bytes)
+        if verify:
+            report = parity.verify(tmp, ckpt)
+            if not report.passed:
+                raise ParityError(report)
+    return report
+
+
+class ParityError(PortingError):
+    """The parity gate failed; carries the report."""
+
+    def __init__(self, report) -> None:
+        super().__init__("parity check failed; no output written\n" + report.summary())
+        self.report = report

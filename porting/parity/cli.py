@@ -1,0 +1,61 @@
+"""``porting verify``: the parity check of an HF model against a checkpoint, as a command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from porting import quiet
+
+
+def add_gate_flags(p: argparse.ArgumentParser) -> None:
+    """The gate's tolerances, shared by ``verify`` and the gated ``import``."""
+    p.add_argument(
+        "--atol", type=float, default=None, help="parity: absolute logit tolerance (1e-4)"
+    )
+    p.add_argument(
+        "--rtol", type=float, default=None, help="parity: relative logit tolerance (1e-4)"
+    )
+
+
+def print_report(report, as_json: bool) -> None:
+    """Print a parity report once, as text or JSON (nothing for ``None``)."""
+    if report is None:
+        return
+    if as_json:
+        print(json.dumps(report.as_dict(), indent=2))
+    else:
+        print(report.summary())
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``verify`` subcommand."""
+    p = sub.add_parser(
+        "verify",
+        help="full-logit parity of an HF model against a NeMo checkpoint",
+        description="Run fixed prompts (several lengths, every position) through the HF model and "
+        "the Megatron model of the checkpoint and compare full logits: max and mean |dlogit|, "
+        "KL(HF || Megatron), top-1 agreement. Exits 1 when the gate fails.",
+    )
+    p.add_argument("hf_dir", type=Path)
+    p.add_argument("ckpt", type=Path)
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--min-top1", type=float, default=None, help="minimum top-1 agreement (0.999)")
+    add_gate_flags(p)
+    p.set_defaults(func=_cmd_verify)
+
+
+def _cmd_verify(args) -> int:
+    quiet.offline()
+    from porting.parity import harness
+
+    quiet.quiet_nemo()
+    kwargs = {
+        k: v
+        for k, v in (("atol", args.atol), ("rtol", args.rtol), ("min_top1", args.min_top1))
+        if v is not None
+    }
+    report = harness.verify(args.hf_dir, args.ckpt, **kwargs)
+    print_report(report, args.json)
+    return 0 if report.passed else 1

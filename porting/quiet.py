@@ -1,0 +1,122 @@
+"""What reaches the terminal: our lines, and third-party output only when it is an error.
+
+NeMo, Megatron-Core, Lightning and transformers narrate their set-up (banners, deprecation notices,
+"module could not be imported", telemetry warnings) on every run. None of it is actionable for a
+user of ``porting``, and it buries our report. :func:`install` silences exactly that chatter at its
+source, by logger name and message, before the libraries are imported:
+
+- Python warnings by message (and category), also for child processes (``PYTHONWARNINGS``);
+- log records of named third-party loggers whose message starts with a known prefix;
+- loggers that only narrate (Lightning's rank-zero INFO lines, NVIDIA's telemetry) at WARNING/ERROR.
+
+Nothing else is touched: an exception or an ERROR record from a library still reaches the user,
+and ``-v`` shows everything.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import warnings
+
+# Python warnings silenced by default: (message prefix, category). Each is emitted by a library on
+# import or set-up, whatever the user does.
+_WARNINGS = (
+    # torch/cuda/__init__.py imports pynvml on a CPU machine too
+    ("The pynvml package is deprecated", FutureWarning),
+    # lightning/pytorch/trainer/trainer.py: NeMo's own importer builds the model this way
+    ("`trainer.init_module` cannot fully support", UserWarning),
+    # megatron/core/dist_checkpointing: noted once per save on the CPU
+    ("`torch.distributed._sharded_tensor` will be deprecated", FutureWarning),
+    # lightning's logger_connector, for metrics NeMo's strategy logs itself
+    ("It is recommended to use `self.log(", UserWarning),
+)
+
+# Log records silenced by default: (logger name, message prefix); an empty prefix means the logger
+# only narrates, so it is set to ERROR instead.
+_RECORDS = (
+    ("megatron.core.utils", "fused_indices_to_multihot has reached end of life"),
+    ("nemo.collections.llm.gpt.model.megatron.hyena.hyena_mixer", "WARNING: transformer_engine"),
+    ("nemo_logger", "The deploy module could not be imported"),
+    ("nemo_logger", "The evaluate module could not be imported"),
+    ("nemo_logger", "Could not copy Trainer's 'max_steps'"),
+    ("nemo_logger", "`trainer.init_module` cannot fully support"),
+    # nemo/lightning/nemo_logger.py narrates the logger and checkpoint set-up `porting train` chose
+    ("nemo_logger", "nemo logger received explicit_log_dir"),
+    ("nemo_logger", "NeMoLogger is logging to"),
+    ("nemo_logger", "The Trainer already contains a ModelCheckpoint callback"),
+    # megatron/core/dist_checkpointing/serialization.py, about NeMo's own call
+    ("nemo_logger", "DEPRECATED: Passing 'checkpoint_dir' as a Path object"),
+    ("megatron.core.dist_checkpointing.serialization", "DEPRECATED: Passing 'checkpoint_dir'"),
+    ("megatron.core.rerun_state_machine", "Implicit initialization of Rerun State Machine"),
+    ("megatron.core.rerun_state_machine", "RerunStateMachine initialized in mode"),
+    ("nv_one_logger", ""),
+)
+
+# Loggers whose INFO lines are set-up narration (GPU/TPU/HPU availability, the process-group
+# banner); their warnings and errors still show. Lightning resets its package loggers to INFO on
+# import, so the rank-zero modules' own loggers are the ones set.
+_NARRATORS = tuple(
+    f"{pkg}.utilities.rank_zero"
+    for pkg in ("lightning.pytorch", "pytorch_lightning", "lightning.fabric")
+)
+
+
+class _DropPrefixes(logging.Filter):
+    """Drops records whose message starts with one of ``prefixes``."""
+
+    def __init__(self, prefixes: list[str]) -> None:
+        super().__init__()
+        self.prefixes = tuple(prefixes)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # a malformed record is not ours to judge; let it through
+            return True
+        return not message.lstrip().startswith(self.prefixes)
+
+
+_INSTALLED = False
+
+
+def offline() -> None:
+    """Nothing we run may reach a hub: every model and tokenizer is a local directory."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def install(verbose: bool) -> None:
+    """Silence known third-party chatter in this process and the processes it starts.
+
+    With ``verbose`` nothing is silenced. Safe to call more than once.
+    """
+    global _INSTALLED
+    if verbose or _INSTALLED:
+        return
+    _INSTALLED = True
+    specs = []
+    for message, category in _WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(message), category=category)
+        # -W syntax: action:message:category; the message is matched as a literal prefix.
+        specs.append(f"ignore:{message.replace(':', '')}:{category.__name__}")
+    inherited = os.environ.get("PYTHONWARNINGS")
+    os.environ["PYTHONWARNINGS"] = ",".join(([inherited] if inherited else []) + specs)
+    by_logger: dict[str, list[str]] = {}
+    for name, prefix in _RECORDS:
+        if prefix:
+            by_logger.setdefault(name, []).append(prefix)
+        else:
+            logging.getLogger(name).setLevel(logging.ERROR)
+    for name, prefixes in by_logger.items():
+        logging.getLogger(name).addFilter(_DropPrefixes(prefixes))
+    for name in _NARRATORS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def quiet_nemo() -> None:
+    """Keep NeMo's own INFO narration out of our output (its logger resets itself on import)."""
+    from nemo.utils import logging as nemo_logging
+
+    nemo_logging.setLevel(logging.WARNING)
