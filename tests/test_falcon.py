@@ -24,10 +24,10 @@ from models.falcon import (
     alibi_slopes,
     build_falcon_layer_spec,
 )
-from porting.parity import harness as parity
 from porting.cli import main
 from porting.convert.api import export_hf, import_hf
 from porting.demo import compare_hf_dirs
+from porting.parity import harness as parity
 from porting.testing import make_falcon
 
 ATOL = RTOL = 1e-5

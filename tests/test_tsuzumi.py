@@ -13,9 +13,9 @@ import json
 import pytest
 import torch
 
-from porting.parity import harness as parity
 from porting.convert.api import ParityError, export_hf, import_hf
 from porting.demo import compare_hf_dirs
+from porting.parity import harness as parity
 from porting.testing import make_llama
 
 ATOL = RTOL = 1e-5
