@@ -9,11 +9,12 @@ inside the command functions, so ``porting --help`` stays fast.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import logging
 import sys
 
-from porting import quiet
+from porting import guard, quiet
 from porting.errors import PortingError
 
 _SUBCOMMAND_MODULES = (
@@ -60,11 +61,32 @@ def main(argv: list[str] | None = None) -> int:
     )
     for name in _OWN_PACKAGES:
         logging.getLogger(name).setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    before = guard.child_pids()
     try:
-        return int(args.func(args) or 0)
+        with guard.signals_as_exceptions():
+            return int(args.func(args) or 0)
     except PortingError as err:
         print(f"porting {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:
+        if err.errno != errno.ENOSPC:
+            raise
+        # Partial outputs were removed on the way out (atomic directories, prep-data's temp files).
+        print(
+            f"porting {args.command}: error: no space left on the device writing "
+            f"{err.filename or 'the output'}; partial output removed",
+            file=sys.stderr,
+        )
+        return 2
+    except (guard.Terminated, KeyboardInterrupt) as stop:
+        name = "SIGINT" if isinstance(stop, KeyboardInterrupt) else str(stop)
+        kept = getattr(stop, "kept", None) or "partial outputs removed"
+        print(f"porting {args.command}: stopped by {name}; {kept}", file=sys.stderr)
+        return stop.exit_code if isinstance(stop, guard.Terminated) else 130
+    finally:
+        # Workers, and the helpers Megatron's checkpoint writer and multiprocessing start, must
+        # not outlive the command however it ended.
+        guard.stop_new_children(before)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,138 @@
+"""Runs that neither trample each other nor leave debris behind.
+
+- :func:`output_lock`: one writer per output. An advisory ``fcntl`` lock on a hidden file beside the
+  output (``.NAME.lock``); a second run on the same output fails at once, naming the first run's pid.
+- :func:`signals_as_exceptions`: SIGTERM and SIGHUP (what Slurm, Kubernetes and a closed terminal
+  send) raise :class:`Terminated` in the main thread, as SIGINT raises ``KeyboardInterrupt``, so the
+  same ``finally`` / ``except BaseException`` blocks remove partial outputs.
+- :func:`stop_new_children`: terminates every process started since a snapshot (our workers,
+  multiprocessing managers and resource trackers that Megatron's checkpoint writer starts).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+from porting.errors import PortingError
+
+
+class Terminated(BaseException):
+    """A termination signal arrived; carries the signal and what the command kept.
+
+    A ``BaseException`` (like ``KeyboardInterrupt``) so that library code catching ``Exception``
+    does not swallow it. ``kept`` is set by a command that keeps something on purpose (a resume
+    state) and is printed in the one closing line.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.kept: str | None = None
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal number, as a shell reports a process killed by it (143, 129)."""
+        return 128 + self.signum
+
+
+_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _raise_terminated(signum: int, frame) -> None:
+    # Further signals during the clean-up would interrupt it half-way; the first one decides.
+    for sig in _SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def signals_as_exceptions() -> Iterator[None]:
+    """Within the block, SIGTERM and SIGHUP raise :class:`Terminated`; handlers restored after."""
+    previous = {sig: signal.getsignal(sig) for sig in _SIGNALS}
+    for sig in _SIGNALS:
+        signal.signal(sig, _raise_terminated)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def child_pids() -> set[int]:
+    """Pids of every live descendant of this process."""
+    import psutil
+
+    try:
+        return {p.pid for p in psutil.Process().children(recursive=True)}
+    except psutil.Error:
+        return set()
+
+
+def stop_new_children(before: set[int], timeout: float = 5.0) -> int:
+    """Terminate (then kill) descendants that are not in ``before``; returns how many were left."""
+    import psutil
+
+    try:
+        procs = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    except psutil.Error:
+        return 0
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=timeout)
+    return len(procs)
+
+
+def lock_path(output: str | os.PathLike) -> Path:
+    """The lock file of ``output``: ``.NAME.lock`` in the same directory."""
+    output = Path(output)
+    return output.with_name(f".{output.name}.lock")
+
+
+@contextlib.contextmanager
+def output_lock(output: str | os.PathLike, what: str) -> Iterator[Path]:
+    """Hold the advisory lock of ``output`` for the block, or fail at once naming its holder.
+
+    The lock file is removed on release. A run that opened the file just before it was removed
+    finds its inode gone and tries again, so two runs never both believe they hold the lock.
+    """
+    path = lock_path(output)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            if err.errno in (errno.EAGAIN, errno.EACCES):
+                raise PortingError(
+                    f"{output}: another porting run (pid {holder}) is writing this {what}; "
+                    f"wait for it to finish or stop it (lock: {path})"
+                ) from None
+            raise
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield path
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        os.close(fd)
