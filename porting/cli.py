@@ -79,14 +79,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     except (guard.Terminated, KeyboardInterrupt) as stop:
+        # Workers, and the helpers Megatron's checkpoint writer and multiprocessing start, must
+        # not outlive a stopped command (a normal exit shuts them down through atexit).
+        guard.stop_new_children(before)
         name = "SIGINT" if isinstance(stop, KeyboardInterrupt) else str(stop)
         kept = getattr(stop, "kept", None) or "partial outputs removed"
         print(f"porting {args.command}: stopped by {name}; {kept}", file=sys.stderr)
         return stop.exit_code if isinstance(stop, guard.Terminated) else 130
-    finally:
-        # Workers, and the helpers Megatron's checkpoint writer and multiprocessing start, must
-        # not outlive the command however it ended.
-        guard.stop_new_children(before)
 
 
 if __name__ == "__main__":

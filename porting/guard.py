@@ -99,14 +99,27 @@ def lock_path(output: str | os.PathLike) -> Path:
     return output.with_name(f".{output.name}.lock")
 
 
+# Locks this process holds (lock file -> depth): the CLI takes an output's lock before its heavy
+# imports, so that a second run fails at once, and the library function it calls takes it again.
+_HELD: dict[Path, int] = {}
+
+
 @contextlib.contextmanager
 def output_lock(output: str | os.PathLike, what: str) -> Iterator[Path]:
     """Hold the advisory lock of ``output`` for the block, or fail at once naming its holder.
 
-    The lock file is removed on release. A run that opened the file just before it was removed
-    finds its inode gone and tries again, so two runs never both believe they hold the lock.
+    Re-entrant within a process. The lock file is removed on release. A run that opened the file
+    just before it was removed finds its inode gone and tries again, so two runs never both
+    believe they hold the lock.
     """
-    path = lock_path(output)
+    path = lock_path(output).absolute()
+    if path in _HELD:
+        _HELD[path] += 1
+        try:
+            yield path
+        finally:
+            _HELD[path] -= 1
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
@@ -128,11 +141,13 @@ def output_lock(output: str | os.PathLike, what: str) -> Iterator[Path]:
         if same:
             break
         os.close(fd)
+    _HELD[path] = 1
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield path
     finally:
+        del _HELD[path]
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
         os.close(fd)

@@ -189,19 +189,32 @@ def tp_logits_worker(
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    from porting.convert.megatron import (
-        init_parallel,
-        load_mcore_from_checkpoint,
-        mcore_logits,
-        shutdown_parallel,
-    )
+    from porting.convert.megatron import init_parallel, mcore_logits, shutdown_parallel
 
     init_parallel(tp=world_size, rank=rank, world_size=world_size)
-    model, _ = load_mcore_from_checkpoint(ckpt, dtype=torch.float32)
+    model, _ = load_checkpoint_model(ckpt, dtype=torch.float32)
     logits = mcore_logits(model, ids)
     if rank == 0:
         torch.save(logits, out)
     shutdown_parallel()
+
+
+def checkpoint_config(ckpt: str | Path):
+    """The Megatron config of one of our checkpoints (its family looked up from the manifest)."""
+    from porting.convert.checkpoint import read_manifest
+    from porting.convert.megatron import checkpoint_config as config_of
+    from porting.registry import family_by_name
+
+    return config_of(ckpt, family_by_name(read_manifest(ckpt).family))
+
+
+def load_checkpoint_model(ckpt: str | Path, dtype: torch.dtype | None = None):
+    """``(mcore_model, config)`` of one of our checkpoints; the parallel state must exist."""
+    from porting.convert.checkpoint import read_manifest
+    from porting.convert.megatron import load_mcore_from_checkpoint
+    from porting.registry import family_by_name
+
+    return load_mcore_from_checkpoint(ckpt, family_by_name(read_manifest(ckpt).family), dtype)
 
 
 def make_indexed_dataset(

@@ -75,14 +75,11 @@ def build(family: str, root: Path, args) -> Path:
 
 
 def bench(ckpt: Path, args, device: torch.device, peak: float) -> dict:
-    from porting.convert.megatron import (
-        init_parallel,
-        load_mcore_from_checkpoint,
-        shutdown_parallel,
-    )
+    from porting.convert.megatron import init_parallel, shutdown_parallel
+    from porting.testing import load_checkpoint_model
 
     init_parallel()
-    model, nemo_model = load_mcore_from_checkpoint(ckpt, dtype=torch.float32)
+    model, config = load_checkpoint_model(ckpt, dtype=torch.float32)
     model.to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(0)
@@ -108,7 +105,7 @@ def bench(ckpt: Path, args, device: torch.device, peak: float) -> dict:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t
     tokens = args.steps * args.batch * args.seq
-    flops = model_flops_per_token(nemo_model.config, args.vocab, args.seq) * tokens
+    flops = model_flops_per_token(config, args.vocab, args.seq) * tokens
     shutdown_parallel()
     return {
         "tokens_per_s": tokens / elapsed,

@@ -119,7 +119,8 @@ def test_the_variants_build_the_blocks_they_claim(converted):
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from porting.convert.megatron import init_parallel, load_mcore_from_checkpoint
+    from porting.convert.megatron import init_parallel
+    from porting.testing import load_checkpoint_model
 
     init_parallel()
     expected = {
@@ -130,14 +131,14 @@ def test_the_variants_build_the_blocks_they_claim(converted):
         "alibi_parallel_mqa": (FalconParallelLayer, True, True, 1, True),
     }
     for variant, (cls, shared, alibi, groups, tied) in expected.items():
-        model, nemo_model = load_mcore_from_checkpoint(converted(variant)[1])
+        model, config = load_checkpoint_model(converted(variant)[1])
         layer = model.decoder.layers[0]
         assert type(layer) is cls, variant
         assert isinstance(layer.pre_mlp_layernorm, IdentityOp) == shared, variant
         core = layer.self_attention.core_attention
         assert isinstance(core, AlibiDotProductAttention) == alibi, variant
         assert model.position_embedding_type == ("none" if alibi else "rope"), variant
-        assert nemo_model.config.num_query_groups == groups, variant
+        assert config.num_query_groups == groups, variant
         assert model.share_embeddings_and_output_weights == tied, variant
 
 
@@ -180,18 +181,18 @@ def test_negative_control_parallel_layer_run_sequentially_fails_parity(converted
     from porting.convert.megatron import (
         build_mcore_model,
         init_parallel,
-        load_nemo_model_context,
         load_weights,
         mcore_logits,
     )
+    from porting.testing import checkpoint_config
 
     hf_dir, ckpt = converted("40b_gqa_two_norms")
     init_parallel()
-    nemo_model = load_nemo_model_context(ckpt)
-    nemo_model.config.transformer_layer_spec = build_falcon_layer_spec(
+    config = checkpoint_config(ckpt)
+    config.transformer_layer_spec = build_falcon_layer_spec(
         FalconBlock.SEQUENTIAL, alibi=False, use_te=False
     )
-    model = build_mcore_model(nemo_model)
+    model = build_mcore_model(config)
     load_weights(model, ckpt)
     assert all(type(layer) is TransformerLayer for layer in model.decoder.layers)
     prompts = _prompts(ckpt)
@@ -220,14 +221,15 @@ def test_transformers_eager_alibi_adds_the_bias_twice(converted):
     ALiBi to the scores and again through the causal mask (FalconModel._update_causal_mask), so it
     disagrees with sdpa, with the original RW code and with us; twice our bias matches it."""
     import models.falcon_spec as mf
-    from porting.convert.megatron import init_parallel, load_mcore_from_checkpoint, mcore_logits
+    from porting.convert.megatron import init_parallel, mcore_logits
+    from porting.testing import load_checkpoint_model
 
     hf_dir, ckpt = converted("rw_alibi_biases")
     ids = torch.randint(0, HF_VOCAB, (1, 48), generator=torch.Generator().manual_seed(5))
     (eager,) = parity.hf_logits(hf_dir, "FalconForCausalLM", [ids], "eager")
     (sdpa,) = parity.hf_logits(hf_dir, "FalconForCausalLM", [ids], "sdpa")
     init_parallel()
-    model, _ = load_mcore_from_checkpoint(ckpt, dtype=torch.float32)
+    model, _ = load_checkpoint_model(ckpt, dtype=torch.float32)
     ours = mcore_logits(model, ids)[..., :HF_VOCAB]
     assert (eager - sdpa).abs().max() > 1e-3
     torch.testing.assert_close(ours, sdpa, atol=ATOL, rtol=RTOL)
@@ -290,13 +292,13 @@ def test_nemo_api_import_and_export(converted, tmp_path):
 # than the rest of this file. A `python -c` child needs no importable test module.
 _TP2_SCRIPT = """
 import sys, torch
-from porting.convert.megatron import init_parallel, load_mcore_from_checkpoint, mcore_logits
-from porting.convert.megatron import shutdown_parallel
+from porting.convert.megatron import init_parallel, mcore_logits, shutdown_parallel
+from porting.testing import load_checkpoint_model
 rank, out, ids, ckpts = int(sys.argv[1]), sys.argv[2], torch.load(sys.argv[3]), sys.argv[4:]
 init_parallel(tp=2, rank=rank, world_size=2)
 logits = {}
 for ckpt in ckpts:
-    model, _ = load_mcore_from_checkpoint(ckpt, dtype=torch.float32)
+    model, _ = load_checkpoint_model(ckpt, dtype=torch.float32)
     logits[ckpt] = mcore_logits(model, ids)
 if rank == 0:
     torch.save(logits, out)

@@ -205,10 +205,10 @@ def _spec(tiny_nemo, corpus, **kw):
     ],
 )
 def test_validation_errors(tiny_nemo, corpus, kw, needle):
-    from porting.convert.megatron import load_nemo_model_context
+    from porting.testing import checkpoint_config
     from porting.train.recipe import validate
 
-    config = load_nemo_model_context(tiny_nemo).config
+    config = checkpoint_config(tiny_nemo)
     with pytest.raises(PortingError) as err:
         validate(_spec(tiny_nemo, corpus, **kw), config, 256)
     assert needle in str(err.value)
@@ -218,14 +218,14 @@ def test_validation_catches_data_from_another_tokenizer(tiny_nemo, tmp_path):
     import numpy as np
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    from porting.convert.megatron import load_nemo_model_context
+    from porting.testing import checkpoint_config
     from porting.train.recipe import validate
 
     prefix = tmp_path / "big_ids"
     b = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=np.uint16)
     b.add_document(torch.tensor([5, 300, 7]), [3])
     b.finalize(str(prefix) + ".idx")
-    config = load_nemo_model_context(tiny_nemo).config
+    config = checkpoint_config(tiny_nemo)
     with pytest.raises(PortingError, match="token id 300, beyond the model's vocabulary of 256"):
         validate(_spec(tiny_nemo, prefix), config, 256)
     with pytest.raises(PortingError, match="does not exist"):
@@ -233,10 +233,10 @@ def test_validation_catches_data_from_another_tokenizer(tiny_nemo, tmp_path):
 
 
 def test_validation_warns_past_the_trained_context(tiny_nemo, corpus):
-    from porting.convert.megatron import load_nemo_model_context
+    from porting.testing import checkpoint_config
     from porting.train.recipe import validate
 
-    config = load_nemo_model_context(tiny_nemo).config
+    config = checkpoint_config(tiny_nemo)
     assert validate(_spec(tiny_nemo, corpus, seq_length=256), config, 256) == []
     (warning,) = validate(_spec(tiny_nemo, corpus, seq_length=512), config, 256)
     assert "exceeds the 256 positions" in warning

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from porting.convert.checkpoint import atomic_dir, prepare_output, read_manifest
+from porting.convert.checkpoint import claimed_output, read_manifest
 from porting.convert.connectors import export_into
 from porting.errors import PortingError
 from porting.registry import family_by_name, family_for_hf_dir
@@ -36,13 +36,12 @@ def import_hf(
     """
     from porting.parity import harness as parity
 
-    out = prepare_output(out, overwrite)
     family, _ = family_for_hf_dir(hf_dir)
     importer = family.model_cls.importer(f"hf://{Path(hf_dir).resolve()}")
     importer.dtype, importer.allow_pickle = dtype, allow_pickle
     importer.vocab_divisor, importer.show_progress = vocab_divisor, show_progress
     report = None
-    with atomic_dir(out) as tmp:
+    with claimed_output(out, overwrite, "checkpoint") as tmp:
         importer.convert_into(tmp)
         if verify:
             report = parity.verify(
@@ -70,9 +69,8 @@ def export_hf(
     """
     from porting.parity import harness as parity
 
-    out = prepare_output(out, overwrite)
     report = None
-    with atomic_dir(out) as tmp:
+    with claimed_output(out, overwrite, "HF directory") as tmp:
         family = family_by_name(read_manifest(ckpt).family)
         export_into(Path(ckpt), tmp, family, max_shard_bytes)
         if verify:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -17,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from porting.errors import PortingError
+
+log = logging.getLogger(__name__)
 
 MANIFEST = "porting.json"
 FORMAT = "porting-nemo2"
@@ -54,8 +57,51 @@ def write_manifest(ckpt: str | os.PathLike, manifest: Manifest) -> None:
     tmp.replace(path)
 
 
+_DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def _check_manifest(data, path: Path) -> Manifest:
+    """A :class:`Manifest` from parsed JSON, every field checked (the file may be hostile)."""
+
+    def bad(field_name: str, why: str) -> PortingError:
+        return PortingError(f"{path}: field {field_name!r} {why}")
+
+    if not isinstance(data, dict):
+        raise PortingError(f"{path}: not a JSON object")
+    if data.get("format") != FORMAT:
+        raise PortingError(f"{path}: unknown format {data.get('format')!r}")
+    known = set(Manifest.__dataclass_fields__)
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise PortingError(f"{path}: unknown field(s) {', '.join(unknown)}")
+    for name in ("family", "hf_architecture", "dtype"):
+        if not isinstance(data.get(name), str):
+            raise bad(name, "must be a string")
+    if not isinstance(data.get("hf_config"), dict):
+        raise bad("hf_config", "must be an object")
+    for name in ("vocab_size", "padded_vocab_size", "version"):
+        v = data.get(name)
+        if type(v) is not int or v <= 0:
+            raise bad(name, f"must be a positive integer, not {v!r}")
+    if data["version"] > VERSION:
+        raise bad("version", f"is {data['version']}; this porting reads up to {VERSION}")
+    if data["padded_vocab_size"] < data["vocab_size"]:
+        raise bad("padded_vocab_size", "is smaller than vocab_size")
+    if data["dtype"] not in _DTYPE_NAMES:
+        raise bad("dtype", f"must be one of {', '.join(_DTYPE_NAMES)}, not {data['dtype']!r}")
+    tok = data.get("tokenizer", {})
+    if not isinstance(tok, dict) or set(tok) - {"kind", "path"}:
+        raise bad("tokenizer", "must be an object with 'kind' and 'path'")
+    if tok and (tok.get("kind") != "hf" or not isinstance(tok.get("path"), str)):
+        raise bad("tokenizer", f"must be {{'kind': 'hf', 'path': DIR}}, not {tok!r}")
+    extras = data.get("extra_files", [])
+    if not isinstance(extras, list) or any(e not in EXTRA_HF_FILES for e in extras):
+        raise bad("extra_files", f"may only list {', '.join(EXTRA_HF_FILES)}, not {extras!r}")
+    return Manifest(**data)
+
+
 def read_manifest(ckpt: str | os.PathLike) -> Manifest:
-    """Read ``context/porting.json``, or say clearly why this is not one of our checkpoints."""
+    """Read and check ``context/porting.json``, or say clearly why this is not one of ours."""
     ckpt = Path(ckpt)
     if not ckpt.is_dir():
         raise PortingError(f"{ckpt}: not a directory")
@@ -67,13 +113,58 @@ def read_manifest(ckpt: str | os.PathLike) -> Manifest:
             f"{path}: missing; this checkpoint was not written by `porting import`, so the HF "
             "config and vocabulary padding needed for export are unknown"
         )
+    regular_file(path, inside=ckpt)
     try:
-        data = json.loads(path.read_text())
-        if data.get("format") != FORMAT:
-            raise PortingError(f"{path}: unknown format {data.get('format')!r}")
-        return Manifest(**data)
-    except (json.JSONDecodeError, TypeError) as err:
+        data = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise PortingError(f"{path}: corrupt manifest ({err})") from err
+    return _check_manifest(data, path)
+
+
+def inside(base: str | os.PathLike, relative: str, what: str) -> Path:
+    """``base / relative``, refused unless ``relative`` is a relative path that stays in ``base``.
+
+    Symlinks are resolved first, so a link that leaves ``base`` is refused too.
+    """
+    base = Path(base).resolve()
+    rel = Path(relative)
+    if rel.is_absolute() or ".." in rel.parts or not relative:
+        raise PortingError(f"{what} {relative!r} must be a relative path inside {base}")
+    target = (base / rel).resolve()
+    if not target.is_relative_to(base):
+        raise PortingError(f"{what} {relative!r} leaves {base} (resolves to {target})")
+    return target
+
+
+def regular_file(path: Path, inside: str | os.PathLike | None = None) -> Path:
+    """``path`` if it is a regular file and not a symlink (nor, with ``inside``, outside it)."""
+    if path.is_symlink():
+        raise PortingError(f"{path}: is a symbolic link; refusing to follow it")
+    if not path.is_file():
+        raise PortingError(f"{path}: not a regular file")
+    if inside is not None and not path.resolve().is_relative_to(Path(inside).resolve()):
+        raise PortingError(f"{path}: lies outside {inside}")
+    return path
+
+
+def tokenizer_files(ckpt: str | os.PathLike, manifest: Manifest) -> list[Path]:
+    """The tokenizer files recorded in the manifest: regular files inside ``ckpt/context``.
+
+    A symlink, a subdirectory or a path that leaves the checkpoint is refused, so a crafted
+    manifest can neither read files elsewhere nor make export copy them.
+    """
+    if not manifest.tokenizer:
+        return []
+    where = f"{context_dir(ckpt) / MANIFEST}: tokenizer path"
+    tok_dir = inside(ckpt, manifest.tokenizer["path"], where)
+    if not tok_dir.is_relative_to(context_dir(ckpt).resolve()) or not tok_dir.is_dir():
+        raise PortingError(f"{where} {manifest.tokenizer['path']!r} is not a directory in context/")
+    files = []
+    for f in sorted(tok_dir.iterdir()):
+        if f.is_symlink() or not f.is_file():
+            raise PortingError(f"{f}: the tokenizer directory may hold only regular files")
+        files.append(f)
+    return files
 
 
 def prepare_output(out: str | os.PathLike, overwrite: bool) -> Path:
@@ -83,6 +174,27 @@ def prepare_output(out: str | os.PathLike, overwrite: bool) -> Path:
         raise PortingError(f"{out} exists; pass --overwrite to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
     return out
+
+
+@contextlib.contextmanager
+def claimed_output(out: str | os.PathLike, overwrite: bool, what: str):
+    """Own ``out`` for the block and yield a temporary directory that becomes it on success.
+
+    Holds ``out``'s lock (:func:`porting.guard.output_lock`: a second run fails at once), refuses
+    an existing ``out`` without ``overwrite``, and removes ``.NAME.partial-*`` directories that a
+    killed earlier run left (nobody else can be writing them while the lock is held).
+    """
+    from porting.guard import output_lock
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with output_lock(out, what):
+        prepare_output(out, overwrite)
+        for stale in out.parent.glob(f".{out.name}.partial-*"):
+            log.warning("removing %s, left by an earlier run that did not finish", stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        with atomic_dir(out) as tmp:
+            yield tmp
 
 
 @contextlib.contextmanager
@@ -96,6 +208,10 @@ def atomic_dir(out: str | os.PathLike):
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    # mkdtemp makes the directory 0700; a finished output follows the user's umask like any other.
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)
     try:
         yield tmp
     except BaseException:

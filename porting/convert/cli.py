@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from porting import quiet
+from porting import guard, quiet
 from porting.parity.cli import add_gate_flags, print_report
 
 
@@ -62,22 +62,23 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_import(args) -> int:
     quiet.offline()
-    from porting.convert.api import import_hf
+    # Taken before NeMo's import (seconds), so that a second run on this output fails at once.
+    with guard.output_lock(args.out, "checkpoint"):
+        from porting.convert.api import import_hf
 
-    quiet.quiet_nemo()
-
-    report = import_hf(
-        args.hf_dir,
-        args.out,
-        overwrite=args.overwrite,
-        dtype=args.dtype,
-        allow_pickle=args.allow_pickle,
-        vocab_divisor=args.vocab_divisible_by,
-        verify=not args.no_verify,
-        atol=args.atol,
-        rtol=args.rtol,
-        show_progress=sys.stderr.isatty(),
-    )
+        quiet.quiet_nemo()
+        report = import_hf(
+            args.hf_dir,
+            args.out,
+            overwrite=args.overwrite,
+            dtype=args.dtype,
+            allow_pickle=args.allow_pickle,
+            vocab_divisor=args.vocab_divisible_by,
+            verify=not args.no_verify,
+            atol=args.atol,
+            rtol=args.rtol,
+            show_progress=sys.stderr.isatty(),
+        )
     print_report(report, args.json)
     if not args.json:
         print(f"wrote {args.out}")
@@ -86,17 +87,17 @@ def _cmd_import(args) -> int:
 
 def _cmd_export(args) -> int:
     quiet.offline()
-    from porting.convert.api import export_hf
+    with guard.output_lock(args.out, "HF directory"):
+        from porting.convert.api import export_hf
 
-    quiet.quiet_nemo()
-
-    report = export_hf(
-        args.ckpt,
-        args.out,
-        overwrite=args.overwrite,
-        verify=not args.no_verify,
-        max_shard_bytes=int(args.max_shard_gb * 2**30),
-    )
+        quiet.quiet_nemo()
+        report = export_hf(
+            args.ckpt,
+            args.out,
+            overwrite=args.overwrite,
+            verify=not args.no_verify,
+            max_shard_bytes=int(args.max_shard_gb * 2**30),
+        )
     print_report(report, args.json)
     if not args.json:
         print(f"wrote {args.out}")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import math
 import shutil
 from pathlib import Path
 
@@ -26,28 +25,27 @@ from porting.convert.checkpoint import (
     Manifest,
     atomic_dir,
     read_manifest,
+    regular_file,
+    tokenizer_files,
     write_manifest,
 )
 from porting.convert.config_map import read_hf_config
+from porting.convert.context import check_io_json
 from porting.convert.mapping import export_weights, import_weights
+from porting.convert.megatron import (
+    DTYPES,
+    build_config,
+    dtype_name,
+    init_parallel,
+    load_mcore_from_checkpoint,
+)
 from porting.convert.safetensors_io import SafetensorsSource, ShardedWriter
 from porting.errors import PortingError
 from porting.family import Family, ShapeContext
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TOKENIZER_SUBDIR = "context/nemo_tokenizer"
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``."""
-    return str(dtype).removeprefix("torch.")
-
-
-def padded_vocab(vocab_size: int, divisible_by: int) -> int:
-    """Megatron's vocabulary padding (``megatron/training/tokenizer``: ``_vocab_size_with_padding``)."""
-    return int(math.ceil(vocab_size / divisible_by) * divisible_by)
 
 
 def resolve_dtype(source: SafetensorsSource, requested: str | None) -> torch.dtype:
@@ -81,28 +79,6 @@ class _CastingSource:
     def get(self, key: str) -> torch.Tensor:
         t = self.inner.get(key)
         return t.to(self.dtype) if t.is_floating_point() else t
-
-
-def build_config(family: Family, hf_config: dict, dtype: torch.dtype, vocab_divisor: int):
-    """The family's Megatron config for ``hf_config`` and its shape context.
-
-    Raises :class:`PortingError` for config fields the family cannot represent.
-    """
-    kwargs = config_map.to_mcore(hf_config, family.config_entries)
-    vocab = hf_config.get("vocab_size")
-    if not isinstance(vocab, int) or vocab <= 0:
-        raise PortingError(f"config.json: vocab_size must be a positive integer, not {vocab!r}")
-    kwargs.update(
-        vocab_size=padded_vocab(vocab, vocab_divisor),
-        make_vocab_size_divisible_by=vocab_divisor,
-        params_dtype=dtype,
-        bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
-        pipeline_dtype=dtype,
-        autocast_dtype=dtype,
-    )
-    config = family.config_cls(**kwargs)
-    return config, family.shape_context(config, vocab)
 
 
 def _nemo_tokenizer(hf_dir: Path, staging: Path):
@@ -269,16 +245,15 @@ def export_into(
     ckpt: Path, out: Path, family: Family, max_shard_bytes: int = 5 * 2**30
 ) -> Manifest:
     """Write the HF directory for our NeMo checkpoint ``ckpt`` of ``family`` into ``out``."""
-    from porting.convert.megatron import init_parallel, load_mcore_from_checkpoint
-
     manifest = read_manifest(ckpt)
+    # Not read here, but a checkpoint whose NeMo context would run code on load is hostile.
+    check_io_json(ckpt)
     if manifest.family != family.name:
         raise PortingError(
             f"{ckpt}: a {manifest.family!r} checkpoint, not one of family {family.name!r}"
         )
     init_parallel()
-    model, nemo_model = load_mcore_from_checkpoint(ckpt)
-    config = nemo_model.config
+    model, config = load_mcore_from_checkpoint(ckpt, family)
     ctx = family.shape_context(config, manifest.vocab_size)
     if ctx.padded_vocab_size != manifest.padded_vocab_size:
         raise PortingError(
@@ -295,10 +270,9 @@ def export_into(
     gc.collect()
     hf_config = config_map.to_hf(config, manifest.hf_config, family.config_entries)
     (out / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
-    tok_dir = Path(ckpt) / manifest.tokenizer["path"]
-    for f in tok_dir.iterdir():
-        if f.is_file():
-            shutil.copy2(f, out / f.name)
+    for f in tokenizer_files(ckpt, manifest):
+        shutil.copyfile(f, out / f.name)
     for name in manifest.extra_files:
-        shutil.copy2(Path(ckpt) / "context" / "hf_extra" / name, out / name)
+        src = regular_file(Path(ckpt) / "context" / "hf_extra" / name, inside=ckpt)
+        shutil.copyfile(src, out / name)
     return manifest

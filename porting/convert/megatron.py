@@ -1,21 +1,70 @@
-"""Megatron-Core process groups and model loading from a NeMo 2.0 checkpoint, without Lightning.
+"""Megatron-Core process groups, family configs, and model loading from one of our checkpoints,
+without Lightning.
 
-Verification and export only need the Megatron model and its weights; building it straight from
-the checkpoint's NeMo context and loading ``weights/`` with Megatron's own ``dist_checkpointing``
-(the reader of that format) avoids a Lightning trainer and works at any tensor-parallel size.
+Verification and export only need the Megatron model and its weights; building it from our
+manifest (the HF config through the family's config map, never NeMo's ``io.json``) and loading
+``weights/`` with Megatron's own ``dist_checkpointing`` (the reader of that format) avoids a
+Lightning trainer and works at any tensor-parallel size.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import torch
 
 from porting import cpu
+from porting.convert import config_map
+from porting.convert.checkpoint import read_manifest
 from porting.errors import PortingError
+from porting.family import Family
 
 log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def padded_vocab(vocab_size: int, divisible_by: int) -> int:
+    """Megatron's vocabulary padding (``megatron/training/tokenizer``: ``_vocab_size_with_padding``)."""
+    return int(math.ceil(vocab_size / divisible_by) * divisible_by)
+
+
+def build_config(
+    family: Family,
+    hf_config: dict,
+    dtype: torch.dtype,
+    vocab_divisor: int,
+    padded_vocab_size: int | None = None,
+):
+    """The family's Megatron config for ``hf_config`` and its shape context.
+
+    ``padded_vocab_size`` (from a manifest) replaces the padding ``vocab_divisor`` would give.
+    Raises :class:`PortingError` for config fields the family cannot represent.
+    """
+    kwargs = config_map.to_mcore(hf_config, family.config_entries)
+    vocab = hf_config.get("vocab_size")
+    if not isinstance(vocab, int) or vocab <= 0:
+        raise PortingError(f"config.json: vocab_size must be a positive integer, not {vocab!r}")
+    kwargs.update(
+        vocab_size=padded_vocab_size or padded_vocab(vocab, vocab_divisor),
+        make_vocab_size_divisible_by=vocab_divisor,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        pipeline_dtype=dtype,
+        autocast_dtype=dtype,
+    )
+    config = family.config_cls(**kwargs)
+    return config, family.shape_context(config, vocab)
+
+
+
 
 
 def init_parallel(tp: int = 1, pp: int = 1, rank: int = 0, world_size: int = 1) -> None:
@@ -56,31 +105,41 @@ def shutdown_parallel() -> None:
         torch.distributed.destroy_process_group()
 
 
-def load_nemo_model_context(ckpt: str | Path):
-    """The NeMo model object (config + tokenizer, no weights) recorded in a checkpoint's context."""
-    from nemo.lightning.io import load_context
+def checkpoint_config(ckpt: str | Path, family: Family):
+    """The Megatron config of one of our checkpoints, rebuilt from its manifest.
 
-    ctx = Path(ckpt) / "context"
-    if not (ctx / "io.json").exists():
-        raise PortingError(f"{ctx}: no io.json; not a NeMo 2.0 checkpoint")
-    return load_context(ctx, subpath="model")
+    The HF config recorded in ``context/porting.json`` goes through the family's config map, as on
+    import; ``context/io.json`` is never read, since NeMo deserialises it by importing and calling
+    whatever it names.
+    """
+    manifest = read_manifest(ckpt)
+    if manifest.family != family.name:
+        raise PortingError(
+            f"{ckpt}: a {manifest.family!r} checkpoint, not one of family {family.name!r}"
+        )
+    config, _ = build_config(
+        family,
+        manifest.hf_config,
+        DTYPES[manifest.dtype],
+        vocab_divisor=1,
+        padded_vocab_size=manifest.padded_vocab_size,
+    )
+    return config
 
 
-def build_mcore_model(nemo_model) -> torch.nn.Module:
+def build_mcore_model(config) -> torch.nn.Module:
     """Instantiate the Megatron-Core module for the current parallel state (no weights loaded)."""
     from megatron.core import parallel_state
 
-    config = nemo_model.config
     config.perform_initialization = False
-    # A training checkpoint records the layout it was trained with; build for the current one
-    # (dist_checkpointing reshards on load).
+    # Build for the current layout (dist_checkpointing reshards on load).
     config.tensor_model_parallel_size = parallel_state.get_tensor_model_parallel_world_size()
     config.pipeline_model_parallel_size = parallel_state.get_pipeline_model_parallel_world_size()
     config.virtual_pipeline_model_parallel_size = None
     config.sequence_parallel = False
     config.context_parallel_size = 1
     cpu.cpu_safe_config(config)
-    model = config.configure_model(nemo_model.tokenizer)
+    model = config.configure_model(None)
     model.eval()
     return model
 
@@ -105,18 +164,20 @@ def load_weights(model: torch.nn.Module, ckpt: str | Path) -> None:
         raise PortingError(f"{weights}: checkpoint lacks parameter(s): {', '.join(missing[:10])}")
 
 
-def load_mcore_from_checkpoint(ckpt: str | Path, dtype: torch.dtype | None = None):
-    """Build the Megatron model recorded in ``ckpt`` and load its weights.
+def load_mcore_from_checkpoint(
+    ckpt: str | Path, family: Family, dtype: torch.dtype | None = None
+) -> tuple[torch.nn.Module, object]:
+    """Build the Megatron model of our checkpoint ``ckpt`` (from its manifest) and load its weights.
 
-    Returns ``(mcore_model, nemo_model)``; the parallel state must be initialised first
+    Returns ``(mcore_model, config)``; the parallel state must be initialised first
     (:func:`init_parallel`). ``dtype`` casts the loaded model (e.g. fp32 for parity).
     """
-    nemo_model = load_nemo_model_context(ckpt)
-    model = build_mcore_model(nemo_model)
+    config = checkpoint_config(ckpt, family)
+    model = build_mcore_model(config)
     load_weights(model, ckpt)
     if dtype is not None:
         model = model.to(dtype)
-    return model, nemo_model
+    return model, config
 
 
 @torch.no_grad()

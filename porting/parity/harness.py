@@ -143,10 +143,13 @@ def megatron_logits_from_checkpoint(
     ckpt: str | Path, prompts: list[torch.Tensor], vocab_size: int
 ) -> list[torch.Tensor]:
     """Logits of the Megatron model loaded from ``ckpt`` in fp32, cut to the HF vocabulary."""
+    from porting.convert.checkpoint import read_manifest
     from porting.convert.megatron import init_parallel, load_mcore_from_checkpoint, mcore_logits
+    from porting.registry import family_by_name
 
+    family = family_by_name(read_manifest(ckpt).family)
     init_parallel()
-    model, _ = load_mcore_from_checkpoint(ckpt, dtype=torch.float32)
+    model, _ = load_mcore_from_checkpoint(ckpt, family, dtype=torch.float32)
     out = [mcore_logits(model, p)[..., :vocab_size] for p in prompts]
     del model
     gc.collect()
@@ -167,14 +170,19 @@ def verify(
     """
     from transformers import AutoTokenizer
 
-    from porting.convert.checkpoint import read_manifest
+    from porting.convert.checkpoint import read_manifest, tokenizer_files
+    from porting.convert.context import check_io_json
     from porting.registry import family_by_name
 
     manifest = read_manifest(ckpt)
+    # Not read here, but a checkpoint whose NeMo context would run code on load is hostile.
+    check_io_json(ckpt)
     family = family_by_name(manifest.family)
-    tok_path = Path(ckpt) / manifest.tokenizer["path"] if manifest.tokenizer else None
+    tok_files = tokenizer_files(ckpt, manifest)
     tokenizer = (
-        AutoTokenizer.from_pretrained(str(tok_path), local_files_only=True) if tok_path else None
+        AutoTokenizer.from_pretrained(str(tok_files[0].parent), local_files_only=True)
+        if tok_files
+        else None
     )
     prompts = build_prompts(tokenizer, manifest.vocab_size)
     mc = megatron_logits(ckpt, prompts, manifest.vocab_size)

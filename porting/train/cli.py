@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
-from porting import quiet
+from porting import guard, quiet
 from porting.errors import PortingError
 
 
@@ -126,6 +128,29 @@ def _rank_argv() -> list[str]:
     return out + ["--executor", "local"]
 
 
+_LOCK_HELD = "PORTING_TRAIN_LOCK_HELD"
+
+
+def _run_ranks(cmd: list[str]) -> int:
+    """Run the rank launcher in its own process group; a stop of ours stops every rank with it.
+
+    ``subprocess.call`` would SIGKILL only the launcher on an exception, orphaning its ranks.
+    """
+    proc = subprocess.Popen(cmd, env=os.environ | {_LOCK_HELD: "1"}, start_new_session=True)
+    try:
+        return proc.wait()
+    except BaseException:
+        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            try:
+                proc.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        raise
+
+
 def _cmd_train(args) -> int:
     quiet.offline()
     from porting.train import launch, recipe
@@ -150,9 +175,12 @@ def _cmd_train(args) -> int:
             "train",
             *_rank_argv(),
         ]
-        return subprocess.call(cmd)
+        with guard.output_lock(spec.out, "training run"):
+            return _run_ranks(cmd)
     if args.executor == "nemo-run":
-        return launch.launch_nemo_run(spec, _rank_argv())
+        with guard.output_lock(spec.out, "training run"):
+            os.environ[_LOCK_HELD] = "1"
+            return launch.launch_nemo_run(spec, _rank_argv())
     if spec.world_size > 1 and "LOCAL_RANK" not in os.environ and "SLURM_PROCID" not in os.environ:
         raise PortingError(
             f"{spec.world_size} processes requested: use --executor torchrun (one node) or "
@@ -169,6 +197,10 @@ def _cmd_train(args) -> int:
             f"{spec.global_batch // (spec.micro_batch * spec.data_parallel)} accumulation steps"
         )
         return 0
-    out = recipe.run(r)
+    # The launching process holds the run's lock for its ranks; a run started otherwise (srun,
+    # a hand-made torchrun) is locked by its first rank.
+    held = os.environ.get(_LOCK_HELD) == "1" or os.environ.get("RANK", "0") != "0"
+    with contextlib.nullcontext() if held else guard.output_lock(spec.out, "training run"):
+        out = recipe.run(r)
     print(f"done: checkpoints in {out / 'checkpoints'} (last: {out / 'checkpoints' / 'last'})")
     return 0

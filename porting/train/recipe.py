@@ -213,15 +213,29 @@ def recipe(spec: TrainSpec) -> Recipe:
     from megatron.core.optimizer import OptimizerConfig
     from nemo import lightning as nl
     from nemo.collections import llm
+    from nemo.collections.common.tokenizers.huggingface.auto_tokenizer import AutoTokenizer
     from nemo.lightning.pytorch.optim import CosineAnnealingScheduler, MegatronOptimizerModule
 
-    from porting.convert.checkpoint import read_manifest
-    from porting.convert.megatron import load_nemo_model_context
+    from porting.convert.checkpoint import read_manifest, tokenizer_files
+    from porting.convert.context import check_io_json
+    from porting.convert.megatron import checkpoint_config
     from porting.registry import family_by_name
 
     manifest = read_manifest(spec.checkpoint)
-    family_by_name(manifest.family)  # imports the family module, registering its classes
-    model = load_nemo_model_context(spec.checkpoint)
+    family = family_by_name(manifest.family)
+    # NeMo reads io.json of the restored checkpoint and of every checkpoint it may resume from
+    # (artifacts, the tokenizer); each is checked before NeMo sees it. The model itself is built
+    # from our manifest.
+    check_io_json(spec.checkpoint)
+    for resumable in sorted((Path(spec.out) / "checkpoints").glob("*/context")):
+        check_io_json(resumable.parent)
+    tok_files = tokenizer_files(spec.checkpoint, manifest)
+    if not tok_files:
+        raise PortingError(f"{spec.checkpoint}: the manifest names no tokenizer; cannot train")
+    model = family.model_cls(
+        checkpoint_config(spec.checkpoint, family),
+        tokenizer=AutoTokenizer(str(tok_files[0].parent)),
+    )
     warnings = validate(spec, model.config, manifest.padded_vocab_size)
 
     gpu = cpu.cuda_available()

@@ -1,0 +1,130 @@
+"""Checking NeMo's ``context/io.json`` before anything reads it.
+
+NeMo stores a checkpoint's model, tokenizer and trainer as a fiddle graph and rebuilds it with
+fiddle's default pyref policy, which imports and calls any non-builtin symbol the file names
+(``nemo/lightning/io/api.py``: ``load_context``; ``fiddle/_src/experimental/serialization.py``). A
+crafted ``io.json`` therefore runs code the moment NeMo loads it. ``porting verify`` and ``porting
+export`` never load it (the model is rebuilt from our manifest); ``porting train`` and
+``llm.export_ckpt`` do, through NeMo. :func:`check_io_json` reads the file as plain JSON, imports
+nothing it names, and refuses every symbol outside an allow-list, naming the entry.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+from porting.errors import PortingError
+
+# Exactly what NeMo 2.7.3 writes for our families' model, tokenizer, trainer and optimizer, beyond
+# the classes of the namespaces below.
+_EXACT = {
+    "builtins": {"dict", "list", "tuple"},
+    "fiddle._src.config": {"Config", "Partial", "BuildableTraverserMetadata"},
+    "torch": {"float32", "bfloat16", "float16"},
+    "torch.nn.functional": {"silu", "gelu", "relu"},
+    "models.falcon": {"falcon_layer_spec"},
+}
+# Namespaces whose classes (defined there, not re-exported from elsewhere) may be built: NeMo's and
+# Megatron's configs, models, strategies and tokenizers, Lightning's callbacks, our families and
+# our training callbacks.
+_CLASS_NAMESPACES = ("nemo.", "megatron.core.", "lightning.pytorch.", "models.", "porting.train.")
+MAX_IO_JSON_BYTES = 64 * 2**20
+
+
+def _in_namespaces(module: str) -> bool:
+    return module.startswith(_CLASS_NAMESPACES)
+
+
+def allowed(module: str, name: str) -> bool:
+    """Whether ``module.name`` may appear in an ``io.json``; imports only allowed namespaces."""
+    if name in _EXACT.get(module, ()):
+        return True
+    if not _in_namespaces(module) or not name.isidentifier():
+        return False
+    try:
+        obj = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return False
+    return isinstance(obj, type) and _in_namespaces(getattr(obj, "__module__", "") + ".")
+
+
+def _where(obj_key: str, objects: dict, owners: dict[str, str]) -> str:
+    """The entry's path in the object graph (``<root>.model.optim``), else its object key.
+
+    fiddle keeps a config's callable in a separate metadata object, so that object is named by
+    the path of the config that owns it.
+    """
+    obj = objects.get(owners.get(obj_key, obj_key))
+    paths = obj.get("paths") if isinstance(obj, dict) else None
+    if isinstance(paths, list) and paths and isinstance(paths[0], str):
+        return paths[0]
+    return f"objects.{obj_key}"
+
+
+_REMOTE_CODE = ("trust_remote_code", "Attr(name='trust_remote_code')")
+
+
+def _truthy_leaf(value) -> bool:
+    leaf = value.get("value") if isinstance(value, dict) and value.get("type") == "leaf" else value
+    return leaf not in (None, False)
+
+
+def _walk(node, where: str, path: Path) -> None:
+    """Refuse any disallowed pyref and any request for remote code below ``node``."""
+    if isinstance(node, dict):
+        if node.get("type") == "pyref":
+            module, name = node.get("module"), node.get("name")
+            if not (isinstance(module, str) and isinstance(name, str) and allowed(module, name)):
+                raise PortingError(
+                    f"{path}: {where} names {module}.{name}, which is not on the allow-list of "
+                    "what a NeMo context may build (NeMo's, Megatron's and our model, config and "
+                    "trainer classes, torch dtypes); refusing to load this checkpoint"
+                )
+        pairs = list(node.items())
+    elif isinstance(node, list):
+        # fiddle writes a config's arguments as [["Attr(name='x')", value], ...]
+        pairs = [tuple(v) for v in node if isinstance(v, list) and len(v) == 2]
+        for value in node:
+            _walk(value, where, path)
+    else:
+        return
+    for key, value in pairs:
+        if key in _REMOTE_CODE and _truthy_leaf(value):
+            raise PortingError(
+                f"{path}: {where} asks for trust_remote_code, which runs code shipped with the "
+                "checkpoint; refusing to load it"
+            )
+        if isinstance(node, dict):
+            _walk(value, where, path)
+
+
+def check_io_json(ckpt: str | Path) -> None:
+    """Refuse ``CKPT/context/io.json`` unless every symbol it names is allowed.
+
+    Raises :class:`PortingError` naming the file and the entry (its path in the NeMo object graph,
+    e.g. ``<root>.model.optim.config.optimizer``).
+    """
+    path = Path(ckpt) / "context" / "io.json"
+    if not path.is_file() or path.is_symlink():
+        raise PortingError(f"{path}: missing or not a regular file; not a NeMo 2.0 checkpoint")
+    if path.stat().st_size > MAX_IO_JSON_BYTES:
+        raise PortingError(f"{path}: larger than {MAX_IO_JSON_BYTES} bytes; not a NeMo context")
+    try:
+        data = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise PortingError(f"{path}: not valid JSON ({err})") from err
+    if not isinstance(data, dict) or not isinstance(data.get("objects", {}), dict):
+        raise PortingError(f"{path}: not a NeMo context (no object table)")
+    objects = data.get("objects", {})
+    owners = {
+        obj["metadata"]["key"]: key
+        for key, obj in objects.items()
+        if isinstance(obj, dict)
+        and isinstance(obj.get("metadata"), dict)
+        and isinstance(obj["metadata"].get("key"), str)
+    }
+    for key, obj in objects.items():
+        _walk(obj, _where(key, objects, owners), path)
+    _walk({k: v for k, v in data.items() if k != "objects"}, "<root>", path)
