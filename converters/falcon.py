@@ -22,7 +22,15 @@ from dataclasses import dataclass
 from nemo.lightning import io
 
 from models.falcon import FalconBlock, FalconConfig, FalconModel, falcon_block
-from porting.convert.config_map import Carry, Derived, Field, Require
+from porting.convert.config_map import (
+    BOOL,
+    POSITIVE_FLOAT,
+    POSITIVE_INT,
+    Carry,
+    Derived,
+    Field,
+    Require,
+)
 from porting.convert.connectors import PortingExporter, PortingImporter
 from porting.convert.mapping import Fused, Ignore, Rename
 from porting.convert.transforms import VOCAB_PAD
@@ -82,34 +90,48 @@ def _ffn_to_hf(c: FalconConfig) -> dict:
     return {} if c.ffn_hidden_size == 4 * c.hidden_size else {"ffn_hidden_size": c.ffn_hidden_size}
 
 
+def _zero(v) -> bool:
+    # a number equal to 0 (JSON false == 0.0 in Python, but is no dropout rate)
+    return not isinstance(v, bool) and v == 0.0
+
+
 CONFIG = (
-    Field("num_hidden_layers", "num_layers"),
-    Field("hidden_size", "hidden_size"),
-    Field("num_attention_heads", "num_attention_heads"),
-    Derived(("num_kv_heads",), _query_groups_to_mcore, _query_groups_to_hf),
-    Derived(("ffn_hidden_size",), _ffn_to_mcore, _ffn_to_hf),
-    Field("new_decoder_architecture", "new_decoder_architecture", default=False),
-    Field("multi_query", "multi_query", default=True),
-    Field("parallel_attn", "parallel_attn", default=True),
-    Field("num_ln_in_parallel_attn", "num_ln_in_parallel_attn", default=None),
-    Field("alibi", "alibi", default=False),
-    Field("bias", "add_bias_linear", default=False),
-    Field("layer_norm_epsilon", "layernorm_epsilon", default=1e-5),
-    Field("rope_theta", "rotary_base", default=10000.0),
-    Field("max_position_embeddings", "seq_length", default=2048),
-    Field("tie_word_embeddings", "share_embeddings_and_output_weights", default=True),
-    Field("initializer_range", "init_method_std", default=0.02),
+    Field("num_hidden_layers", "num_layers", check=POSITIVE_INT),
+    Field("hidden_size", "hidden_size", check=POSITIVE_INT),
+    Field("num_attention_heads", "num_attention_heads", check=POSITIVE_INT),
+    # null: one KV head per query head (new architecture) or ignored (classic layouts)
+    Derived(
+        ("num_kv_heads",), _query_groups_to_mcore, _query_groups_to_hf, check=POSITIVE_INT.or_null()
+    ),
+    # null: 4 * hidden_size
+    Derived(("ffn_hidden_size",), _ffn_to_mcore, _ffn_to_hf, check=POSITIVE_INT.or_null()),
+    Field("new_decoder_architecture", "new_decoder_architecture", default=False, check=BOOL),
+    Field("multi_query", "multi_query", default=True, check=BOOL),
+    Field("parallel_attn", "parallel_attn", default=True, check=BOOL),
+    Field(
+        "num_ln_in_parallel_attn",
+        "num_ln_in_parallel_attn",
+        default=None,
+        check=POSITIVE_INT.or_null(),
+    ),
+    Field("alibi", "alibi", default=False, check=BOOL),
+    Field("bias", "add_bias_linear", default=False, check=BOOL),
+    Field("layer_norm_epsilon", "layernorm_epsilon", default=1e-5, check=POSITIVE_FLOAT),
+    Field("rope_theta", "rotary_base", default=10000.0, check=POSITIVE_FLOAT),
+    Field("max_position_embeddings", "seq_length", default=2048, check=POSITIVE_INT),
+    Field("tie_word_embeddings", "share_embeddings_and_output_weights", default=True, check=BOOL),
+    Field("initializer_range", "init_method_std", default=0.02, check=POSITIVE_FLOAT),
     Require("activation", lambda v: v == "gelu", "the family's MLP is exact (erf) GELU"),
     Require("rope_scaling", lambda v: v is None, "only unscaled rotary (rope_theta) is supported"),
     Require(
         "hidden_dropout",
-        lambda v: v == 0.0,
+        _zero,
         "transformers' Falcon drops out different sums per variant than Megatron; set dropout on "
         "the NeMo config for training instead",
     ),
     Require(
         "attention_dropout",
-        lambda v: v == 0.0,
+        _zero,
         "transformers' Falcon applies it to the attention residual (sequential) and to ALiBi "
         "probabilities only, unlike Megatron; set dropout on the NeMo config for training instead",
     ),
@@ -120,7 +142,8 @@ CONFIG = (
     ),
     Require("model_type", lambda v: v == "falcon", "the HF side is transformers' Falcon layout"),
     Carry("architectures"),
-    Carry("vocab_size"),  # padded on the Megatron side by the engine, restored exactly on export
+    # padded on the Megatron side by the engine, restored exactly on export
+    Carry("vocab_size", check=POSITIVE_INT),
     Carry("bos_token_id"),
     Carry("eos_token_id"),
     Carry("pad_token_id"),

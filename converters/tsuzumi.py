@@ -15,7 +15,16 @@ from __future__ import annotations
 from nemo.lightning import io
 
 from models.tsuzumi import TsuzumiConfig, TsuzumiModel
-from porting.convert.config_map import Carry, Derived, Field, Require
+from porting.convert.config_map import (
+    BOOL,
+    POSITIVE_FLOAT,
+    POSITIVE_INT,
+    PROBABILITY,
+    Carry,
+    Derived,
+    Field,
+    Require,
+)
 from porting.convert.connectors import PortingExporter, PortingImporter
 from porting.convert.mapping import Fused, Ignore, Rename
 from porting.convert.transforms import GATED_MLP, QKV, VOCAB_PAD
@@ -94,29 +103,35 @@ def _rope_to_hf(c) -> dict:
 
 
 CONFIG = (
-    Field("num_hidden_layers", "num_layers"),
-    Field("hidden_size", "hidden_size"),
-    Field("intermediate_size", "ffn_hidden_size"),
-    Field("num_attention_heads", "num_attention_heads"),
+    Field("num_hidden_layers", "num_layers", check=POSITIVE_INT),
+    Field("hidden_size", "hidden_size", check=POSITIVE_INT),
+    Field("intermediate_size", "ffn_hidden_size", check=POSITIVE_INT),
+    Field("num_attention_heads", "num_attention_heads", check=POSITIVE_INT),
     Derived(
         ("num_key_value_heads",),
         _query_groups_to_mcore,
         lambda c: {"num_key_value_heads": c.num_query_groups},
+        check=POSITIVE_INT.or_null(),  # null: transformers uses num_attention_heads
     ),
-    Field("head_dim", "kv_channels", default=None),
-    Field("rms_norm_eps", "layernorm_epsilon"),
-    Field("rope_theta", "rotary_base", default=10000.0),
-    Field("tie_word_embeddings", "share_embeddings_and_output_weights", default=False),
-    Field("max_position_embeddings", "seq_length"),
-    Field("initializer_range", "init_method_std", default=0.02),
-    Field("attention_dropout", "attention_dropout", default=0.0),
-    Derived(("attention_bias", "mlp_bias"), _biases_to_mcore, _biases_to_hf),
+    Field("head_dim", "kv_channels", default=None, check=POSITIVE_INT.or_null()),
+    Field("rms_norm_eps", "layernorm_epsilon", check=POSITIVE_FLOAT),
+    Field("rope_theta", "rotary_base", default=10000.0, check=POSITIVE_FLOAT),
+    Field("tie_word_embeddings", "share_embeddings_and_output_weights", default=False, check=BOOL),
+    Field("max_position_embeddings", "seq_length", check=POSITIVE_INT),
+    Field("initializer_range", "init_method_std", default=0.02, check=POSITIVE_FLOAT),
+    Field("attention_dropout", "attention_dropout", default=0.0, check=PROBABILITY),
+    Derived(("attention_bias", "mlp_bias"), _biases_to_mcore, _biases_to_hf, check=BOOL),
     Derived(("rope_scaling",), _rope_to_mcore, _rope_to_hf),
     Require("hidden_act", lambda v: v == "silu", "the family's MLP is SwiGLU (silu-gated)"),
-    Require("pretraining_tp", lambda v: v == 1, "sliced-matmul emulation is not modelled"),
+    Require(
+        "pretraining_tp",
+        lambda v: v == 1 and not isinstance(v, bool),
+        "sliced-matmul emulation is not modelled",
+    ),
     Require("model_type", lambda v: v == "llama", "the HF side is the Llama layout"),
     Carry("architectures"),
-    Carry("vocab_size"),  # padded on the Megatron side by the engine, restored exactly on export
+    # padded on the Megatron side by the engine, restored exactly on export
+    Carry("vocab_size", check=POSITIVE_INT),
     Carry("bos_token_id"),
     Carry("eos_token_id"),
     Carry("pad_token_id"),

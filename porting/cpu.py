@@ -279,16 +279,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ensure_rendezvous_env() -> None:
+def ensure_rendezvous_env(world_size: int = 1) -> None:
     """Point a single-process torch.distributed rendezvous at a free loopback port.
 
     NeMo's MegatronStrategy initialises a process group even for one device and otherwise uses a
     fixed port, which collides when two imports run on one machine. A ``MASTER_PORT`` inherited
     from a parent process (a training job, a test runner) is in use by that parent, so a
-    single-process run takes a fresh port; under a launcher (``WORLD_SIZE`` > 1) the launcher's
-    settings stand.
+    single-process run takes a fresh port; with several processes (``world_size`` > 1, or a
+    launcher's ``WORLD_SIZE``) the caller's or the launcher's settings stand.
     """
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if world_size > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return

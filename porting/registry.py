@@ -47,6 +47,9 @@ def family_by_name(name: str) -> Family:
 
 
 def family_for_hf_dir(hf_dir: str | Path) -> tuple[Family, dict]:
-    """The family and parsed config of an HF model directory."""
-    cfg = read_hf_config(hf_dir)
-    return family_for_architecture(cfg["architectures"][0]), cfg
+    """The family and parsed config of an HF model directory (errors name its ``config.json``)."""
+    cfg = read_hf_config(hf_dir)  # checks that architectures holds exactly one name
+    try:
+        return family_for_architecture(cfg["architectures"][0]), cfg
+    except PortingError as err:
+        raise PortingError(f"{Path(hf_dir) / 'config.json'}: architectures: {err}") from err

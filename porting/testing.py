@@ -217,6 +217,20 @@ def load_checkpoint_model(ckpt: str | Path, dtype: torch.dtype | None = None):
     return load_mcore_from_checkpoint(ckpt, family_by_name(read_manifest(ckpt).family), dtype)
 
 
+def assert_streamed_agrees(hf_dir, ckpt, family, prompts, hf, mc, atol: float = 1e-6) -> None:
+    """The layer-streamed check gives the whole-model logits ``hf``/``mc`` within ``atol``,
+    the same verdict, and no diverging layer."""
+    from porting.parity.harness import compare
+    from porting.parity.streamed import streamed_logits
+
+    vocab = hf[0].shape[-1]
+    hf_s, mc_s, layers = streamed_logits(hf_dir, ckpt, family, prompts, vocab)
+    for streamed, whole in zip(hf_s + mc_s, hf + mc, strict=True):
+        torch.testing.assert_close(streamed, whole, atol=atol, rtol=0)
+    assert compare(hf_s, mc_s).passed == compare(hf, mc).passed
+    assert [d.layer for d in layers if d.diverges] == []
+
+
 def make_indexed_dataset(
     prefix: str | Path, tokenizer, texts: list[str], append_eod: bool = True
 ) -> Path:
@@ -241,7 +255,7 @@ OWN_OUTPUT_PATTERNS = (
     r"(INFO|WARNING|ERROR) (porting|data_prep|converters|models)[.:]",
     r"porting [a-z-]+: error: ",
     r"parity (PASS|FAIL): \d+ prompts",
-    r"  (max \|dlogit\||mean \|dlogit\||KL\(HF\|\|Mcore\)|top-1 agree) ",
+    r"  (max \|dlogit\||mean \|dlogit\||KL\(HF\|\|Mcore\)|top-1 agree|layers|first divergence) ",
     r"wrote \S",
     r"done: checkpoints in ",
     r"porting demo: |              tiny |step +seconds$|check +result$|(OK|FAILED): outputs in ",

@@ -28,7 +28,7 @@ from porting.cli import main
 from porting.convert.api import export_hf, import_hf
 from porting.demo import compare_hf_dirs
 from porting.parity import harness as parity
-from porting.testing import make_falcon
+from porting.testing import assert_streamed_agrees, make_falcon
 
 ATOL = RTOL = 1e-5
 HF_VOCAB = 130
@@ -112,6 +112,7 @@ def test_parity_against_transformers_falcon(variant, converted):
     _assert_parity(hf, mc)
     report = parity.compare(hf, mc)
     assert report.passed and report.top1_agreement == 1.0
+    assert_streamed_agrees(hf_dir, ckpt, falcon.FAMILY, prompts, hf, mc)
 
 
 def test_the_variants_build_the_blocks_they_claim(converted):

@@ -280,7 +280,10 @@ def _stop_at(tmp_path: Path, src: Path, when, sig=signal.SIGTERM) -> tuple[int, 
     time.sleep(0.5)
     alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
     assert alive == [], alive
-    _nothing_under(out)
+    if sig == signal.SIGKILL:
+        assert not out.exists()  # the partial directory stays; the next run removes it
+    else:
+        _nothing_under(out)
     leaked = {n for n in set(os.listdir(tempfile.gettempdir())) - before if "porting" in n}
     assert leaked == set()
     return proc.returncode, err, pids
@@ -331,3 +334,10 @@ def test_sighup_during_import_exits_129(medium_llama, tmp_path):
         tmp_path, medium_llama, lambda out: lock_path(out).exists(), signal.SIGHUP
     )
     assert code == 129 and "stopped by SIGHUP" in err, err
+
+
+def test_sigkill_during_import_leaves_no_process_and_no_output(medium_llama, tmp_path):
+    """What the out-of-memory killer does: no handler runs, yet no worker outlives the run."""
+    code, _, pids = _stop_at(tmp_path, medium_llama, _partial_has_weights, signal.SIGKILL)
+    assert code == -signal.SIGKILL
+    assert list(tmp_path.glob(".ck.partial-*"))  # left for the next run to clean up

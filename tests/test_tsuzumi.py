@@ -13,10 +13,11 @@ import json
 import pytest
 import torch
 
+from converters import tsuzumi
 from porting.convert.api import ParityError, export_hf, import_hf
 from porting.demo import compare_hf_dirs
 from porting.parity import harness as parity
-from porting.testing import make_llama
+from porting.testing import assert_streamed_agrees, make_llama
 
 ATOL = RTOL = 1e-5
 
@@ -44,14 +45,21 @@ VARIANTS = {
 }
 
 
-def _logits(hf_dir, ckpt):
+def _prompts(ckpt):
     from transformers import AutoTokenizer
 
     from porting.convert.checkpoint import read_manifest
 
     m = read_manifest(ckpt)
     tok = AutoTokenizer.from_pretrained(str(ckpt / m.tokenizer["path"]))
-    prompts = parity.build_prompts(tok, m.vocab_size)
+    return parity.build_prompts(tok, m.vocab_size)
+
+
+def _logits(hf_dir, ckpt):
+    from porting.convert.checkpoint import read_manifest
+
+    m = read_manifest(ckpt)
+    prompts = _prompts(ckpt)
     mc = parity.megatron_logits_from_checkpoint(ckpt, prompts, m.vocab_size)
     hf = parity.hf_logits(hf_dir, "LlamaForCausalLM", prompts)
     return hf, mc
@@ -72,6 +80,7 @@ def test_parity_against_transformers_llama(variant, tmp_path):
     hf, mc = _logits(hf_dir, ckpt)
     _assert_parity(hf, mc)
     assert parity.compare(hf, mc).passed
+    assert_streamed_agrees(hf_dir, ckpt, tsuzumi.FAMILY, _prompts(ckpt), hf, mc)
 
 
 def test_negative_control_plain_qkv_concat_fails_parity(tmp_path):

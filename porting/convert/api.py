@@ -27,6 +27,7 @@ def import_hf(
     verify: bool = True,
     atol: float | None = None,
     rtol: float | None = None,
+    whole_model: bool = False,
     show_progress: bool = True,
 ):
     """Import an HF directory into a NeMo 2.0 checkpoint at ``out``; gate it on parity.
@@ -49,6 +50,9 @@ def import_hf(
                 tmp,
                 atol=parity.DEFAULT_ATOL if atol is None else atol,
                 rtol=parity.DEFAULT_RTOL if rtol is None else rtol,
+                whole_model=whole_model,
+                show_progress=show_progress,
+                allow_pickle=allow_pickle,
             )
             if not report.passed:
                 raise ParityError(report)
@@ -62,6 +66,8 @@ def export_hf(
     overwrite: bool = False,
     verify: bool = True,
     max_shard_bytes: int = 5 * 2**30,
+    whole_model: bool = False,
+    show_progress: bool = False,
 ):
     """Export our NeMo checkpoint to an HF directory at ``out``; gate it on parity.
 
@@ -74,7 +80,7 @@ def export_hf(
         family = family_by_name(read_manifest(ckpt).family)
         export_into(Path(ckpt), tmp, family, max_shard_bytes)
         if verify:
-            report = parity.verify(tmp, ckpt)
+            report = parity.verify(tmp, ckpt, whole_model=whole_model, show_progress=show_progress)
             if not report.passed:
                 raise ParityError(report)
     return report

@@ -56,6 +56,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--no-verify", action="store_true", help="skip the parity gate")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size")
+    p.add_argument(
+        "--whole-model",
+        action="store_true",
+        help="gate with both models loaded whole instead of one layer at a time (small models)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_export)
 
@@ -77,6 +82,7 @@ def _cmd_import(args) -> int:
             verify=not args.no_verify,
             atol=args.atol,
             rtol=args.rtol,
+            whole_model=args.whole_model,
             show_progress=sys.stderr.isatty(),
         )
     print_report(report, args.json)
@@ -97,6 +103,8 @@ def _cmd_export(args) -> int:
             overwrite=args.overwrite,
             verify=not args.no_verify,
             max_shard_bytes=int(args.max_shard_gb * 2**30),
+            whole_model=args.whole_model,
+            show_progress=sys.stderr.isatty(),
         )
     print_report(report, args.json)
     if not args.json:

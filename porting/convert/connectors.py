@@ -19,7 +19,7 @@ from nemo.lightning import io
 from tqdm import tqdm
 
 from porting import cpu
-from porting.convert import config_map
+from porting.convert import config_map, streaming_save
 from porting.convert.checkpoint import (
     EXTRA_HF_FILES,
     Manifest,
@@ -31,15 +31,17 @@ from porting.convert.checkpoint import (
 )
 from porting.convert.config_map import read_hf_config
 from porting.convert.context import check_io_json
-from porting.convert.mapping import export_weights, import_weights
+from porting.convert.dist_reader import CheckpointParameters, DistCheckpointReader
+from porting.convert.mapping import WeightProducer, export_weights, import_weights
 from porting.convert.megatron import (
     DTYPES,
     build_config,
+    build_mcore_model,
+    checkpoint_config,
     dtype_name,
     init_parallel,
-    load_mcore_from_checkpoint,
 )
-from porting.convert.safetensors_io import SafetensorsSource, ShardedWriter
+from porting.convert.safetensors_io import SafetensorsSource, StreamingShardWriter
 from porting.errors import PortingError
 from porting.family import Family, ShapeContext
 
@@ -107,6 +109,9 @@ class PortingImporter(io.ModelConnector):
     allow_pickle: bool = False
     vocab_divisor: int = 128
     show_progress: bool = True
+    # False: fill the whole model, then NeMo's stock save (holds the model; kept as the reference
+    # the streamed checkpoint is compared against in tests).
+    streaming: bool = True
 
     def init(self):
         """A fresh family model with the config derived from the HF directory."""
@@ -165,7 +170,13 @@ class PortingImporter(io.ModelConnector):
         reader = _CastingSource(source, dtype) if self.dtype else source
         config, ctx = build_config(family, hf_config, dtype, self.vocab_divisor)
         model = family.model_cls(config, tokenizer=self.tokenizer)
-        trainer = self.nemo_setup(model)
+        # NeMo builds the module lazily (perform_initialization=False): its parameters are
+        # allocated and never touched, so they cost address space, not memory. Synchronous,
+        # single-writer saving lets the streaming strategy below replace the stock one.
+        stock = {} if self.streaming else {"ckpt_async_save": True}
+        trainer = self.nemo_setup(
+            model, **({"ckpt_async_save": False, "ckpt_parallel_save": False} | stock)
+        )
         # The local spec builds norms in fp32 whatever params_dtype says (torch.nn norms); NeMo's
         # bf16 training wraps the whole module in half precision, so store every tensor in the
         # checkpoint's dtype, as the source has it (NeMo's own importer fails exactly here).
@@ -176,14 +187,23 @@ class PortingImporter(io.ModelConnector):
             if not k.endswith("_extra_state")
         }
         progress = (
-            (lambda it: tqdm(it, desc="import", unit="tensor", leave=False))
+            (lambda n: tqdm(total=n, desc="import", unit="tensor", leave=False))
             if self.show_progress
-            else (lambda it: it)
+            else None
         )
-        report = import_weights(reader, target, family.weights, ctx, ctx.num_layers, progress)
-        del target
+        # Each parameter is produced from the HF shards when the writer reaches it and released
+        # once written (porting.convert.streaming_save); the model is never filled.
+        if self.streaming:
+            producer = WeightProducer(reader, target, family.weights, ctx, ctx.num_layers, progress)
+            del target
+            streaming_save.install(trainer, model.module, producer)
+            self.nemo_save(out, trainer)
+            report = producer.finish()
+        else:
+            report = import_weights(reader, target, family.weights, ctx, ctx.num_layers, progress)
+            del target
+            self.nemo_save(out, trainer)
         source.close()
-        self.nemo_save(out, trainer)
         teardown(trainer, model)
         del trainer, model
         gc.collect()
@@ -244,7 +264,15 @@ class PortingExporter(io.ModelConnector):
 def export_into(
     ckpt: Path, out: Path, family: Family, max_shard_bytes: int = 5 * 2**30
 ) -> Manifest:
-    """Write the HF directory for our NeMo checkpoint ``ckpt`` of ``family`` into ``out``."""
+    """Write the HF directory for our NeMo checkpoint ``ckpt`` of ``family`` into ``out``.
+
+    Streamed: the Megatron model is built on the meta device from the manifest (its layout says
+    where each parameter lives), each parameter is read from ``weights/`` when the table reaches
+    it, run backwards through the table, cast to the import dtype and written into its place in
+    the planned safetensors shards. One parameter and its HF tensors are in memory at a time.
+    """
+    from accelerate import init_empty_weights
+
     manifest = read_manifest(ckpt)
     # Not read here, but a checkpoint whose NeMo context would run code on load is hostile.
     check_io_json(ckpt)
@@ -253,20 +281,36 @@ def export_into(
             f"{ckpt}: a {manifest.family!r} checkpoint, not one of family {family.name!r}"
         )
     init_parallel()
-    model, config = load_mcore_from_checkpoint(ckpt, family)
+    config = checkpoint_config(ckpt, family)
+    with init_empty_weights():
+        model = build_mcore_model(config)
     ctx = family.shape_context(config, manifest.vocab_size)
     if ctx.padded_vocab_size != manifest.padded_vocab_size:
         raise PortingError(
             f"{ckpt}: model vocabulary {ctx.padded_vocab_size} differs from the manifest's "
             f"padded vocabulary {manifest.padded_vocab_size}"
         )
-    state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-    writer = ShardedWriter(out, max_shard_bytes)
+    meta = {
+        k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")
+    }
     dtype = DTYPES[manifest.dtype]  # training keeps fp32 master weights; HF gets the import dtype
-    for key, tensor in export_weights(state, family.weights, ctx, ctx.num_layers):
-        writer.add(key, tensor.to(dtype))
+    # The transforms run on meta tensors first: every HF tensor's name, shape and dtype, before
+    # any data, so the shards and their headers are planned up front.
+    specs = [
+        (key, tuple(t.shape), dtype)
+        for key, t in export_weights(meta, family.weights, ctx, ctx.num_layers)
+    ]
+    writer = StreamingShardWriter(out, specs, max_shard_bytes)
+    params = CheckpointParameters(
+        DistCheckpointReader(Path(ckpt) / "weights"),
+        model.sharded_state_dict(prefix="module."),
+        meta,
+    )
+    for key, tensor in export_weights(params, family.weights, ctx, ctx.num_layers):
+        writer.write(key, tensor.to(dtype))
+        del tensor
     writer.close()
-    del state, model
+    del model, meta
     gc.collect()
     hf_config = config_map.to_hf(config, manifest.hf_config, family.config_entries)
     (out / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")

@@ -184,65 +184,60 @@ def plan_import(
     return entries, ignored
 
 
+def produce(
+    c: Concrete, source: TensorSource, ctx: Any, shape: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
+    """The Megatron tensor of entry ``c``: its HF tensors read and transformed, shape and dtype
+    checked against the model's ``shape`` and ``dtype``."""
+    tensors = [source.get(k) for k in c.hf]
+    try:
+        value = c.transform.forward(*tensors, ctx)
+    except (PortingError, RuntimeError, ValueError, IndexError) as err:
+        # A transform fails on tensors whose shapes do not fit the config (a reshape to the
+        # wrong head count, say): name the parameter and every input with its shape.
+        inputs = ", ".join(f"{k} {tuple(t.shape)}" for k, t in zip(c.hf, tensors, strict=True))
+        raise PortingError(
+            f"cannot build {c.mcore!r} (model expects {tuple(shape)}) "
+            f"with {c.transform.name} from {inputs}: {err}"
+        ) from err
+    if tuple(value.shape) != tuple(shape):
+        raise PortingError(
+            f"shape mismatch for {c.mcore!r} (from {', '.join(c.hf)}): checkpoint gives "
+            f"{tuple(value.shape)}, model expects {tuple(shape)}"
+        )
+    if value.dtype != dtype:
+        raise PortingError(
+            f"dtype mismatch for {c.mcore!r} (from {', '.join(c.hf)}): checkpoint has "
+            f"{value.dtype}, model has {dtype}"
+        )
+    return value
+
+
 def import_weights(
     source: TensorSource,
     target: Mapping[str, torch.Tensor],
     table: Iterable[Entry],
     ctx: Any,
     num_layers: int,
-    progress: Callable[[Iterable[Concrete]], Iterable[Concrete]] = lambda x: x,
+    progress: Callable[[int], Any] | None = None,
 ) -> ImportReport:
-    """Stream tensors from ``source`` into the Megatron parameters ``target`` (name -> tensor).
+    """Fill the Megatron parameters ``target`` (name -> tensor) from ``source``, entry by entry.
 
-    Tensors are read one entry at a time and copied in place, so peak memory is the model plus the
-    largest fused group, never the whole HF checkpoint. Every target parameter must be written
-    exactly once and its shape and dtype must match.
+    Every target parameter must be written exactly once and its shape and dtype must match. The
+    streamed import does not fill a model: its writer calls a :class:`WeightProducer` instead.
     """
-    entries, ignores = expand(table, ctx, num_layers)
-    entries = resolve_target_names(entries, target.keys())
-    entries, ignored = plan_import(entries, ignores, source.keys())
-    written: set[str] = set()
-    unknown_targets = [c.mcore for c in entries if c.mcore not in target]
-    if unknown_targets:
-        raise PortingError(
-            "mapping table writes parameter(s) the Megatron model does not have: "
-            + ", ".join(repr(k) for k in unknown_targets[:10])
-        )
-    for c in progress(entries):
-        if c.mcore in written:
-            raise PortingError(f"Megatron parameter {c.mcore!r} would be written twice")
-        tensors = [source.get(k) for k in c.hf]
-        value = c.transform.forward(*tensors, ctx)
-        dest = target[c.mcore]
-        if tuple(value.shape) != tuple(dest.shape):
-            raise PortingError(
-                f"shape mismatch for {c.mcore!r} (from {', '.join(c.hf)}): checkpoint gives "
-                f"{tuple(value.shape)}, model expects {tuple(dest.shape)}"
-            )
-        if value.dtype != dest.dtype:
-            raise PortingError(
-                f"dtype mismatch for {c.mcore!r} (from {', '.join(c.hf)}): checkpoint has "
-                f"{value.dtype}, model has {dest.dtype}"
-            )
+    producer = WeightProducer(source, target, table, ctx, num_layers, progress)
+    for name in list(producer.entries):
+        value = producer(name)
+        dest = target[name]
         with torch.no_grad():
             if isinstance(dest, torch.nn.Parameter):
-                # Adopt the freshly produced tensor instead of copying it: a second pass over every
-                # byte of the model costs as much as the transforms themselves.
+                # Adopt the produced tensor instead of copying it into the parameter.
                 dest.data = value
             else:
                 dest.copy_(value)
-        written.add(c.mcore)
-        del tensors, value
-    unwritten = sorted(set(target) - written)
-    if unwritten:
-        raise PortingError(
-            f"{len(unwritten)} Megatron parameter(s) were not written by the mapping table: "
-            + ", ".join(repr(k) for k in unwritten[:10])
-        )
-    log.debug("imported %d tensors into %d parameters", len(entries), len(written))
-    return ImportReport(
-        consumed=sum(len(c.hf) for c in entries), ignored=ignored, written=len(written)
-    )
+        del value
+    return producer.finish()
 
 
 def export_weights(
@@ -277,3 +272,65 @@ def export_weights(
                 f"transform {c.transform.name} gave {len(outs)} tensors for {len(c.hf)} HF keys"
             )
         yield from zip(c.hf, outs, strict=True)
+
+
+class WeightProducer:
+    """Each Megatron parameter on demand, read from ``source`` through the table (streamed import).
+
+    The checkpoint writer calls it with a parameter's name when it is about to write that
+    parameter; the HF tensors are read, transformed, checked against the model's shape and dtype,
+    and handed over, and nothing is kept. :meth:`finish` then checks that every parameter was
+    produced exactly once.
+    """
+
+    def __init__(
+        self,
+        source: TensorSource,
+        target: Mapping[str, torch.Tensor],
+        table: Iterable[Entry],
+        ctx: Any,
+        num_layers: int,
+        progress: Callable[[int], Any] | None = None,
+    ) -> None:
+        entries, ignores = expand(table, ctx, num_layers)
+        entries = resolve_target_names(entries, target.keys())
+        entries, self.ignored = plan_import(entries, ignores, source.keys())
+        unknown = [c.mcore for c in entries if c.mcore not in target]
+        if unknown:
+            raise PortingError(
+                "mapping table writes parameter(s) the Megatron model does not have: "
+                + ", ".join(repr(k) for k in unknown[:10])
+            )
+        self.source, self.ctx = source, ctx
+        self.shapes = {k: (tuple(v.shape), v.dtype) for k, v in target.items()}
+        self.entries = {c.mcore: c for c in entries}
+        self.produced: set[str] = set()
+        self.bar = progress(len(entries)) if progress else None
+
+    def __call__(self, name: str) -> torch.Tensor:
+        c = self.entries.get(name)
+        if c is None:
+            raise PortingError(f"Megatron parameter {name!r} is not written by the mapping table")
+        if name in self.produced:
+            raise PortingError(f"Megatron parameter {name!r} would be written twice")
+        value = produce(c, self.source, self.ctx, *self.shapes[name])
+        self.produced.add(name)
+        if self.bar is not None:
+            self.bar.update()
+        return value
+
+    def finish(self) -> ImportReport:
+        """Check every parameter was produced; the report of what was consumed and written."""
+        if self.bar is not None:
+            self.bar.close()
+        missing = sorted(set(self.shapes) - self.produced)
+        if missing:
+            raise PortingError(
+                f"{len(missing)} Megatron parameter(s) were not written by the mapping table: "
+                + ", ".join(repr(k) for k in missing[:10])
+            )
+        return ImportReport(
+            consumed=sum(len(c.hf) for c in self.entries.values()),
+            ignored=self.ignored,
+            written=len(self.produced),
+        )

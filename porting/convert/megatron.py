@@ -77,7 +77,7 @@ def init_parallel(tp: int = 1, pp: int = 1, rank: int = 0, world_size: int = 1) 
 
     cpu.enable()
     if not torch.distributed.is_initialized():
-        cpu.ensure_rendezvous_env()
+        cpu.ensure_rendezvous_env(world_size)
         backend = "nccl" if cpu.cuda_available() else "gloo"
         torch.distributed.init_process_group(backend=backend, rank=rank, world_size=world_size)
     if parallel_state.model_parallel_is_initialized():

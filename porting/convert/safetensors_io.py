@@ -4,19 +4,27 @@ Reads go one tensor at a time through ``safetensors.safe_open`` (memory-mapped),
 ``model.safetensors.index.json``, so an import never holds the whole HF checkpoint in memory.
 Pickle checkpoints (``pytorch_model*.bin``) are refused unless the caller opts in, and even then are
 only read with ``torch.load(weights_only=True)``.
+
+Every file is checked before it is opened (:func:`porting.convert.config_map.model_file`: a regular
+file inside the model directory), index entries must name files inside the directory, and every
+safetensors header is validated by :func:`read_safetensors_header` with the rules of the format's
+reference reader, so a malformed checkpoint is refused naming the file and the tensor instead of
+failing inside ``safe_open`` or, worse, being read.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
-from pathlib import Path
+from dataclasses import dataclass
+from pathlib import Path, PurePath
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors import SafetensorError, safe_open
 
+from porting.convert.config_map import model_file, no_duplicate_keys, read_json
 from porting.errors import PortingError
 
 SAFE_INDEX = "model.safetensors.index.json"
@@ -24,59 +32,204 @@ SAFE_SINGLE = "model.safetensors"
 BIN_INDEX = "pytorch_model.bin.index.json"
 BIN_SINGLE = "pytorch_model.bin"
 
-_DTYPE_SIZES = {
-    "F64": 8,
-    "F32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I64": 8,
-    "I32": 4,
-    "I16": 2,
-    "I8": 1,
-    "U8": 1,
-    "BOOL": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
+# The reference reader's limits and dtypes (huggingface/safetensors, safetensors/src/tensor.rs:
+# MAX_HEADER_SIZE, Dtype::bitsize); sizes in bits, as the sub-byte float formats need.
+MAX_HEADER_BYTES = 100_000_000
+_DTYPE_BITS = {
+    "BOOL": 8,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "F8_E4M3FNUZ": 8,
+    "F8_E5M2FNUZ": 8,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "C64": 64,
+    "F64": 64,
+    "I64": 64,
+    "U64": 64,
 }
+_USIZE_MAX = 2**64 - 1  # offsets and dims are usize in the reference reader
 
 
-def _check_safetensors_file(path: Path) -> None:
-    """Validate a safetensors header against the file size, naming the file if it is truncated.
+@dataclass(frozen=True)
+class TensorInfo:
+    """One header entry: dtype, shape and the byte range ``[start, end)`` in the data buffer."""
 
-    ``safe_open`` memory-maps the file; a truncated file would otherwise fail later, inside a
-    tensor read, with a message that names neither file nor tensor.
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+def _is_usize(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= _USIZE_MAX
+
+
+def _refuse_constant(name: str) -> float:
+    # NaN / Infinity are Python extensions of JSON; the reference reader refuses them
+    raise ValueError(f"{name} is not JSON")
+
+
+def _tensor_info(path: Path, name: str, entry: object) -> TensorInfo:
+    """Validate one header entry (the reference reader's ``TensorInfo``)."""
+
+    def bad(why: str) -> PortingError:
+        return PortingError(f"{path}: tensor {name!r}: {why}")
+
+    if not isinstance(entry, dict):
+        raise bad(f"header entry must be an object, not {entry!r}"[:200])
+    for field in ("dtype", "shape", "data_offsets"):
+        if field not in entry:
+            raise bad(f"header entry lacks {field!r}")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in _DTYPE_BITS:
+        raise bad(f"unknown dtype {dtype!r} (known: {', '.join(_DTYPE_BITS)})"[:300])
+    if not isinstance(shape, list) or not all(_is_usize(d) for d in shape):
+        raise bad(f"shape must be a list of non-negative integers, not {shape!r}"[:200])
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_usize(o) for o in offsets):
+        raise bad(f"data_offsets must be [start, end] byte offsets, not {offsets!r}"[:200])
+    start, end = offsets
+    if start > end:
+        raise bad(f"data_offsets [{start}, {end}] end before they start")
+    numel = 1
+    for d in shape:
+        numel *= d
+    bits = numel * _DTYPE_BITS[dtype]
+    if bits % 8 or bits // 8 != end - start:
+        raise bad(
+            f"shape {shape} of {dtype} needs {bits / 8:g} bytes, data_offsets [{start}, {end}] "
+            f"give {end - start}"
+        )
+    return TensorInfo(dtype, tuple(shape), start, end)
+
+
+def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
+    """Read and validate a safetensors header; return its tensors (name -> :class:`TensorInfo`).
+
+    The rules are the reference reader's (``SafeTensors::read_metadata`` and
+    ``Metadata::validate`` in huggingface/safetensors ``safetensors/src/tensor.rs``): an 8-byte
+    little-endian header length of at most 100,000,000 bytes; a UTF-8 JSON object; an optional
+    ``__metadata__`` object of strings; for every tensor a known ``dtype``, a ``shape`` of
+    non-negative integers and ``data_offsets`` ``[start, end]`` holding exactly shape x dtype
+    bytes; the tensors, ordered by offset, tile the data buffer from 0 without gap or overlap; and
+    the buffer ends exactly at the end of the file. On top of that, a tensor name may appear only
+    once. Each violation is a :class:`PortingError` naming the file and, where there is one, the
+    tensor. ``path`` must already have passed :func:`model_file`.
     """
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise PortingError(f"{path}: not a safetensors file (only {size} bytes)")
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8:
-            raise PortingError(f"{path}: truncated safetensors file (header says {n} bytes)")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise PortingError(f"{path}: corrupt safetensors header ({err})") from err
-    end = 0
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        start, stop = info["data_offsets"]
-        count = 1
-        for d in info["shape"]:
-            count *= d
-        if (
-            stop - start != count * _DTYPE_SIZES.get(info["dtype"], 0)
-            and info["dtype"] in _DTYPE_SIZES
-        ):
-            raise PortingError(f"{path}: tensor {name!r} has inconsistent size in the header")
-        end = max(end, stop)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise PortingError(f"{path}: not a safetensors file (only {size} bytes)")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER_BYTES:
+                raise PortingError(
+                    f"{path}: safetensors header length {n} exceeds the format's limit of "
+                    f"{MAX_HEADER_BYTES} bytes"
+                )
+            if n > size - 8:
+                raise PortingError(
+                    f"{path}: truncated safetensors file (header says {n} bytes, the file has "
+                    f"{size - 8} after the length)"
+                )
+            raw = f.read(n)
+    except OSError as err:
+        raise PortingError(f"{path}: cannot be read ({err.strerror})") from err
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise PortingError(f"{path}: safetensors header is not UTF-8 ({err})") from err
+    try:
+        header = json.loads(
+            text, object_pairs_hook=no_duplicate_keys, parse_constant=_refuse_constant
+        )
+    except (ValueError, RecursionError) as err:
+        raise PortingError(f"{path}: corrupt safetensors header: not valid JSON ({err})") from err
+    if not isinstance(header, dict):
+        raise PortingError(
+            f"{path}: corrupt safetensors header: a JSON {type(header).__name__}, not an object"
+        )
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise PortingError(
+            f"{path}: '__metadata__' must be an object of strings, not {meta!r}"[:300]
+        )
+    tensors = {
+        name: _tensor_info(path, name, entry)
+        for name, entry in header.items()
+        if name != "__metadata__"
+    }
+    # Sorted by offsets, each tensor must start where the previous one ended.
+    end, prev = 0, None
+    for name, info in sorted(tensors.items(), key=lambda kv: (kv[1].start, kv[1].end)):
+        if info.start != end:
+            if prev is None:
+                why = "the first tensor must start at byte 0 of the data buffer"
+            elif info.start < end:
+                why = f"overlaps tensor {prev!r}, which ends at byte {end}"
+            else:
+                why = f"leaves a gap after tensor {prev!r}, which ends at byte {end}"
+            raise PortingError(
+                f"{path}: tensor {name!r}: data_offsets [{info.start}, {info.end}] {why}; "
+                "tensors must tile the data buffer without gaps or overlaps"
+            )
+        end, prev = info.end, name
     if 8 + n + end > size:
         raise PortingError(
-            f"{path}: truncated safetensors file: data ends at byte {8 + n + end}, "
-            f"file has {size} bytes"
+            f"{path}: truncated safetensors file: data ends at byte {8 + n + end}"
+            + (f" (tensor {prev!r})" if prev else "")
+            + f", file has {size} bytes"
         )
+    if 8 + n + end < size:
+        raise PortingError(
+            f"{path}: {size - 8 - n - end} unaccounted byte(s) after the last tensor"
+            + (f" ({prev!r})" if prev else "")
+            + "; the safetensors format requires the data to end the file"
+        )
+    return tensors
+
+
+def _read_index(index: Path, model_dir: Path) -> dict[str, Path]:
+    """``weight_map`` of a sharded checkpoint's index: tensor key -> shard path.
+
+    Each shard must be named by a relative path inside the model directory: an absolute path, a
+    ``..`` component, or a symlink out of the directory would read a file from elsewhere.
+    """
+    data = read_json(index, model_dir)
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict):
+        raise PortingError(f"{index}: not a valid index: 'weight_map' must be an object")
+    out: dict[str, Path] = {}
+    for key, fname in weight_map.items():
+        if not isinstance(fname, str) or not fname:
+            raise PortingError(f"{index}: entry {key!r}: shard must be a file name, not {fname!r}")
+        rel = PurePath(fname)
+        if rel.is_absolute() or os.path.isabs(fname) or ".." in rel.parts:
+            raise PortingError(
+                f"{index}: entry {key!r} names shard {fname!r}; shards must be relative file "
+                "names inside the model directory"
+            )
+        out[key] = model_dir / rel
+    return out
+
+
+def _safe_open(path: Path):
+    try:
+        return safe_open(path, framework="pt")
+    except (SafetensorError, OSError) as err:
+        raise PortingError(f"{path}: cannot be read as safetensors ({err})") from err
 
 
 class SafetensorsSource:
@@ -90,38 +243,36 @@ class SafetensorsSource:
     def __init__(self, model_dir: str | os.PathLike, allow_pickle: bool = False) -> None:
         self.dir = Path(model_dir)
         self._key_to_file: dict[str, Path] = {}
+        self._headers: dict[Path, dict[str, TensorInfo]] = {}
+        # size and mtime when the header was checked: a shard rewritten or truncated while an
+        # import streams from it is an error, not a wrong tensor (or a SIGBUS from the mapping)
+        self._stamps: dict[Path, tuple[int, int]] = {}
         self._pickled: dict[str, torch.Tensor] | None = None
         index = self.dir / SAFE_INDEX
         single = self.dir / SAFE_SINGLE
-        if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as err:
-                raise PortingError(f"{index}: not a valid safetensors index ({err})") from err
-            for key, fname in weight_map.items():
-                self._key_to_file[key] = self.dir / fname
+        if _present(index):
+            self._key_to_file = _read_index(index, self.dir)
             files = sorted(set(self._key_to_file.values()))
-            missing = [f.name for f in files if not f.exists()]
+            missing = [str(f.relative_to(self.dir)) for f in files if not _present(f)]
             if missing:
                 raise PortingError(f"{index} lists shard(s) that are missing: {', '.join(missing)}")
             for f in files:
-                _check_safetensors_file(f)
-                with safe_open(f, framework="pt") as h:
-                    actual = set(h.keys())
+                model_file(f, self.dir)
+                actual = set(self._read_header(f))
                 listed = {k for k, v in self._key_to_file.items() if v == f}
                 if listed - actual:
                     raise PortingError(
-                        f"{f.name}: index lists tensor(s) the shard lacks: "
+                        f"{f}: {SAFE_INDEX} lists tensor(s) the shard lacks: "
                         + ", ".join(sorted(listed - actual)[:5])
                     )
-                for k in actual - listed:
-                    raise PortingError(f"{f.name}: tensor {k!r} is not listed in {SAFE_INDEX}")
-        elif single.exists():
-            _check_safetensors_file(single)
-            with safe_open(single, framework="pt") as h:
-                for key in h.keys():
-                    self._key_to_file[key] = single
-        elif (self.dir / BIN_SINGLE).exists() or (self.dir / BIN_INDEX).exists():
+                if actual - listed:
+                    k = sorted(actual - listed)[0]
+                    raise PortingError(f"{f}: tensor {k!r} is not listed in {SAFE_INDEX}")
+        elif _present(single):
+            model_file(single, self.dir)
+            for key in self._read_header(single):
+                self._key_to_file[key] = single
+        elif _present(self.dir / BIN_SINGLE) or _present(self.dir / BIN_INDEX):
             if not allow_pickle:
                 raise PortingError(
                     f"{self.dir} holds only pickle weights (pytorch_model*.bin); pickle can run "
@@ -132,19 +283,35 @@ class SafetensorsSource:
         else:
             raise PortingError(f"{self.dir}: no weights found ({SAFE_SINGLE} or {SAFE_INDEX})")
 
+    def _read_header(self, path: Path) -> dict[str, TensorInfo]:
+        header = read_safetensors_header(path)
+        # The reference reader must agree (it is the one that maps the file for reads).
+        with _safe_open(path) as h:
+            if set(h.keys()) != set(header):
+                raise PortingError(f"{path}: safetensors lists other tensors than its header")
+        self._headers[path] = header
+        st = path.stat()
+        self._stamps[path] = (st.st_size, st.st_mtime_ns)
+        return header
+
     def _load_pickled(self) -> dict[str, torch.Tensor]:
         files = [self.dir / BIN_SINGLE]
-        if (self.dir / BIN_INDEX).exists():
-            weight_map = json.loads((self.dir / BIN_INDEX).read_text())["weight_map"]
-            files = [self.dir / f for f in sorted(set(weight_map.values()))]
+        if _present(self.dir / BIN_INDEX):
+            files = sorted(set(_read_index(self.dir / BIN_INDEX, self.dir).values()))
         out: dict[str, torch.Tensor] = {}
         for f in files:
-            if not f.exists():
+            if not _present(f):
                 raise PortingError(f"missing weight shard {f}")
+            model_file(f, self.dir)
             try:
-                out.update(torch.load(f, map_location="cpu", weights_only=True, mmap=True))
+                state = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
             except Exception as err:
                 raise PortingError(f"{f}: cannot be read with weights_only=True ({err})") from err
+            if not isinstance(state, dict) or not all(
+                isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+            ):
+                raise PortingError(f"{f}: not a state dict (tensor names -> tensors)")
+            out.update(state)
         return out
 
     def keys(self) -> list[str]:
@@ -157,26 +324,46 @@ class SafetensorsSource:
         """Read one tensor (a fresh CPU tensor, not a view into the mapped file)."""
         if self._pickled is not None:
             return self._pickled[key]
+        path = self._key_to_file[key]
+        st = path.stat()
+        if (st.st_size, st.st_mtime_ns) != self._stamps[path]:
+            raise PortingError(
+                f"{path}: changed while being read (size {self._stamps[path][0]} -> "
+                f"{st.st_size}); reading {key!r} would give a wrong tensor"
+            )
         # A handle per read: the mapped pages are released right after the copy, so resident
         # memory never accumulates the shards already streamed (a kept handle would hold them).
-        with safe_open(self._key_to_file[key], framework="pt") as h:
-            return h.get_tensor(key)
+        with _safe_open(path) as h:
+            try:
+                t = h.get_tensor(key)
+            except (SafetensorError, OSError, RuntimeError) as err:
+                raise PortingError(f"{path}: tensor {key!r} cannot be read ({err})") from err
+        info = self._headers[path][key]
+        if tuple(t.shape) != info.shape or t.dtype != _ST_TO_TORCH.get(info.dtype, t.dtype):
+            raise PortingError(
+                f"{path}: tensor {key!r} read as {tuple(t.shape)} {t.dtype}, its header says "
+                f"{info.shape} {info.dtype}"
+            )
+        return t
 
     def dtypes(self) -> set[torch.dtype]:
         """The set of floating dtypes in the checkpoint (read from headers only where possible)."""
-        seen: set[torch.dtype] = set()
         if self._pickled is not None:
             return {t.dtype for t in self._pickled.values() if t.is_floating_point()}
-        for f in sorted(set(self._key_to_file.values())):
-            with safe_open(f, framework="pt") as h:
-                for k in h.keys():
-                    t = h.get_slice(k)
-                    seen.add(_ST_TO_TORCH.get(t.get_dtype(), torch.float32))
-        return seen
+        return {
+            _ST_TO_TORCH.get(info.dtype, torch.float32)
+            for header in self._headers.values()
+            for info in header.values()
+        }
 
     def close(self) -> None:
         """Drop the tensors of a pickle checkpoint (safetensors reads hold nothing open)."""
         self._pickled = None
+
+
+def _present(path: Path) -> bool:
+    """Whether a directory entry exists at ``path`` (a dangling symlink counts: refused later)."""
+    return path.exists() or path.is_symlink()
 
 
 _ST_TO_TORCH = {
@@ -187,55 +374,112 @@ _ST_TO_TORCH = {
 }
 
 
-class ShardedWriter:
-    """Write tensors into HF-style safetensors shards plus an index, as they arrive.
+# safetensors orders a file's tensors by dtype, widest first, then by name
+# (safetensors/src/tensor.rs, ``prepare``: the Dtype enum's order, descending).
+_ST_DTYPE_RANK = {"F64": 5, "F32": 4, "BF16": 3, "F16": 2, "I64": 6, "I32": 4, "U8": 0}
+_TORCH_TO_ST = {v: k for k, v in _ST_TO_TORCH.items()}
 
-    Shards are flushed when they reach ``max_shard_bytes``; names are fixed up to
-    ``model-0000i-of-0000N.safetensors`` at :meth:`close`, and a single shard is named
-    ``model.safetensors`` with no index, as ``transformers`` writes them.
+
+class StreamingShardWriter:
+    """HF-style safetensors shards written tensor by tensor, holding none of them.
+
+    The tensors' names, shapes and dtypes are known before their data (``specs``, in export
+    order), so shards are planned up front exactly as ``transformers`` and our former buffered
+    writer cut them (a new shard when the next tensor would pass ``max_shard_bytes``), each file's
+    header is written first in ``safetensors``' own layout (``__metadata__`` first, tensors
+    ordered by dtype then name, compact JSON padded with spaces to 8 bytes), and each tensor's bytes
+    go straight to their offset when :meth:`write` gets them. The files are byte-identical to
+    ``safetensors.torch.save_file`` of the same tensors. Shards are written under hidden names and
+    renamed (``model-0000i-of-0000N.safetensors``, or ``model.safetensors`` alone, with the index)
+    by :meth:`close`, after every tensor arrived.
     """
 
-    def __init__(self, out_dir: Path, max_shard_bytes: int = 5 * 2**30) -> None:
+    def __init__(
+        self,
+        out_dir: Path,
+        specs: list[tuple[str, tuple[int, ...], torch.dtype]],
+        max_shard_bytes: int = 5 * 2**30,
+    ) -> None:
         self.out_dir = Path(out_dir)
-        self.max = max_shard_bytes
-        self._buf: dict[str, torch.Tensor] = {}
-        self._buf_bytes = 0
-        self._shards: list[tuple[Path, list[str]]] = []
-        self.total_bytes = 0
+        self._where: dict[str, tuple[int, int, int, torch.dtype, tuple[int, ...]]] = {}
+        shards: list[list[tuple[str, tuple[int, ...], torch.dtype, int]]] = [[]]
+        size = 0
+        seen: set[str] = set()
+        for key, shape, dtype in specs:
+            if key in seen:
+                raise PortingError(f"export produces HF key {key!r} twice")
+            seen.add(key)
+            if dtype not in _TORCH_TO_ST:
+                raise PortingError(f"{key}: cannot write dtype {dtype} to safetensors")
+            nbytes = math.prod(shape) * dtype.itemsize
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append((key, tuple(shape), dtype, nbytes))
+            size += nbytes
+        self.total_bytes = sum(n for sh in shards for *_, n in sh)
+        self._paths = [self.out_dir / f".shard-{i:05d}.safetensors" for i in range(len(shards))]
+        self._keys = [[k for k, *_ in sh] for sh in shards]
+        for i, shard in enumerate(shards):
+            ordered = sorted(shard, key=lambda t: (-_ST_DTYPE_RANK[_TORCH_TO_ST[t[2]]], t[0]))
+            header: dict = {"__metadata__": {"format": "pt"}}
+            offset = 0
+            for key, shape, dtype, nbytes in ordered:
+                header[key] = {
+                    "dtype": _TORCH_TO_ST[dtype],
+                    "shape": list(shape),
+                    "data_offsets": [offset, offset + nbytes],
+                }
+                offset += nbytes
+            raw = json.dumps(header, separators=(",", ":")).encode()
+            raw += b" " * (-len(raw) % 8)
+            with open(self._paths[i], "wb") as f:
+                f.write(struct.pack("<Q", len(raw)))
+                f.write(raw)
+                f.truncate(8 + len(raw) + offset)
+            for key, shape, dtype, nbytes in ordered:
+                start = header[key]["data_offsets"][0]
+                self._where[key] = (i, 8 + len(raw) + start, nbytes, dtype, shape)
+        self._pending = set(self._where)
 
-    def add(self, key: str, tensor: torch.Tensor) -> None:
-        """Queue one tensor; flush the current shard first if it would grow past the limit."""
-        if key in self._buf or any(key in keys for _, keys in self._shards):
-            raise PortingError(f"export produced HF key {key!r} twice")
-        nbytes = tensor.numel() * tensor.element_size()
-        if self._buf and self._buf_bytes + nbytes > self.max:
-            self._flush()
-        self._buf[key] = tensor.contiguous()
-        self._buf_bytes += nbytes
-        self.total_bytes += nbytes
-
-    def _flush(self) -> None:
-        path = self.out_dir / f".shard-{len(self._shards):05d}.safetensors"
-        save_file(self._buf, str(path), metadata={"format": "pt"})
-        self._shards.append((path, list(self._buf)))
-        self._buf, self._buf_bytes = {}, 0
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        """Write one tensor's bytes at its place (its name, shape and dtype as announced)."""
+        if key not in self._pending:
+            raise PortingError(f"export produced HF key {key!r} unannounced or twice")
+        shard, offset, nbytes, dtype, shape = self._where[key]
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            raise PortingError(
+                f"export produced {key!r} as {tuple(tensor.shape)} {tensor.dtype}, "
+                f"announced {shape} {dtype}"
+            )
+        data = tensor.detach().contiguous().view(torch.uint8).reshape(-1).numpy()
+        with open(self._paths[shard], "r+b") as f:
+            f.seek(offset)
+            f.write(memoryview(data))
+        self._pending.discard(key)
 
     def close(self) -> list[Path]:
-        """Flush, name the shards and write the index; returns the shard paths."""
-        if self._buf or not self._shards:
-            self._flush()
-        n = len(self._shards)
+        """Check every tensor arrived, name the shards and write the index; the shard paths."""
+        if self._pending:
+            raise PortingError(
+                f"export did not produce {len(self._pending)} announced tensor(s): "
+                + ", ".join(sorted(self._pending)[:5])
+            )
+        for path in self._paths:
+            with open(path, "r+b") as f:
+                os.fsync(f.fileno())
+        n = len(self._paths)
         if n == 1:
             final = self.out_dir / SAFE_SINGLE
-            self._shards[0][0].rename(final)
+            self._paths[0].rename(final)
             return [final]
         weight_map: dict[str, str] = {}
         paths = []
-        for i, (path, keys) in enumerate(self._shards):
+        for i, path in enumerate(self._paths):
             name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
             path.rename(self.out_dir / name)
             paths.append(self.out_dir / name)
-            weight_map.update({k: name for k in keys})
+            weight_map.update({k: name for k in self._keys[i]})
         index = {
             "metadata": {"total_size": self.total_bytes},
             "weight_map": dict(sorted(weight_map.items())),

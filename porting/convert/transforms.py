@@ -31,8 +31,23 @@ def interleave_qkv(
     reads ``linear_qkv`` as ``[ng, (np/ng + 2) * hn, ...]``: for each query group, its ``np/ng`` query
     heads, then its key head, then its value head. Works for weights ``[out, in]`` and biases ``[out]``.
     """
+    if num_heads % num_query_groups:
+        raise PortingError(
+            f"num_query_groups={num_query_groups} does not divide num_heads={num_heads}"
+        )
     heads_per_group = num_heads // num_query_groups
     rest = q.shape[1:]
+    expected = {
+        "q": (num_heads * head_dim, *rest),
+        "k": (num_query_groups * head_dim, *rest),
+        "v": (num_query_groups * head_dim, *rest),
+    }
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if tuple(t.shape) != expected[name]:
+            raise PortingError(
+                f"{name} has shape {tuple(t.shape)}, expected {expected[name]} for "
+                f"num_heads={num_heads}, num_query_groups={num_query_groups}, head_dim={head_dim}"
+            )
     # q: [np*hn, ...] -> [ng, np/ng*hn, ...]; k, v: [ng*hn, ...] -> [ng, hn, ...]
     q = q.reshape(num_query_groups, heads_per_group * head_dim, *rest)
     k = k.reshape(num_query_groups, head_dim, *rest)

@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from porting import quiet
 
 
 def add_gate_flags(p: argparse.ArgumentParser) -> None:
-    """The gate's tolerances, shared by ``verify`` and the gated ``import``."""
+    """The gate's mode and tolerances, shared by ``verify`` and the gated ``import``."""
+    p.add_argument(
+        "--whole-model",
+        action="store_true",
+        help="load both models whole instead of one decoder layer at a time (small models; "
+        "about 8 bytes per parameter of RAM)",
+    )
     p.add_argument(
         "--atol", type=float, default=None, help="parity: absolute logit tolerance (1e-4)"
     )
@@ -36,12 +43,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="full-logit parity of an HF model against a NeMo checkpoint",
         description="Run fixed prompts (several lengths, every position) through the HF model and "
         "the Megatron model of the checkpoint and compare full logits: max and mean |dlogit|, "
-        "KL(HF || Megatron), top-1 agreement. Exits 1 when the gate fails.",
+        "KL(HF || Megatron), top-1 agreement. By default one decoder layer of each side is in "
+        "memory at a time (any model size), and the report gives each layer's divergence and "
+        "names the first layer that diverges. Exits 1 when the gate fails.",
     )
     p.add_argument("hf_dir", type=Path)
     p.add_argument("ckpt", type=Path)
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--min-top1", type=float, default=None, help="minimum top-1 agreement (0.999)")
+    p.add_argument(
+        "--plot", type=Path, metavar="FILE.png", help="draw the divergence per layer (log scale)"
+    )
     add_gate_flags(p)
     p.set_defaults(func=_cmd_verify)
 
@@ -56,6 +68,16 @@ def _cmd_verify(args) -> int:
         for k, v in (("atol", args.atol), ("rtol", args.rtol), ("min_top1", args.min_top1))
         if v is not None
     }
-    report = harness.verify(args.hf_dir, args.ckpt, **kwargs)
+    report = harness.verify(
+        args.hf_dir,
+        args.ckpt,
+        whole_model=args.whole_model,
+        show_progress=sys.stderr.isatty(),
+        **kwargs,
+    )
     print_report(report, args.json)
+    if args.plot:
+        from porting.parity.plot import write_plot
+
+        print(f"wrote {write_plot(report, args.plot)}")
     return 0 if report.passed else 1

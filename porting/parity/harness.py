@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+
+from porting.parity.streamed import LAYER_RTOL
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,9 @@ class ParityReport:
     min_top1: float
     worst_excess: float
     passed: bool
+    mode: str = "whole-model"
+    layers: list[dict] = field(default_factory=list)
+    first_divergent_layer: int | None = None
 
     def as_dict(self) -> dict:
         """JSON-ready dict."""
@@ -54,7 +58,7 @@ class ParityReport:
     def summary(self) -> str:
         """Human-readable one-block summary."""
         verdict = "PASS" if self.passed else "FAIL"
-        return (
+        text = (
             f"parity {verdict}: {self.prompts} prompts, {self.positions} positions, "
             f"vocab {self.vocab_size}\n"
             f"  max |dlogit|   {self.max_abs_diff:.3e}   (gate: atol {self.atol:g} + rtol "
@@ -63,6 +67,20 @@ class ParityReport:
             f"  KL(HF||Mcore)  {self.kl_hf_mcore:.3e}\n"
             f"  top-1 agree    {100 * self.top1_agreement:.2f}%   (gate: >= {100 * self.min_top1:.1f}%)"
         )
+        if self.layers:
+            worst = max(self.layers, key=lambda d: d["own_max_rel"])
+            text += (
+                f"\n  layers         {len(self.layers)} streamed; largest own error at layer "
+                f"{worst['layer']}: {worst['own_max_rel']:.1e} relative"
+            )
+        if self.first_divergent_layer is not None:
+            d = self.layers[self.first_divergent_layer]
+            text += (
+                f"\n  first divergence at layer {d['layer']}: max |d hidden| "
+                f"{d['own_max_abs']:.1e} ({d['own_max_rel']:.1e} relative, on the HF layer's "
+                f"input; fp32 explains up to {LAYER_RTOL:g})"
+            )
+        return text
 
 
 def build_prompts(tokenizer, vocab_size: int, seed: int = 0) -> list[torch.Tensor]:
@@ -162,11 +180,15 @@ def verify(
     atol: float = DEFAULT_ATOL,
     rtol: float = DEFAULT_RTOL,
     min_top1: float = DEFAULT_MIN_TOP1,
-    megatron_logits: Callable[..., list[torch.Tensor]] = megatron_logits_from_checkpoint,
+    whole_model: bool = False,
+    show_progress: bool = False,
+    allow_pickle: bool = False,
 ) -> ParityReport:
     """Run the parity check of an HF directory against one of our NeMo checkpoints.
 
-    The two models are never in memory together: Megatron logits first, then HF logits.
+    By default layer-streamed (:mod:`porting.parity.streamed`): one decoder layer of each side in
+    memory at a time, per-layer divergence reported and the first diverging layer named. With
+    ``whole_model`` both models are loaded whole (never together: Megatron first, then HF).
     """
     from transformers import AutoTokenizer
 
@@ -185,8 +207,24 @@ def verify(
         else None
     )
     prompts = build_prompts(tokenizer, manifest.vocab_size)
-    mc = megatron_logits(ckpt, prompts, manifest.vocab_size)
-    hf = hf_logits(hf_dir, family.hf_model_class, prompts, family.hf_attn_implementation)
-    report = compare(hf, mc, atol=atol, rtol=rtol, min_top1=min_top1)
+    if whole_model:
+        mc = megatron_logits_from_checkpoint(ckpt, prompts, manifest.vocab_size)
+        hf = hf_logits(hf_dir, family.hf_model_class, prompts, family.hf_attn_implementation)
+        report = compare(hf, mc, atol=atol, rtol=rtol, min_top1=min_top1)
+    else:
+        from porting.convert.megatron import init_parallel
+        from porting.parity.streamed import streamed_logits
+
+        init_parallel()
+        hf, mc, layers = streamed_logits(
+            hf_dir, ckpt, family, prompts, manifest.vocab_size, show_progress, allow_pickle
+        )
+        report = compare(hf, mc, atol=atol, rtol=rtol, min_top1=min_top1)
+        report.mode = "layer-streamed"
+        report.layers = [asdict(d) for d in layers]
+        first = next((d.layer for d in layers if d.diverges), None)
+        report.first_divergent_layer = first
+        if first is not None:
+            report.passed = False
     log.debug("%s", report.summary())
     return report

@@ -1,0 +1,209 @@
+"""Import (with the parity gate), verify and export at real sizes: wall time and peak memory.
+
+Writes a Llama-layout bf16 checkpoint of a given shape straight to safetensors shards (random
+weights, no model built in memory), then runs each command in a fresh process under
+``/usr/bin/time -v`` and reports wall time, peak RSS and peak / weights on disk. Sizes:
+
+    7b        hidden 4096, 32 layers, FFN 11008, 32 heads (MHA), vocab 32000 (6.7B, 13.5 GB)
+    7b-deep   the same width, 64 layers                                         (13.0B, 26 GB)
+
+``--nemo`` also runs NeMo 2.7.3's own ``HFLlamaImporter`` (``llm.import_ckpt``) on the same
+checkpoint. Outputs are deleted as soon as the next step no longer needs them (disk).
+
+    python scripts/bench_scale.py --sizes 7b 7b-deep --workdir /tmp/bench-scale
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SIZES = {
+    "7b": dict(hidden=4096, layers=32, ffn=11008, heads=32, kv=32, vocab=32000),
+    "7b-deep": dict(hidden=4096, layers=64, ffn=11008, heads=32, kv=32, vocab=32000),
+    "1b": dict(hidden=2048, layers=16, ffn=5632, heads=16, kv=4, vocab=32000),
+}
+SHARD_BYTES = 4 * 2**30
+
+
+def write_checkpoint(out: Path, hidden, layers, ffn, heads, kv, vocab) -> int:
+    """A random Llama-layout bf16 checkpoint at ``out``, shard by shard; returns bytes on disk."""
+    import torch
+    from safetensors.torch import save_file
+
+    from porting.testing import make_tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    make_tokenizer(out)
+    head_dim = hidden // heads
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape, scale=0.02):
+        return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
+
+    def tensors():
+        yield "model.embed_tokens.weight", rand(vocab, hidden)
+        for i in range(layers):
+            p = f"model.layers.{i}."
+            yield p + "input_layernorm.weight", (1 + rand(hidden, scale=0.1).float()).bfloat16()
+            yield p + "self_attn.q_proj.weight", rand(heads * head_dim, hidden)
+            yield p + "self_attn.k_proj.weight", rand(kv * head_dim, hidden)
+            yield p + "self_attn.v_proj.weight", rand(kv * head_dim, hidden)
+            yield p + "self_attn.o_proj.weight", rand(hidden, heads * head_dim)
+            yield (
+                p + "post_attention_layernorm.weight",
+                (1 + rand(hidden, scale=0.1).float()).bfloat16(),
+            )
+            yield p + "mlp.gate_proj.weight", rand(ffn, hidden)
+            yield p + "mlp.up_proj.weight", rand(ffn, hidden)
+            yield p + "mlp.down_proj.weight", rand(hidden, ffn)
+        yield "model.norm.weight", (1 + rand(hidden, scale=0.1).float()).bfloat16()
+        yield "lm_head.weight", rand(vocab, hidden)
+
+    shards, buf, size, total = [], {}, 0, 0
+    weight_map = {}
+
+    def flush():
+        nonlocal buf, size
+        name = f"shard-{len(shards):05d}.safetensors"
+        save_file(buf, str(out / name), metadata={"format": "pt"})
+        shards.append(name)
+        weight_map.update({k: name for k in buf})
+        buf, size = {}, 0
+
+    for key, t in tensors():
+        if buf and size + t.nbytes > SHARD_BYTES:
+            flush()
+        buf[key] = t
+        size += t.nbytes
+        total += t.nbytes
+    flush()
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+    )
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": ffn,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "vocab_size": vocab,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    return sum(f.stat().st_size for f in out.glob("*.safetensors"))
+
+
+def timed(cmd: list[str], log: Path) -> dict:
+    """Run ``cmd`` under /usr/bin/time -v; wall seconds, peak RSS bytes, exit code."""
+    t = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.run(["/usr/bin/time", "-v", *cmd], stdout=f, stderr=subprocess.STDOUT)
+    wall = time.perf_counter() - t
+    text = log.read_text()
+    m = re.search(r"Maximum resident set size \(kbytes\): (\d+)", text)
+    return {
+        "wall_s": wall,
+        "peak_rss": int(m.group(1)) * 1024 if m else None,
+        "rc": proc.returncode,
+        "oom": "Killed" in text or proc.returncode in (-9, 137),
+    }
+
+
+NEMO_IMPORT = """
+import sys
+from nemo.collections import llm
+cfg = llm.Llama2Config7B()
+for k, v in dict(num_layers=int(sys.argv[3])).items():
+    setattr(cfg, k, v)
+llm.import_ckpt(model=llm.LlamaModel(cfg), source="hf://" + sys.argv[1], output_path=sys.argv[2])
+"""
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--sizes", nargs="+", default=["7b", "7b-deep"], choices=list(SIZES))
+    p.add_argument("--workdir", type=Path, default=Path("bench-out/scale"))
+    p.add_argument("--nemo", action="store_true", help="also run NeMo's own HFLlamaImporter")
+    p.add_argument("--steps", nargs="+", default=["import", "verify", "export"])
+    p.add_argument("--json", type=Path, help="also write the rows as JSON")
+    args = p.parse_args()
+    porting = [sys.executable, "-m", "porting.cli"]
+    rows = []
+    for size in args.sizes:
+        work = args.workdir / size
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        t = time.perf_counter()
+        weights = write_checkpoint(work / "hf", **SIZES[size])
+        print(
+            f"{size}: wrote {weights / 1e9:.2f} GB in {time.perf_counter() - t:.0f} s", flush=True
+        )
+        steps = {
+            "import": porting + ["import", str(work / "hf"), "--out", str(work / "nemo")],
+            "verify": porting + ["verify", str(work / "hf"), str(work / "nemo")],
+            "export": porting + ["export", str(work / "nemo"), "--out", str(work / "hf-out")],
+        }
+        for step in args.steps:
+            if step == "export":
+                shutil.rmtree(work / "hf", ignore_errors=True)  # disk: export needs only nemo/
+            r = timed(steps[step], work / f"{step}.log")
+            r.update(size=size, step=step, weights=weights)
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+            if r["rc"] != 0:
+                break
+        shutil.rmtree(work / "hf-out", ignore_errors=True)
+        if args.nemo:
+            shutil.rmtree(work / "nemo", ignore_errors=True)
+            if not (work / "hf").exists():
+                write_checkpoint(work / "hf", **SIZES[size])
+            code = NEMO_IMPORT
+            r = timed(
+                [
+                    sys.executable,
+                    "-c",
+                    code,
+                    str(work / "hf"),
+                    str(work / "nemo-ref"),
+                    str(SIZES[size]["layers"]),
+                ],
+                work / "nemo.log",
+            )
+            r.update(size=size, step="nemo HFLlamaImporter", weights=weights)
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+        shutil.rmtree(work, ignore_errors=True)
+    print()
+    print(f"{'size':<9}{'step':<22}{'wall s':>8}{'peak RSS GiB':>14}{'peak/weights':>14}  result")
+    for r in rows:
+        peak = r["peak_rss"] or 0
+        result = "ok" if r["rc"] == 0 else ("out of memory" if r["oom"] else f"exit {r['rc']}")
+        print(
+            f"{r['size']:<9}{r['step']:<22}{r['wall_s']:>8.0f}{peak / 2**30:>14.2f}"
+            f"{peak / r['weights']:>14.2f}  {result}"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""The layer-streamed parity check: it agrees with the whole-model check and names a broken layer.
+
+A broken layer is made the way a porting bug makes one: the mapping table of one layer only is
+wrong (the QKV interleave, a norm, the MLP), the checkpoint is written through the normal importer,
+and the streamed check must name that layer as the first divergence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from porting.cli import main
+from porting.convert.mapping import Fused, Rename
+from porting.convert.transforms import TransformPair
+from porting.errors import PortingError
+from porting.parity import harness
+from porting.testing import make_falcon, make_llama
+
+LAYERS = 4
+
+
+def _per_layer(table, pattern: str, layer: int, broken_transform):
+    """``table`` with the entry whose Megatron name ends in ``pattern`` broken for one layer."""
+    out = []
+    for e in table:
+        if isinstance(e, Rename | Fused) and e.mcore.endswith(pattern) and "*" in e.mcore:
+            for i in range(LAYERS):
+                hf = (e.hf,) if isinstance(e, Rename) else e.hf
+                hf = tuple(k.replace("*", str(i)) for k in hf)
+                transform = e.transform if isinstance(e, Fused) else None
+                if i == layer:
+                    transform = broken_transform
+                if transform is None:
+                    out.append(Rename(hf[0], e.mcore.replace("*", str(i)), when=e.when))
+                else:
+                    out.append(Fused(hf, e.mcore.replace("*", str(i)), transform, when=e.when))
+        else:
+            out.append(e)
+    return tuple(out)
+
+
+def _import_broken(hf_dir, out, importer_cls, table):
+    class Broken(importer_cls):
+        FAMILY = dataclasses.replace(importer_cls.FAMILY, weights=table)
+
+    importer = Broken(str(hf_dir))
+    importer.show_progress = False
+    importer.convert_into(out)
+    return out
+
+
+CONCAT = TransformPair("concat", lambda q, k, v, ctx: torch.cat([q, k, v]), lambda t, ctx: (t,))
+ONES = TransformPair("dropped_norm", lambda w, ctx: torch.ones_like(w), lambda t, ctx: (t,))
+SCALED = TransformPair("scaled_mlp", lambda w, ctx: 1.5 * w, lambda t, ctx: (t,))
+
+
+@pytest.fixture(scope="module")
+def llama4(tmp_path_factory):
+    return make_llama(tmp_path_factory.mktemp("hf") / "l4", num_layers=LAYERS, num_kv_heads=2)
+
+
+@pytest.mark.parametrize(
+    "pattern,transform,layer",
+    [("linear_qkv.weight", CONCAT, 2), ("input_layernorm.weight", ONES, 1)],
+    ids=["qkv_interleave_of_layer_2", "norm_of_layer_1"],
+)
+def test_a_broken_tsuzumi_layer_is_named(llama4, tmp_path, pattern, transform, layer):
+    from converters import tsuzumi
+
+    table = _per_layer(tsuzumi.WEIGHTS, pattern, layer, transform)
+    ckpt = _import_broken(llama4, tmp_path / "ck", tsuzumi.HFTsuzumiImporter, table)
+    report = harness.verify(llama4, ckpt)
+    assert not report.passed
+    assert report.first_divergent_layer == layer
+    assert f"first divergence at layer {layer}:" in report.summary()
+    before = report.layers[:layer]
+    assert all(d["own_max_rel"] < 1e-5 for d in before)  # the layers before it are exact
+
+
+def test_a_broken_falcon_mlp_is_named(tmp_path):
+    from converters import falcon
+
+    hf = make_falcon(
+        tmp_path / "hf", num_layers=LAYERS, new_decoder_architecture=True, num_kv_heads=2
+    )
+    table = _per_layer(falcon.WEIGHTS, "mlp.linear_fc1.weight", 3, SCALED)
+    ckpt = _import_broken(hf, tmp_path / "ck", falcon.HFFalconImporter, table)
+    report = harness.verify(hf, ckpt)
+    assert not report.passed and report.first_divergent_layer == 3
+    # the carried-in error of the last layer equals its own error: nothing came before it
+    assert report.layers[3]["own_max_rel"] > 1e-3
+
+
+def test_verify_json_has_layers_and_plot_is_written(llama4, tmp_path, capsys):
+    from converters import tsuzumi
+
+    table = _per_layer(tsuzumi.WEIGHTS, "linear_qkv.weight", 2, CONCAT)
+    ckpt = _import_broken(llama4, tmp_path / "ck", tsuzumi.HFTsuzumiImporter, table)
+    png = tmp_path / "layers.png"
+    code = main(["verify", str(llama4), str(ckpt), "--json", "--plot", str(png)])
+    out = capsys.readouterr().out
+    report = json.loads(out[: out.rindex("}") + 1])
+    assert code == 1 and report["first_divergent_layer"] == 2
+    assert [d["layer"] for d in report["layers"]] == list(range(LAYERS))
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_missing_layer_tensor_is_named_by_layer_and_key(tiny_llama, tiny_nemo, tmp_path):
+    import shutil
+
+    hf = tmp_path / "hf"
+    shutil.copytree(tiny_llama, hf)
+    sd = load_file(hf / "model.safetensors")
+    del sd["model.layers.1.mlp.down_proj.weight"]
+    save_file(sd, hf / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(PortingError, match=r"model\.layers\.1\.mlp\.down_proj\.weight"):
+        harness.verify(hf, tiny_nemo)
+
+
+def test_a_layer_of_the_wrong_width_is_named(tiny_llama, tiny_nemo, tmp_path):
+    import shutil
+
+    hf = tmp_path / "hf"
+    shutil.copytree(tiny_llama, hf)
+    sd = load_file(hf / "model.safetensors")
+    sd["model.layers.0.mlp.up_proj.weight"] = torch.zeros(50, 64)
+    save_file(sd, hf / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(PortingError, match=r"model\.layers\.0\.mlp\.up_proj\.weight.*\(50, 64\)"):
+        harness.verify(hf, tiny_nemo)
