@@ -11,7 +11,9 @@ import contextlib
 import json
 import sys
 
+from data_prep.sources import MAX_RECORD_BYTES
 from porting.errors import PortingError
+from porting.guard import Terminated
 
 
 def register(subparsers) -> None:
@@ -109,6 +111,14 @@ def register(subparsers) -> None:
     )
     g.add_argument("--resume", action="store_true", help="continue an interrupted run")
     g.add_argument("--chunk-mb", type=float, default=4.0, help="input per work unit (MiB)")
+    g.add_argument(
+        "--max-record-bytes",
+        type=int,
+        default=MAX_RECORD_BYTES,
+        metavar="N",
+        help="a longer JSONL line (or dataset row) is a record_too_large problem, handled by "
+        f"--on-error; measured without reading it (default {MAX_RECORD_BYTES}, 64 MiB)",
+    )
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run_prep)
@@ -174,11 +184,21 @@ def run_prep(args) -> int:
         chunk_bytes=max(1, int(args.chunk_mb * (1 << 20))),
         split=args.hf_split,
         show_progress=not args.no_progress,
+        max_record_bytes=args.max_record_bytes,
     )
     report = prepare(cfg)
+    try:
+        _print_report(args, report)
+    except (KeyboardInterrupt, Terminated) as stop:
+        stop.kept = f"outputs complete, report {args.output_prefix}.prep-report.json"
+        raise
+    return 0
+
+
+def _print_report(args, report: dict) -> None:
     if args.json:
         print(json.dumps(report, indent=2, ensure_ascii=False))
-        return 0
+        return
     t = report["time"]
     for key, out in report["outputs"].items():
         print(
@@ -208,7 +228,6 @@ def run_prep(args) -> int:
         f"{t['seconds']:.1f} s, {t['bytes_per_s'] / 1e6:.1f} MB/s, "
         f"{t['tokens_per_s'] / 1e6:.2f} Mtok/s; report {args.output_prefix}.prep-report.json"
     )
-    return 0
 
 
 def run_merge(args) -> int:

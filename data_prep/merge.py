@@ -15,6 +15,7 @@ import numpy as np
 
 from data_prep.writer import index_header, read_index, write_index
 from porting.errors import PortingError
+from porting.guard import output_lock
 
 
 def prefixes_in(directory: str | Path) -> list[str]:
@@ -35,9 +36,18 @@ def prefixes_in(directory: str | Path) -> list[str]:
 
 
 def merge(prefixes: list[str], output_prefix: str | Path, overwrite: bool = False) -> dict:
-    """Concatenate datasets in the given order into ``output_prefix``; return counts."""
+    """Concatenate datasets in the given order into ``output_prefix``; return counts.
+
+    One writer per output prefix, as for ``prep-data`` (:func:`porting.guard.output_lock`); the
+    temporary ``.tmp`` files are removed however the merge ends, SIGTERM included.
+    """
     if not prefixes:
         raise PortingError("nothing to merge")
+    with output_lock(output_prefix, "dataset"):
+        return _merge(prefixes, output_prefix, overwrite)
+
+
+def _merge(prefixes: list[str], output_prefix: str | Path, overwrite: bool) -> dict:
     out_bin, out_idx = Path(f"{output_prefix}.bin"), Path(f"{output_prefix}.idx")
     for p in (out_bin, out_idx):
         if p.exists() and not overwrite:

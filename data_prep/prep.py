@@ -4,21 +4,32 @@ The main process plans chunks, hands them to ``spawn``-ed workers (parse with or
 flat arrays back), and consumes results strictly in input order: it places problems at their
 file and line, checks sampled documents against Megatron's own tokenizer, appends tokens and
 document lengths to the partial outputs and commits the run's state after every chunk. At the
-end it writes each ``.idx``, renames the pairs to ``{prefix}_{key}_document.{bin,idx}`` and
-writes the report. Output bytes equal Megatron-LM's ``tools/preprocess_data.py`` (no sentence
-splitting) for the same tokenizer, input and flags.
+end it writes each ``.idx`` and the report in the work directory, then renames them to
+``{prefix}_{key}_document.{bin,idx}`` and ``{prefix}.prep-report.json``. Output bytes equal
+Megatron-LM's ``tools/preprocess_data.py`` (no sentence splitting) for the same tokenizer, input
+and flags.
+
+One run per output prefix (:func:`porting.guard.output_lock`, held for the whole run). However a
+run ends early (a bad record, SIGINT, SIGTERM, SIGHUP: :class:`porting.guard.Terminated`), the
+workers are killed before it returns, and the work directory is either removed (nothing was
+committed) or kept as the resume state; a stopping signal carries which in its ``kept``. The final
+renames are not interrupted: a signal arriving then is handled once the outputs are complete.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import json
 import logging
 import multiprocessing
 import os
+import signal
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,9 +37,9 @@ import numpy as np
 
 from data_prep import worker
 from data_prep.backends import LightReference, build_backend, describe_diff
-from data_prep.records import PROBLEM_KINDS, parse_jsonl, parse_rows
+from data_prep.records import PROBLEM_KINDS, Parsed, oversize, parse_jsonl, parse_rows
 from data_prep.report import Progress, rate, report_path, write_json_atomic
-from data_prep.sources import Source, expand_inputs, iter_tasks, read_range
+from data_prep.sources import MAX_RECORD_BYTES, Source, expand_inputs, iter_tasks, read_range
 from data_prep.tokenizer import (
     Facts,
     TokenizerSource,
@@ -41,11 +52,16 @@ from data_prep.tokenizer import (
 )
 from data_prep.writer import WorkDir, total_tokens, write_index_from_doc_lengths
 from porting.errors import PortingError
+from porting.guard import Terminated, output_lock
 
 log = logging.getLogger(__name__)
 
 LEVEL = "document"
 ON_ERROR = ("fail", "skip")
+#: Texts of the corpus head that Megatron's tokenizer and the backend are compared on at start,
+#: at most this many characters together: each is encoded three more times there.
+HEAD_CHARS = 1 << 20
+REPORT = "report.json"
 
 
 @dataclass
@@ -68,6 +84,7 @@ class PrepConfig:
     chunk_bytes: int = 4 << 20
     split: str | None = None
     show_progress: bool = False
+    max_record_bytes: int = MAX_RECORD_BYTES
     # Tests: encode in this process (no worker start-up cost).
     in_process: bool = False
     # Tests: die (os._exit) after this many chunks, their tokens flushed but not committed.
@@ -92,6 +109,8 @@ def _run_fingerprint(cfg: PrepConfig, sources: list[Source], tok_fp: str) -> str
         "keep_empty": cfg.keep_empty,
         "split": cfg.split,
         "tokenizer": tok_fp,
+        # Which records are skipped (or stop the run) depends on it.
+        "max_record_bytes": cfg.max_record_bytes,
     }
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
@@ -152,24 +171,48 @@ def check_backend(facts: Facts, backend_name: str, spec) -> int:
     return len(facts.texts)
 
 
-def _head_texts(sources: list[Source], keys, pos: dict, cfg: PrepConfig, n: int = 32) -> list[str]:
-    """The first ``n`` usable texts of every key where this run starts (for the setup check)."""
+def _located(source: Source, line: int, kind: str, detail: str) -> PortingError:
+    return PortingError(
+        f"{source.path}:{line}: {kind}: {detail} (--on-error skip skips and lists such records)"
+    )
+
+
+def _head(sources: list[Source], keys, pos: dict, cfg: PrepConfig) -> list[str]:
+    """The first usable texts of every key where this run starts (32 each, ``HEAD_CHARS`` in
+    all), for the setup check.
+
+    With ``--on-error fail`` a bad record among them stops the run here, before Megatron's
+    tokenizer is loaded (seconds), with the error the run would have stopped with.
+    """
     task = next(
         iter_tasks(
-            sources, keys, min(cfg.chunk_bytes, 1 << 20), pos["source"], pos["offset"], cfg.split
+            sources, keys, min(cfg.chunk_bytes, 1 << 20), pos["source"], pos["offset"], cfg.split,
+            cfg.max_record_bytes,
         ),
         None,
-    )
+    )  # fmt: skip
     if task is None:
         return []
     kind, *rest = task.payload
+    checks = (keys, cfg.keep_empty, cfg.on_error == "fail", cfg.max_record_bytes)
+    parsed: Parsed
     if kind == "rows":
-        parsed = parse_rows(rest[0], keys, cfg.keep_empty, False)
+        parsed = parse_rows(rest[0], *checks)
+    elif kind == "oversize":
+        parsed = oversize(rest[0], rest[1], keys, rest[2])
     else:
-        parsed = parse_jsonl(
-            read_range(*rest) if kind == "range" else rest[0], keys, cfg.keep_empty, False
-        )
-    return [t for k in keys for t in parsed.texts[k][:n]]
+        parsed = parse_jsonl(read_range(*rest) if kind == "range" else rest[0], *checks)
+    if parsed.problems and cfg.on_error == "fail":
+        rel, problem, detail = parsed.problems[0]
+        line0 = pos["line"] if task.source_index == pos["source"] else 0
+        raise _located(sources[task.source_index], line0 + rel + 1, problem, detail)
+    texts, budget = [], HEAD_CHARS
+    for k in keys:
+        for t in parsed.texts[k][:32]:
+            if len(t) <= budget:
+                texts.append(t)
+                budget -= len(t)
+    return texts
 
 
 def _megatron_facts(cfg: PrepConfig, head: list[str]) -> Facts:
@@ -178,8 +221,27 @@ def _megatron_facts(cfg: PrepConfig, head: list[str]) -> Facts:
     args = (src.kind, str(src.path), cfg.include_special_tokens, cfg.use_fast, head)
     if cfg.in_process:
         return megatron_facts(*args)
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_facts_quietly, *args).result()
+    pool = None
+    try:
+        with _signals_deferred():  # see _Runner.start
+            pool = ProcessPoolExecutor(
+                1, mp_context=multiprocessing.get_context("spawn"),
+                initializer=worker.ignore_parent_signals,
+            )  # fmt: skip
+            future = pool.submit(_facts_quietly, *args)
+        facts = future.result()
+        pool.shutdown(wait=True)
+    except BrokenProcessPool as err:
+        _stop_pool(pool)
+        raise PortingError(
+            f"{src.path}: the process loading Megatron's tokenizer died (out of memory?)"
+        ) from err
+    except BaseException:
+        # On SIGTERM or Ctrl-C, not wait for its seconds of imports to finish.
+        if pool is not None:
+            _stop_pool(pool)
+        raise
+    return facts
 
 
 def _facts_quietly(*args) -> Facts:
@@ -187,6 +249,57 @@ def _facts_quietly(*args) -> Facts:
     megatron.core (deprecation warnings and log lines about CUDA, Apex, end-of-life functions)."""
     quiet_third_party()
     return megatron_facts(*args)
+
+
+def _stop_pool(pool: ProcessPoolExecutor) -> None:
+    """Kill a pool's processes and return once they are gone (results in flight are dropped).
+
+    Workers ignore SIGINT/SIGTERM/SIGHUP (:func:`worker.ignore_parent_signals`) and hold nothing
+    but the chunks in memory, so SIGKILL is safe and immediate; ``shutdown(wait=True)`` would wait
+    for every running chunk. This is what Python 3.14's ``ProcessPoolExecutor.kill_workers``
+    does, through the same private attributes.
+    """
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    manager = getattr(pool, "_executor_manager_thread", None)
+    for p in procs:
+        with contextlib.suppress(Exception):
+            p.kill()
+    pool.shutdown(wait=False, cancel_futures=True)
+    for p in procs:
+        with contextlib.suppress(Exception):
+            p.join(5)
+    if manager is not None:
+        # It notices the dead workers, fails what was pending and closes the queues.
+        manager.join(5)
+
+
+@contextlib.contextmanager
+def _signals_deferred():
+    """Within the block SIGINT, SIGTERM and SIGHUP wait; the first one to arrive is handled as it
+    would have been (``KeyboardInterrupt``, :class:`Terminated`) as the block ends.
+
+    Handlers can only be changed in the main thread; elsewhere (a test's thread) the block runs
+    as it is.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.getsignal(sig) for sig in sigs}
+    got: list[int] = []
+    for sig in sigs:
+        signal.signal(sig, lambda signum, frame: got.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if got:
+            handler = previous[got[0]]
+            if callable(handler):
+                handler(got[0], None)
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), got[0])
 
 
 def _bytes_done(sources: list[Source], position: dict) -> int:
@@ -226,22 +339,29 @@ class _Runner:
         self.config: worker.WorkerConfig | None = None
 
     def start(self, wcfg: worker.WorkerConfig) -> None:
-        """Start the workers with this configuration."""
+        """Start the workers with this configuration.
+
+        Building the pool and handing it a task (which starts a worker process) is not cut by a
+        signal: one handled half-way would leave a process or the pool's queues that
+        :meth:`stop` cannot reach, their semaphores then released only at interpreter exit.
+        """
         self.config = wcfg
         if self._cfg.in_process:
             worker.init(wcfg)
         else:
-            self._pool = ProcessPoolExecutor(
-                max_workers=self._cfg.workers,
-                mp_context=multiprocessing.get_context("spawn"),
-                initializer=worker.init,
-                initargs=(wcfg,),
-            )
+            with _signals_deferred():
+                self._pool = ProcessPoolExecutor(
+                    max_workers=self._cfg.workers,
+                    mp_context=multiprocessing.get_context("spawn"),
+                    initializer=worker.init,
+                    initargs=(wcfg,),
+                )
 
     def _submit(self, task, head: bool):
         if self._pool is None:
             return _Done(worker.run(task.payload, head))
-        return self._pool.submit(worker.run, task.payload, head)
+        with _signals_deferred():
+            return self._pool.submit(worker.run, task.payload, head)
 
     def fill(self, n: int) -> None:
         """Keep ``n`` chunks handed out (fewer at the end of the input)."""
@@ -262,20 +382,45 @@ class _Runner:
         )
 
     def results(self):
-        """(task, ChunkResult) pairs in task order, two chunks per worker in flight."""
+        """(task, ChunkResult) pairs in task order, two chunks per worker in flight.
+
+        A worker that died (the kernel's OOM killer, an allocation failure aborting the
+        tokenizer) or ran out of memory raises :class:`WorkerLost` naming the first task in
+        flight.
+        """
         limit = 2 * self._cfg.workers
         while True:
-            self.fill(limit)
-            if not self._window:
-                return
-            task, _, fut = self._window.popleft()
-            yield task, fut.result()
+            try:
+                self.fill(limit)  # a broken pool refuses new tasks too
+                if not self._window:
+                    return
+                res = self._window[0][2].result()
+            except (BrokenProcessPool, MemoryError) as err:
+                raise WorkerLost(self._window[0][0] if self._window else None, err) from err
+            task, _, _ = self._window.popleft()
+            yield task, res
 
     def close(self) -> None:
-        """Stop the workers, cancelling what has not started."""
+        """Stop the workers once idle, cancelling what has not started."""
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
+
+    def stop(self) -> None:
+        """Kill the workers now: the run is ending early and their results are not wanted."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            _stop_pool(pool)
+
+
+class WorkerLost(Exception):
+    """A worker process died, or ran out of memory, with ``task`` the first chunk in flight
+    (None: none was)."""
+
+    def __init__(self, task, cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.task = task
+        self.oom = isinstance(cause, MemoryError)
 
 
 def _worker_config(
@@ -294,6 +439,7 @@ def _worker_config(
         dtype=dtype,
         id_limit=contract.padded_vocab_size if contract else vocab_size,
         reference=reference,
+        max_record=cfg.max_record_bytes,
     )
 
 
@@ -311,18 +457,33 @@ class _Run:
         self.state = work.state
         self.run_bytes = self.run_tokens = self.run_docs = 0
 
+    def first_line(self, task) -> int:
+        """The 0-based line (or row) of its file that ``task`` starts at: chunks come in order,
+        so the state's position is where the next one starts."""
+        pos = self.state["position"]
+        return pos["line"] if task.source_index == pos["source"] else 0
+
+    def lost(self, err: WorkerLost) -> PortingError:
+        """The located error for a worker that died on ``err.task`` or a chunk after it."""
+        pos = self.state["position"]
+        index = err.task.source_index if err.task is not None else pos["source"]
+        source = self.sources[min(index, len(self.sources) - 1)]
+        line = self.first_line(err.task) if err.task is not None else pos["line"]
+        what = "ran out of memory" if err.oom else "died (killed, or out of memory)"
+        return PortingError(
+            f"{source.path}:{line + 1}: a tokenizing worker {what} on the chunk from this "
+            f"{source.unit} on, or one after it ({err}); lower --max-record-bytes (one long "
+            "record is encoded in one piece) or --workers, and rerun with --resume"
+        )
+
     def add(self, task, res: worker.ChunkResult) -> tuple[int, int]:
         """Account for one chunk (in input order); return (documents, tokens) added."""
         cfg, state, src = self.cfg, self.state, self.cfg.tokenizer
-        pos = state["position"]
         source = self.sources[task.source_index]
-        line0 = pos["line"] if task.source_index == pos["source"] else 0
+        line0 = self.first_line(task)
         if res.problems and cfg.on_error == "fail":
             rel, kind, detail = res.problems[0]
-            raise PortingError(
-                f"{source.path}:{line0 + rel + 1}: {kind}: {detail} "
-                "(--on-error skip skips and lists such records)"
-            )
+            raise _located(source, line0 + rel + 1, kind, detail)
         if res.bad_id is not None:
             rel, key, bad = res.bad_id
             what = (
@@ -347,7 +508,7 @@ class _Run:
             n_tokens += int(tokens.size)
         rows = []
         for rel, kind, detail in res.problems:
-            state["problem_counts"][kind] += 1
+            state["problem_counts"][kind] = state["problem_counts"].get(kind, 0) + 1
             rows.append(
                 {
                     "file": str(source.path),
@@ -401,14 +562,15 @@ class _Run:
                 }
 
 
-def _open_work(cfg: PrepConfig, keys, run_fp: str) -> WorkDir:
+def _check_outputs(cfg: PrepConfig, keys) -> None:
     finals = [output_prefix_for(cfg.output_prefix, k) for k in keys]
     existing = [p for f in finals for p in (Path(f"{f}.bin"), Path(f"{f}.idx")) if p.exists()]
     if existing and not cfg.overwrite:
         raise PortingError(f"{existing[0]} exists; pass --overwrite to replace it")
-    Path(cfg.output_prefix).parent.mkdir(parents=True, exist_ok=True)
-    work = WorkDir(work_path(cfg.output_prefix), keys)
-    if cfg.resume and work.exists():
+
+
+def _open_work(cfg: PrepConfig, work: WorkDir, keys, run_fp: str, resuming: bool) -> None:
+    if resuming:
         work.resume(run_fp)
         log.info("resuming %s after %d chunks", work.path, work.state["chunks"])
     else:
@@ -416,7 +578,18 @@ def _open_work(cfg: PrepConfig, keys, run_fp: str) -> WorkDir:
             log.info("replacing the partial run in %s (pass --resume to continue it)", work.path)
         work.start(_fresh_state(run_fp, keys))
     work.state["runs"] += 1
-    return work
+
+
+def _wind_down(work: WorkDir, opened: bool) -> str:
+    """After a run ended early: keep the work directory where it holds committed chunks (the
+    resume state), remove it where it holds nothing worth resuming; say which. A work directory
+    this run did not open (a refused --resume, a stop before the start) is left as it was."""
+    if opened and work.state.get("chunks", 0) > 0:
+        work.close()
+        return f"resume state kept in {work.path}; rerun the same command with --resume"
+    if opened:
+        work.remove()
+    return "partial outputs removed"
 
 
 def prepare(cfg: PrepConfig) -> dict:
@@ -429,19 +602,40 @@ def prepare(cfg: PrepConfig) -> dict:
         raise PortingError(f"--on-error {cfg.on_error}: one of {', '.join(ON_ERROR)}")
     if cfg.workers < 1:
         raise PortingError(f"--workers {cfg.workers}: need at least 1")
+    if cfg.max_record_bytes < 1:
+        raise PortingError(f"--max-record-bytes {cfg.max_record_bytes}: need at least 1")
     sources = expand_inputs(cfg.inputs)
     src = cfg.tokenizer
-    backend_name = _default_backend(src.kind) if cfg.backend == "auto" else cfg.backend
     tok_fp = fingerprint(src, cfg.include_special_tokens, cfg.use_fast)
-    work = _open_work(cfg, keys, _run_fingerprint(cfg, sources, tok_fp))
-    state = work.state
-    pos = state["position"]
-    tasks = iter_tasks(sources, keys, cfg.chunk_bytes, pos["source"], pos["offset"], cfg.split)
-    runner = _Runner(cfg, tasks, head_first=state["chunks"] == 0)
-    progress = None
+    run_fp = _run_fingerprint(cfg, sources, tok_fp)
+    # Everything above only reads; from here on this run alone writes under the prefix.
+    with output_lock(cfg.output_prefix, "dataset"):
+        return _prepare(cfg, sources, tok_fp, run_fp, t_start)
+
+
+def _prepare(cfg: PrepConfig, sources: list[Source], tok_fp: str, run_fp: str, t_start) -> dict:
+    keys = tuple(cfg.json_keys)
+    src = cfg.tokenizer
+    backend_name = _default_backend(src.kind) if cfg.backend == "auto" else cfg.backend
+    _check_outputs(cfg, keys)
+    work = WorkDir(work_path(cfg.output_prefix), keys)
+    opened = False
+    runner = progress = None
     t_work = time.perf_counter()
     try:
-        head = _head_texts(sources, keys, pos, cfg)
+        # Replacing or reopening the work directory is not cut short by a signal: it is either
+        # untouched or opened (and then removed or kept like any other).
+        with _signals_deferred():
+            _open_work(cfg, work, keys, run_fp, cfg.resume and work.exists())
+            opened = True
+        state = work.state
+        pos = state["position"]
+        tasks = iter_tasks(
+            sources, keys, cfg.chunk_bytes, pos["source"], pos["offset"], cfg.split,
+            cfg.max_record_bytes,
+        )  # fmt: skip
+        runner = _Runner(cfg, tasks, head_first=state["chunks"] == 0)
+        head = _head(sources, keys, pos, cfg)
         # Workers start on a guess while Megatron's tokenizer loads, where spare cores can absorb
         # the loading (and its memory is not on top of theirs on a small machine).
         guess = None
@@ -479,53 +673,73 @@ def prepare(cfg: PrepConfig) -> dict:
         progress = Progress(
             sum(s.size for s in sources), _bytes_done(sources, pos), cfg.show_progress
         )
-        for task, res in runner.results():
-            docs, tokens = run.add(task, res)
-            progress.update(task.disk_bytes, docs, tokens, res.nbytes)
-    except BaseException:
+        try:
+            for task, res in runner.results():
+                docs, tokens = run.add(task, res)
+                progress.update(task.disk_bytes, docs, tokens, res.nbytes)
+        except WorkerLost as err:
+            raise run.lost(err) from None
         runner.close()
-        if progress is not None:
-            progress.close()
-        if state["chunks"] == 0:
-            work.remove()  # nothing worth resuming
-        else:
-            work.close()
-        raise
-    runner.close()
-    progress.close()
-    work.close()
-    t_work = time.perf_counter() - t_work
+        progress.close()
+        work.close()
+        t_work = time.perf_counter() - t_work
 
-    for key in keys:
-        lengths = work.lens_path(key)
-        if work.bin_path(key).stat().st_size != total_tokens(lengths) * dtype.itemsize:
-            raise PortingError(f"{work.bin_path(key)}: size does not match its document lengths")
-        write_index_from_doc_lengths(
-            work.path / f"{key}.idx", facts.index_header, dtype.itemsize, lengths
+        for key in keys:
+            lengths = work.lens_path(key)
+            if work.bin_path(key).stat().st_size != total_tokens(lengths) * dtype.itemsize:
+                raise PortingError(
+                    f"{work.bin_path(key)}: size does not match its document lengths"
+                )
+            write_index_from_doc_lengths(
+                work.path / f"{key}.idx", facts.index_header, dtype.itemsize, lengths
+            )
+        elapsed = time.perf_counter() - t_start
+        state["elapsed"] += elapsed
+        report = _report(
+            cfg, sources, src, facts, backend_name, dtype, state, work.problems(), tok_fp, n_probes
         )
-    elapsed = time.perf_counter() - t_start
-    state["elapsed"] += elapsed
-    report = _report(
-        cfg, sources, src, facts, backend_name, dtype, state, work.problems(), tok_fp, n_probes
-    )
-    report["time"] = {
-        "seconds": round(elapsed, 3),
-        # From the first chunk handed out to the last one written: the steady-state part.
-        "processing_seconds": round(t_work, 3),
-        "seconds_all_runs": round(state["elapsed"], 3),
-        "runs": state["runs"],
-        "bytes_this_run": run.run_bytes,
-        "bytes_per_s": round(rate(run.run_bytes, elapsed), 1),
-        "tokens_per_s": round(rate(run.run_tokens, elapsed), 1),
-        "documents_per_s": round(rate(run.run_docs, elapsed), 1),
-    }
-    for key in keys:
-        final = output_prefix_for(cfg.output_prefix, key)
-        os.replace(work.bin_path(key), f"{final}.bin")
-        os.replace(work.path / f"{key}.idx", f"{final}.idx")
+        report["time"] = {
+            "seconds": round(elapsed, 3),
+            # From the first chunk handed out to the last one written: the steady-state part.
+            "processing_seconds": round(t_work, 3),
+            "seconds_all_runs": round(state["elapsed"], 3),
+            "runs": state["runs"],
+            "bytes_this_run": run.run_bytes,
+            "bytes_per_s": round(rate(run.run_bytes, elapsed), 1),
+            "tokens_per_s": round(rate(run.run_tokens, elapsed), 1),
+            "documents_per_s": round(rate(run.run_docs, elapsed), 1),
+        }
+        # Written beside the partial outputs, so that finishing is renames only.
+        write_json_atomic(work.path / REPORT, report)
+    except BaseException as err:
+        kept = "partial outputs removed"
+        try:
+            # A second signal must not cut the clean-up short; it is raised once it is done.
+            with _signals_deferred():
+                if runner is not None:
+                    runner.stop()
+                if progress is not None:
+                    progress.close()
+                kept = _wind_down(work, opened)
+        except (KeyboardInterrupt, Terminated) as stop:
+            stop.kept = kept
+            raise
+        if isinstance(err, (KeyboardInterrupt, Terminated)):
+            err.kept = kept
+        raise
     rpath = report_path(cfg.output_prefix)
-    write_json_atomic(rpath, report)
-    work.remove()
+    try:
+        # A signal now would leave some outputs renamed and the resume state without them.
+        with _signals_deferred():
+            for key in keys:
+                final = output_prefix_for(cfg.output_prefix, key)
+                os.replace(work.bin_path(key), f"{final}.bin")
+                os.replace(work.path / f"{key}.idx", f"{final}.idx")
+            os.replace(work.path / REPORT, rpath)
+            work.remove()
+    except (KeyboardInterrupt, Terminated) as err:
+        err.kept = f"it came as the run finished: outputs complete, report {rpath}"
+        raise
     log.info("wrote %s (%d records, %d skipped)", rpath, state["records"], state["skipped"])
     return report
 

@@ -1,9 +1,10 @@
 """From raw JSONL bytes (or dataset rows) to the texts to tokenize, naming what is wrong with the rest.
 
 Runs inside the tokenizing worker processes, so it imports nothing heavy. A record is one JSON line
-(or one dataset row); it is usable when it is a JSON object whose every ``--json-keys`` value is a
-non-empty string of valid Unicode. Anything else is a problem of one of :data:`PROBLEM_KINDS`,
-reported with its line (1-based, counted per file) by the caller.
+(or one dataset row); it is usable when it is at most ``--max-record-bytes`` long and a JSON object
+whose every ``--json-keys`` value is a non-empty string of valid Unicode. Anything else is a problem
+of one of :data:`PROBLEM_KINDS`, reported with its line (1-based, counted per file) by the caller;
+nothing a line holds raises out of :func:`parse_jsonl`.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from dataclasses import dataclass, field
 
 import orjson
 
-#: What can be wrong with a record, in the order the checks run.
+#: What can be wrong with a record, in the order the checks run (a dataset row's size is checked
+#: last, once its values are known to be text).
 PROBLEM_KINDS = (
+    "record_too_large",
     "invalid_utf8",
     "malformed_json",
     "not_object",
@@ -49,7 +52,7 @@ def _fallback_parse(line: bytes) -> tuple[object, tuple[str, str] | None]:
     caught by :func:`check_value`.
     """
     try:
-        line.decode("utf-8")
+        text = line.decode("utf-8")
     except UnicodeDecodeError as err:
         return None, ("invalid_utf8", f"invalid UTF-8 at byte {err.start} of the line")
     if line.startswith(b"\xef\xbb\xbf"):
@@ -57,9 +60,15 @@ def _fallback_parse(line: bytes) -> tuple[object, tuple[str, str] | None]:
     if not line.strip():
         return None, ("malformed_json", "blank line")
     try:
-        return json.loads(line), None
+        # The text, not the bytes: json.loads guesses the encoding of bytes from their first
+        # four (two NULs first read as UTF-32 and fail with UnicodeDecodeError); Megatron's
+        # script reads the file as UTF-8 text.
+        return json.loads(text), None
     except json.JSONDecodeError as err:
         return None, ("malformed_json", str(err))
+    except ValueError as err:
+        # An integer of more than sys.get_int_max_str_digits() digits (4300).
+        return None, ("malformed_json", str(err).split(";")[0])
     except RecursionError:
         return None, ("malformed_json", "nested too deeply")
 
@@ -80,14 +89,34 @@ def check_value(value) -> tuple[str, str] | None:
     return None
 
 
+def too_large(size: int, max_record: int) -> tuple[str, str]:
+    """The problem of a record of ``size`` bytes over the ``--max-record-bytes`` limit."""
+    return "record_too_large", f"{size} bytes > --max-record-bytes {max_record}"
+
+
+def oversize(length: int, span: int, keys: tuple[str, ...], max_record: int) -> Parsed:
+    """One line the planner measured and skipped unread (``span`` bytes with its newline)."""
+    return Parsed(
+        {k: [] for k in keys},
+        problems=[(0, *too_large(length, max_record))],
+        n_lines=1,
+        nbytes=span,
+    )
+
+
 def parse_jsonl(
-    data: bytes, keys: tuple[str, ...], keep_empty: bool, stop_at_first: bool
+    data: bytes,
+    keys: tuple[str, ...],
+    keep_empty: bool,
+    stop_at_first: bool,
+    max_record: int | None = None,
 ) -> Parsed:
     """Parse the complete lines in ``data`` (the last may lack its newline).
 
     ``keep_empty`` keeps empty strings as (empty) documents, as Megatron's ``preprocess_data.py``
     does; otherwise they are problems. ``stop_at_first`` returns at the first problem (the caller
-    will stop there anyway), leaving ``n_lines`` at the lines looked at.
+    will stop there anyway), leaving ``n_lines`` at the lines looked at. A line longer than
+    ``max_record`` bytes (without its newline) is a ``record_too_large`` problem, not parsed.
     """
     out = Parsed({k: [] for k in keys}, nbytes=len(data))
     lines = data.split(b"\n")
@@ -96,6 +125,12 @@ def parse_jsonl(
     columns = [out.texts[k] for k in keys]
     loads = orjson.loads
     for i, line in enumerate(lines):
+        if max_record is not None and len(line) > max_record:
+            out.problems.append((i, *too_large(len(line), max_record)))
+            if stop_at_first:
+                out.n_lines = i + 1
+                return out
+            continue
         strict = True
         try:
             obj = loads(line)
@@ -140,9 +175,14 @@ def parse_jsonl(
 
 
 def parse_rows(
-    columns: dict[str, list], keys: tuple[str, ...], keep_empty: bool, stop_at_first: bool
+    columns: dict[str, list],
+    keys: tuple[str, ...],
+    keep_empty: bool,
+    stop_at_first: bool,
+    max_record: int | None = None,
 ) -> Parsed:
-    """Check dataset rows (one list per key, equal lengths) as :func:`parse_jsonl` checks lines."""
+    """Check dataset rows (one list per key, equal lengths) as :func:`parse_jsonl` checks lines;
+    a row is too large when its texts together exceed ``max_record`` bytes of UTF-8."""
     n = len(columns[keys[0]])
     out = Parsed({k: [] for k in keys})
     nbytes = 0
@@ -156,6 +196,11 @@ def parse_rows(
             if bad is not None:
                 problem = (i, bad[0], f"key {k!r}: {bad[1]}")
                 break
+        size = 0
+        if problem is None:
+            size = sum(len(columns[k][i].encode("utf-8")) for k in keys)
+            if max_record is not None and size > max_record:
+                problem = (i, *too_large(size, max_record))
         if problem is not None:
             out.problems.append(problem)
             if stop_at_first:
@@ -165,7 +210,7 @@ def parse_rows(
             continue
         for k in keys:
             out.texts[k].append(columns[k][i])
-            nbytes += len(columns[k][i].encode("utf-8"))
+        nbytes += size
         out.lines.append(i)
     out.n_lines = n
     out.nbytes = nbytes

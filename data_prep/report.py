@@ -16,10 +16,14 @@ def report_path(output_prefix: str | Path) -> Path:
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
-    """Write JSON to a temporary sibling, then rename it into place."""
+    """Write JSON to a temporary sibling, then rename it into place (the sibling is removed if
+    writing fails or is interrupted)."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 class Progress:

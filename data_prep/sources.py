@@ -5,6 +5,14 @@ are cut by seeking, and the workers read their own byte ranges; gzip files are d
 and sent as bytes; dataset rows are sent as Python lists. A chunk's position is an offset into
 the decoded stream (bytes) or a row number, so a resumed run can start exactly where the last
 committed chunk ended.
+
+Input is bounded before anything is read: only regular files (and directories) are inputs, checked
+with ``stat`` so that a FIFO is never opened (``open`` would wait for a writer forever) and a
+character device such as ``/dev/zero`` is never read. A line longer than ``max_record`` bytes,
+where a chunk is cut, becomes an ``oversize`` task of its own: it is skipped over 64 KiB at a time
+and reaches no worker, so a 200 MB line costs neither 200 MB of memory nor a tokenizer call. Lines
+over the limit inside a chunk (when ``max_record`` is below ``chunk_bytes``) are at most a chunk
+long and are found by :func:`data_prep.records.parse_jsonl`.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from __future__ import annotations
 import glob
 import gzip
 import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +30,10 @@ from porting.errors import PortingError
 _JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".ndjson")
 _DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 _SEEK_BLOCK = 1 << 16
+#: --max-record-bytes: one JSONL line (or dataset row) at most this long is tokenized. The
+#: ``tokenizers`` library holds about 220 bytes per token of a text while it encodes it (measured:
+#: 2.8 GB for one 20 MB line), so this limit is what bounds a worker's memory.
+MAX_RECORD_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -57,10 +70,31 @@ def _dir_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def _what(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
 def _source(path: Path) -> Source:
-    st = path.stat()
-    if path.is_dir():
+    # stat, never open: opening a FIFO blocks until a writer appears, /dev/zero never ends.
+    try:
+        st = os.stat(path)
+    except OSError as err:
+        raise PortingError(f"--input {path}: cannot read ({err.strerror})") from err
+    if stat.S_ISDIR(st.st_mode):
         return Source(path, "hf-dataset", _dir_size(path), st.st_mtime_ns)
+    if not stat.S_ISREG(st.st_mode):
+        raise PortingError(
+            f"--input {path}: {_what(st.st_mode)}, not a regular file; prep-data reads files "
+            "whose size is known (copy a stream to a file first)"
+        )
     name = path.name.lower()
     if name.endswith(".gz"):
         kind = "jsonl.gz"
@@ -90,8 +124,9 @@ def expand_inputs(patterns: list[str]) -> list[Source]:
         for match in matches:
             path = Path(match)
             if path.is_dir() and not _is_dataset_dir(path):
+                # Not is_file(): a FIFO or device named *.jsonl is refused by _source, not skipped.
                 files = sorted(
-                    p for p in path.iterdir() if p.is_file() and p.name.endswith(_JSONL_SUFFIXES)
+                    p for p in path.iterdir() if not p.is_dir() and p.name.endswith(_JSONL_SUFFIXES)
                 )
                 if not files:
                     raise PortingError(
@@ -109,8 +144,9 @@ def expand_inputs(patterns: list[str]) -> list[Source]:
     return sources
 
 
-def _line_end(f, pos: int, size: int) -> int:
-    """The offset just past the first newline at or after ``pos`` (or ``size``)."""
+def _newline_at(f, pos: int, size: int) -> int:
+    """The offset of the first newline at or after ``pos`` (``size`` when there is none), read
+    64 KiB at a time."""
     f.seek(pos)
     while pos < size:
         block = f.read(_SEEK_BLOCK)
@@ -118,21 +154,65 @@ def _line_end(f, pos: int, size: int) -> int:
             return size
         k = block.find(b"\n")
         if k >= 0:
-            return pos + k + 1
+            return pos + k
         pos += len(block)
     return size
 
 
-def _plain_tasks(i: int, src: Source, start: int, chunk_bytes: int) -> Iterator[Task]:
+def _line_start(f, pos: int, lo: int) -> int:
+    """The offset of the line holding byte ``pos``: just past the last newline before it, or
+    ``lo``; read backwards 64 KiB at a time."""
+    end = pos
+    while end > lo:
+        start = max(lo, end - _SEEK_BLOCK)
+        f.seek(start)
+        k = f.read(end - start).rfind(b"\n")
+        if k >= 0:
+            return start + k + 1
+        end = start
+    return lo
+
+
+def _oversize(i: int, start: int, end: int, length: int, max_record: int) -> Task:
+    """A line of ``length`` bytes (without its newline) over the limit: no worker reads it."""
+    return Task(i, start, end, ("oversize", length, end - start, max_record), end - start)
+
+
+def _plain_tasks(
+    i: int, src: Source, start: int, chunk_bytes: int, max_record: int | None
+) -> Iterator[Task]:
     with open(src.path, "rb") as f:
         pos = start
         while pos < src.size:
-            end = _line_end(f, min(pos + chunk_bytes, src.size) - 1, src.size)
+            cut = min(pos + chunk_bytes, src.size) - 1  # the chunk's last byte, nominally
+            nl = _newline_at(f, cut, src.size)
+            end = min(nl + 1, src.size)
+            if max_record is not None and nl - pos > max_record:
+                # The line through the cut may be over the limit: measure it without reading it.
+                line = _line_start(f, cut, pos)
+                if nl - line > max_record:
+                    if line > pos:
+                        yield Task(i, pos, line, ("range", str(src.path), pos, line), line - pos)
+                    yield _oversize(i, line, end, nl - line, max_record)
+                    pos = end
+                    continue
             yield Task(i, pos, end, ("range", str(src.path), pos, end), end - pos)
             pos = end
 
 
-def _gzip_tasks(i: int, src: Source, start: int, chunk_bytes: int) -> Iterator[Task]:
+def _skip_line(f) -> tuple[int, bool]:
+    """Read to just past the next newline, 64 KiB at a time; (bytes read, newline found)."""
+    n = 0
+    while True:
+        block = f.readline(_SEEK_BLOCK)
+        n += len(block)
+        if not block or block.endswith(b"\n"):
+            return n, bool(block)
+
+
+def _gzip_tasks(
+    i: int, src: Source, start: int, chunk_bytes: int, max_record: int | None
+) -> Iterator[Task]:
     with open(src.path, "rb") as raw, gzip.GzipFile(fileobj=raw, mode="rb") as f:
         # A gzip stream cannot seek: resuming re-reads (but does not re-tokenize) what was done.
         skipped = 0
@@ -143,15 +223,41 @@ def _gzip_tasks(i: int, src: Source, start: int, chunk_bytes: int) -> Iterator[T
             skipped += got
         pos, disk = start, raw.tell()
         while True:
+            oversize = None
             try:
                 data = f.read(chunk_bytes)
                 if data and not data.endswith(b"\n"):
-                    data += f.readline()
+                    line = data.rfind(b"\n") + 1
+                    have = len(data) - line
+                    if max_record is None:
+                        data += f.readline()
+                    else:
+                        # At most enough of the line's rest to tell whether it is over the limit.
+                        rest = f.readline(max(0, max_record - have) + 1)
+                        length = have + len(rest) - rest.endswith(b"\n")
+                        if length <= max_record:
+                            data += rest
+                        else:
+                            more = 0
+                            if not rest.endswith(b"\n"):
+                                more, newline = _skip_line(f)
+                                length += more - newline
+                            oversize = (line, have + len(rest) + more, length)
             except (OSError, EOFError) as err:
                 raise PortingError(f"{src.path}: corrupt gzip stream ({err})") from err
             if not data:
                 return
             now = raw.tell()
+            if oversize is not None:
+                line, span, length = oversize
+                if line:
+                    yield Task(i, pos, pos + line, ("bytes", data[:line]), 0)
+                yield Task(
+                    i, pos + line, pos + line + span, ("oversize", length, span, max_record),
+                    now - disk,
+                )  # fmt: skip
+                pos, disk = pos + line + span, now
+                continue
             yield Task(i, pos, pos + len(data), ("bytes", data), now - disk)
             pos, disk = pos + len(data), now
 
@@ -216,16 +322,21 @@ def iter_tasks(
     resume_source: int = 0,
     resume_offset: int = 0,
     split: str | None = None,
+    max_record: int | None = None,
 ) -> Iterator[Task]:
-    """Every chunk of every input from the resume point on, in order."""
+    """Every chunk of every input from the resume point on, in order.
+
+    ``max_record``: a JSONL line longer than this (bytes, without its newline) that a chunk would
+    end in becomes an ``("oversize", length, span, max_record)`` task instead of being read.
+    """
     for i, src in enumerate(sources):
         if i < resume_source:
             continue
         start = resume_offset if i == resume_source else 0
         if src.kind == "jsonl":
-            yield from _plain_tasks(i, src, start, chunk_bytes)
+            yield from _plain_tasks(i, src, start, chunk_bytes, max_record)
         elif src.kind == "jsonl.gz":
-            yield from _gzip_tasks(i, src, start, chunk_bytes)
+            yield from _gzip_tasks(i, src, start, chunk_bytes, max_record)
         else:
             table = (
                 _parquet_columns(src, keys)

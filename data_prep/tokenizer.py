@@ -94,11 +94,24 @@ def read_checkpoint(ckpt: Path) -> TokenizerSource:
             f'{manifest}: \'tokenizer\' must be {{"kind": "hf"|"sentencepiece", "path": ...}}, '
             f"got {tok!r}"
         )
-    path = ckpt / tok["path"]
+    # The manifest may come from anyone: its path must stay inside the checkpoint's context/
+    # and name only regular files (a symlink out of it would read files elsewhere).
+    rel = Path(str(tok["path"]))
+    path = (ckpt / rel).resolve()
+    context = (ckpt / "context").resolve()
+    if rel.is_absolute() or ".." in rel.parts or not path.is_relative_to(context):
+        raise PortingError(
+            f"{manifest}: tokenizer path {tok['path']!r} must be a relative path inside "
+            f"{ckpt / 'context'}"
+        )
     if not path.exists():
         raise PortingError(
             f"{manifest}: tokenizer path {tok['path']!r} does not exist under {ckpt}"
         )
+    inside = path.iterdir() if path.is_dir() else [path]
+    for f in inside:
+        if f.is_symlink() or not (f.is_file() or f.is_dir()):
+            raise PortingError(f"{f}: a tokenizer file must be a regular file, not a link")
     padded = data["padded_vocab_size"]
     if not isinstance(padded, int) or padded <= 0:
         raise PortingError(

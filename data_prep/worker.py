@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import threading
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
@@ -16,10 +17,19 @@ from multiprocessing.connection import wait
 import numpy as np
 
 from data_prep.backends import BackendSpec, LightReference, build_backend, describe_diff, wrap
-from data_prep.records import parse_jsonl, parse_rows
+from data_prep.records import oversize, parse_jsonl, parse_rows
 from data_prep.sources import read_range
 
 _STATE: dict = {}
+
+#: Documents longer than this (characters) are not sampled: decoding (and, for gigatoken,
+#: re-encoding) one 20 MB document costs seconds and gigabytes for a lossiness estimate.
+SAMPLE_MAX_CHARS = 1 << 20
+
+#: Signals the main process decides on: it kills the workers itself (SIGKILL) as it stops, so
+#: that Ctrl-C or a SIGTERM sent to the whole process group gives one clean stop rather than a
+#: traceback per worker and a main process racing its dying pool.
+_PARENT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @dataclass(frozen=True)
@@ -35,6 +45,8 @@ class WorkerConfig:
     id_limit: int
     # (kind, payload, include_special_tokens) of the LightReference gigatoken is checked against.
     reference: tuple | None = None
+    # --max-record-bytes: longer lines (or dataset rows) are record_too_large problems.
+    max_record: int | None = None
     batch_chars: int = 1 << 20
     head_samples: int = 32
 
@@ -65,6 +77,12 @@ def _exit_with(sentinel) -> None:
     os._exit(1)
 
 
+def ignore_parent_signals() -> None:
+    """In a child process: leave SIGINT, SIGTERM and SIGHUP to the main process (which stops us)."""
+    for sig in _PARENT_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def init(config: WorkerConfig) -> None:
     """Process initializer: keep the config and build the backend once.
 
@@ -73,6 +91,7 @@ def init(config: WorkerConfig) -> None:
     """
     parent = multiprocessing.parent_process()
     if parent is not None:
+        ignore_parent_signals()
         threading.Thread(target=_exit_with, args=(parent.sentinel,), daemon=True).start()
     _STATE["config"] = config
     if config.backend.name == "megatron":
@@ -92,6 +111,8 @@ def init(config: WorkerConfig) -> None:
 def _encode_all(backend, texts: list[str], batch_chars: int) -> tuple[np.ndarray, np.ndarray]:
     """Encode in batches of about ``batch_chars`` characters, so that the tokenizer's per-token
     objects (``tokenizers.Encoding`` keeps strings and offsets) stay bounded by the batch."""
+    if not texts:
+        return np.empty(0, dtype=np.int32), np.empty(0, dtype=np.int64)
     parts_ids, parts_lens = [], []
     start, size = 0, 0
     for i, t in enumerate(texts):
@@ -127,12 +148,15 @@ def run(payload: tuple, head: bool = False) -> ChunkResult:
     """Parse, tokenize and check one chunk (``head``: the first chunk of the run, sampled more)."""
     cfg: WorkerConfig = _STATE["config"]
     backend = _STATE["backend"]
-    if payload[0] == "range":
-        parsed = parse_jsonl(read_range(*payload[1:]), cfg.keys, cfg.keep_empty, cfg.stop_at_first)
-    elif payload[0] == "bytes":
-        parsed = parse_jsonl(payload[1], cfg.keys, cfg.keep_empty, cfg.stop_at_first)
+    kind, checks = payload[0], (cfg.keys, cfg.keep_empty, cfg.stop_at_first, cfg.max_record)
+    if kind == "range":
+        parsed = parse_jsonl(read_range(*payload[1:]), *checks)
+    elif kind == "bytes":
+        parsed = parse_jsonl(payload[1], *checks)
+    elif kind == "oversize":
+        parsed = oversize(payload[1], payload[2], cfg.keys, payload[3])
     else:
-        parsed = parse_rows(payload[1], cfg.keys, cfg.keep_empty, cfg.stop_at_first)
+        parsed = parse_rows(payload[1], *checks)
     result = ChunkResult({}, {}, parsed.n_lines, parsed.nbytes, parsed.problems)
     n = len(parsed.lines)
     picks = sorted(set(range(min(n, cfg.head_samples)) if head else ({0, n // 2} if n else ())))
@@ -142,6 +166,8 @@ def run(payload: tuple, head: bool = False) -> ChunkResult:
         ids, lens = _encode_all(backend, texts, cfg.batch_chars)
         starts = np.cumsum(lens) - lens
         for d in picks:
+            if len(texts[d]) > SAMPLE_MAX_CHARS:
+                continue
             result.samples.append(
                 _sample(
                     parsed.lines[d], key, texts[d], ids[starts[d] : starts[d] + lens[d]].tolist()

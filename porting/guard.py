@@ -78,8 +78,15 @@ def stop_new_children(before: set[int], timeout: float = 5.0) -> int:
     """Terminate (then kill) descendants that are not in ``before``; returns how many were left."""
     import psutil
 
+    # multiprocessing's resource tracker ignores SIGTERM by design and exits with this process;
+    # stopping it would only cost the timeout and make Python relaunch it at exit.
+    tracker = _resource_tracker_pid()
     try:
-        procs = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        procs = [
+            p
+            for p in psutil.Process().children(recursive=True)
+            if p.pid not in before and p.pid != tracker
+        ]
     except psutil.Error:
         return 0
     for p in procs:
@@ -91,6 +98,12 @@ def stop_new_children(before: set[int], timeout: float = 5.0) -> int:
             p.kill()
     psutil.wait_procs(alive, timeout=timeout)
     return len(procs)
+
+
+def _resource_tracker_pid() -> int | None:
+    from multiprocessing import resource_tracker
+
+    return getattr(getattr(resource_tracker, "_resource_tracker", None), "_pid", None)
 
 
 def lock_path(output: str | os.PathLike) -> Path:
@@ -135,14 +148,18 @@ def output_lock(output: str | os.PathLike, what: str) -> Iterator[Path]:
                 ) from None
             raise
         try:
-            same = os.fstat(fd).st_ino == os.stat(path).st_ino
-        except FileNotFoundError:
-            same = False
+            try:
+                same = os.fstat(fd).st_ino == os.stat(path).st_ino
+            except FileNotFoundError:
+                same = False
+        except BaseException:
+            os.close(fd)
+            raise
         if same:
             break
         os.close(fd)
     _HELD[path] = 1
-    try:
+    try:  # entered right after the lock is won: a signal from here on removes the file
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield path
@@ -151,3 +168,25 @@ def output_lock(output: str | os.PathLike, what: str) -> Iterator[Path]:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
         os.close(fd)
+
+
+def return_freed_memory() -> None:
+    """Make freed tensor buffers go back to the OS at once (glibc only; a no-op elsewhere).
+
+    glibc serves allocations below its mmap threshold from the heap, and raises that threshold
+    (up to 32 MiB) each time a larger block is freed; a conversion that frees one 32 MiB tensor
+    after another then keeps the freed ones as heap fragments, and its resident memory grows with
+    the number of layers. A fixed 1 MiB threshold maps every tensor separately and unmaps it on
+    free.
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name:
+        return
+    try:
+        libc = ctypes.CDLL(name)
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: fixed, so never raised
+    except (OSError, AttributeError):
+        return

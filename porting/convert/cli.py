@@ -67,6 +67,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_import(args) -> int:
     quiet.offline()
+    guard.return_freed_memory()
     # Taken before NeMo's import (seconds), so that a second run on this output fails at once.
     with guard.output_lock(args.out, "checkpoint"):
         from porting.convert.api import import_hf
@@ -93,6 +94,7 @@ def _cmd_import(args) -> int:
 
 def _cmd_export(args) -> int:
     quiet.offline()
+    guard.return_freed_memory()
     with guard.output_lock(args.out, "HF directory"):
         from porting.convert.api import export_hf
 

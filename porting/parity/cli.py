@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from porting import quiet
+from porting import guard, quiet
 
 
 def add_gate_flags(p: argparse.ArgumentParser) -> None:
@@ -60,6 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_verify(args) -> int:
     quiet.offline()
+    guard.return_freed_memory()
     from porting.parity import harness
 
     quiet.quiet_nemo()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -256,50 +257,52 @@ def streamed_logits(
     )
     n = len(hf.layers)
     bar = tqdm(total=2 * n, desc="parity", unit="layer", leave=False, disable=not show_progress)
-    hf_in: list[torch.Tensor] = []
-    hf_out: list[torch.Tensor] = []
+    # Each HF layer's input and output go to disk, not memory: the Megatron pass needs them one
+    # layer at a time, and kept in RAM they would grow with the depth.
+    scratch = tempfile.TemporaryDirectory(prefix="porting-parity-")
+    kept = Path(scratch.name)
 
     def on_hf_layer(i, layer, args, kwargs, output):
         hidden = args[0] if args else kwargs["hidden_states"]
-        hf_in.append(hidden.detach().clone())
-        hf_out.append(output.detach().clone())
+        torch.save({"in": hidden.detach(), "out": output.detach()}, kept / f"{i}.pt")
         bar.update()
 
-    hf_logits = hf.run(lambda: hf.model(input_ids=ids, use_cache=False).logits, on_hf_layer)
-    hf_logits = hf_logits[..., :vocab_size].float()
-    hf = None  # the HF model is released before the Megatron side is built
-    gc.collect()
+    with scratch:
+        hf_logits = hf.run(lambda: hf.model(input_ids=ids, use_cache=False).logits, on_hf_layer)
+        hf_logits = hf_logits[..., :vocab_size].float()
+        hf = None  # the HF model is released before the Megatron side is built
+        gc.collect()
 
-    mc, _ = _megatron_side(Path(ckpt), family)
-    if len(mc.layers) != n:
-        raise PortingError(
-            f"{ckpt}: {len(mc.layers)} Megatron layers against {n} in {hf_dir}/config.json"
-        )
-    report: list[LayerDivergence] = []
-    mask = valid.transpose(0, 1)  # Megatron's hidden states are [s, b, h]
-
-    def on_mc_layer(i, layer, args, kwargs, output):
-        ref = hf_out[i].transpose(0, 1)[mask]
-        got = output[mask]
-        diff = (got - ref).abs()
-        own_kwargs = dict(kwargs, hidden_states=hf_in[i].transpose(0, 1).contiguous())
-        own = _output(layer.forward(*args, **own_kwargs))[mask]
-        own_diff = (own - ref).abs().max().item()
-        report.append(
-            LayerDivergence(
-                layer=i,
-                max_abs=diff.max().item(),
-                mean_abs=diff.mean().item(),
-                max_rel=_relative(diff.max().item(), ref),
-                own_max_abs=own_diff,
-                own_max_rel=_relative(own_diff, ref),
+        mc, _ = _megatron_side(Path(ckpt), family)
+        if len(mc.layers) != n:
+            raise PortingError(
+                f"{ckpt}: {len(mc.layers)} Megatron layers against {n} in {hf_dir}/config.json"
             )
-        )
-        hf_in[i] = hf_out[i] = None  # not needed again
-        bar.update()
+        report: list[LayerDivergence] = []
+        mask = valid.transpose(0, 1)  # Megatron's hidden states are [s, b, h]
 
-    positions = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
-    mc_logits = mc.run(lambda: mc.model(ids, positions, None), on_mc_layer)
+        def on_mc_layer(i, layer, args, kwargs, output):
+            saved = torch.load(kept / f"{i}.pt", weights_only=True)
+            ref = saved["out"].transpose(0, 1)[mask]
+            got = output[mask]
+            diff = (got - ref).abs()
+            own_kwargs = dict(kwargs, hidden_states=saved["in"].transpose(0, 1).contiguous())
+            own = _output(layer.forward(*args, **own_kwargs))[mask]
+            own_diff = (own - ref).abs().max().item()
+            report.append(
+                LayerDivergence(
+                    layer=i,
+                    max_abs=diff.max().item(),
+                    mean_abs=diff.mean().item(),
+                    max_rel=_relative(diff.max().item(), ref),
+                    own_max_abs=own_diff,
+                    own_max_rel=_relative(own_diff, ref),
+                )
+            )
+            bar.update()
+
+        positions = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+        mc_logits = mc.run(lambda: mc.model(ids, positions, None), on_mc_layer)
     bar.close()
     mc_logits = mc_logits[..., :vocab_size].float()
     return unpad(hf_logits, prompts), unpad(mc_logits, prompts), report
