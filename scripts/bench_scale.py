@@ -27,7 +27,8 @@ from pathlib import Path
 SIZES = {
     "7b": dict(hidden=4096, layers=32, ffn=11008, heads=32, kv=32, vocab=32000),
     "7b-deep": dict(hidden=4096, layers=64, ffn=11008, heads=32, kv=32, vocab=32000),
-    "1b": dict(hidden=2048, layers=16, ffn=5632, heads=16, kv=4, vocab=32000),
+    "1b": dict(hidden=2048, layers=16, ffn=5632, heads=16, kv=16, vocab=32000),
+    "1b-deep": dict(hidden=2048, layers=32, ffn=5632, heads=16, kv=16, vocab=32000),
 }
 SHARD_BYTES = 4 * 2**30
 
@@ -130,10 +131,23 @@ def timed(cmd: list[str], log: Path) -> dict:
 NEMO_IMPORT = """
 import sys
 from nemo.collections import llm
-cfg = llm.Llama2Config7B()
-for k, v in dict(num_layers=int(sys.argv[3])).items():
-    setattr(cfg, k, v)
-llm.import_ckpt(model=llm.LlamaModel(cfg), source="hf://" + sys.argv[1], output_path=sys.argv[2])
+from nemo.collections.llm.gpt.model.base import GPTConfig
+from nemo.collections.llm.gpt.model.llama import LlamaConfig
+from porting import cpu
+
+cpu.enable()
+cpu.ensure_rendezvous_env()
+
+
+def post_init(self):  # NeMo's LlamaConfig turns CUDA-only fusions on; off so it builds on the CPU
+    cpu.cpu_safe_config(self)
+    GPTConfig.__post_init__(self)
+
+
+LlamaConfig.__post_init__ = post_init
+# The importer builds its config from the HF directory; this one only selects the class.
+placeholder = LlamaConfig(num_layers=1, hidden_size=64, num_attention_heads=4)
+llm.import_ckpt(model=llm.LlamaModel(placeholder), source="hf://" + sys.argv[1], output_path=sys.argv[2])
 """
 
 
@@ -196,6 +210,8 @@ def main() -> int:
     for r in rows:
         peak = r["peak_rss"] or 0
         result = "ok" if r["rc"] == 0 else ("out of memory" if r["oom"] else f"exit {r['rc']}")
+        if r.get("error"):
+            result += f": {r['error']}"
         print(
             f"{r['size']:<9}{r['step']:<22}{r['wall_s']:>8.0f}{peak / 2**30:>14.2f}"
             f"{peak / r['weights']:>14.2f}  {result}"
