@@ -286,9 +286,14 @@ def ensure_rendezvous_env(world_size: int = 1) -> None:
     fixed port, which collides when two imports run on one machine. A ``MASTER_PORT`` inherited
     from a parent process (a training job, a test runner) is in use by that parent, so a
     single-process run takes a fresh port; with several processes (``world_size`` > 1, or a
-    launcher's ``WORLD_SIZE``) the caller's or the launcher's settings stand.
+    launcher's ``WORLD_SIZE``) the caller's or the launcher's settings stand. So do torchrun's for a
+    single worker (``TORCHELASTIC_RUN_ID``, as NeMo-Run's launcher starts it): torchrun's workers
+    join the store its agent serves at ``MASTER_ADDR:MASTER_PORT``
+    (``TORCHELASTIC_USE_AGENT_STORE``), and on a fresh port they would wait for it forever.
     """
     if world_size > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
         return
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return
