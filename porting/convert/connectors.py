@@ -137,7 +137,10 @@ class PortingImporter(io.ModelConnector):
             import tempfile
             import weakref
 
-            staging = Path(tempfile.mkdtemp(prefix="porting-tokenizer-"))
+            # Inside the output being written when there is one (convert_into): a killed run's
+            # staging then goes with its partial directory instead of staying in the temp dir.
+            root = getattr(self, "_staging_root", None)
+            staging = Path(tempfile.mkdtemp(prefix=".tokenizer-staging-", dir=root))
             weakref.finalize(self, shutil.rmtree, staging, True)
             # NeMo copies the artifact directory into context/ under its own name; naming it
             # nemo_tokenizer makes that the one copy (and the place the manifest points at).
@@ -157,6 +160,8 @@ class PortingImporter(io.ModelConnector):
 
         cpu.enable()
         cpu.ensure_rendezvous_env()
+        if getattr(self, "_tokenizer", None) is None:
+            self._staging_root = out
         hf_dir = Path(str(self))
         family = self.FAMILY
         hf_config = self.hf_config
@@ -208,6 +213,8 @@ class PortingImporter(io.ModelConnector):
         del trainer, model
         gc.collect()
         manifest = self._write_extras(out, hf_dir, hf_config, ctx, dtype)
+        if self._tokenizer_dir.is_relative_to(out):
+            shutil.rmtree(self._tokenizer_dir.parent, ignore_errors=True)
         log.info(
             "imported %s (%s, %s): %d HF tensors -> %d Megatron parameters, %d ignored",
             hf_dir,
