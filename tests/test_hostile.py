@@ -6,6 +6,7 @@ The io.json attack is the real one: NeMo's own ``load_context`` is shown to run 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -262,6 +263,15 @@ def _tree(proc: psutil.Process) -> set[int]:
         return set()
 
 
+def _running(pids: set[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+    return alive
+
+
 def _stop_at(tmp_path: Path, src: Path, when, sig=signal.SIGTERM) -> tuple[int, str, set[int]]:
     """Run `porting import SRC`, send ``sig`` once ``when(out)`` holds; returns (code, err, pids)."""
     out = tmp_path / "ck"
@@ -277,8 +287,10 @@ def _stop_at(tmp_path: Path, src: Path, when, sig=signal.SIGTERM) -> tuple[int, 
     assert proc.poll() is None, "the run ended before the signal point"
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
-    time.sleep(0.5)
-    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    # A child learns that its parent ended when a pipe closes: allow it a moment to exit.
+    deadline = time.monotonic() + 15
+    while (alive := _running(pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert alive == [], alive
     if sig == signal.SIGKILL:
         assert not out.exists()  # the partial directory stays; the next run removes it

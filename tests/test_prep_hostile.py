@@ -92,12 +92,14 @@ class _Tree:
             argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
         )
         self.seen: dict[int, float] = {}
+        self.names: dict[int, str] = {}
 
     def poll(self) -> None:
         with contextlib.suppress(psutil.Error):
             for child in psutil.Process(self.proc.pid).children(recursive=True):
                 with contextlib.suppress(psutil.Error):
                     self.seen.setdefault(child.pid, child.create_time())
+                    self.names.setdefault(child.pid, " ".join(child.cmdline())[:200])
 
     def wait_for(self, ready, what: str, timeout: float = RUN_TIMEOUT) -> None:
         """Poll until ``ready()``; fail if the run ends (or the time runs out) first."""
@@ -118,9 +120,19 @@ class _Tree:
         _, err = self.proc.communicate(timeout=60)
         return self.proc.returncode, err
 
-    def alive(self) -> list[int]:
-        """Processes of the tree still running: those seen (same pid and start time), and any
-        other left in its session."""
+    def alive(self, grace: float = 15.0) -> list[int]:
+        """Processes of the tree still running ``grace`` seconds after it ended: those seen (same
+        pid and start time), and any other left in its session.
+
+        multiprocessing's resource tracker only learns that its process ended when its pipe
+        closes, so it exits just after it; on a loaded machine that takes a moment.
+        """
+        deadline = time.monotonic() + grace
+        while (left := self._running()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return left
+
+    def _running(self) -> list[int]:
         left = set()
         for pid, created in self.seen.items():
             with contextlib.suppress(psutil.Error):
@@ -135,6 +147,16 @@ class _Tree:
                 ):
                     left.add(pid)
         return sorted(left)
+
+    def describe(self) -> list[str]:
+        """The command lines of the processes still alive, for a failure message."""
+        lines = []
+        for pid in self._running():
+            with contextlib.suppress(psutil.Error):
+                p = psutil.Process(pid)
+                name = self.names.get(pid, " ".join(p.cmdline())[:200])
+                lines.append(f"{pid} {p.status()} ppid={p.ppid()} {name}")
+        return lines
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -258,7 +280,7 @@ def test_stop_signal_kills_the_tree_and_keeps_only_the_resume_state(
     name = signal.Signals(sig).name
     assert rc == 128 + sig, err[-3000:]
     assert "Traceback" not in err
-    assert run.alive() == [], f"processes of the tree outlived it: {run.alive()}"
+    assert run.alive() == [], f"processes of the tree outlived it: {run.describe()}"
     leftovers = _under(prefix)
     if when == "start":
         assert f"porting prep-data: stopped by {name}; partial outputs removed" in err

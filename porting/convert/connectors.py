@@ -160,6 +160,8 @@ class PortingImporter(io.ModelConnector):
 
         cpu.enable()
         cpu.ensure_rendezvous_env()
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
         if getattr(self, "_tokenizer", None) is None:
             self._staging_root = out
         hf_dir = Path(str(self))

@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"``."""
     return str(dtype).removeprefix("torch.")
@@ -62,9 +63,6 @@ def build_config(
     )
     config = family.config_cls(**kwargs)
     return config, family.shape_context(config, vocab)
-
-
-
 
 
 def init_parallel(tp: int = 1, pp: int = 1, rank: int = 0, world_size: int = 1) -> None:
