@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import socket
+import sys
 from typing import Any
 
 import torch
@@ -166,6 +167,11 @@ def enable() -> None:
 
     tp.get_cuda_rng_tracker = mp_random.get_cuda_rng_tracker
     tp.model_parallel_cuda_manual_seed = _cpu_model_parallel_seed
+    # Activation recomputation (random.py: CheckpointFunction, _get_all_rng_states) saves and
+    # restores the CUDA generator's state beside the CPU one and the tracker's; on the CPU the
+    # CPU generator (which the tracker above also uses) is all there is.
+    mp_random._get_cuda_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)
+    mp_random._set_cuda_rng_state = lambda *a, **k: None
 
     # NeMo seeds the tracker only on its CUDA path (nemo/lightning/_strategy_lib.py), so give it
     # Megatron's default seed here; model_parallel_cuda_manual_seed re-seeds it as upstream.
@@ -185,17 +191,39 @@ def _is_cuda_device(device: Any) -> bool:
     return isinstance(device, str) and device.startswith("cuda")
 
 
+# Where Megatron's optimizer asks a parameter for its CUDA type name (see _CpuDeviceMode).
+_OPTIMIZER_DIR = os.path.join("megatron", "core", "optimizer", "")
+
+
+def _called_from_megatron_optimizer() -> bool:
+    # frame 0: this function, 1: __torch_function__, 2: the caller of Tensor.type()
+    return _OPTIMIZER_DIR in sys._getframe(2).f_code.co_filename
+
+
 class _CpuDeviceMode(torch.overrides.TorchFunctionMode):
     """Maps ``device="cuda"``, ``.cuda()``, ``.to("cuda")`` and ``pin_memory=True`` to the CPU.
 
     Megatron's optimizer (``megatron/core/optimizer/``: grad buffers, ``found_inf``, norms) and
     NeMo's ``MegatronStrategy.training_step`` logging create tensors on CUDA unconditionally.
+
+    Also answers ``megatron/core/optimizer/distrib_optimizer.py``
+    (``_build_model_and_main_param_groups``) and ``optimizer.py`` (``Float16OptimizerWithFloat16Params``),
+    which sort parameters by ``Tensor.type()`` and accept only ``torch.cuda.*Tensor`` names: a
+    ``Tensor.type()`` called from ``megatron/core/optimizer/`` reports the CUDA name of the CPU
+    tensor's dtype (``torch.FloatTensor`` -> ``torch.cuda.FloatTensor``). Every other caller, and
+    ``Tensor.type(dtype)`` conversions, see the stock answer.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if func in (torch.Tensor.cuda, torch.Tensor.pin_memory):
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            if name.startswith("torch.") and not name.startswith("torch.cuda."):
+                if _called_from_megatron_optimizer():
+                    return "torch.cuda." + name[len("torch.") :]
+            return name
         if _is_cuda_device(kwargs.get("device")):
             kwargs["device"] = "cpu"
         if kwargs.get("pin_memory"):
@@ -227,6 +255,108 @@ def _cpu_clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_deco
                 grad.detach().mul_(clip_coeff)
 
 
+def _patch_torch_adam_step(distrib_optimizer) -> None:
+    """Keep torch AdamW's per-parameter ``step`` out of the distributed optimizer's tensor state.
+
+    Answers ``megatron/core/optimizer/distrib_optimizer.py``. Without Transformer Engine or apex
+    (always the case on the CPU) Megatron's Adam is ``torch.optim.AdamW``, whose state holds a 0-d
+    ``step`` tensor beside ``exp_avg``/``exp_avg_sq``. ``_get_main_param_and_optimizer_states``
+    hands it to the checkpoint formats as if it were a flat shard (``dp_reshardable`` then asserts
+    on its shape at the first save), and ``_set_main_param_and_optimizer_states`` copies every state
+    key from the loaded tensors, which the ``fully_reshardable`` loader gives without ``step``.
+    Upstream already carries the step in the optimizer's param groups (``state_dict`` /
+    ``load_state_dict``: "Extract 'step', for non-Apex/TE support"), so it is dropped from the
+    tensors on save and kept as it is on load.
+
+    That ``state_dict`` asserts one common ``step`` over the inner optimizer's states, and a
+    resume calls it (``sharded_state_dict(is_loading=True)``) before any step made them: the states
+    are first given torch's own initial values (``step`` 0, zero moments, as
+    ``torch.optim.Adam._init_group`` makes them), which the checkpoint then overwrites. The
+    ``dp_reshardable`` loader copies into fp32 main params, which are views of the model's leaf
+    parameters, with grad mode on; the copy is made under ``torch.no_grad()``. And
+    ``load_state_dict`` gives every parameter's state one shared ``step`` tensor, which torch's Adam
+    would advance once per parameter per step: each gets its own copy (measured: without it a
+    resumed run's losses leave the uninterrupted run's by 1.7e-2 to 4.4e-2 from the second
+    resumed step on).
+    """
+    if getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True):
+        return
+    cls = distrib_optimizer.DistributedOptimizer
+    get_states = cls._get_main_param_and_optimizer_states
+    set_states = cls._set_main_param_and_optimizer_states
+    state_dict = cls.state_dict
+    load_state_dict = cls.load_state_dict
+
+    def _state_dict(self):
+        if isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            for group in self.optimizer.param_groups:
+                for param in group["params"]:
+                    state = self.optimizer.state[param]
+                    if "step" not in state:
+                        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                        for key in ("exp_avg", "exp_avg_sq"):
+                            if key not in state:
+                                state[key] = torch.zeros_like(
+                                    param, memory_format=torch.preserve_format
+                                )
+        return state_dict(self)
+
+    def _load_state_dict(self, state_dict):
+        load_state_dict(self, state_dict)
+        # Upstream gives every parameter's state the same ``step`` tensor; torch's Adam
+        # increments each parameter's step in place, so a shared one would advance once per
+        # parameter per step (and bias-correct with that count).
+        for state in self.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].detach().clone()
+
+    def _get(self, model_param):
+        tensors = get_states(self, model_param)
+        tensors.pop("step", None)
+        return tensors
+
+    def _set(self, model_param, tensors):
+        if not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8 and "step" not in tensors:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            step = self.optimizer.state[main_param].get("step")
+            if step is not None:
+                tensors = dict(tensors, step=step)  # copied onto itself
+        # With fp32 parameters (the CPU's precision) the main param is a view of the model's leaf
+        # parameter, and load_parameter_state_from_dp_reshardable copies into it with grad on.
+        with torch.no_grad():
+            return set_states(self, model_param, tensors)
+
+    cls._get_main_param_and_optimizer_states = _get
+    cls._set_main_param_and_optimizer_states = _set
+    cls.state_dict = _state_dict
+    cls.load_state_dict = _load_state_dict
+
+
+_RESULTS_QUEUE: Any = None
+
+
+def _local_results_queue():
+    """CPU version of ``filesystem_async._get_write_results_queue``.
+
+    Answers ``megatron/core/dist_checkpointing/strategies/filesystem_async.py``, which gets its
+    write results back through a ``multiprocessing`` Manager queue of the spawn context, so that an
+    asynchronous save's worker process can hand them on. On the CPU saves are synchronous
+    (``ckpt_async_save`` is off; ``async_utils.AsyncRequest.execute_sync``): the results are put
+    and read in this process, after its forked writers finish, so a thread queue does. The
+    Manager is a spawned server process started at the first save, with a resource tracker that
+    ignores SIGTERM; porting's exit cleanup (``porting.guard.stop_new_children``) then waits out
+    its 5 s timeout in every training process. (A fork-context ``multiprocessing.Queue`` will not
+    do: upstream checks ``empty()`` right after the put, before the queue's feeder thread flushed.)
+    """
+    global _RESULTS_QUEUE
+    if _RESULTS_QUEUE is None:
+        import queue
+
+        _RESULTS_QUEUE = queue.Queue()
+    return _RESULTS_QUEUE
+
+
 _TRAINING_MODE: _CpuDeviceMode | None = None
 
 
@@ -245,8 +375,31 @@ def enable_training() -> None:
     for module in (clip_grads, optimizer, distrib_optimizer):
         if hasattr(module, "clip_grad_by_total_norm_fp32"):
             module.clip_grad_by_total_norm_fp32 = _cpu_clip_grad_by_total_norm_fp32
+    _patch_torch_adam_step(distrib_optimizer)
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    filesystem_async._get_write_results_queue = _local_results_queue
     _TRAINING_MODE = _CpuDeviceMode()
     _TRAINING_MODE.__enter__()
+
+
+def cpu_safe_strategy(strategy: Any) -> Any:
+    """Drop NeMo's Megatron timers from a ``MegatronStrategy`` in place (no-op under CUDA).
+
+    Answers ``nemo/lightning/pytorch/strategies/megatron_strategy.py``, which builds
+    ``megatron/core/timers.py::Timers`` and hands them to the model config and to NeMo's
+    ``ProgressPrinter`` (``nemo/lightning/pytorch/callbacks/progress_printer.py``). The printer
+    runs on the first rank only, and its ``Timers.get_all_timers_string`` all-gathers over every
+    rank; over gloo that lone collective pairs with the next collective of the other ranks, and a
+    multi-process run hangs at its first checkpoint save (measured: TP=2 on 2 gloo processes with
+    the progress printer logs 4 of 8 steps and hangs at the save after the 4th with
+    ``--save-every 4``; with ``timers = None`` it saves twice and finishes). Megatron checks
+    ``config.timers is not None`` before every use.
+    """
+    if cuda_available():
+        return strategy
+    strategy.timers = None
+    return strategy
 
 
 def _cpu_model_parallel_seed(seed: int, *args: Any, **kwargs: Any) -> None:

@@ -33,9 +33,18 @@ def gpus_per_node(cluster: Cluster) -> int:
     return values.pop()
 
 
-def train_argv(p: Prediction, plan: Plan, checkpoint: str, data: str, out: str) -> list[str]:
-    """``porting train`` arguments for a layout (the flags the train entry must accept)."""
+def train_argv(
+    p: Prediction, plan: Plan, checkpoint: str, data: str, out: str, plan_file: str | None = None
+) -> list[str]:
+    """``porting train`` arguments for a layout (the flags the train entry must accept).
+
+    Every setting the plan's prediction assumed is spelled out (rank order, distributed optimizer
+    and its instances, overlaps, gradient-reduce dtype, micro-batch, recompute, VP), and
+    ``--plan plan_file`` lets ``porting train`` refuse a checkpoint or flags the plan was not made
+    for.
+    """
     lay = p.layout
+    s = plan.settings
     argv = [
         "--checkpoint", checkpoint,
         "--data", data,
@@ -57,9 +66,18 @@ def train_argv(p: Prediction, plan: Plan, checkpoint: str, data: str, out: str) 
     ]  # fmt: skip
     if p.order == ORDER_TP_PP_DP:
         argv.append("--use-tp-pp-dp-mapping")
-    if not plan.settings.distributed_optimizer:
+    if not s.distributed_optimizer:
         argv.append("--no-distributed-optimizer")
     argv += ["--num-distributed-optimizer-instances", str(lay.instances)]
+    if s.overlap_grad_reduce:
+        argv.append("--overlap-grad-reduce")
+    if s.overlap_param_gather and s.distributed_optimizer:
+        argv.append("--overlap-param-gather")
+    if not s.grad_reduce_in_fp32:
+        argv.append("--grad-reduce-in-bf16")
+    argv += ["--recompute", lay.recompute]
+    if plan_file:
+        argv += ["--plan", plan_file]
     return argv
 
 
@@ -156,7 +174,10 @@ def torchrun_commands(plan: Plan, argv: list[str]) -> str:
 
 
 def torchrun_script(plan: Plan, argv: list[str]) -> str:
-    """``bash torchrun.sh NODE_RANK`` on every node; ranks are given out site by site."""
+    """``bash torchrun.sh NODE_RANK [FLAGS]`` on every node; ranks are given out site by site.
+
+    FLAGS (``--steps 1000 --lr 3e-5``) are added to the planned ``porting train`` flags.
+    """
     cmd = _shell_argv(argv)
     ranges, first = [], 0
     for s in plan.cluster.sites:
@@ -164,7 +185,8 @@ def torchrun_script(plan: Plan, argv: list[str]) -> str:
         first += s.nodes
     n = plan.cluster.nodes
     return f"""#!/bin/bash
-# torchrun on each node of {plan.cluster.name}: run `bash torchrun.sh NODE_RANK` on every node
+# torchrun on each node of {plan.cluster.name}: run `bash torchrun.sh NODE_RANK [FLAGS]` on every
+# node; FLAGS (e.g. --steps 1000 --lr 3e-5) are added to the planned porting train flags
 # (torchrun_per_node.txt lists each node's full command). Node ranks go site by site:
 {chr(10).join(ranges)}
 # A static node rank (no c10d rendezvous) keeps global ranks in that order.
@@ -173,12 +195,13 @@ cd "$(dirname "$0")"
 source ./nccl.env
 : "${{MASTER_ADDR:?set MASTER_ADDR to the host of node rank 0}}"
 {_var_checks(argv)}
-NODE_RANK="${{1:?usage: torchrun.sh NODE_RANK}}"
+NODE_RANK="${{1:?usage: torchrun.sh NODE_RANK [porting train flags]}}"
 if ! [ "$NODE_RANK" -ge 0 ] 2>/dev/null || [ "$NODE_RANK" -ge {n} ]; then
   echo "node rank must be 0..{n - 1}" >&2
   exit 2
 fi
-exec {_torchrun(plan, '"$NODE_RANK"', cmd)}
+shift
+exec {_torchrun(plan, '"$NODE_RANK"', cmd)} "$@"
 """
 
 
@@ -372,7 +395,7 @@ def write_launch(
     p = p or plan.best
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    argv = train_argv(p, plan, checkpoint, data, run_dir)
+    argv = train_argv(p, plan, checkpoint, data, run_dir, str(out.resolve() / "plan.json"))
     chosen = plan_dict(plan, top=0)
     chosen["layouts"] = [prediction_dict(p)]
     chosen["train_argv"] = argv

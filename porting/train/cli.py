@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import shutil
 import signal
@@ -51,8 +52,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=int, default=0, help="linear warmup steps")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (0: none)")
-    p.add_argument("--val-every", type=int, default=None, help="validate every N steps (end)")
-    p.add_argument("--split", default="99,1,0", help="train,valid,test split of the data")
+    p.add_argument(
+        "--valid-data",
+        nargs="+",
+        default=None,
+        help="validation prefixes (or a blend W1 P1 ...); default: the --split share of --data",
+    )
+    p.add_argument(
+        "--eval-every",
+        "--val-every",
+        dest="eval_every",
+        type=int,
+        default=None,
+        help="validate every N steps (default: once, at the end)",
+    )
+    p.add_argument(
+        "--eval-iters", type=int, default=2, help="global batches per validation (default 2)"
+    )
+    p.add_argument(
+        "--split", default="99,1,0", help="train,valid,test split of --data (without --valid-data)"
+    )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument(
@@ -60,11 +79,36 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--no-distributed-optimizer", action="store_true")
     p.add_argument(
+        "--optim-fully-reshardable",
+        action="store_true",
+        help="save the distributed optimizer's state so that a resume may change TP/PP (it is "
+        "gathered per data-parallel group at each save); by default it reshards across DP only",
+    )
+    p.add_argument(
         "--use-tp-pp-dp-mapping",
         action="store_true",
         help="Megatron's tp-cp-ep-pp-dp rank order (keeps PP inside a site; see `porting plan`)",
     )
     p.add_argument("--num-distributed-optimizer-instances", type=int, default=1)
+    p.add_argument("--overlap-grad-reduce", action="store_true")
+    p.add_argument("--overlap-param-gather", action="store_true")
+    p.add_argument(
+        "--grad-reduce-in-bf16",
+        action="store_true",
+        help="reduce gradients in the model's dtype instead of fp32",
+    )
+    p.add_argument(
+        "--recompute",
+        choices=["none", "selective", "full"],
+        default="none",
+        help="activation recomputation (full: uniform, one layer per unit)",
+    )
+    p.add_argument(
+        "--plan",
+        type=Path,
+        default=None,
+        help="plan.json from `porting plan --emit`: refuse a checkpoint or flags it was not made for",
+    )
     p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto")
     p.add_argument(
         "--executor",
@@ -79,7 +123,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _spec(args):
-    from porting.train.recipe import TrainSpec
+    from porting.train.checks import TrainSpec
 
     return TrainSpec(
         checkpoint=args.checkpoint,
@@ -99,15 +143,23 @@ def _spec(args):
         warmup=args.warmup,
         weight_decay=args.weight_decay,
         save_every=args.save_every,
-        val_every=args.val_every,
+        valid_data=list(args.valid_data) if args.valid_data else None,
+        eval_every=args.eval_every,
+        eval_iters=args.eval_iters,
         split=args.split,
         seed=args.seed,
         nodes=args.nodes,
         gpus_per_node=args.gpus_per_node,
         distributed_optimizer=not args.no_distributed_optimizer,
+        optim_fully_reshardable=args.optim_fully_reshardable,
         use_tp_pp_dp_mapping=args.use_tp_pp_dp_mapping,
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        grad_reduce_in_fp32=not args.grad_reduce_in_bf16,
+        recompute=args.recompute,
         precision=args.precision,
+        plan=args.plan,
     )
 
 
@@ -131,12 +183,41 @@ def _rank_argv() -> list[str]:
 _LOCK_HELD = "PORTING_TRAIN_LOCK_HELD"
 
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent() -> None:
+    """Have the kernel SIGKILL this process when its parent dies (Linux; elsewhere a no-op).
+
+    torchrun starts each rank in a session of its own
+    (torch/distributed/elastic/multiprocessing/subprocess_handler), and ``_run_ranks`` starts
+    torchrun in one: a SIGKILL of the launching process group reaches neither, and without this the
+    ranks would train on, orphaned, writing checkpoints into a run directory whose lock is gone.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        return
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(137)
+
+
 def _run_ranks(cmd: list[str]) -> int:
     """Run the rank launcher in its own process group; a stop of ours stops every rank with it.
 
-    ``subprocess.call`` would SIGKILL only the launcher on an exception, orphaning its ranks.
+    ``subprocess.call`` would SIGKILL only the launcher on an exception, orphaning its ranks; a
+    SIGKILL of this process reaches the launcher and the ranks through :func:`die_with_parent`.
     """
-    proc = subprocess.Popen(cmd, env=os.environ | {_LOCK_HELD: "1"}, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        env=os.environ | {_LOCK_HELD: "1"},
+        start_new_session=True,
+        preexec_fn=die_with_parent,
+    )
     try:
         return proc.wait()
     except BaseException:
@@ -153,10 +234,24 @@ def _run_ranks(cmd: list[str]) -> int:
 
 def _cmd_train(args) -> int:
     quiet.offline()
-    from porting.train import launch, recipe
+    from porting.train import checks
 
     spec = _spec(args)
+    if args.executor != "local" or args.dry_run:
+        # Every check that needs no trainer, in this process, before any rank is started.
+        for w in checks.preflight(spec).warnings:
+            print(f"warning: {w}", file=sys.stderr)
+        gc.freeze()  # see the end of this function
+    if args.dry_run:
+        print(
+            f"ok: TP {spec.tp} x PP {spec.pp} x CP {spec.cp} x DP {spec.data_parallel}, "
+            f"global batch {spec.global_batch} = micro {spec.micro_batch} x DP x "
+            f"{spec.global_batch // (spec.micro_batch * spec.data_parallel)} accumulation steps"
+        )
+        return 0
     if args.executor == "slurm":
+        from porting.train import launch
+
         Path(spec.out).mkdir(parents=True, exist_ok=True)
         script = Path(spec.out) / "train.sbatch"
         script.write_text(launch.slurm_script(spec, _rank_argv()))
@@ -178,6 +273,8 @@ def _cmd_train(args) -> int:
         with guard.output_lock(spec.out, "training run"):
             return _run_ranks(cmd)
     if args.executor == "nemo-run":
+        from porting.train import launch
+
         with guard.output_lock(spec.out, "training run"):
             os.environ[_LOCK_HELD] = "1"
             return launch.launch_nemo_run(spec, _rank_argv())
@@ -186,21 +283,19 @@ def _cmd_train(args) -> int:
             f"{spec.world_size} processes requested: use --executor torchrun (one node) or "
             "--executor slurm"
         )
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank of torchrun: die with it
+        die_with_parent()
+    from porting.train import recipe
+
     quiet.quiet_nemo()
     r = recipe.recipe(spec)
-    if args.dry_run:
-        for w in r.warnings:
-            print(f"warning: {w}", file=sys.stderr)
-        print(
-            f"ok: TP {spec.tp} x PP {spec.pp} x CP {spec.cp} x DP {spec.data_parallel}, "
-            f"global batch {spec.global_batch} = micro {spec.micro_batch} x DP x "
-            f"{spec.global_batch // (spec.micro_batch * spec.data_parallel)} accumulation steps"
-        )
-        return 0
     # The launching process holds the run's lock for its ranks; a run started otherwise (srun,
     # a hand-made torchrun) is locked by its first rank.
     held = os.environ.get(_LOCK_HELD) == "1" or os.environ.get("RANK", "0") != "0"
     with contextlib.nullcontext() if held else guard.output_lock(spec.out, "training run"):
         out = recipe.run(r)
     print(f"done: checkpoints in {out / 'checkpoints'} (last: {out / 'checkpoints' / 'last'})")
+    # Exit handlers of libraries NeMo imports (leptonai's Remote._atexit_cleanup) run a full
+    # gc.collect() over the whole heap: seconds per process. Nothing left needs collecting.
+    gc.freeze()
     return 0

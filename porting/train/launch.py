@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from porting.errors import PortingError
-from porting.train.recipe import TrainSpec
+from porting.train.checks import TrainSpec
 
 
 def slurm_script(spec: TrainSpec, argv: list[str], job_name: str = "porting-train") -> str:

@@ -6,15 +6,20 @@ Everything is upstream machinery: ``MegatronStrategy`` (TP, PP, virtual PP, SP, 
 distributed optimizer), ``MegatronMixedPrecision`` (bf16 on GPUs), Megatron's GPT dataset over
 ``.bin/.idx`` prefixes through ``PreTrainingDataModule``, ``MegatronOptimizerModule`` with a cosine
 schedule, ``NeMoLogger`` checkpoints and ``AutoResume``. The imported weights are restored (not a
-fresh init) with a fresh optimizer; an interrupted run resumes from its last checkpoint.
+fresh init) with a fresh optimizer; an interrupted run resumes from its last checkpoint, at the same
+or another layout (Megatron's distributed checkpoints reshard on load).
+
+The checks made before anything is launched live in :mod:`porting.train.checks` (no NeMo import);
+:func:`recipe` runs them again in each rank.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -24,173 +29,20 @@ from nemo.lightning.pytorch.callbacks import ModelCheckpoint
 
 from porting import cpu
 from porting.errors import PortingError
+from porting.train.checks import (
+    BEST_FILE,
+    LAYOUT_FILE,
+    TrainSpec,
+    megatron_paths,
+    preflight,
+    read_json,
+    saved_layout,
+)
+from porting.train.checks import max_token_id as max_token_id
+from porting.train.checks import parse_blend as parse_blend
+from porting.train.checks import validate as validate
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class TrainSpec:
-    """What a continued-pretraining run needs; the CLI flags map one to one onto these fields.
-
-    ``data`` holds dataset prefixes (``out/corpus_text_document``), optionally with blend weights
-    as ``[w1, prefix1, w2, prefix2, ...]`` in Megatron's style.
-    """
-
-    checkpoint: Path
-    data: list[str]
-    out: Path
-    tp: int = 1
-    pp: int = 1
-    vp: int | None = None
-    cp: int = 1
-    sequence_parallel: bool = False
-    seq_length: int = 2048
-    micro_batch: int = 1
-    global_batch: int = 8
-    steps: int = 100
-    lr: float = 3e-5
-    min_lr: float | None = None
-    warmup: int = 0
-    weight_decay: float = 0.1
-    clip_grad: float = 1.0
-    save_every: int = 50  # 0: no checkpoints (quick experiments)
-    val_every: int | None = None
-    val_batches: int = 2
-    split: str = "99,1,0"
-    seed: int = 1234
-    nodes: int = 1
-    gpus_per_node: int = 1
-    distributed_optimizer: bool = True
-    use_tp_pp_dp_mapping: bool = False
-    num_distributed_optimizer_instances: int = 1
-    precision: str = "auto"
-    num_workers: int = 0
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def world_size(self) -> int:
-        """Total number of processes (one per device)."""
-        return self.nodes * self.gpus_per_node
-
-    @property
-    def data_parallel(self) -> int:
-        """Data-parallel size implied by the world size and the model-parallel sizes."""
-        return self.world_size // (self.tp * self.pp * self.cp)
-
-
-def parse_blend(items: list[str]) -> list[str] | tuple[list[str], list[float]]:
-    """``["0.3", "a", "0.7", "b"]`` -> (["a", "b"], [0.3, 0.7]); plain prefixes pass through."""
-
-    def is_number(s: str) -> bool:
-        try:
-            float(s)
-            return True
-        except ValueError:
-            return False
-
-    if items and is_number(items[0]):
-        if len(items) % 2 or not all(is_number(w) for w in items[::2]):
-            raise PortingError("--data: blend must alternate WEIGHT PREFIX WEIGHT PREFIX ...")
-        return [p for p in items[1::2]], [float(w) for w in items[::2]]
-    return list(items)
-
-
-def _prefixes(spec: TrainSpec) -> list[str]:
-    blend = parse_blend(spec.data)
-    return blend[0] if isinstance(blend, tuple) else blend
-
-
-def validate(spec: TrainSpec, model_config, vocab_size: int) -> list[str]:
-    """Check the layout, batch and data against the model before anything is launched.
-
-    Raises :class:`PortingError` naming the offending flag; returns warnings (as strings) for
-    settings that run but deserve a look (a sequence longer than the rotary settings were trained
-    for).
-    """
-    heads = model_config.num_attention_heads
-    groups = model_config.num_query_groups or heads
-    if spec.tp < 1 or spec.pp < 1 or spec.cp < 1:
-        raise PortingError("--tp, --pp and --cp must be at least 1")
-    if heads % spec.tp:
-        raise PortingError(f"--tp {spec.tp} does not divide the {heads} attention heads")
-    if groups % spec.tp and spec.tp % groups:
-        raise PortingError(
-            f"--tp {spec.tp} and the {groups} KV groups: one must divide the other "
-            "(Megatron replicates KV heads only when TP is a multiple of the group count)"
-        )
-    if groups % spec.tp:
-        raise PortingError(
-            f"--tp {spec.tp} exceeds the {groups} KV groups; Megatron-Core 0.15 requires "
-            "num_query_groups to be divisible by the tensor-parallel size"
-        )
-    layers = model_config.num_layers
-    if layers % spec.pp:
-        raise PortingError(f"--pp {spec.pp} does not divide the {layers} layers")
-    if spec.vp is not None and (layers // spec.pp) % spec.vp:
-        raise PortingError(
-            f"--vp {spec.vp} does not divide the {layers // spec.pp} layers per stage"
-        )
-    if spec.world_size % (spec.tp * spec.pp * spec.cp):
-        raise PortingError(
-            f"{spec.world_size} devices are not a multiple of TP x PP x CP = "
-            f"{spec.tp * spec.pp * spec.cp}"
-        )
-    dp = spec.data_parallel
-    if spec.global_batch % (spec.micro_batch * dp):
-        raise PortingError(
-            f"--global-batch {spec.global_batch} is not divisible by --micro-batch "
-            f"{spec.micro_batch} x data-parallel size {dp}"
-        )
-    if spec.sequence_parallel and spec.tp == 1:
-        raise PortingError("--sequence-parallel needs --tp > 1")
-    if spec.steps < 1 or spec.warmup >= spec.steps:
-        raise PortingError(f"--warmup {spec.warmup} must be below --steps {spec.steps}")
-    if model_config.vocab_size % spec.tp:
-        raise PortingError(
-            f"padded vocabulary {model_config.vocab_size} is not divisible by --tp {spec.tp}"
-        )
-    for prefix in _prefixes(spec):
-        for ext in (".bin", ".idx"):
-            if not Path(prefix + ext).exists():
-                raise PortingError(f"--data: {prefix}{ext} does not exist")
-        max_id = max_token_id(prefix)
-        if max_id is not None and max_id >= vocab_size:
-            raise PortingError(
-                f"--data: {prefix} holds token id {max_id}, beyond the model's vocabulary "
-                f"of {vocab_size}; it was tokenized with another tokenizer"
-            )
-    warnings = []
-    trained = _trained_context(model_config)
-    if trained and spec.seq_length > trained:
-        warnings.append(
-            f"--seq-length {spec.seq_length} exceeds the {trained} positions the model's rotary "
-            "settings were trained for; quality may drop without rope scaling"
-        )
-    return warnings
-
-
-def _trained_context(config) -> int | None:
-    if getattr(config, "position_embedding_type", "rope") != "rope":
-        return None
-    if getattr(config, "rope_scaling_type", None) == "llama3":
-        return int(
-            config.rope_scaling_original_max_position_embeddings * config.rope_scaling_factor
-        )
-    factor = getattr(config, "seq_len_interpolation_factor", None) or 1.0
-    return int(config.seq_length * factor)
-
-
-def max_token_id(prefix: str) -> int | None:
-    """The largest token id in a Megatron indexed dataset (streamed in chunks; None if empty)."""
-    import numpy as np
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-    ds = IndexedDataset(prefix)
-    tokens = np.memmap(prefix + ".bin", dtype=ds.index.dtype, mode="r")
-    if tokens.size == 0:
-        return None
-    step = 1 << 24
-    return int(max(tokens[i : i + step].max() for i in range(0, tokens.size, step)))
 
 
 @dataclass
@@ -208,7 +60,7 @@ class Recipe:
 
 
 def recipe(spec: TrainSpec) -> Recipe:
-    """Build the NeMo 2.0 objects for ``spec`` (validated first)."""
+    """Build the NeMo 2.0 objects for ``spec`` (checked by :func:`preflight` first)."""
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
     from nemo import lightning as nl
@@ -216,27 +68,14 @@ def recipe(spec: TrainSpec) -> Recipe:
     from nemo.collections.common.tokenizers.huggingface.auto_tokenizer import AutoTokenizer
     from nemo.lightning.pytorch.optim import CosineAnnealingScheduler, MegatronOptimizerModule
 
-    from porting.convert.checkpoint import read_manifest, tokenizer_files
-    from porting.convert.context import check_io_json
-    from porting.convert.megatron import checkpoint_config
-    from porting.registry import family_by_name
+    from porting.convert.checkpoint import tokenizer_files
 
-    manifest = read_manifest(spec.checkpoint)
-    family = family_by_name(manifest.family)
-    # NeMo reads io.json of the restored checkpoint and of every checkpoint it may resume from
-    # (artifacts, the tokenizer); each is checked before NeMo sees it. The model itself is built
-    # from our manifest.
-    check_io_json(spec.checkpoint)
-    for resumable in sorted((Path(spec.out) / "checkpoints").glob("*/context")):
-        check_io_json(resumable.parent)
-    tok_files = tokenizer_files(spec.checkpoint, manifest)
+    pre = preflight(spec)
+    tok_files = tokenizer_files(spec.checkpoint, pre.manifest)
     if not tok_files:
         raise PortingError(f"{spec.checkpoint}: the manifest names no tokenizer; cannot train")
-    model = family.model_cls(
-        checkpoint_config(spec.checkpoint, family),
-        tokenizer=AutoTokenizer(str(tok_files[0].parent)),
-    )
-    warnings = validate(spec, model.config, manifest.padded_vocab_size)
+    model = pre.family.model_cls(pre.config, tokenizer=AutoTokenizer(str(tok_files[0].parent)))
+    warnings = pre.warnings
 
     gpu = cpu.cuda_available()
     precision = spec.precision if spec.precision != "auto" else ("bf16" if gpu else "fp32")
@@ -256,23 +95,28 @@ def recipe(spec: TrainSpec) -> Recipe:
     cfg.bf16, cfg.fp16 = bf16, False
     cfg.pipeline_dtype = torch.bfloat16 if bf16 else torch.float32
     cfg.autocast_dtype = cfg.pipeline_dtype
-    cfg.perform_initialization = False
+    # The restored checkpoint overwrites the initial values, but initialization must run:
+    # megatron/core/tensor_parallel/layers.py marks a weight as tensor-parallel
+    # (``tensor_model_parallel``, ``partition_dim``) only inside its init functions. Without the
+    # marks every TP-sharded weight counts as a replica on TP ranks > 0, and the gradient norm
+    # behind clipping (optimizer.py: get_main_grads_for_grad_norm) leaves those shards out
+    # (measured at TP=2: first-step norm 2.032 instead of 2.204, losses apart from step 3 on).
+    cfg.perform_initialization = True
+    if spec.recompute == "selective":
+        cfg.recompute_granularity = "selective"
+    elif spec.recompute == "full":
+        cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers = (
+            "full",
+            "uniform",
+            1,
+        )
     cpu.cpu_safe_config(cfg)
 
-    dist_opt = spec.distributed_optimizer
-    if dist_opt and not gpu:
-        # megatron/core/optimizer/distrib_optimizer.py accepts only torch.cuda.*Tensor parameters.
-        warnings.append(
-            "the distributed optimizer needs CUDA tensors; using the plain one on the CPU"
-        )
-        dist_opt = False
-
-    blend = parse_blend(spec.data)
-    paths = (
-        blend
-        if isinstance(blend, list)
-        else [x for pair in zip(blend[1], blend[0], strict=True) for x in pair]
-    )
+    paths: list | dict[str, list] = megatron_paths(spec.data, "--data")
+    if spec.valid_data:
+        valid = megatron_paths(spec.valid_data, "--valid-data")
+        # NeMo's data module needs a test split too; training never reads it.
+        paths = {"train": paths, "validation": valid, "test": valid}
     data = llm.PreTrainingDataModule(
         paths=paths,
         seq_length=spec.seq_length,
@@ -284,14 +128,14 @@ def recipe(spec: TrainSpec) -> Recipe:
         # Without Transformer Engine, NeMo's gpt_forward_step needs an explicit mask.
         create_attention_mask=not gpu,
         seed=spec.seed,
-        split=spec.split,
+        split=None if spec.valid_data else spec.split,
         index_mapping_dir=str(Path(spec.out) / "index_cache"),
     )
     ddp = DistributedDataParallelConfig(
-        use_distributed_optimizer=dist_opt,
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
-        overlap_param_gather=False,
+        use_distributed_optimizer=spec.distributed_optimizer,
+        grad_reduce_in_fp32=spec.grad_reduce_in_fp32,
+        overlap_grad_reduce=spec.overlap_grad_reduce,
+        overlap_param_gather=spec.overlap_param_gather,
         check_for_nan_in_grad=True,
         num_distributed_optimizer_instances=spec.num_distributed_optimizer_instances,
     )
@@ -303,13 +147,16 @@ def recipe(spec: TrainSpec) -> Recipe:
         sequence_parallel=spec.sequence_parallel,
         pipeline_dtype=cfg.pipeline_dtype,
         use_tp_pp_dp_mapping=spec.use_tp_pp_dp_mapping,
+        # The strategy copies its own value into the DDP config (megatron_strategy.py), so the
+        # instances are given to both.
+        num_distributed_optimizer_instances=spec.num_distributed_optimizer_instances,
         ddp=ddp,
         ckpt_async_save=gpu,
         ckpt_load_optimizer=True,
         ckpt_save_optimizer=True,
+        ckpt_optim_fully_reshardable=spec.optim_fully_reshardable,
     )
     plugins = [nl.MegatronMixedPrecision(precision="bf16-mixed")] if bf16 else []
-    val_every = spec.val_every or spec.steps
     trainer = nl.Trainer(
         accelerator="gpu" if gpu else "cpu",
         devices=spec.gpus_per_node,
@@ -318,15 +165,15 @@ def recipe(spec: TrainSpec) -> Recipe:
         strategy=strategy,
         plugins=plugins,
         log_every_n_steps=1,
-        val_check_interval=val_every,
-        limit_val_batches=spec.val_batches,
+        val_check_interval=spec.eval_every or spec.steps,
+        limit_val_batches=spec.eval_iters,
         num_sanity_val_steps=0,
         # our ThroughputLogger prints one line per step instead of Lightning's bar and summary
         enable_progress_bar=False,
         enable_model_summary=False,
         use_distributed_sampler=False,
         enable_checkpointing=spec.save_every > 0,
-        callbacks=[ThroughputLogger(spec.global_batch * spec.seq_length)],
+        callbacks=[ThroughputLogger(spec.global_batch * spec.seq_length), BuiltLayout()],
     )
     opt = OptimizerConfig(
         optimizer="adam",
@@ -338,7 +185,7 @@ def recipe(spec: TrainSpec) -> Recipe:
         clip_grad=spec.clip_grad,
         bf16=bf16,
         params_dtype=torch.float32,
-        use_distributed_optimizer=dist_opt,
+        use_distributed_optimizer=spec.distributed_optimizer,
     )
     sched = CosineAnnealingScheduler(
         warmup_steps=spec.warmup,
@@ -352,6 +199,7 @@ def recipe(spec: TrainSpec) -> Recipe:
         if spec.save_every == 0
         else SelfDescribingCheckpoint(
             source=Path(spec.checkpoint),
+            layout=saved_layout(spec),
             every_n_train_steps=spec.save_every,
             save_last=True,
             save_top_k=-1,
@@ -376,9 +224,15 @@ def recipe(spec: TrainSpec) -> Recipe:
     return Recipe(spec, model, data, trainer, optim, logger, resume, warnings)
 
 
+def _fmt(value) -> str:
+    return f"{float(value):.4f}" if value is not None else "-"
+
+
 class ThroughputLogger(Callback):
-    """Logs ``tokens_per_s`` (global batch x sequence / step time) and, on GPUs, ``gpu_mem_gib``,
-    and prints one line per step (loss, learning rate, tokens/s) in place of Lightning's bar.
+    """Logs ``tokens_per_s`` (global batch x sequence / step time), ``val_ppl`` (exp of the
+    validation loss) and, on GPUs, ``gpu_mem_gib``; prints one line per step (loss, learning
+    rate, tokens/s) and one per validation (training and validation loss, perplexity) in place of
+    Lightning's bar.
 
     A Lightning batch under MegatronStrategy is one global step (all micro-batches), so one
     timing per batch is one optimizer step. Only the first rank prints.
@@ -404,32 +258,153 @@ class ThroughputLogger(Callback):
                 "step %d/%d  loss %s  lr %s  %.0f tokens/s",
                 trainer.global_step,
                 trainer.max_steps,
-                f"{float(loss):.4f}" if loss is not None else "-",
+                _fmt(loss),
                 f"{float(lr):.3g}" if lr is not None else "-",
                 tokens_per_s,
             )
 
-    def on_validation_end(self, trainer, pl_module) -> None:
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        """``val_ppl`` = exp(``val_loss``), logged at the same step.
+
+        Lightning has reduced NeMo's ``val_loss`` (megatron_strategy.py: validation_step, summed
+        over pipeline stages) by the time this hook runs, on every rank alike.
+        """
         loss = trainer.callback_metrics.get("val_loss")
+        if trainer.sanity_checking or loss is None:
+            return
+        pl_module.log("val_ppl", math.exp(min(float(loss), 80.0)), on_epoch=True, batch_size=1)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        m = trainer.callback_metrics
+        loss = m.get("val_loss")
         if trainer.global_rank == 0 and loss is not None and not trainer.sanity_checking:
-            log.info("validation at step %d  loss %.4f", trainer.global_step, float(loss))
+            log.info(
+                "step %d/%d  loss %s  val_loss %s  val_ppl %s",
+                trainer.global_step,
+                trainer.max_steps,
+                _fmt(m.get("reduced_train_loss")),
+                _fmt(loss),
+                f"{float(m['val_ppl']):.3f}" if m.get("val_ppl") is not None else "-",
+            )
+
+
+class BuiltLayout(Callback):
+    """Records what the trainer actually built, as the run starts: the process-group sizes Megatron
+    set up, the strategy's and DDP's settings, the model's recompute settings, the batch sizes and
+    the optimizer's class. :func:`run` writes it into ``run.json`` (key ``built``)."""
+
+    def __init__(self) -> None:
+        self.built: dict = {}
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        from megatron.core import parallel_state as ps
+
+        strategy = trainer.strategy
+        ddp = strategy.ddp_config
+        config = pl_module.config
+        data = trainer.datamodule
+        optimizers = [getattr(o, "mcore_optimizer", o) for o in trainer.optimizers]
+        chained = [getattr(o, "chained_optimizers", [o]) for o in optimizers]
+        self.built = {
+            "world_size": trainer.world_size,
+            "tp": ps.get_tensor_model_parallel_world_size(),
+            "pp": ps.get_pipeline_model_parallel_world_size(),
+            "vp": ps.get_virtual_pipeline_model_parallel_world_size(),
+            "cp": ps.get_context_parallel_world_size(),
+            "dp": ps.get_data_parallel_world_size(),
+            "sequence_parallel": bool(config.sequence_parallel),
+            "use_tp_pp_dp_mapping": bool(strategy.use_tp_pp_dp_mapping),
+            "use_distributed_optimizer": bool(ddp.use_distributed_optimizer),
+            "num_distributed_optimizer_instances": ddp.num_distributed_optimizer_instances,
+            "overlap_grad_reduce": bool(ddp.overlap_grad_reduce),
+            "overlap_param_gather": bool(ddp.overlap_param_gather),
+            "grad_reduce_in_fp32": bool(ddp.grad_reduce_in_fp32),
+            "recompute_granularity": config.recompute_granularity,
+            "recompute_method": config.recompute_method,
+            "micro_batch": data.micro_batch_size if data is not None else None,
+            "global_batch": data.global_batch_size if data is not None else None,
+            "seq_length": config.seq_length,
+            "optimizer": sorted({type(o).__name__ for group in chained for o in group}),
+            "megatron_timers": strategy.timers is not None,
+        }
 
 
 class SelfDescribingCheckpoint(ModelCheckpoint):
-    """NeMo's ModelCheckpoint that also copies our manifest into every checkpoint's context.
+    """NeMo's ModelCheckpoint that also copies our manifest into every checkpoint's context, records
+    the layout it was saved at, and marks the best-validation checkpoint.
 
-    A training checkpoint then exports on its own, like an imported one.
+    A training checkpoint then exports on its own, like an imported one. ``checkpoints/best``
+    links the checkpoint with the lowest validation loss among those validated at their own step
+    (validation runs right after the save of the same step); ``checkpoints/best.json`` keeps the
+    validation history across restarts. Only the first rank writes files.
     """
 
-    def __init__(self, *args, source: Path, **kwargs):
+    def __init__(self, *args, source: Path, layout: dict | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self._source = Path(source)
+        self._layout = layout or {}
+        self._history: dict[int, dict] | None = None
+        self._saved: dict[int, str] = {}
 
     def _save_checkpoint(self, trainer, filepath: str) -> None:
         super()._save_checkpoint(trainer, filepath)
         if trainer.global_rank == 0:
-            copy_manifest(self._source, ckpt_to_dir(filepath))
-            log.info("saved checkpoint %s", ckpt_to_dir(filepath))
+            ckpt = ckpt_to_dir(filepath)
+            copy_manifest(self._source, ckpt)
+            write_layout(ckpt, self._layout | {"global_step": trainer.global_step})
+            name = Path(ckpt).name
+            # A step saves "step=N" and "step=N-last"; the -last one is removed at the next save.
+            if trainer.global_step not in self._saved or not name.endswith("-last"):
+                self._saved[trainer.global_step] = name
+            self._mark_best(trainer)
+            log.info("saved checkpoint %s", ckpt)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        super().on_validation_end(trainer, pl_module)
+        loss = trainer.callback_metrics.get("val_loss")
+        if trainer.global_rank != 0 or trainer.sanity_checking or loss is None:
+            return
+        ppl = trainer.callback_metrics.get("val_ppl")
+        history = self._load_history()
+        history[trainer.global_step] = {
+            "global_step": trainer.global_step,
+            "val_loss": float(loss),
+            "val_ppl": float(ppl) if ppl is not None else None,
+            "checkpoint": self._saved.get(trainer.global_step),
+        }
+        self._mark_best(trainer)
+
+    def _load_history(self) -> dict[int, dict]:
+        if self._history is None:
+            path = Path(self.dirpath) / BEST_FILE
+            self._history = {}
+            if path.is_file():
+                for entry in read_json(path).get("validations", []):
+                    self._history[int(entry["global_step"])] = entry
+        return self._history
+
+    def _mark_best(self, trainer) -> None:
+        history = self._load_history()
+        step = trainer.global_step
+        if step in history and step in self._saved:
+            history[step]["checkpoint"] = self._saved[step]
+        ckpts = Path(self.dirpath)
+        candidates = [
+            e
+            for e in history.values()
+            if e.get("checkpoint") and (ckpts / e["checkpoint"]).is_dir()
+        ]
+        best = min(candidates, key=lambda e: (e["val_loss"], e["global_step"]), default=None)
+        if best is not None:
+            relink(ckpts / "best", best["checkpoint"])
+        if history:
+            state = {
+                "best": best,
+                "validations": [history[k] for k in sorted(history)],
+            }
+            tmp = ckpts / f".{BEST_FILE}.tmp"
+            tmp.write_text(json.dumps(state, indent=2) + "\n")
+            tmp.replace(ckpts / BEST_FILE)
 
 
 def copy_manifest(source_ckpt: Path, ckpt: Path) -> None:
@@ -444,19 +419,35 @@ def copy_manifest(source_ckpt: Path, ckpt: Path) -> None:
         shutil.copytree(src / "hf_extra", dst / "hf_extra", dirs_exist_ok=True)
 
 
+def write_layout(ckpt: Path, layout: dict) -> None:
+    """Write ``context/train_layout.json``: the layout and optimizer format of a checkpoint."""
+    ctx = Path(ckpt) / "context"
+    if not ctx.is_dir():
+        return
+    tmp = ctx / f".{LAYOUT_FILE}.tmp"
+    tmp.write_text(json.dumps(layout, indent=2, sort_keys=True) + "\n")
+    tmp.replace(ctx / LAYOUT_FILE)
+
+
+def relink(link: Path, target_name: str) -> Path:
+    """Point ``link`` at the sibling ``target_name`` (atomically: a new link renamed over it)."""
+    tmp = link.with_name(f".{link.name}.tmp")
+    if tmp.is_symlink():
+        tmp.unlink()
+    tmp.symlink_to(target_name)
+    tmp.replace(link)
+    return link
+
+
 def link_last(out: Path) -> Path | None:
     """Point ``checkpoints/last`` at the newest ``*-last`` checkpoint; return the link."""
     ckpts = Path(out) / "checkpoints"
-    lasts = sorted(ckpts.glob("*-last"), key=lambda p: p.stat().st_mtime)
+    lasts = sorted(
+        (p for p in ckpts.glob("*-last") if not p.is_symlink()), key=lambda p: p.stat().st_mtime
+    )
     if not lasts:
         return None
-    link = ckpts / "last"
-    tmp = ckpts / ".last.tmp"
-    if tmp.is_symlink():
-        tmp.unlink()
-    tmp.symlink_to(lasts[-1].name)
-    tmp.replace(link)
-    return link
+    return relink(ckpts / "last", lasts[-1].name)
 
 
 def _tensorboard_logger(out: Path):
@@ -472,7 +463,10 @@ def _csv_logger(out: Path):
 
 
 def run(r: Recipe) -> Path:
-    """Train with ``llm.train``; returns the run directory. Writes ``run.json`` with the spec."""
+    """Train with ``llm.train``; returns the run directory.
+
+    Writes ``run.json``: the spec and, under ``built``, what the trainer built (:class:`BuiltLayout`).
+    """
     from nemo.collections import llm
 
     from porting.convert.megatron import shutdown_parallel
@@ -481,6 +475,7 @@ def run(r: Recipe) -> Path:
     if not cpu.cuda_available():
         cpu.enable_training()
     cpu.ensure_rendezvous_env()
+    cpu.cpu_safe_strategy(r.trainer.strategy)
     out = Path(r.spec.out)
     out.mkdir(parents=True, exist_ok=True)
     for w in r.warnings:
@@ -497,7 +492,10 @@ def run(r: Recipe) -> Path:
     )
     if r.trainer.global_rank == 0:
         link_last(out)
+        built = next((c.built for c in r.trainer.callbacks if isinstance(c, BuiltLayout)), {})
         # Written after the run: NeMoLogger moves files it finds in the log dir into run_N/.
         spec = asdict(r.spec) | {"checkpoint": str(r.spec.checkpoint), "out": str(out)}
-        (out / "run.json").write_text(json.dumps(spec, indent=2, default=str) + "\n")
+        (out / "run.json").write_text(
+            json.dumps(spec | {"built": built}, indent=2, default=str) + "\n"
+        )
     return out

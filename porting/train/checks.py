@@ -1,0 +1,546 @@
+"""Checks of a ``porting train`` run before anything is launched, and the run's spec.
+
+:func:`preflight` reads the checkpoint's manifest and builds the model's config (no trainer, no
+model), then checks the layout, batch and data against the model (:func:`validate`), the run
+directory's checkpoints (:func:`check_run_dir`), a resume at another layout
+(:func:`check_layout_change`) and a plan from ``porting plan --emit`` (:func:`check_plan`). Each
+failure is a :class:`PortingError` naming the file and field (or the flag). The launchers call it
+in the launching process, so a bad run fails before a rank starts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from porting.errors import PortingError
+
+RECOMPUTE = ("none", "selective", "full")
+# Written by SelfDescribingCheckpoint into every checkpoint's context/: the layout it was saved at.
+LAYOUT_FILE = "train_layout.json"
+# Validation history and the best checkpoint, kept beside the checkpoints (NeMoLogger moves files
+# it finds in the run directory itself into run_N/ when a run restarts).
+BEST_FILE = "best.json"
+
+
+@dataclass
+class TrainSpec:
+    """What a continued-pretraining run needs; the CLI flags map one to one onto these fields.
+
+    ``data`` and ``valid_data`` hold dataset prefixes (``out/corpus_text_document``), optionally
+    with blend weights as ``[w1, prefix1, w2, prefix2, ...]`` in Megatron's style. Without
+    ``valid_data``, validation reads the ``split`` share of ``data``.
+    """
+
+    checkpoint: Path
+    data: list[str]
+    out: Path
+    tp: int = 1
+    pp: int = 1
+    vp: int | None = None
+    cp: int = 1
+    sequence_parallel: bool = False
+    seq_length: int = 2048
+    micro_batch: int = 1
+    global_batch: int = 8
+    steps: int = 100
+    lr: float = 3e-5
+    min_lr: float | None = None
+    warmup: int = 0
+    weight_decay: float = 0.1
+    clip_grad: float = 1.0
+    save_every: int = 50  # 0: no checkpoints (quick experiments)
+    valid_data: list[str] | None = None
+    eval_every: int | None = None  # None: validate once, at the end
+    eval_iters: int = 2  # global batches per validation
+    split: str = "99,1,0"
+    seed: int = 1234
+    nodes: int = 1
+    gpus_per_node: int = 1
+    distributed_optimizer: bool = True
+    optim_fully_reshardable: bool = False
+    use_tp_pp_dp_mapping: bool = False
+    num_distributed_optimizer_instances: int = 1
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    grad_reduce_in_fp32: bool = True
+    recompute: str = "none"
+    precision: str = "auto"
+    plan: Path | None = None
+    num_workers: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        """Total number of processes (one per device)."""
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def data_parallel(self) -> int:
+        """Data-parallel size implied by the world size and the model-parallel sizes."""
+        return self.world_size // (self.tp * self.pp * self.cp)
+
+
+def parse_blend(
+    items: list[str], flag: str = "--data"
+) -> list[str] | tuple[list[str], list[float]]:
+    """``["0.3", "a", "0.7", "b"]`` -> (["a", "b"], [0.3, 0.7]); plain prefixes pass through."""
+
+    def is_number(s: str) -> bool:
+        try:
+            float(s)
+            return True
+        except ValueError:
+            return False
+
+    if items and is_number(items[0]):
+        if len(items) % 2 or not all(is_number(w) for w in items[::2]):
+            raise PortingError(f"{flag}: blend must alternate WEIGHT PREFIX WEIGHT PREFIX ...")
+        return [p for p in items[1::2]], [float(w) for w in items[::2]]
+    return list(items)
+
+
+def _prefixes(items: list[str], flag: str = "--data") -> list[str]:
+    blend = parse_blend(items, flag)
+    return blend[0] if isinstance(blend, tuple) else blend
+
+
+def megatron_paths(items: list[str], flag: str) -> list:
+    """Megatron's blend list (``[w1, p1, w2, p2]`` or ``[p1, p2]``) for ``--data``-style items."""
+    blend = parse_blend(items, flag)
+    if isinstance(blend, list):
+        return blend
+    return [x for pair in zip(blend[1], blend[0], strict=True) for x in pair]
+
+
+def validate(spec: TrainSpec, model_config, vocab_size: int) -> list[str]:
+    """Check the layout, batch and data against the model before anything is launched.
+
+    Raises :class:`PortingError` naming the offending flag (and, for model limits, the file the
+    model's field comes from); returns warnings (as strings) for settings that run but deserve a
+    look (a sequence longer than the rotary settings were trained for).
+    """
+    manifest = Path(spec.checkpoint) / "context" / "porting.json"
+    heads = model_config.num_attention_heads
+    groups = model_config.num_query_groups or heads
+    if spec.tp < 1 or spec.pp < 1 or spec.cp < 1:
+        raise PortingError("--tp, --pp and --cp must be at least 1")
+    if heads % spec.tp:
+        raise PortingError(
+            f"--tp {spec.tp} does not divide the {heads} attention heads "
+            f"(num_attention_heads of the model in {manifest})"
+        )
+    if groups % spec.tp and spec.tp % groups:
+        raise PortingError(
+            f"--tp {spec.tp} and the {groups} KV groups: one must divide the other "
+            "(Megatron replicates KV heads only when TP is a multiple of the group count; "
+            f"num_key_value_heads of the model in {manifest})"
+        )
+    if groups % spec.tp:
+        raise PortingError(
+            f"--tp {spec.tp} exceeds the {groups} KV groups; Megatron-Core 0.15 requires "
+            "num_query_groups to be divisible by the tensor-parallel size "
+            f"(num_key_value_heads of the model in {manifest})"
+        )
+    layers = model_config.num_layers
+    if layers % spec.pp:
+        raise PortingError(
+            f"--pp {spec.pp} does not divide the {layers} layers (of the model in {manifest})"
+        )
+    if spec.vp is not None and (layers // spec.pp) % spec.vp:
+        raise PortingError(
+            f"--vp {spec.vp} does not divide the {layers // spec.pp} layers per stage"
+        )
+    if spec.vp is not None and spec.pp == 1:
+        raise PortingError("--vp needs --pp > 1 (virtual stages interleave pipeline stages)")
+    if spec.world_size % (spec.tp * spec.pp * spec.cp):
+        raise PortingError(
+            f"{spec.world_size} devices are not a multiple of TP x PP x CP = "
+            f"{spec.tp * spec.pp * spec.cp}"
+        )
+    dp = spec.data_parallel
+    if spec.global_batch % (spec.micro_batch * dp):
+        raise PortingError(
+            f"--global-batch {spec.global_batch} is not divisible by --micro-batch "
+            f"{spec.micro_batch} x data-parallel size {dp}"
+        )
+    if spec.sequence_parallel and spec.tp == 1:
+        raise PortingError("--sequence-parallel needs --tp > 1")
+    if spec.steps < 1 or spec.warmup >= spec.steps:
+        raise PortingError(f"--warmup {spec.warmup} must be below --steps {spec.steps}")
+    if spec.save_every < 0:
+        raise PortingError(f"--save-every {spec.save_every} must be 0 (no checkpoints) or more")
+    if spec.eval_every is not None and spec.eval_every < 1:
+        raise PortingError(f"--eval-every {spec.eval_every} must be at least 1")
+    if spec.eval_iters < 1:
+        raise PortingError(f"--eval-iters {spec.eval_iters} must be at least 1")
+    if spec.recompute not in RECOMPUTE:
+        raise PortingError(f"--recompute {spec.recompute!r}: one of {', '.join(RECOMPUTE)}")
+    instances = spec.num_distributed_optimizer_instances
+    if instances < 1 or dp % instances:
+        raise PortingError(
+            f"--num-distributed-optimizer-instances {instances} does not divide the "
+            f"data-parallel size {dp}"
+        )
+    if instances > 1 and not spec.distributed_optimizer:
+        raise PortingError(
+            "--num-distributed-optimizer-instances > 1 needs the distributed optimizer"
+        )
+    if spec.overlap_param_gather and not spec.distributed_optimizer:
+        raise PortingError("--overlap-param-gather needs the distributed optimizer")
+    if model_config.vocab_size % spec.tp:
+        raise PortingError(
+            f"padded vocabulary {model_config.vocab_size} is not divisible by --tp {spec.tp}"
+        )
+    check_data(spec.data, vocab_size, "--data")
+    if spec.valid_data:
+        check_data(spec.valid_data, vocab_size, "--valid-data")
+    warnings = []
+    trained = _trained_context(model_config)
+    if trained and spec.seq_length > trained:
+        warnings.append(
+            f"--seq-length {spec.seq_length} exceeds the {trained} positions the model's rotary "
+            "settings were trained for; quality may drop without rope scaling"
+        )
+    if spec.eval_every and spec.save_every and spec.save_every % spec.eval_every:
+        warnings.append(
+            f"--save-every {spec.save_every} is not a multiple of --eval-every {spec.eval_every}: "
+            "only checkpoints saved at a validation step can be marked best"
+        )
+    return warnings
+
+
+def check_data(items: list[str], vocab_size: int, flag: str) -> None:
+    """Every prefix of ``items`` exists and holds no token id beyond the model's vocabulary.
+
+    A token id at or past the vocabulary means the data was tokenized with another tokenizer than
+    the checkpoint's (the contract ``porting prep-data --tokenizer CHECKPOINT`` enforces).
+    """
+    for prefix in _prefixes(items, flag):
+        for ext in (".bin", ".idx"):
+            if not Path(prefix + ext).exists():
+                raise PortingError(f"{flag}: {prefix}{ext} does not exist")
+        max_id = max_token_id(prefix)
+        if max_id is not None and max_id >= vocab_size:
+            raise PortingError(
+                f"{flag}: {prefix}.bin holds token id {max_id}, beyond the model's vocabulary "
+                f"of {vocab_size}; it was tokenized with another tokenizer"
+            )
+
+
+def _trained_context(config) -> int | None:
+    if getattr(config, "position_embedding_type", "rope") != "rope":
+        return None
+    if getattr(config, "rope_scaling_type", None) == "llama3":
+        return int(
+            config.rope_scaling_original_max_position_embeddings * config.rope_scaling_factor
+        )
+    factor = getattr(config, "seq_len_interpolation_factor", None) or 1.0
+    return int(config.seq_length * factor)
+
+
+def max_token_id(prefix: str) -> int | None:
+    """The largest token id in a Megatron indexed dataset (streamed in chunks; None if empty)."""
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    ds = IndexedDataset(prefix)
+    tokens = np.memmap(prefix + ".bin", dtype=ds.index.dtype, mode="r")
+    if tokens.size == 0:
+        return None
+    step = 1 << 24
+    return int(max(tokens[i : i + step].max() for i in range(0, tokens.size, step)))
+
+
+# Shape fields of the model that a checkpoint of the same model must share: (field of the HF config
+# in porting.json, field of the Megatron config in model.yaml, field of a plan's model).
+_SHAPE = (
+    ("hidden_size", "hidden_size", "hidden"),
+    ("num_hidden_layers", "num_layers", "layers"),
+    ("num_attention_heads", "num_attention_heads", "heads"),
+    ("num_key_value_heads", "num_query_groups", "kv_heads"),
+    ("intermediate_size", "ffn_hidden_size", "ffn"),
+    ("vocab_size", None, "vocab"),
+)
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object from ``path``; anything else is an error naming the file."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise PortingError(f"{path}: cannot read JSON ({err})") from err
+    if not isinstance(data, dict):
+        raise PortingError(f"{path}: expected a JSON object")
+    return data
+
+
+def _model_facts(manifest, config) -> dict:
+    """Our model's values of the fields a resume checkpoint and a plan are checked against."""
+    return {
+        "hidden_size": config.hidden_size,
+        "num_layers": config.num_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_query_groups": config.num_query_groups or config.num_attention_heads,
+        "ffn_hidden_size": config.ffn_hidden_size,
+        "vocab_size": manifest.vocab_size,
+    }
+
+
+def check_run_dir(spec: TrainSpec, manifest, config) -> None:
+    """Refuse a run directory whose checkpoints belong to another model or family.
+
+    NeMo would resume from them and fail deep inside loading (or, for a model of the same shape,
+    silently continue another model). Each checkpoint's ``context/porting.json`` (copied in by
+    :class:`SelfDescribingCheckpoint`) and ``context/model.yaml`` (NeMo's) are compared with
+    ``--checkpoint``'s manifest and model.
+    """
+    import yaml
+
+    source = Path(spec.checkpoint) / "context" / "porting.json"
+    facts = _model_facts(manifest, config)
+    for ctx in sorted((Path(spec.out) / "checkpoints").glob("*/context")):
+        if ctx.parent.is_symlink():
+            continue
+        ours = ctx / "porting.json"
+        if ours.is_file():
+            theirs = read_json(ours)
+            for key in ("family", "hf_architecture"):
+                if theirs.get(key) != getattr(manifest, key):
+                    raise PortingError(
+                        f"{ours}: {key} is {theirs.get(key)!r}, but --checkpoint {source} has "
+                        f"{getattr(manifest, key)!r}: {spec.out} holds a run of another model; "
+                        "use another --out"
+                    )
+            hf = theirs.get("hf_config") or {}
+            mine = manifest.hf_config
+            for hf_key, _, _ in _SHAPE:
+                if hf_key in mine and hf.get(hf_key, mine[hf_key]) != mine[hf_key]:
+                    raise PortingError(
+                        f"{ours}: hf_config.{hf_key} is {hf.get(hf_key)!r}, but --checkpoint "
+                        f"{source} has {mine[hf_key]!r}: {spec.out} holds a run of another model; "
+                        "use another --out"
+                    )
+        model_yaml = ctx / "model.yaml"
+        if model_yaml.is_file():
+            try:
+                cfg = (yaml.safe_load(model_yaml.read_text()) or {}).get("config") or {}
+            except yaml.YAMLError as err:
+                raise PortingError(f"{model_yaml}: cannot read YAML ({err})") from err
+            for _, key, _ in _SHAPE:
+                if key is None or key not in cfg:
+                    continue
+                theirs = cfg[key]
+                if key == "num_query_groups" and theirs is None:  # MHA: one group per head
+                    theirs = cfg.get("num_attention_heads")
+                if theirs != facts[key]:
+                    raise PortingError(
+                        f"{model_yaml}: config.{key} is {theirs!r}, but the model of --checkpoint "
+                        f"{source} has {facts[key]!r}: {spec.out} holds a run of another model; "
+                        "use another --out"
+                    )
+
+
+def resume_checkpoint(out: Path) -> Path | None:
+    """The checkpoint NeMo's ``AutoResume`` will resume from: the newest finished ``*-last``."""
+    ckpts = Path(out) / "checkpoints"
+    if not ckpts.is_dir():
+        return None
+    lasts = [
+        d
+        for d in ckpts.glob("*last")
+        if d.is_dir()
+        and not d.is_symlink()
+        and not any(d.parent.glob(f"{d.name}*-unfinished"))
+        and (d / "weights").is_dir()
+    ]
+    return max(lasts, key=lambda p: p.stat().st_mtime) if lasts else None
+
+
+def check_layout_change(spec: TrainSpec) -> str | None:
+    """Check a resume at another layout before launch; return a note on what changes, or None.
+
+    Megatron's distributed checkpoints store every weight and the plain optimizer's state per
+    parameter (global shapes), so they reshard to any TP/PP/DP on load. The distributed
+    optimizer's default format (``dp_reshardable``, ``megatron/core/optimizer/distrib_optimizer.py``)
+    stores its flat buffers as they lie in each TP x PP rank's memory: it reshards across DP only.
+    A resume that changes TP or PP from such a checkpoint is refused here, naming the file.
+    """
+    ckpt = resume_checkpoint(spec.out)
+    if ckpt is None:
+        return None
+    path = ckpt / "context" / LAYOUT_FILE
+    if not path.is_file():
+        return None
+    saved = read_json(path)
+    now = {"tp": spec.tp, "pp": spec.pp, "vp": spec.vp, "cp": spec.cp, "dp": spec.data_parallel}
+    changed = [k for k in now if saved.get(k, now[k]) != now[k]]
+    if not changed:
+        return None
+    change = ", ".join(f"{k.upper()} {saved.get(k)} -> {now[k]}" for k in changed)
+    model_parallel = [k for k in changed if k in ("tp", "pp", "vp", "cp")]
+    if (
+        model_parallel
+        and saved.get("distributed_optimizer")
+        and saved.get("optimizer_format") == "dp_reshardable"
+        and spec.distributed_optimizer
+    ):
+        raise PortingError(
+            f"{path}: optimizer_format is 'dp_reshardable' (saved at "
+            f"{', '.join(f'{k.upper()}={saved.get(k)}' for k in model_parallel)}): the distributed "
+            f"optimizer's state in {ckpt.name} reshards across data-parallel ranks only, and this "
+            f"resume changes {change}. Resume once at the saved layout with "
+            "--optim-fully-reshardable and let it save a checkpoint, then change the layout"
+        )
+    return f"resuming {ckpt.name} with a new layout ({change}); Megatron reshards on load"
+
+
+def check_plan(spec: TrainSpec, manifest, config) -> None:
+    """A ``plan.json`` written by ``porting plan --emit`` must describe this model and this run.
+
+    The plan's ``model`` is compared with the checkpoint's model, and the chosen layout and
+    settings with the flags, each mismatch an error naming the plan's field.
+    """
+    path = Path(spec.plan)
+    if not path.is_file():
+        raise PortingError(f"--plan {path}: no such file")
+    plan = read_json(path)
+    model = plan.get("model")
+    layouts = plan.get("layouts")
+    if not isinstance(model, dict) or not isinstance(layouts, list) or not layouts:
+        raise PortingError(f"{path}: not a plan written by `porting plan --emit` (model, layouts)")
+    facts = _model_facts(manifest, config)
+    source = Path(spec.checkpoint) / "context" / "porting.json"
+    for _, key, plan_key in _SHAPE:
+        key = key or "vocab_size"
+        if plan_key in model and model[plan_key] != facts[key]:
+            raise PortingError(
+                f"{path}: model.{plan_key} is {model[plan_key]!r}, but the model of --checkpoint "
+                f"{source} has {key} {facts[key]}: the plan was made for another model "
+                f"({model.get('name', '?')})"
+            )
+    chosen = layouts[0].get("layout") or {}
+    settings = plan.get("settings") or {}
+    expect = {
+        "layouts[0].layout.tp": (chosen.get("tp"), spec.tp, "--tp"),
+        "layouts[0].layout.pp": (chosen.get("pp"), spec.pp, "--pp"),
+        "layouts[0].layout.vp": (chosen.get("vp"), spec.vp or 1, "--vp"),
+        "layouts[0].layout.cp": (chosen.get("cp"), spec.cp, "--cp"),
+        "layouts[0].layout.dp": (chosen.get("dp"), spec.data_parallel, "the data-parallel size"),
+        "layouts[0].layout.micro_batch": (
+            chosen.get("micro_batch"),
+            spec.micro_batch,
+            "--micro-batch",
+        ),
+        "layouts[0].layout.recompute": (chosen.get("recompute"), spec.recompute, "--recompute"),
+        "layouts[0].layout.instances": (
+            chosen.get("instances"),
+            spec.num_distributed_optimizer_instances,
+            "--num-distributed-optimizer-instances",
+        ),
+        "layouts[0].layout.sequence_parallel": (
+            chosen.get("sequence_parallel"),
+            spec.sequence_parallel,
+            "--sequence-parallel",
+        ),
+        "global_batch": (plan.get("global_batch"), spec.global_batch, "--global-batch"),
+        "seq_length": (plan.get("seq_length"), spec.seq_length, "--seq-length"),
+        "settings.distributed_optimizer": (
+            settings.get("distributed_optimizer"),
+            spec.distributed_optimizer,
+            "--no-distributed-optimizer",
+        ),
+        "settings.overlap_grad_reduce": (
+            settings.get("overlap_grad_reduce"),
+            spec.overlap_grad_reduce,
+            "--overlap-grad-reduce",
+        ),
+        "settings.overlap_param_gather": (
+            # only meaningful with the distributed optimizer (emit drops it otherwise)
+            settings.get("overlap_param_gather") and settings.get("distributed_optimizer", True),
+            spec.overlap_param_gather,
+            "--overlap-param-gather",
+        ),
+        "settings.grad_reduce_in_fp32": (
+            settings.get("grad_reduce_in_fp32"),
+            spec.grad_reduce_in_fp32,
+            "--grad-reduce-in-bf16",
+        ),
+    }
+    for where, (planned, flag_value, flag) in expect.items():
+        if planned is not None and planned != flag_value:
+            raise PortingError(
+                f"{path}: {where} is {planned!r}, but {flag} gives {flag_value!r}: the flags do "
+                "not follow the plan (drop --plan to run another layout)"
+            )
+    order = layouts[0].get("rank_order")
+    pp_order = "tp-cp-ep-pp-dp"
+    if order is not None and spec.pp > 1 and (order == pp_order) != spec.use_tp_pp_dp_mapping:
+        raise PortingError(
+            f"{path}: layouts[0].rank_order is {order!r}, but --use-tp-pp-dp-mapping is "
+            f"{'on' if spec.use_tp_pp_dp_mapping else 'off'}: the flags do not follow the plan"
+        )
+
+
+@dataclass
+class Preflight:
+    """What :func:`preflight` read and found: the manifest, the model's config, warnings."""
+
+    manifest: object
+    family: object
+    config: object
+    warnings: list[str]
+
+
+def preflight(spec: TrainSpec) -> Preflight:
+    """Every check that can be made before a process is launched (no trainer, no model built).
+
+    The checkpoint's manifest and ``io.json`` files, the layout, batch and data against the model
+    (:func:`validate`), the run directory's checkpoints (:func:`check_run_dir`), a resume at another
+    layout (:func:`check_layout_change`) and a plan (:func:`check_plan`). Raises
+    :class:`PortingError` naming the file and field; returns the warnings.
+    """
+    from porting.convert.checkpoint import read_manifest
+    from porting.convert.context import check_io_json
+    from porting.convert.megatron import checkpoint_config
+    from porting.registry import family_by_name
+
+    manifest = read_manifest(spec.checkpoint)
+    family = family_by_name(manifest.family)
+    # NeMo reads io.json of the restored checkpoint and of every checkpoint it may resume from
+    # (artifacts, the tokenizer); each is checked before NeMo sees it. The model itself is built
+    # from our manifest.
+    check_io_json(spec.checkpoint)
+    for resumable in sorted((Path(spec.out) / "checkpoints").glob("*/context")):
+        check_io_json(resumable.parent)
+    config = checkpoint_config(spec.checkpoint, family)
+    check_run_dir(spec, manifest, config)
+    warnings = validate(spec, config, manifest.padded_vocab_size)
+    if spec.plan is not None:
+        check_plan(spec, manifest, config)
+    note = check_layout_change(spec)
+    if note:
+        warnings.append(note)
+    return Preflight(manifest, family, config, warnings)
+
+
+def saved_layout(spec: TrainSpec) -> dict:
+    """What a checkpoint records about the layout it was saved at (``context/train_layout.json``)."""
+    return {
+        "tp": spec.tp,
+        "pp": spec.pp,
+        "vp": spec.vp,
+        "cp": spec.cp,
+        "dp": spec.data_parallel,
+        "distributed_optimizer": spec.distributed_optimizer,
+        "optimizer_format": (
+            None
+            if not spec.distributed_optimizer
+            else "fully_reshardable"
+            if spec.optim_fully_reshardable
+            else "dp_reshardable"
+        ),
+        "global_batch": spec.global_batch,
+        "seq_length": spec.seq_length,
+    }

@@ -1,0 +1,287 @@
+"""Multi-process `porting train` on the CPU: two gloo processes under `--executor torchrun`.
+
+TP=2, PP=2 and DP=2 runs (the distributed optimizer on, as by default) are killed with SIGKILL of
+their process group right after a checkpoint, re-run, and must continue with the losses of an
+uninterrupted run; checkpoints saved at TP=2 and PP=2 resume in one process (Megatron reshards the
+weights and the optimizer state on load); `porting plan --emit` for a two-process cluster is run as
+emitted. Every run is a real `porting train` process tree, stopped by a timeout if it hangs.
+
+The slowest tests are marked ``slow`` (``pytest -m "not slow"`` for a quick local subset); CI runs
+them all.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+TEXT = "The quick brown fox jumps over the lazy dog. Hello world, hello NeMo."
+STEPS, SAVE_EVERY = 16, 8
+COMMON = [
+    "--seq-length", "32", "--micro-batch", "2", "--global-batch", "4", "--lr", "1e-2",
+    "--steps", str(STEPS), "--warmup", "2", "--save-every", str(SAVE_EVERY),
+]  # fmt: skip
+TIMEOUT = 300  # seconds for one run; a hang fails the test instead of blocking CI
+TOL = 1e-5
+
+
+def _env(**extra: str) -> dict:
+    # This pytest process holds a rendezvous port of its own; a child must pick a fresh one.
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    return env | {"PYTHONUNBUFFERED": "1"} | extra
+
+
+def _argv(ckpt, data, out, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "porting.cli", "train",
+        "--checkpoint", str(ckpt), "--data", str(data), "--out", str(out), *COMMON, *extra,
+    ]  # fmt: skip
+
+
+def _two(*extra: str) -> tuple[str, ...]:
+    return ("--gpus-per-node", "2", "--executor", "torchrun", *extra)
+
+
+def _run(argv: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``argv`` to its end in a session of its own; past TIMEOUT the whole group is killed."""
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env or _env(),
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"ran past {TIMEOUT} s: {argv}\n{(stdout + stderr)[-3000:]}")
+    assert proc.returncode == 0, (stdout + stderr)[-4000:]
+    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+
+
+def _losses(out: Path) -> dict[int, float]:
+    """step -> reduced_train_loss from every metrics.csv of the run (restarts included)."""
+    losses = {}
+    for f in sorted(out.rglob("metrics.csv")):
+        with open(f) as fh:
+            for row in csv.DictReader(fh):
+                if row.get("reduced_train_loss") and row.get("global_step"):
+                    losses[int(float(row["global_step"]))] = float(row["reduced_train_loss"])
+    return losses
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    """Command lines of live processes (other than this one) that mention ``text``."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if text in cmd:
+            found.append(f"{pid}: {cmd[:200]}")
+    return found
+
+
+def _kill_after_first_checkpoint(argv: list[str], out: Path) -> dict[int, float]:
+    """Start ``argv`` in a session of its own, SIGKILL the whole group as soon as a checkpoint is
+    complete, and check that no process of the run survives (torchrun and its ranks run in
+    sessions of their own; they die with their parent). Returns the losses logged before."""
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        env=_env(),
+    )
+    deadline, ckpts = time.time() + TIMEOUT, out / "checkpoints"
+    try:
+        while time.time() < deadline and proc.poll() is None:
+            done = [
+                p
+                for p in ckpts.glob("step=*-last")
+                if (p / "context" / "train_layout.json").exists()
+                and not p.with_name(p.name + "-unfinished").exists()
+            ]
+            if done:
+                break
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    for _ in range(100):
+        left = _processes_mentioning(str(out))
+        if not left:
+            break
+        time.sleep(0.1)
+    assert not left, f"processes of the killed run survive: {left}"
+    before = _losses(out)
+    assert max(before, default=-1) < STEPS - 1
+    return before
+
+
+def _assert_same_losses(got: dict[int, float], ref: dict[int, float], steps) -> None:
+    missing = [s for s in steps if s not in got]
+    assert not missing, f"steps {missing} not logged"
+    diffs = {s: abs(got[s] - ref[s]) for s in steps}
+    assert max(diffs.values()) <= TOL, {s: f"{d:.2e}" for s, d in diffs.items() if d > TOL}
+
+
+@pytest.fixture(scope="module")
+def corpus(tiny_llama, tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from porting.testing import make_indexed_dataset
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+    return make_indexed_dataset(
+        tmp_path_factory.mktemp("mpdata") / "corpus_text_document", tok, [TEXT] * 300
+    )
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_nemo, corpus, tmp_path_factory) -> dict[int, float]:
+    """The uninterrupted single-process run (TP=PP=DP=1) every layout is held against."""
+    out = tmp_path_factory.mktemp("mp") / "one"
+    _run(_argv(tiny_nemo, corpus, out))
+    losses = _losses(out)
+    assert sorted(losses) == list(range(STEPS))
+    return losses
+
+
+@pytest.fixture(scope="module")
+def tp2_uninterrupted(tiny_nemo, corpus, tmp_path_factory) -> dict[int, float]:
+    """An uninterrupted TP=2 run: TP's reductions sum in another order than one process, so a
+    TP=2 resume is held against TP=2 (the two differ by up to 7e-6 over these 16 steps)."""
+    out = tmp_path_factory.mktemp("mp") / "tp2"
+    _run(_argv(tiny_nemo, corpus, out, *_two("--tp", "2", "--optim-fully-reshardable")))
+    return _losses(out)
+
+
+LAYOUTS = {
+    # name: (flags, reference fixture, reshard in one process)
+    "tp2": (("--tp", "2", "--optim-fully-reshardable"), "tp2_uninterrupted", True),
+    "pp2": (("--pp", "2", "--optim-fully-reshardable"), "one_process", True),
+    "dp2": ((), "one_process", False),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_killed_two_process_run_resumes_exactly(name, tiny_nemo, corpus, tmp_path, request):
+    """SIGKILL after the first checkpoint, re-run: every later loss equals the uninterrupted run's.
+
+    TP=2 and PP=2 save the distributed optimizer fully reshardable, and their checkpoint also
+    resumes in one process (TP=2 -> 1, PP=2 -> 1) with the uninterrupted run's later losses: a
+    fresh or mis-sharded Adam state would be 1e-2 off from the first update on. DP=2 keeps the
+    default (DP-reshardable) format and gives one process's losses at the same global batch.
+    """
+    flags, ref_name, reshard = LAYOUTS[name]
+    ref = request.getfixturevalue(ref_name)
+    out = tmp_path / name
+    argv = _argv(tiny_nemo, corpus, out, *_two(*flags))
+    before = _kill_after_first_checkpoint(argv, out)
+    layout = json.loads(
+        (out / "checkpoints" / "step=7-last" / "context" / "train_layout.json").read_text()
+    )
+    assert layout["global_step"] == SAVE_EVERY and layout["distributed_optimizer"] is True
+    assert layout["optimizer_format"] == ("fully_reshardable" if reshard else "dp_reshardable")
+    if reshard:
+        shutil.copytree(out, tmp_path / "copy", symlinks=True)
+
+    r = _run(argv)
+    assert "resum" in (r.stdout + r.stderr).lower()
+    after = _losses(out)
+    resumed = range(SAVE_EVERY, STEPS)
+    _assert_same_losses(after, ref, resumed)
+    _assert_same_losses(before, ref, [s for s in before if s < SAVE_EVERY])
+    built = json.loads((out / "run.json").read_text())["built"]
+    assert built["world_size"] == 2 and built["optimizer"] == ["DistributedOptimizer"]
+    assert (built["tp"], built["pp"], built["dp"]) == {
+        "tp2": (2, 1, 1), "pp2": (1, 2, 1), "dp2": (1, 1, 2)
+    }[name]  # fmt: skip
+    assert built["megatron_timers"] is False  # the cause of the save hang, gone
+    assert (out / "checkpoints" / "last" / "weights" / "metadata.json").exists()
+
+    if reshard:  # the same checkpoint, resumed in one process
+        copy = tmp_path / "copy"
+        r = _run(_argv(tiny_nemo, corpus, copy))
+        assert "with a new layout" in r.stderr
+        _assert_same_losses(_losses(copy), ref, resumed)
+
+
+@pytest.mark.slow
+def test_emitted_plan_runs_as_emitted_and_builds_the_planned_strategy(tiny_nemo, corpus, tmp_path):
+    """`porting plan --emit` for a one-node, two-device cluster; its torchrun.sh runs unchanged
+    (a few more flags appended) and the trainer builds what the plan says."""
+    from porting.cli import main
+    from porting.cpu import free_port
+
+    cluster = tmp_path / "pair.yaml"
+    cluster.write_text(
+        yaml.safe_dump(
+            {
+                "name": "cpu-pair",
+                "gpu": {
+                    "name": "cpu",
+                    "peak_bf16_tflops": 1,
+                    "memory_gib": 16,
+                    "hbm_tbytes_s": 0.05,
+                },
+                "node": {"bandwidth_gbytes_s": 10, "latency_us": 5},
+                "site": {"bandwidth_gbit_s": 10, "latency_us": 10},
+                "sites": [{"name": "box", "nodes": 1, "gpus_per_node": 2}],
+            }
+        )
+    )
+    emit, out = tmp_path / "launch", tmp_path / "run"
+    argv = ["plan", "--model", str(tiny_nemo), "--cluster", str(cluster), "--global-batch", "4"]
+    argv += ["--seq-length", "32", "--layout", "tp=1,pp=2,mb=2,recompute=selective", "--overlap"]
+    argv += ["--emit", str(emit), "--data", str(corpus), "--out", str(out)]
+    assert main(argv) == 0
+    plan = json.loads((emit / "plan.json").read_text())
+    flags = shlex.split((emit / "train_flags.txt").read_text())
+    assert "--plan" in flags and "--recompute" in flags and "--overlap-grad-reduce" in flags
+
+    bindir = str(Path(sys.executable).parent)
+    env = _env(
+        PATH=bindir + os.pathsep + os.environ.get("PATH", ""),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )
+    _run(["bash", str(emit / "torchrun.sh"), "0", "--steps", "4", "--save-every", "4"], env)
+    built = json.loads((out / "run.json").read_text())["built"]
+    lay, settings = plan["layouts"][0]["layout"], plan["settings"]
+    assert (built["tp"], built["pp"], built["cp"], built["dp"]) == (
+        lay["tp"], lay["pp"], lay["cp"], lay["dp"]
+    )  # fmt: skip
+    assert built["vp"] in (None, 1) and lay["vp"] == 1
+    assert built["micro_batch"] == lay["micro_batch"] == 2
+    assert built["global_batch"] == plan["global_batch"] and built["seq_length"] == 32
+    assert built["recompute_granularity"] == lay["recompute"] == "selective"
+    assert built["use_tp_pp_dp_mapping"] is (plan["layouts"][0]["rank_order"] == "tp-cp-ep-pp-dp")
+    assert built["use_tp_pp_dp_mapping"] is True
+    assert built["use_distributed_optimizer"] is settings["distributed_optimizer"] is True
+    assert built["num_distributed_optimizer_instances"] == lay["instances"] == 1
+    assert built["overlap_grad_reduce"] is settings["overlap_grad_reduce"] is True
+    assert built["overlap_param_gather"] is settings["overlap_param_gather"] is True
+    assert built["grad_reduce_in_fp32"] is settings["grad_reduce_in_fp32"]
+    assert sorted(_losses(out)) == [0, 1, 2, 3]
