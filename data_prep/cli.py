@@ -95,7 +95,33 @@ def register(subparsers) -> None:
     g.add_argument("--dataset-impl", choices=["mmap"], default="mmap", help="NeMo's; only mmap")
     g.add_argument("--overwrite", action="store_true", help="replace existing outputs")
     g = p.add_argument_group("runtime")
-    g.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1)")
+    g.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="tokenizing processes (default 1; with --executor ray: units at once, default the "
+        "cluster's CPUs)",
+    )
+    g.add_argument(
+        "--executor",
+        choices=["local", "ray", "slurm"],
+        default="local",
+        help="local: this machine; ray: units as Ray tasks, merged here; slurm: write a job "
+        "array and a merge job to --emit DIR (not submitted)",
+    )
+    g.add_argument(
+        "--ray-address",
+        metavar="HOST:PORT",
+        help="an existing Ray cluster (default: start a local instance for the job)",
+    )
+    g.add_argument(
+        "--unit-mb",
+        type=float,
+        default=256.0,
+        help="input per unit of the ray and slurm executors (MiB, default 256); a file is cut "
+        "at line ends",
+    )
+    g.add_argument("--emit", metavar="DIR", help="where --executor slurm writes its scripts")
     g.add_argument(
         "--on-error",
         choices=["fail", "skip"],
@@ -134,6 +160,14 @@ def register(subparsers) -> None:
     m.add_argument("--output-prefix", dest="merge_out", required=True)
     m.add_argument("--overwrite", dest="merge_overwrite", action="store_true")
     m.set_defaults(func=run_merge)
+    u = actions.add_parser("run-unit", help="one unit of an emitted slurm job")
+    u.add_argument("--job", dest="job_file", required=True, help="the emitted job.json")
+    u.add_argument("--unit", dest="unit_index", type=int, required=True)
+    u.set_defaults(func=run_unit)
+    f = actions.add_parser("finish", help="merge the units of an emitted slurm job")
+    f.add_argument("--job", dest="job_file", required=True, help="the emitted job.json")
+    f.add_argument("--json", dest="finish_json", action="store_true")
+    f.set_defaults(func=run_finish)
     i = actions.add_parser("inspect", help="counts and the first documents decoded")
     i.add_argument("prefix", help="e.g. out/corpus_text_document")
     i.add_argument(
@@ -185,8 +219,18 @@ def run_prep(args) -> int:
         split=args.hf_split,
         show_progress=not args.no_progress,
         max_record_bytes=args.max_record_bytes,
+        executor=args.executor,
+        ray_address=args.ray_address,
+        unit_bytes=max(1, int(args.unit_mb * (1 << 20))),
+        emit=args.emit,
     )
     report = prepare(cfg)
+    if args.executor == "slurm":
+        print(
+            f"{report['emit']}: {report['units']} units; submit with {report['emit']}/submit.sh "
+            f"(staging {report['staging']})"
+        )
+        return 0
     try:
         _print_report(args, report)
     except (KeyboardInterrupt, Terminated) as stop:
@@ -228,6 +272,29 @@ def _print_report(args, report: dict) -> None:
         f"{t['seconds']:.1f} s, {t['bytes_per_s'] / 1e6:.1f} MB/s, "
         f"{t['tokens_per_s'] / 1e6:.2f} Mtok/s; report {args.output_prefix}.prep-report.json"
     )
+
+
+def run_unit(args) -> int:
+    """``porting prep-data run-unit``."""
+    from data_prep import slurm
+
+    s = slurm.run_unit(args.job_file, args.unit_index)
+    print(f"unit {args.unit_index}: {s['lines']} lines, {s['seconds']:.1f} s")
+    return 0
+
+
+def run_finish(args) -> int:
+    """``porting prep-data finish``."""
+    from data_prep import slurm
+
+    with _quieted(args):
+        report = slurm.finish(args.job_file)
+    if args.finish_json:
+        print(json.dumps(report, indent=2, ensure_ascii=False))
+    else:
+        for key, out in report["outputs"].items():
+            print(f"{out['prefix']}.bin/.idx  {key}: {out['documents']} documents")
+    return 0
 
 
 def run_merge(args) -> int:

@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 
 LEVEL = "document"
 ON_ERROR = ("fail", "skip")
+EXECUTORS = ("local", "ray", "slurm")
 #: Texts of the corpus head that Megatron's tokenizer and the backend are compared on at start,
 #: at most this many characters together: each is encoded three more times there.
 HEAD_CHARS = 1 << 20
@@ -73,7 +74,8 @@ class PrepConfig:
     tokenizer: TokenizerSource
     json_keys: tuple[str, ...] = ("text",)
     append_eod: bool = False
-    workers: int = 1
+    # None: 1 for the local executor, every CPU of the cluster for ray.
+    workers: int | None = 1
     include_special_tokens: bool = True
     use_fast: bool = True
     backend: str = "auto"
@@ -89,6 +91,16 @@ class PrepConfig:
     in_process: bool = False
     # Tests: die (os._exit) after this many chunks, their tokens flushed but not committed.
     crash_after_chunks: int | None = None
+    # local (this machine's processes), ray (a Ray cluster) or slurm (scripts written to ``emit``).
+    executor: str = "local"
+    ray_address: str | None = None
+    # Input per unit of the ray and slurm executors (a unit is tokenized by one task).
+    unit_bytes: int = 256 << 20
+    emit: str | None = None
+    # Tests: hand units to Ray in an order shuffled with this seed.
+    unit_order_seed: int | None = None
+    # Tests: stop as if interrupted (KeyboardInterrupt) once this many units are complete.
+    stop_after_units: int | None = None
 
 
 def output_prefix_for(output_prefix: str | Path, key: str) -> Path:
@@ -169,6 +181,55 @@ def check_backend(facts: Facts, backend_name: str, spec) -> int:
                 f"tokenizer on {diff}; use --tokenizer-backend megatron"
             )
     return len(facts.texts)
+
+
+def backend_name_for(cfg: PrepConfig) -> str:
+    """The backend ``--tokenizer-backend`` names (``auto``: the tokenizer kind's own library)."""
+    return _default_backend(cfg.tokenizer.kind) if cfg.backend == "auto" else cfg.backend
+
+
+def tokenizer_setup(
+    cfg: PrepConfig, head: list[str], backend_name: str
+) -> tuple[Facts, worker.WorkerConfig, int]:
+    """Load Megatron's tokenizer, check the model's contract and the backend against it on the
+    probes and ``head``; return its facts, the workers' configuration and how many texts were
+    compared."""
+    src = cfg.tokenizer
+    facts = _megatron_facts(cfg, head)
+    if src.contract is not None:
+        check_contract(facts, src.contract, cfg.append_eod)
+    if cfg.append_eod and facts.eod is None:
+        raise PortingError(f"{src.path}: the tokenizer has no EOS token to append as EOD")
+    spec = backend_spec(facts, backend_name)
+    n_probes = check_backend(facts, backend_name, spec)
+    wcfg = _worker_config(
+        cfg, spec, facts.eod, facts.vocab_size, facts.dtype, src.contract, facts.payload
+    )
+    return facts, wcfg, n_probes
+
+
+def located(source: Source, line: int, kind: str, detail: str) -> PortingError:
+    """The error for a bad record at ``line`` of ``source`` under ``--on-error fail``."""
+    return _located(source, line, kind, detail)
+
+
+def bad_id_error(where: str, key: str, bad: int, id_limit: int, checkpoint) -> PortingError:
+    """A token id at or past the vocabulary (or, with a ``checkpoint``, the model's padded
+    vocabulary) at ``where``."""
+    what = (
+        f"the model's vocabulary ({id_limit}, {checkpoint})"
+        if checkpoint
+        else f"the tokenizer's vocabulary ({id_limit})"
+    )
+    return PortingError(f"{where}: key {key!r}: token id {bad} is outside {what}")
+
+
+def diff_error(where: str, key: str, backend_name: str, diff: str, kind: str) -> PortingError:
+    """A sampled document the backend encodes differently from Megatron's tokenizer."""
+    return PortingError(
+        f"{where}: key {key!r}: the {backend_name} backend does not reproduce Megatron's "
+        f"tokenizer on {diff}; use --tokenizer-backend {_default_backend(kind)} (or megatron)"
+    )
 
 
 def _located(source: Source, line: int, kind: str, detail: str) -> PortingError:
@@ -486,14 +547,9 @@ class _Run:
             raise _located(source, line0 + rel + 1, kind, detail)
         if res.bad_id is not None:
             rel, key, bad = res.bad_id
-            what = (
-                f"the model's vocabulary ({self.id_limit}, {src.contract.checkpoint})"
-                if src.contract
-                else f"the tokenizer's vocabulary ({self.id_limit})"
-            )
-            raise PortingError(
-                f"{source.path}:{line0 + rel + 1}: key {key!r}: token id {bad} is outside {what}"
-            )
+            where = f"{source.path}:{line0 + rel + 1}"
+            checkpoint = src.contract.checkpoint if src.contract else None
+            raise bad_id_error(where, key, bad, self.id_limit, checkpoint)
         for rel, key, diff, text, decoded in res.samples:
             self._check_sample(source, line0 + rel + 1, key, diff, text, decoded)
         keys = tuple(cfg.json_keys)
@@ -541,11 +597,7 @@ class _Run:
         """The equivalence check against the reference, and the lossiness estimate."""
         state = self.state
         if diff is not None:
-            raise PortingError(
-                f"{source.path}:{line}: key {key!r}: the {self.backend_name} backend does not "
-                f"reproduce Megatron's tokenizer on {diff}; use --tokenizer-backend "
-                f"{_default_backend(self.facts.kind)} (or megatron)"
-            )
+            raise diff_error(f"{source.path}:{line}", key, self.backend_name, diff, self.facts.kind)
         if self.backend_name == "gigatoken":
             state["compared"] += 1
         lossy = state["lossy"]
@@ -600,14 +652,23 @@ def prepare(cfg: PrepConfig) -> dict:
         raise PortingError(f"--json-keys {' '.join(keys)}: need distinct keys")
     if cfg.on_error not in ON_ERROR:
         raise PortingError(f"--on-error {cfg.on_error}: one of {', '.join(ON_ERROR)}")
-    if cfg.workers < 1:
+    if cfg.workers is not None and cfg.workers < 1:
         raise PortingError(f"--workers {cfg.workers}: need at least 1")
+    if cfg.executor not in EXECUTORS:
+        raise PortingError(f"--executor {cfg.executor}: one of {', '.join(EXECUTORS)}")
     if cfg.max_record_bytes < 1:
         raise PortingError(f"--max-record-bytes {cfg.max_record_bytes}: need at least 1")
     sources = expand_inputs(cfg.inputs)
     src = cfg.tokenizer
     tok_fp = fingerprint(src, cfg.include_special_tokens, cfg.use_fast)
     run_fp = _run_fingerprint(cfg, sources, tok_fp)
+    if cfg.executor != "local":
+        # Imported here: the local executor never imports Ray.
+        from data_prep import units
+
+        return units.prepare_distributed(cfg, sources, tok_fp, t_start)
+    if cfg.workers is None:
+        cfg.workers = 1
     # Everything above only reads; from here on this run alone writes under the prefix.
     with output_lock(cfg.output_prefix, "dataset"):
         return _prepare(cfg, sources, tok_fp, run_fp, t_start)
@@ -616,7 +677,7 @@ def prepare(cfg: PrepConfig) -> dict:
 def _prepare(cfg: PrepConfig, sources: list[Source], tok_fp: str, run_fp: str, t_start) -> dict:
     keys = tuple(cfg.json_keys)
     src = cfg.tokenizer
-    backend_name = _default_backend(src.kind) if cfg.backend == "auto" else cfg.backend
+    backend_name = backend_name_for(cfg)
     _check_outputs(cfg, keys)
     work = WorkDir(work_path(cfg.output_prefix), keys)
     opened = False
@@ -649,17 +710,8 @@ def _prepare(cfg: PrepConfig, sources: list[Source], tok_fp: str, run_fp: str, t
             runner.start(guessed)
             runner.fill(min(32, 8 * cfg.workers))
 
-        facts = _megatron_facts(cfg, head)
-        if src.contract is not None:
-            check_contract(facts, src.contract, cfg.append_eod)
-        if cfg.append_eod and facts.eod is None:
-            raise PortingError(f"{src.path}: the tokenizer has no EOS token to append as EOD")
-        spec = backend_spec(facts, backend_name)
-        n_probes = check_backend(facts, backend_name, spec)
+        facts, wcfg, n_probes = tokenizer_setup(cfg, head, backend_name)
         dtype = np.dtype(facts.dtype)
-        wcfg = _worker_config(
-            cfg, spec, facts.eod, facts.vocab_size, dtype.name, src.contract, facts.payload
-        )
         if runner.config is None:
             runner.start(wcfg)
         elif runner.config != wcfg:
@@ -747,18 +799,19 @@ def _prepare(cfg: PrepConfig, sources: list[Source], tok_fp: str, run_fp: str, t
 def _report(
     cfg, sources, src, facts, backend_name, dtype, state, skipped, tok_fp, n_probes
 ) -> dict:
-    lossy = state["lossy"]
-    outputs = {}
-    for key in cfg.json_keys:
-        entry = state["keys"][key]
-        prefix = output_prefix_for(cfg.output_prefix, key)
-        outputs[key] = {
-            "prefix": str(prefix),
-            "documents": entry["documents"],
-            "sequences": entry["documents"] - entry["empty"],
-            "empty_documents": entry["empty"],
-            "tokens": entry["tokens"],
-        }
+    static = report_static(cfg, sources, src, facts, backend_name, dtype, tok_fp, n_probes)
+    return assemble_report(static, report_counts(cfg, state, skipped))
+
+
+def assemble_report(static: dict, counts: dict) -> dict:
+    """:func:`report_static` and :func:`report_counts` as one report."""
+    report = {**static, **counts}
+    report["equivalence"] = {**static["equivalence"], **counts["equivalence"]}
+    return report
+
+
+def report_static(cfg, sources, src, facts, backend_name, dtype, tok_fp, n_probes) -> dict:
+    """The parts of the report known before any document is read."""
     tokenizer = {
         "kind": src.kind,
         # Absolute, so that `prep-data inspect` finds it from any directory.
@@ -783,6 +836,31 @@ def _report(
         "append_eod": cfg.append_eod,
         "keep_empty": cfg.keep_empty,
         "on_error": cfg.on_error,
+        "tokenizer": tokenizer,
+        "equivalence": {
+            "reference": "megatron.core.tokenizers (as tools/preprocess_data.py builds it)",
+            # Probe texts and the head of the corpus, compared with Megatron's own ids at start.
+            "texts_checked_at_start": n_probes,
+        },
+    }
+
+
+def report_counts(cfg, state: dict, skipped: list[dict]) -> dict:
+    """The parts of the report counted from the documents (``state`` as :func:`_fresh_state`
+    lays it out)."""
+    lossy = state["lossy"]
+    outputs = {}
+    for key in cfg.json_keys:
+        entry = state["keys"][key]
+        prefix = output_prefix_for(cfg.output_prefix, key)
+        outputs[key] = {
+            "prefix": str(prefix),
+            "documents": entry["documents"],
+            "sequences": entry["documents"] - entry["empty"],
+            "empty_documents": entry["empty"],
+            "tokens": entry["tokens"],
+        }
+    return {
         "outputs": outputs,
         "lines": state["lines"],
         "records": state["records"],
@@ -790,11 +868,7 @@ def _report(
         "skipped": state["skipped"],
         "problems": {k: v for k, v in state["problem_counts"].items() if v},
         "skipped_records": skipped,
-        "tokenizer": tokenizer,
         "equivalence": {
-            "reference": "megatron.core.tokenizers (as tools/preprocess_data.py builds it)",
-            # Probe texts and the head of the corpus, compared with Megatron's own ids at start.
-            "texts_checked_at_start": n_probes,
             # gigatoken only: sampled documents re-encoded by the tokenizers/sentencepiece object
             # Megatron's tokenizer wraps (the other backends are that object).
             "documents_compared": state["compared"],

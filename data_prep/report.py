@@ -44,7 +44,7 @@ class Progress:
             dynamic_ncols=True,
         )
         self._t0 = time.perf_counter()
-        self.docs = self.tokens = self.bytes = 0
+        self.docs = self.tokens = self.bytes = self._disk = 0
 
     def update(self, disk_bytes: int, docs: int, tokens: int, nbytes: int) -> None:
         """Account for one finished chunk."""
@@ -57,7 +57,14 @@ class Progress:
             f"{self.bytes / dt / 1e6:.1f} MB/s",
             refresh=False,
         )
+        self._disk += disk_bytes
         self._bar.update(disk_bytes)
+
+    def show(self, disk_bytes: int, docs: int, tokens: int, nbytes: int) -> None:
+        """Set the totals of this run so far (from workers that report running counts)."""
+        self.update(
+            disk_bytes - self._disk, docs - self.docs, tokens - self.tokens, nbytes - self.bytes
+        )
 
     def close(self) -> None:
         """Finish the bar."""

@@ -179,12 +179,19 @@ def _oversize(i: int, start: int, end: int, length: int, max_record: int) -> Tas
 
 
 def _plain_tasks(
-    i: int, src: Source, start: int, chunk_bytes: int, max_record: int | None
+    i: int,
+    src: Source,
+    start: int,
+    chunk_bytes: int,
+    max_record: int | None,
+    stop: int | None = None,
 ) -> Iterator[Task]:
+    # ``stop`` is a line end (a unit's end, :func:`line_ranges`), so no chunk crosses it.
+    stop = src.size if stop is None else stop
     with open(src.path, "rb") as f:
         pos = start
-        while pos < src.size:
-            cut = min(pos + chunk_bytes, src.size) - 1  # the chunk's last byte, nominally
+        while pos < stop:
+            cut = min(pos + chunk_bytes, stop) - 1  # the chunk's last byte, nominally
             nl = _newline_at(f, cut, src.size)
             end = min(nl + 1, src.size)
             if max_record is not None and nl - pos > max_record:
@@ -351,3 +358,44 @@ def read_range(path: str, start: int, end: int) -> bytes:
     with open(path, "rb") as f:
         f.seek(start)
         return f.read(end - start)
+
+
+def line_ranges(src: Source, span: int) -> Iterator[tuple[int, int]]:
+    """Byte ranges of a plain JSONL file, each at least ``span`` bytes (but the last) and ending
+    just past a newline (or at the end of the file): the same ranges for the same file."""
+    with open(src.path, "rb") as f:
+        pos = 0
+        while pos < src.size:
+            end = min(_newline_at(f, min(pos + span, src.size) - 1, src.size) + 1, src.size)
+            yield pos, end
+            pos = end
+
+
+def range_tasks(
+    src: Source,
+    start: int,
+    end: int | None,
+    keys: tuple[str, ...],
+    chunk_bytes: int,
+    split: str | None = None,
+    max_record: int | None = None,
+) -> Iterator[Task]:
+    """The chunks of one input between two line ends of a plain file (``end``), or of the whole
+    input (``end`` None: gzip streams and datasets are not cut)."""
+    if end is not None:
+        yield from _plain_tasks(0, src, start, chunk_bytes, max_record, stop=end)
+    else:
+        yield from iter_tasks([src], keys, chunk_bytes, 0, 0, split, max_record)
+
+
+def lines_before(path: str | Path, offset: int) -> int:
+    """How many newlines a file has before ``offset`` (to place a record found in a range)."""
+    n = done = 0
+    with open(path, "rb") as f:
+        while done < offset:
+            block = f.read(min(1 << 22, offset - done))
+            if not block:
+                break
+            n += block.count(b"\n")
+            done += len(block)
+    return n

@@ -23,7 +23,12 @@ the post-processor: megatron-core 0.17+'s defaults) driven as the script drives 
 broken) against `porting prep-data` with its defaults. Each pair must give the same bytes.
 
     python scripts/bench_prep.py [--workdir /tmp/porting-bench-prep] [--mb 100] [--workers 2]
-                                 [--megatron-lm PATH] [--index-memory N]
+                                 [--megatron-lm PATH] [--index-memory N] [--executors]
+
+`--executors` compares the executors instead: the local one and `--executor ray` (a local Ray
+instance started by each run) with 1 and 2 workers on the same corpus and BPE tokenizer, each
+checked byte for byte against the local executor with 1 worker; the fixed cost of starting Ray
+(from the run's report) and the cost of one unit (a 20-line corpus cut into one unit per line).
 """
 
 from __future__ import annotations
@@ -170,6 +175,58 @@ def index_memory(n: int) -> None:
         print(f"{name}: {n} documents, peak memory grew {grown / 2**20:.0f} MiB")
 
 
+def executors(work: Path, corpus: Path, tiny: Path, hf: Path, unit_mb: float) -> int:
+    """The local executor against ``--executor ray`` (see the module docstring)."""
+    size = corpus.stat().st_size
+
+    def cmd(inp: Path, prefix: Path, workers: int, *extra: str) -> list[str]:
+        return [PY, "-m", "porting.cli", "prep-data", "--input", str(inp), "--output-prefix",
+                str(prefix), "--tokenizer", str(hf), "--workers", str(workers), "--append-eod",
+                "--no-progress", "--overwrite", "--json", *extra]  # fmt: skip
+
+    rows = []
+    for label, name, workers, extra in (
+        ("local executor, 1 worker", "ex_local1", 1, ()),
+        ("local executor, 2 workers", "ex_local2", 2, ()),
+        ("ray executor (local instance), 1 worker", "ex_ray1", 1,
+         ("--executor", "ray", "--unit-mb", str(unit_mb))),
+        ("ray executor (local instance), 2 workers", "ex_ray2", 2,
+         ("--executor", "ray", "--unit-mb", str(unit_mb))),
+    ):  # fmt: skip
+        prefix = work / name
+        t = time.perf_counter()
+        out = subprocess.run(cmd(corpus, prefix, workers, *extra), cwd=REPO, capture_output=True,
+                             text=True, check=True)  # fmt: skip
+        wall = time.perf_counter() - t
+        report = json.loads(out.stdout)
+        tokens = report["outputs"]["text"]["tokens"]
+        same = same_bytes(f"{prefix}_text_document", f"{work / 'ex_local1'}_text_document")
+        rows.append((label, wall, size / wall / 1e6, tokens / wall / 1e6, report, same))
+        print(f"{label}: {wall:.1f} s", flush=True)
+    # One unit per line of a 20-line corpus: what a unit costs beyond its tokens.
+    prefix = work / "ex_units"
+    out = subprocess.run(cmd(tiny, prefix, 1, "--executor", "ray", "--unit-mb", "1e-6"),
+                         cwd=REPO, capture_output=True, text=True, check=True)  # fmt: skip
+    tiny_report = json.loads(out.stdout)
+    n_units = len(tiny_report["units"])
+    per_unit = tiny_report["time"]["processing_seconds"] / n_units
+    in_task = sum(u["seconds"] for u in tiny_report["units"]) / n_units
+
+    print(f"\ncorpus {size / 1e6:.1f} MB; --unit-mb {unit_mb:g}; {psutil.cpu_count()} CPU cores "
+          "(shared)\n")  # fmt: skip
+    print("| run | wall s | MB/s | Mtok/s | units | Ray start s | bytes = local |")
+    print("|---|---:|---:|---:|---:|---:|:---:|")
+    for label, wall, mbs, mtok, report, same in rows:
+        t = report["time"]
+        units = len(report.get("units", [])) or "–"
+        start = f"{t['ray_start_seconds']:.1f}" if "ray_start_seconds" in t else "–"
+        print(f"| {label} | {wall:.1f} | {mbs:.2f} | {mtok:.2f} | {units} | {start} | "
+              f"{'yes' if same else 'NO'} |")  # fmt: skip
+    print(f"\nper unit ({n_units} one-line units, 1 worker): {per_unit * 1000:.0f} ms from "
+          f"hand-out to result, of which {in_task * 1000:.0f} ms inside the task")  # fmt: skip
+    return 0
+
+
 def main() -> int:
     """Entry point."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -179,6 +236,8 @@ def main() -> int:
     ap.add_argument("--megatron-lm", help="a Megatron-LM checkout (core_v0.15.x)")
     ap.add_argument("--index-memory", type=int, metavar="N", help="only measure index memory")
     ap.add_argument("--ceiling", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--executors", action="store_true", help="local vs ray executor only")
+    ap.add_argument("--unit-mb", type=float, default=16.0, help="--unit-mb of the ray runs")
     args = ap.parse_args()
     if args.ceiling:
         ceiling(args.ceiling[0], args.ceiling[1], args.ceiling[2], int(args.ceiling[3]))
@@ -215,6 +274,8 @@ def main() -> int:
         print(f"trained sentencepiece unigram 32k on 6 MB ({time.perf_counter() - t:.0f} s)")
     size = corpus.stat().st_size
     w = str(args.workers)
+    if args.executors:
+        return executors(work, corpus, tiny, hf, args.unit_mb)
 
     def megatron_cmd(inp: Path, prefix: Path, ttype: str, model: Path, fast: bool) -> list[str]:
         # core_v0.15.3's --legacy-tokenizer path is broken (its Encoder.initializer assigns the

@@ -1,0 +1,644 @@
+"""Units: ``prep-data`` cut into pieces that any machine can tokenize, then merged in input order.
+
+The ray and slurm executors share this. A unit is a whole input, or a byte range of a plain JSONL
+file that starts and ends at line ends (:func:`data_prep.sources.line_ranges`), so the same inputs
+and ``--unit-mb`` always give the same units. Each unit is tokenized on its own (by the same
+:func:`data_prep.worker.run` the local executor's workers run, a chunk at a time) into
+``u{index}.{key}.bin/.idx`` in a staging directory beside the output,
+``{output_prefix}.prep-data.units/``, and a ``u{index}.json`` summary written last. The merge
+(:func:`data_prep.merge.merge`) then chains the units' pairs in unit order: the documents come out
+in input order, each encoded independently, so the bytes equal the local executor's whatever
+ran where and in which order.
+
+The staging directory is the job's resume state. Its ``job.json`` holds the fingerprint of the
+inputs, the tokenizer, the flags that change bytes and the unit plan; a unit is done when its
+summary carries that fingerprint and its own index agrees with the summary (sizes and counts),
+never because a file is there. Files of an attempt are written under names of their own and
+renamed, so a task killed half-way and run again (Ray retries it) leaves nothing behind that counts.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import struct
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from data_prep import worker
+from data_prep.backends import BackendSpec
+from data_prep.prep import (
+    _check_outputs,
+    _head,
+    _signals_deferred,
+    assemble_report,
+    backend_name_for,
+    bad_id_error,
+    diff_error,
+    located,
+    output_prefix_for,
+    report_counts,
+    report_static,
+    tokenizer_setup,
+)
+from data_prep.records import PROBLEM_KINDS
+from data_prep.report import rate, report_path, write_json_atomic
+from data_prep.sources import Source, _source, line_ranges, lines_before, range_tasks
+from data_prep.writer import write_index_from_doc_lengths
+from porting.errors import PortingError
+from porting.guard import Terminated, output_lock
+
+log = logging.getLogger(__name__)
+
+JOB = "job.json"
+REPORT = "report.json"
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Input ``source`` from byte ``start`` to ``end`` (a line end), or all of it (``end`` None)."""
+
+    index: int
+    source: int
+    start: int
+    end: int | None
+
+
+@dataclass(frozen=True)
+class Job:
+    """What every unit task needs, the same for all of them (sent once, or read from a file)."""
+
+    staging: str
+    fingerprint: str
+    parts: dict
+    output_prefix: str
+    json_keys: tuple[str, ...]
+    sources: tuple[Source, ...]
+    units: tuple[Unit, ...]
+    wcfg: worker.WorkerConfig
+    header: bytes
+    chunk_bytes: int
+    split: str | None
+    backend_name: str
+    tokenizer_kind: str
+    checkpoint: str | None
+    overwrite: bool
+    report: dict
+
+
+def staging_path(output_prefix: str | Path) -> Path:
+    """Where the units of a ray or slurm job are staged."""
+    return Path(f"{output_prefix}.prep-data.units")
+
+
+def plan_units(sources: list[Source], unit_bytes: int) -> list[Unit]:
+    """Every input in order, plain JSONL files cut into ranges of about ``unit_bytes``."""
+    units: list[Unit] = []
+    for i, src in enumerate(sources):
+        if src.kind == "jsonl":
+            for start, end in line_ranges(src, unit_bytes):
+                units.append(Unit(len(units), i, start, end))
+        else:
+            units.append(Unit(len(units), i, 0, None))
+    return units
+
+
+def plan_job(cfg, sources: list[Source], tok_fp: str) -> Job:
+    """Check the tokenizer as the local executor does (head of the corpus, Megatron's ids, the
+    backend) and cut the inputs into units."""
+    keys = tuple(cfg.json_keys)
+    backend_name = backend_name_for(cfg)
+    head = _head(sources, keys, {"source": 0, "offset": 0, "line": 0}, cfg)
+    facts, wcfg, n_probes = tokenizer_setup(cfg, head, backend_name)
+    units = plan_units(sources, cfg.unit_bytes)
+    parts = {
+        "inputs": [[str(s.path.resolve()), s.kind, s.size, s.mtime_ns] for s in sources],
+        "tokenizer": [str(cfg.tokenizer.path.resolve()), tok_fp],
+        "flags": {
+            "json-keys": list(keys),
+            "append-eod": cfg.append_eod,
+            "keep-empty": cfg.keep_empty,
+            "hf-split": cfg.split,
+            "max-record-bytes": cfg.max_record_bytes,
+            "on-error": cfg.on_error,
+            "unit-mb": cfg.unit_bytes / (1 << 20),
+        },
+        "units": [[u.source, u.start, u.end] for u in units],
+    }
+    fp = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+    static = report_static(
+        cfg, sources, cfg.tokenizer, facts, backend_name, np.dtype(facts.dtype), tok_fp, n_probes
+    )
+    contract = cfg.tokenizer.contract
+    return Job(
+        staging=str(staging_path(cfg.output_prefix).absolute()),
+        fingerprint=fp,
+        parts=parts,
+        output_prefix=str(cfg.output_prefix),
+        json_keys=keys,
+        sources=tuple(dataclasses.replace(s, path=s.path.absolute()) for s in sources),
+        units=tuple(units),
+        wcfg=wcfg,
+        header=facts.index_header,
+        chunk_bytes=cfg.chunk_bytes,
+        split=cfg.split,
+        backend_name=backend_name,
+        tokenizer_kind=facts.kind,
+        checkpoint=str(contract.checkpoint) if contract else None,
+        overwrite=cfg.overwrite,
+        report=static,
+    )
+
+
+def _changes(old: dict, new: dict) -> str:
+    """What differs between two jobs' fingerprint parts, in words."""
+    out = []
+    before = {row[0]: row[1:] for row in old.get("inputs", [])}
+    now = {row[0]: row[1:] for row in new["inputs"]}
+    for path, facts in now.items():
+        if path not in before:
+            out.append(f"input {path} was not in the job")
+        elif before[path] != facts:
+            out.append(
+                f"input {path} changed ({before[path][1]} -> {facts[1]} bytes, or modified since)"
+            )
+    out += [f"input {p} is no longer given" for p in before if p not in now]
+    if not out and list(before) != list(now):
+        out.append("the order of the inputs")
+    if old.get("tokenizer") != new["tokenizer"]:
+        out.append(f"the tokenizer ({new['tokenizer'][0]}: other files or settings)")
+    for flag, value in new["flags"].items():
+        if old.get("flags", {}).get(flag) != value:
+            out.append(f"--{flag} ({old.get('flags', {}).get(flag)!r} -> {value!r})")
+    if not out and old.get("units") != new["units"]:
+        out.append("the unit plan")
+    return "; ".join(out) or "the job"
+
+
+def open_staging(job: Job, resume: bool) -> bool:
+    """Create the staging directory, or with ``resume`` reopen this job's; return whether an
+    earlier run's units are there. Another job's staging directory is never reused: resuming it
+    is an error that names what changed, and without ``resume`` it is replaced."""
+    path = Path(job.staging)
+    if path.exists() and resume:
+        try:
+            old = json.loads((path / JOB).read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise PortingError(
+                f"{path}: not a prep-data staging directory ({err}); rerun without --resume"
+            ) from err
+        if old.get("fingerprint") != job.fingerprint:
+            raise PortingError(
+                f"{path}: cannot resume: {_changes(old.get('parts', {}), job.parts)} since its "
+                "units were made; rerun without --resume to start over"
+            )
+        for stray in path.glob("*.tmp-*"):
+            stray.unlink(missing_ok=True)
+        return True
+    if path.exists():
+        log.info("replacing the staged units in %s (pass --resume to continue them)", path)
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    write_json_atomic(path / JOB, {"fingerprint": job.fingerprint, "parts": job.parts})
+    return False
+
+
+def _stem(job: Job, index: int) -> Path:
+    return Path(job.staging) / f"u{index:06d}"
+
+
+def _check_size(src: Source) -> None:
+    try:
+        size = _source(src.path).size
+    except PortingError as err:
+        raise PortingError(f"{src.path}: gone since the job was planned ({err})") from err
+    if size != src.size:
+        raise PortingError(
+            f"{src.path}: changed size between planning ({src.size} bytes) and reading "
+            f"({size} bytes); rerun once the file is complete"
+        )
+
+
+def _init_worker(wcfg: worker.WorkerConfig) -> None:
+    """Build the backend once per process and configuration (a Ray worker serves many units)."""
+    if worker._STATE.get("config") == wcfg:
+        return
+    if wcfg.backend.name == "megatron":
+        path = wcfg.backend.payload["path"]
+        if not os.path.exists(path):
+            raise PortingError(
+                f"{path}: the tokenizer files are not on {socket.gethostname()}; the megatron "
+                "backend loads them by path (use --tokenizer-backend hf or sentencepiece, "
+                "which ship the tokenizer with the job)"
+            )
+    worker.init(wcfg)
+
+
+def run_unit(job: Job, index: int, report=None) -> dict:
+    """Tokenize unit ``index`` into the staging directory; return its summary (also written).
+
+    ``report(index, documents, tokens, bytes, disk_bytes)``, if given, is called after every chunk
+    with the unit's running totals. A bad record under ``--on-error fail``, a token id outside the
+    vocabulary, a backend that differs from Megatron's tokenizer or an input that changed size
+    raises :class:`PortingError` naming its file and line; nothing of the unit is kept.
+    """
+    t0 = time.perf_counter()
+    unit = job.units[index]
+    src = job.sources[unit.source]
+    wcfg = job.wcfg
+    _check_size(src)
+    _init_worker(wcfg)
+    stem = _stem(job, index)
+    tag = f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = {k: (Path(f"{stem}.{k}.bin{tag}"), Path(f"{stem}.{k}.idx{tag}")) for k in job.json_keys}
+    bins = {k: open(tmp[k][0], "wb") for k in job.json_keys}
+    lens: dict[str, list] = {k: [] for k in job.json_keys}
+    stats = {k: {"documents": 0, "tokens": 0, "empty": 0} for k in job.json_keys}
+    problems: list[list] = []
+    lossy = {"sampled": 0, "differing": 0, "example": None}
+    lines = nbytes = disk = compared = docs = tokens = 0
+
+    def line_of(rel: int) -> int:
+        # Counted only for an error: a range does not know how many lines precede it.
+        base = lines_before(src.path, unit.start) if unit.end is not None else 0
+        return base + lines + rel + 1
+
+    def where(rel: int) -> str:
+        return f"{src.path}:{line_of(rel)}"
+
+    try:
+        tasks = range_tasks(
+            src, unit.start, unit.end, job.json_keys, job.chunk_bytes, job.split, wcfg.max_record
+        )
+        for n, task in enumerate(tasks):
+            res = worker.run(task.payload, index == 0 and n == 0)
+            if res.problems and wcfg.stop_at_first:
+                rel, kind, detail = res.problems[0]
+                raise located(src, line_of(rel), kind, detail)
+            if res.bad_id is not None:
+                rel, key, bad = res.bad_id
+                raise bad_id_error(where(rel), key, bad, wcfg.id_limit, job.checkpoint)
+            for rel, key, diff, text, decoded in res.samples:
+                if diff is not None:
+                    raise diff_error(where(rel), key, job.backend_name, diff, job.tokenizer_kind)
+                compared += job.backend_name == "gigatoken"
+                lossy["sampled"] += 1
+                if text is not None:
+                    lossy["differing"] += 1
+                    if lossy["example"] is None:
+                        lossy["example"] = [lines + rel, key, text, decoded]
+            for key in job.json_keys:
+                toks, dl = res.tokens[key], res.doc_lens[key]
+                bins[key].write(toks.tobytes(order="C"))
+                lens[key].append(dl)
+                stats[key]["documents"] += len(dl)
+                stats[key]["tokens"] += int(toks.size)
+                stats[key]["empty"] += int(np.count_nonzero(dl == 0))
+                tokens += int(toks.size)
+            problems += [[lines + rel, kind, detail] for rel, kind, detail in res.problems]
+            docs += len(res.doc_lens[job.json_keys[0]])
+            lines += res.n_lines
+            nbytes += res.nbytes
+            disk += task.disk_bytes
+            if report is not None:
+                report(index, docs, tokens, nbytes, disk)
+        _check_size(src)
+        itemsize = np.dtype(wcfg.dtype).itemsize
+        for key in job.json_keys:
+            bins[key].flush()
+            os.fsync(bins[key].fileno())
+            bins[key].close()
+            doc_lens = np.concatenate(lens[key]) if lens[key] else np.empty(0, np.int32)
+            write_index_from_doc_lengths(tmp[key][1], job.header, itemsize, doc_lens)
+        for key in job.json_keys:
+            os.replace(tmp[key][0], f"{stem}.{key}.bin")
+            os.replace(tmp[key][1], f"{stem}.{key}.idx")
+    finally:
+        for key in job.json_keys:
+            bins[key].close()
+            for p in tmp[key]:
+                p.unlink(missing_ok=True)
+    summary = {
+        "fingerprint": job.fingerprint,
+        "unit": [unit.index, unit.source, unit.start, unit.end],
+        "keys": stats,
+        "lines": lines,
+        "bytes": nbytes,
+        "disk_bytes": disk,
+        "problems": problems,
+        "lossy": lossy,
+        "compared": compared,
+        "seconds": round(time.perf_counter() - t0, 4),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+    }
+    # Written last: the unit counts as done only once its pair is in place.
+    write_json_atomic(Path(f"{stem}.json"), summary)
+    return summary
+
+
+def _index_counts(path: Path, header: bytes) -> tuple[int, int, int] | None:
+    """(sequences, document entries, tokens) of an ``.idx`` whose header and size are as
+    ``_IndexWriter`` lays them out; None otherwise."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(header) + 16)
+            if len(head) < len(header) + 16 or head[: len(header)] != header:
+                return None
+            n_seq, n_docs = struct.unpack("<QQ", head[len(header) :])
+            if path.stat().st_size != len(header) + 16 + 12 * n_seq + 8 * n_docs:
+                return None
+            lengths = np.fromfile(f, dtype=np.int32, count=n_seq)
+    except OSError:
+        return None
+    return n_seq, n_docs, int(lengths.sum(dtype=np.int64))
+
+
+def verified(job: Job, index: int) -> dict | None:
+    """The summary of unit ``index`` if it is complete and this job's: its fingerprint, and every
+    key's index and ``.bin`` agreeing with the summary's counts. None: (re)do the unit."""
+    stem = _stem(job, index)
+    unit = job.units[index]
+    try:
+        summary = json.loads(Path(f"{stem}.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if summary.get("fingerprint") != job.fingerprint or summary.get("unit") != [
+        unit.index, unit.source, unit.start, unit.end
+    ]:  # fmt: skip
+        return None
+    itemsize = np.dtype(job.wcfg.dtype).itemsize
+    for key in job.json_keys:
+        want = summary["keys"][key]
+        counts = _index_counts(Path(f"{stem}.{key}.idx"), job.header)
+        if counts is None:
+            return None
+        n_seq, n_docs, n_tokens = counts
+        bin_path = Path(f"{stem}.{key}.bin")
+        if (
+            n_docs != want["documents"] + 1
+            or n_seq != want["documents"] - want["empty"]
+            or n_tokens != want["tokens"]
+            or not bin_path.is_file()
+            or bin_path.stat().st_size != n_tokens * itemsize
+        ):
+            log.info("unit %d of %s is incomplete; tokenizing it again", index, job.staging)
+            return None
+    return summary
+
+
+def _state(job: Job, summaries: list[dict]) -> tuple[dict, list[dict]]:
+    """The counts the local executor keeps (``_fresh_state``'s layout), and the skipped records
+    placed at their file and line: a unit's lines follow those of the units before it."""
+    state = {
+        "keys": {k: {"documents": 0, "tokens": 0, "empty": 0} for k in job.json_keys},
+        "lines": 0,
+        "records": 0,
+        "bytes": 0,
+        "skipped": 0,
+        "problem_counts": dict.fromkeys(PROBLEM_KINDS, 0),
+        "compared": 0,
+        "lossy": {"sampled": 0, "differing": 0, "example": None},
+    }
+    skipped: list[dict] = []
+    line_base: dict[int, int] = {}
+    for unit, s in zip(job.units, summaries, strict=True):
+        src = job.sources[unit.source]
+        base = line_base.get(unit.source, 0)
+        line_base[unit.source] = base + s["lines"]
+        for key in job.json_keys:
+            for field in ("documents", "tokens", "empty"):
+                state["keys"][key][field] += s["keys"][key][field]
+        state["records"] += s["keys"][job.json_keys[0]]["documents"]
+        state["lines"] += s["lines"]
+        state["bytes"] += s["bytes"]
+        state["compared"] += s["compared"]
+        for rel, kind, detail in s["problems"]:
+            state["problem_counts"][kind] = state["problem_counts"].get(kind, 0) + 1
+            skipped.append(
+                {"file": str(src.path), src.unit: base + rel + 1, "reason": kind, "detail": detail}
+            )
+        state["skipped"] += len(s["problems"])
+        lossy = state["lossy"]
+        lossy["sampled"] += s["lossy"]["sampled"]
+        lossy["differing"] += s["lossy"]["differing"]
+        if lossy["example"] is None and s["lossy"]["example"] is not None:
+            rel, key, text, decoded = s["lossy"]["example"]
+            lossy["example"] = {
+                "file": str(src.path), src.unit: base + rel + 1, "key": key, "text": text,
+                "decoded": decoded,
+            }  # fmt: skip
+    return state, skipped
+
+
+def _merge_key(job: Job, key: str, summaries: list[dict], out: Path) -> None:
+    """The units' pairs of ``key`` chained in unit order into ``out``.bin/.idx."""
+    from data_prep.merge import merge
+
+    prefixes = [
+        f"{_stem(job, u.index)}.{key}"
+        for u, s in zip(job.units, summaries, strict=True)
+        if s["keys"][key]["documents"]
+    ]
+    if prefixes:
+        merge(prefixes, out, overwrite=True)
+        return
+    # No document anywhere: what the local executor writes for an input without any.
+    Path(f"{out}.bin").write_bytes(b"")
+    itemsize = np.dtype(job.wcfg.dtype).itemsize
+    write_index_from_doc_lengths(f"{out}.idx", job.header, itemsize, np.empty(0, np.int32))
+
+
+def finish(job: Job, summaries: list[dict], executor: str, timing: dict) -> dict:
+    """Merge every unit, write the report, and give the outputs their names (the staging directory
+    is then removed). ``summaries`` in unit order, each :func:`verified`."""
+    staging = Path(job.staging)
+    state, skipped = _state(job, summaries)
+    t0 = time.perf_counter()
+    from data_prep.tokenizer import third_party_quieted
+
+    # The merge reads the units' indexes with megatron.core, whose import-time notices say
+    # nothing about the data.
+    with third_party_quieted():
+        for key in job.json_keys:
+            _merge_key(job, key, summaries, staging / f"merged.{key}")
+    report = assemble_report(job.report, report_counts(job, state, skipped))
+    report["executor"] = executor
+    report["units"] = [
+        {
+            "unit": u.index,
+            "file": str(job.sources[u.source].path),
+            "start": u.start,
+            "end": u.end,
+            "documents": s["keys"][job.json_keys[0]]["documents"],
+            "tokens": sum(s["keys"][k]["tokens"] for k in job.json_keys),
+            "bytes": s["bytes"],
+            "seconds": s["seconds"],
+            "host": s["host"],
+            "pid": s["pid"],
+            **({"finished": s["finished"]} if "finished" in s else {}),
+        }
+        for u, s in zip(job.units, summaries, strict=True)
+    ]
+    timing = dict(timing)
+    timing["merge_seconds"] = round(time.perf_counter() - t0, 3)
+    seconds = timing.get("seconds", 0.0)
+    unit_seconds = [s["seconds"] for s in summaries]
+    timing.update(
+        {
+            "unit_seconds_total": round(sum(unit_seconds), 3),
+            "unit_seconds_max": round(max(unit_seconds, default=0.0), 3),
+            "bytes_per_s": round(rate(state["bytes"], seconds), 1),
+            "tokens_per_s": round(
+                rate(sum(e["tokens"] for e in state["keys"].values()), seconds), 1
+            ),
+            "documents_per_s": round(rate(state["records"], seconds), 1),
+        }
+    )
+    report["time"] = timing
+    write_json_atomic(staging / REPORT, report)
+    rpath = report_path(job.output_prefix)
+    try:
+        # A signal now would leave some outputs renamed and the staged units without them.
+        with _signals_deferred():
+            for key in job.json_keys:
+                final = output_prefix_for(job.output_prefix, key)
+                os.replace(staging / f"merged.{key}.bin", f"{final}.bin")
+                os.replace(staging / f"merged.{key}.idx", f"{final}.idx")
+            os.replace(staging / REPORT, rpath)
+            shutil.rmtree(staging, ignore_errors=True)
+    except (KeyboardInterrupt, Terminated) as err:
+        err.kept = f"it came as the job finished: outputs complete, report {rpath}"
+        raise
+    log.info("wrote %s (%d records, %d skipped)", rpath, state["records"], state["skipped"])
+    return report
+
+
+def prepare_distributed(cfg, sources: list[Source], tok_fp: str, t_start: float) -> dict:
+    """``prep-data --executor ray`` (tokenize and merge) or ``--executor slurm`` (emit scripts)."""
+    if cfg.unit_bytes < 1:
+        raise PortingError(f"--unit-mb {cfg.unit_bytes / (1 << 20)}: need a positive size")
+    if cfg.executor == "slurm":
+        from data_prep import slurm
+
+        if not cfg.emit:
+            raise PortingError("--executor slurm needs --emit DIR (where the scripts go)")
+        with output_lock(cfg.output_prefix, "dataset"):
+            _check_outputs(cfg, cfg.json_keys)
+            job = plan_job(cfg, sources, tok_fp)
+            open_staging(job, cfg.resume)
+            return slurm.emit(job, cfg.emit)
+    from data_prep import ray_exec
+
+    if cfg.ray_address:
+        # Before the tokenizer is loaded (seconds): a wrong address is known at once.
+        ray_exec.check_reachable(cfg.ray_address)
+    with output_lock(cfg.output_prefix, "dataset"):
+        _check_outputs(cfg, cfg.json_keys)
+        job = plan_job(cfg, sources, tok_fp)
+        opened = False
+        try:
+            with _signals_deferred():
+                resumed = open_staging(job, cfg.resume)
+                opened = True
+            done = {}
+            if resumed:
+                for u in job.units:
+                    s = verified(job, u.index)
+                    if s is not None:
+                        done[u.index] = s
+                log.info("resuming: %d of %d units done", len(done), len(job.units))
+            summaries, timing = ray_exec.run_units(cfg, job, done)
+        except BaseException as err:
+            kept = _wind_down(job, opened, err)
+            if isinstance(err, (KeyboardInterrupt, Terminated)):
+                err.kept = kept
+            raise
+        timing["seconds"] = round(time.perf_counter() - t_start, 3)
+        timing["units_resumed"] = len(done)
+        return finish(job, summaries, "ray", timing)
+
+
+def _wind_down(job: Job, opened: bool, err: BaseException) -> str:
+    """After a job ended early: a stop (a signal, a lost cluster) keeps the staged units to resume
+    from; a failure of the data itself (a bad record, a changed input) removes them, so that
+    nothing is left under the output name."""
+    staging = Path(job.staging)
+    if not opened:
+        return "nothing staged"
+    with _signals_deferred():
+        if not isinstance(err, PortingError) and any(staging.glob("u*.json")):
+            for stray in staging.glob("*.tmp-*"):
+                stray.unlink(missing_ok=True)
+            return f"finished units kept in {staging}; rerun the same command with --resume"
+        shutil.rmtree(staging, ignore_errors=True)
+    return "staged units removed"
+
+
+def job_to_json(job: Job) -> dict:
+    """``job`` as JSON (bytes in base64), for tasks started from a file (slurm)."""
+
+    def enc(v):
+        if isinstance(v, bytes):
+            return {"__bytes__": base64.b64encode(v).decode()}
+        if isinstance(v, (list, tuple)):
+            return [enc(x) for x in v]
+        if isinstance(v, dict):
+            return {k: enc(x) for k, x in v.items()}
+        if isinstance(v, Path):
+            return str(v)
+        return v
+
+    d = {f.name: getattr(job, f.name) for f in dataclasses.fields(job)}
+    d["sources"] = [dataclasses.asdict(s) for s in job.sources]
+    d["units"] = [dataclasses.asdict(u) for u in job.units]
+    d["wcfg"] = dataclasses.asdict(job.wcfg)
+    return enc(d)
+
+
+def job_from_json(data: dict) -> Job:
+    """The inverse of :func:`job_to_json`."""
+
+    def dec(v):
+        if isinstance(v, dict):
+            if set(v) == {"__bytes__"}:
+                return base64.b64decode(v["__bytes__"])
+            return {k: dec(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [dec(x) for x in v]
+        return v
+
+    d = dec(data)
+    w = d["wcfg"]
+    b = w["backend"]
+    backend = BackendSpec(
+        **{**b, "prefix": tuple(b["prefix"]), "suffix": tuple(b["suffix"])},
+    )
+    ref = w["reference"]
+    wcfg = worker.WorkerConfig(
+        **{
+            **w,
+            "keys": tuple(w["keys"]),
+            "backend": backend,
+            "reference": tuple(ref) if ref is not None else None,
+        }
+    )
+    return Job(
+        **{
+            **d,
+            "json_keys": tuple(d["json_keys"]),
+            "sources": tuple(Source(**{**s, "path": Path(s["path"])}) for s in d["sources"]),
+            "units": tuple(Unit(**u) for u in d["units"]),
+            "wcfg": wcfg,
+        }
+    )
