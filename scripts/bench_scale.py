@@ -120,12 +120,19 @@ def timed(cmd: list[str], log: Path) -> dict:
     wall = time.perf_counter() - t
     text = log.read_text()
     m = re.search(r"Maximum resident set size \(kbytes\): (\d+)", text)
-    return {
+    row = {
         "wall_s": wall,
         "peak_rss": int(m.group(1)) * 1024 if m else None,
         "rc": proc.returncode,
         "oom": "Killed" in text or proc.returncode in (-9, 137),
     }
+    if proc.returncode != 0:
+        # The exception's own line (the last one naming an error), for the table.
+        errors = [
+            ln.strip() for ln in text.splitlines() if re.match(r"\s*\w*(Error|Exception)", ln)
+        ]
+        row["error"] = errors[-1][:160] if errors else None
+    return row
 
 
 NEMO_IMPORT = """
@@ -156,7 +163,13 @@ def main() -> int:
     p.add_argument("--sizes", nargs="+", default=["7b", "7b-deep"], choices=list(SIZES))
     p.add_argument("--workdir", type=Path, default=Path("bench-out/scale"))
     p.add_argument("--nemo", action="store_true", help="also run NeMo's own HFLlamaImporter")
-    p.add_argument("--steps", nargs="+", default=["import", "verify", "export"])
+    p.add_argument(
+        "--steps",
+        nargs="*",
+        default=["import", "verify", "export"],
+        choices=["import", "verify", "export"],
+        help="our commands to run (none: only --nemo)",
+    )
     p.add_argument("--json", type=Path, help="also write the rows as JSON")
     args = p.parse_args()
     porting = [sys.executable, "-m", "porting.cli"]
@@ -204,6 +217,8 @@ def main() -> int:
             r.update(size=size, step="nemo HFLlamaImporter", weights=weights)
             rows.append(r)
             print(json.dumps(r), flush=True)
+        for log in work.glob("*.log"):  # kept beside the work directory, which goes
+            shutil.copy(log, args.workdir / f"{size}-{log.name}")
         shutil.rmtree(work, ignore_errors=True)
     print()
     print(f"{'size':<9}{'step':<22}{'wall s':>8}{'peak RSS GiB':>14}{'peak/weights':>14}  result")
