@@ -25,8 +25,6 @@ import json
 import logging
 import multiprocessing
 import os
-import signal
-import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -52,7 +50,7 @@ from data_prep.tokenizer import (
 )
 from data_prep.writer import WorkDir, total_tokens, write_index_from_doc_lengths
 from porting.errors import PortingError
-from porting.guard import Terminated, output_lock
+from porting.guard import Terminated, output_lock, signals_deferred
 
 log = logging.getLogger(__name__)
 
@@ -284,7 +282,7 @@ def _megatron_facts(cfg: PrepConfig, head: list[str]) -> Facts:
         return megatron_facts(*args)
     pool = None
     try:
-        with _signals_deferred():  # see _Runner.start
+        with signals_deferred():  # see _Runner.start
             pool = ProcessPoolExecutor(
                 1, mp_context=multiprocessing.get_context("spawn"),
                 initializer=worker.ignore_parent_signals,
@@ -334,35 +332,6 @@ def _stop_pool(pool: ProcessPoolExecutor) -> None:
         manager.join(5)
 
 
-@contextlib.contextmanager
-def _signals_deferred():
-    """Within the block SIGINT, SIGTERM and SIGHUP wait; the first one to arrive is handled as it
-    would have been (``KeyboardInterrupt``, :class:`Terminated`) as the block ends.
-
-    Handlers can only be changed in the main thread; elsewhere (a test's thread) the block runs
-    as it is.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-    previous = {sig: signal.getsignal(sig) for sig in sigs}
-    got: list[int] = []
-    for sig in sigs:
-        signal.signal(sig, lambda signum, frame: got.append(signum))
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if got:
-            handler = previous[got[0]]
-            if callable(handler):
-                handler(got[0], None)
-            elif handler == signal.SIG_DFL:
-                os.kill(os.getpid(), got[0])
-
-
 def _bytes_done(sources: list[Source], position: dict) -> int:
     """On-disk bytes already behind the resume point (for the progress bar)."""
     done = sum(s.size for s in sources[: position["source"]])
@@ -410,7 +379,7 @@ class _Runner:
         if self._cfg.in_process:
             worker.init(wcfg)
         else:
-            with _signals_deferred():
+            with signals_deferred():
                 self._pool = ProcessPoolExecutor(
                     max_workers=self._cfg.workers,
                     mp_context=multiprocessing.get_context("spawn"),
@@ -421,7 +390,7 @@ class _Runner:
     def _submit(self, task, head: bool):
         if self._pool is None:
             return _Done(worker.run(task.payload, head))
-        with _signals_deferred():
+        with signals_deferred():
             return self._pool.submit(worker.run, task.payload, head)
 
     def fill(self, n: int) -> None:
@@ -686,7 +655,7 @@ def _prepare(cfg: PrepConfig, sources: list[Source], tok_fp: str, run_fp: str, t
     try:
         # Replacing or reopening the work directory is not cut short by a signal: it is either
         # untouched or opened (and then removed or kept like any other).
-        with _signals_deferred():
+        with signals_deferred():
             _open_work(cfg, work, keys, run_fp, cfg.resume and work.exists())
             opened = True
         state = work.state
@@ -767,7 +736,7 @@ def _prepare(cfg: PrepConfig, sources: list[Source], tok_fp: str, run_fp: str, t
         kept = "partial outputs removed"
         try:
             # A second signal must not cut the clean-up short; it is raised once it is done.
-            with _signals_deferred():
+            with signals_deferred():
                 if runner is not None:
                     runner.stop()
                 if progress is not None:
@@ -782,7 +751,7 @@ def _prepare(cfg: PrepConfig, sources: list[Source], tok_fp: str, run_fp: str, t
     rpath = report_path(cfg.output_prefix)
     try:
         # A signal now would leave some outputs renamed and the resume state without them.
-        with _signals_deferred():
+        with signals_deferred():
             for key in keys:
                 final = output_prefix_for(cfg.output_prefix, key)
                 os.replace(work.bin_path(key), f"{final}.bin")

@@ -28,6 +28,7 @@ import ray
 from data_prep import units
 from data_prep.report import Progress
 from porting.errors import PortingError
+from porting.guard import signals_deferred
 
 log = logging.getLogger(__name__)
 
@@ -93,14 +94,22 @@ class _Session:
         self._tmp: str | None = None
         t0 = time.perf_counter()
         quiet = {"log_to_driver": False, "logging_level": logging.ERROR}
+        # Ray's core worker would replace this process's SIGTERM handler with a native one that
+        # kills it on the spot: no units cancelled, no word of what was kept. ray.init is not
+        # interrupted either (a half-started instance would be left running).
+        os.environ["RAY_DISABLE_FAILURE_SIGNAL_HANDLER"] = "1"
         if ray.is_initialized():
             pass
         elif address:
             check_reachable(address)
             try:
-                ray.init(address=address, **quiet)
+                with signals_deferred():
+                    ray.init(address=address, **quiet)
             except (ConnectionError, RuntimeError, ValueError) as err:
                 raise PortingError(f"--ray-address {address}: cannot join ({err})") from err
+            except BaseException:
+                ray.shutdown()
+                raise
             self._owned = True
         else:
             # No usage report is sent from a machine that may have no network.
@@ -108,13 +117,15 @@ class _Session:
             # Short and private: Ray puts Unix sockets under it (107-byte limit on their paths).
             self._tmp = tempfile.mkdtemp(prefix="ray-prep-", dir="/tmp")
             try:
-                ray.init(
-                    num_cpus=cpus or os.cpu_count() or 1,
-                    include_dashboard=False,
-                    _temp_dir=self._tmp,
-                    **quiet,
-                )
+                with signals_deferred():
+                    ray.init(
+                        num_cpus=cpus or os.cpu_count() or 1,
+                        include_dashboard=False,
+                        _temp_dir=self._tmp,
+                        **quiet,
+                    )
             except BaseException:
+                ray.shutdown()
                 shutil.rmtree(self._tmp, ignore_errors=True)
                 raise
             self._owned = True
@@ -178,36 +189,45 @@ def _run(cfg, job: units.Job, done: dict[int, dict], session: _Session):
     live: dict[int, tuple] = {}
     in_flight: dict = {}
     finished = 0
+    # Ray's calls cannot be interrupted by a Python exception (one raised by a signal handler
+    # inside ray.wait comes out as a SystemError): a stop waits for the next poll, at most
+    # POLL_S, cancels the units in flight and is raised as the block ends.
     try:
-        while todo or in_flight:
-            while todo and len(in_flight) < limit:
-                index = todo.pop(0)
-                in_flight[_unit_task.remote(job_ref, index, tally)] = index
-            ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=POLL_S)
-            for ref in ready:
-                index = in_flight.pop(ref)
-                try:
-                    summary = ray.get(ref)
-                except ray.exceptions.RayError as err:
-                    raise _failure(job, index, err) from None
-                summary["finished"] = finished
-                finished += 1
-                summaries[index] = summary
-                live[index] = (
-                    sum(summary["keys"][k]["documents"] for k in job.json_keys[:1]),
-                    sum(summary["keys"][k]["tokens"] for k in job.json_keys),
-                    summary["bytes"],
-                    summary["disk_bytes"],
-                )
-                if cfg.stop_after_units is not None and finished >= cfg.stop_after_units:
-                    raise KeyboardInterrupt
-            if tally is not None:
-                counts = ray.get(tally.snapshot.remote())
-                for index, c in counts.items():
-                    if index not in summaries:
-                        live[index] = c
-                docs, tokens, nbytes, disk = (sum(c[i] for c in live.values()) for i in range(4))
-                progress.show(disk, docs, tokens, nbytes)
+        with signals_deferred() as stopping:
+            while (todo or in_flight) and not stopping():
+                while todo and len(in_flight) < limit:
+                    index = todo.pop(0)
+                    in_flight[_unit_task.remote(job_ref, index, tally)] = index
+                ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=POLL_S)
+                for ref in ready:
+                    index = in_flight.pop(ref)
+                    try:
+                        summary = ray.get(ref)
+                    except ray.exceptions.RayError as err:
+                        raise _failure(job, index, err) from None
+                    summary["finished"] = finished
+                    finished += 1
+                    summaries[index] = summary
+                    live[index] = (
+                        sum(summary["keys"][k]["documents"] for k in job.json_keys[:1]),
+                        sum(summary["keys"][k]["tokens"] for k in job.json_keys),
+                        summary["bytes"],
+                        summary["disk_bytes"],
+                    )
+                    if cfg.stop_after_units is not None and finished >= cfg.stop_after_units:
+                        raise KeyboardInterrupt
+                if tally is not None:
+                    counts = ray.get(tally.snapshot.remote())
+                    for index, c in counts.items():
+                        if index not in summaries:
+                            live[index] = c
+                    docs, tokens, nbytes, disk = (
+                        sum(c[i] for c in live.values()) for i in range(4)
+                    )
+                    progress.show(disk, docs, tokens, nbytes)
+            if stopping():
+                _cancel(list(in_flight))
+                in_flight.clear()
     except BaseException:
         _cancel(list(in_flight))
         progress.close()

@@ -40,7 +40,6 @@ from data_prep.backends import BackendSpec
 from data_prep.prep import (
     _check_outputs,
     _head,
-    _signals_deferred,
     assemble_report,
     backend_name_for,
     bad_id_error,
@@ -56,7 +55,7 @@ from data_prep.report import rate, report_path, write_json_atomic
 from data_prep.sources import Source, _source, line_ranges, lines_before, range_tasks
 from data_prep.writer import write_index_from_doc_lengths
 from porting.errors import PortingError
-from porting.guard import Terminated, output_lock
+from porting.guard import Terminated, output_lock, signals_deferred
 
 log = logging.getLogger(__name__)
 
@@ -510,7 +509,7 @@ def finish(job: Job, summaries: list[dict], executor: str, timing: dict) -> dict
     rpath = report_path(job.output_prefix)
     try:
         # A signal now would leave some outputs renamed and the staged units without them.
-        with _signals_deferred():
+        with signals_deferred():
             for key in job.json_keys:
                 final = output_prefix_for(job.output_prefix, key)
                 os.replace(staging / f"merged.{key}.bin", f"{final}.bin")
@@ -548,7 +547,7 @@ def prepare_distributed(cfg, sources: list[Source], tok_fp: str, t_start: float)
         job = plan_job(cfg, sources, tok_fp)
         opened = False
         try:
-            with _signals_deferred():
+            with signals_deferred():
                 resumed = open_staging(job, cfg.resume)
                 opened = True
             done = {}
@@ -576,7 +575,7 @@ def _wind_down(job: Job, opened: bool, err: BaseException) -> str:
     staging = Path(job.staging)
     if not opened:
         return "nothing staged"
-    with _signals_deferred():
+    with signals_deferred():
         if not isinstance(err, PortingError) and any(staging.glob("u*.json")):
             for stray in staging.glob("*.tmp-*"):
                 stray.unlink(missing_ok=True)

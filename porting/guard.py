@@ -5,6 +5,9 @@
 - :func:`signals_as_exceptions`: SIGTERM and SIGHUP (what Slurm, Kubernetes and a closed terminal
   send) raise :class:`Terminated` in the main thread, as SIGINT raises ``KeyboardInterrupt``, so the
   same ``finally`` / ``except BaseException`` blocks remove partial outputs.
+- :func:`signals_deferred`: a block that SIGINT, SIGTERM and SIGHUP do not interrupt (a rename
+  that must complete, a loop that must stop its own workers first); the first signal is handled
+  as the block ends, and the block can ask whether one is pending.
 - :func:`stop_new_children`: terminates every process started since a snapshot (our workers,
   multiprocessing managers and resource trackers that Megatron's checkpoint writer starts).
 """
@@ -16,7 +19,8 @@ import errno
 import fcntl
 import os
 import signal
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from porting.errors import PortingError
@@ -72,6 +76,36 @@ def child_pids() -> set[int]:
         return {p.pid for p in psutil.Process().children(recursive=True)}
     except psutil.Error:
         return set()
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[Callable[[], int | None]]:
+    """Within the block SIGINT, SIGTERM and SIGHUP wait; the first one to arrive is handled as it
+    would have been (``KeyboardInterrupt``, :class:`Terminated`) as the block ends.
+
+    Yields ``pending()``: the signal waiting, or None, for a loop that should wind down early.
+    Handlers can only be changed in the main thread; elsewhere (a test's thread) the block runs
+    as it is.
+    """
+    got: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: None
+        return
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.getsignal(sig) for sig in sigs}
+    for sig in sigs:
+        signal.signal(sig, lambda signum, frame: got.append(signum))
+    try:
+        yield lambda: got[0] if got else None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if got:
+            handler = previous[got[0]]
+            if callable(handler):
+                handler(got[0], None)
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), got[0])
 
 
 def stop_new_children(before: set[int], timeout: float = 5.0) -> int:

@@ -6,6 +6,7 @@ the ``.bin`` and ``.idx`` bytes against a local-executor run over the same input
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import ray
 
 from data_prep import testing as T
 from data_prep import units
@@ -27,8 +29,6 @@ from data_prep.prep import output_prefix_for, prepare
 from data_prep.sources import expand_inputs
 from data_prep.tokenizer import fingerprint
 from porting.errors import PortingError
-
-ray = pytest.importorskip("ray")
 
 UNIT = 16_000  # bytes per unit: about ten units over the corpus
 CHUNK = 3_000
@@ -227,6 +227,49 @@ def test_killed_driver_resumes_through_the_cli(cluster, corpus, tok, local, tmp_
     assert _bytes(prefix) == local[0]
     noise = [line for line in out.stderr.splitlines() if not line.startswith("INFO data_prep")]
     assert noise == [], "Ray (and Megatron) stay quiet on the console"
+
+
+def _running(pids) -> list[int]:
+    alive = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+    return alive
+
+
+def test_sigterm_cancels_the_units_stops_its_own_ray_and_keeps_what_finished(
+    corpus, tok, local, tmp_path
+):
+    """Without --ray-address the command starts Ray itself; SIGTERM (what Slurm and Kubernetes
+    send) must still reach our handler, not Ray's native one that kills the process on the spot."""
+    prefix = tmp_path / "c"
+    argv = [sys.executable, "-m", "porting.cli", "prep-data", "--input", str(corpus),
+            "--output-prefix", str(prefix), "--tokenizer", str(tok), "--append-eod",
+            "--no-progress", "--executor", "ray", "--workers", "1",
+            "--unit-mb", str(UNIT / (1 << 20)), "--chunk-mb", "0.0004"]  # fmt: skip
+    staging = units.staging_path(prefix)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tree: set[int] = set()
+    deadline = time.time() + 180
+    while len(list(staging.glob("u*.json"))) < 2 and proc.poll() is None:
+        assert time.time() < deadline, "no unit finished"
+        with contextlib.suppress(psutil.Error):
+            tree |= {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "stopped by SIGTERM; finished units kept in" in err and "--resume" in err, err
+    assert "Traceback" not in err and "SIGTERM received" not in err, err
+    deadline = time.time() + 30  # Ray's processes see their driver go within seconds
+    while (left := _running(tree)) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not left, f"processes of the stopped job outlive it: {left}"
+    assert _under(prefix) == [staging.name]
+    out = subprocess.run([*argv, "--resume"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert _bytes(prefix) == local[0]
 
 
 def test_unreachable_address_fails_within_seconds_naming_it(corpus, tok, tmp_path):
