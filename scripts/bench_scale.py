@@ -128,10 +128,8 @@ def timed(cmd: list[str], log: Path) -> dict:
     }
     if proc.returncode != 0:
         # The exception's own line (the last one naming an error), for the table.
-        errors = [
-            ln.strip() for ln in text.splitlines() if re.match(r"\s*\w*(Error|Exception)", ln)
-        ]
-        row["error"] = errors[-1][:160] if errors else None
+        errors = [m.group(0) for m in re.finditer(r"\b\w*(Error|Exception): [^\n]*", text)]
+        row["error"] = errors[-1][:120] if errors else None
     return row
 
 
