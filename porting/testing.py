@@ -275,3 +275,86 @@ def foreign_lines(output: str) -> list[str]:
 
     own = re.compile("|".join(f"(?:{p})" for p in OWN_OUTPUT_PATTERNS))
     return [line for line in output.splitlines() if line.strip() and not own.match(line)]
+
+
+#: The training tests' corpus: one sentence repeated, which a tiny model learns within 24 steps.
+TRAIN_TEXT = "The quick brown fox jumps over the lazy dog. Hello world, hello NeMo."
+
+
+def child_env(**extra: str) -> dict:
+    """The environment for a `porting` child of a test: the test process's own rendezvous port
+    (``MASTER_ADDR``/``MASTER_PORT``) left out, so the child picks a fresh one."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    return env | {"PYTHONUNBUFFERED": "1"} | extra
+
+
+def run_in_session(argv: list[str], timeout: float, env: dict | None = None):
+    """Run ``argv`` to its end in a session of its own; past ``timeout`` the whole group is
+    killed and an ``AssertionError`` says so (a hang fails a test and leaves no process)."""
+    import os
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env or child_env(),
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"ran past {timeout} s: {argv}\n{(stdout + stderr)[-3000:]}") from None
+    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+
+
+def kill_at_first_checkpoint(argv: list[str], out: Path, timeout: float) -> None:
+    """Start the `porting train` command ``argv`` (run directory ``out``) in a session of its
+    own and SIGKILL the whole group once a checkpoint is complete (what a node failure does)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        env=child_env(),
+    )
+    deadline, ckpts = time.time() + timeout, Path(out) / "checkpoints"
+    try:
+        while time.time() < deadline and proc.poll() is None:
+            if any(
+                (p / "context" / "train_layout.json").exists()
+                and not p.with_name(p.name + "-unfinished").exists()
+                for p in ckpts.glob("step=*-last")
+            ):
+                break
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+
+
+def train_losses(out: Path) -> dict[int, float]:
+    """step -> ``reduced_train_loss`` from every metrics.csv of a `porting train` run directory
+    (each restart writes its own)."""
+    import csv
+
+    losses = {}
+    for f in sorted(Path(out).rglob("metrics.csv")):
+        with open(f) as fh:
+            for row in csv.DictReader(fh):
+                if row.get("reduced_train_loss") and row.get("global_step"):
+                    losses[int(float(row["global_step"]))] = float(row["reduced_train_loss"])
+    return losses

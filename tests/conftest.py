@@ -32,3 +32,16 @@ def tiny_nemo(tiny_llama, tmp_path_factory):
     out = tmp_path_factory.mktemp("nemo") / "ckpt"
     import_hf(tiny_llama, out, show_progress=False)
     return out
+
+
+@pytest.fixture(scope="session")
+def train_corpus(tiny_llama, tmp_path_factory):
+    """``porting.testing.TRAIN_TEXT`` x 300 in ``tiny_llama``'s tokens, as Megatron's ``.bin/.idx`` prefix."""
+    from transformers import AutoTokenizer
+
+    from porting.testing import TRAIN_TEXT, make_indexed_dataset
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+    return make_indexed_dataset(
+        tmp_path_factory.mktemp("train-data") / "corpus_text_document", tok, [TRAIN_TEXT] * 300
+    )

@@ -7,26 +7,23 @@ over a .bin/.idx written by Megatron's IndexedDatasetBuilder).
 from __future__ import annotations
 
 import csv
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from porting.errors import PortingError
+from porting.testing import (
+    TRAIN_TEXT,
+    child_env,
+    kill_at_first_checkpoint,
+    run_in_session,
+    train_losses,
+)
 
-TEXT = "The quick brown fox jumps over the lazy dog. Hello world, hello NeMo."
 COMMON = ["--seq-length", "32", "--micro-batch", "2", "--global-batch", "4", "--lr", "1e-2"]
-
-
-def _env() -> dict:
-    # This pytest process holds a rendezvous port of its own; a child must pick a fresh one.
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    return env | {"PYTHONUNBUFFERED": "1"}
 
 
 def _train_argv(ckpt, data, out, *extra: str) -> list[str]:
@@ -37,28 +34,8 @@ def _train_argv(ckpt, data, out, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _run(argv: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run ``argv`` in a session of its own; past ``timeout`` the whole group is killed (a hang
-    fails the test and leaves no process behind)."""
-    proc = subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_env(),
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"{argv[3:5]} ran past {timeout} s:\n{(stdout + stderr)[-3000:]}")
-    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
-
-
 def _run_train(ckpt, data, out, *extra: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return _run(_train_argv(ckpt, data, out, *extra), timeout)
+    return run_in_session(_train_argv(ckpt, data, out, *extra), timeout)
 
 
 def _porting(*args: str, **kw) -> subprocess.CompletedProcess:
@@ -66,45 +43,24 @@ def _porting(*args: str, **kw) -> subprocess.CompletedProcess:
         [sys.executable, "-m", "porting.cli", *args],
         capture_output=True,
         text=True,
-        env=_env(),
+        env=child_env(),
         **kw,
     )
 
 
-def _losses(out: Path) -> dict[int, float]:
-    """step -> reduced_train_loss from every metrics.csv NeMo/Lightning left in the run."""
-    losses = {}
-    for f in sorted(out.rglob("metrics.csv")):
-        with open(f) as fh:
-            for row in csv.DictReader(fh):
-                if row.get("reduced_train_loss") and row.get("global_step"):
-                    losses[int(float(row["global_step"]))] = float(row["reduced_train_loss"])
-    return losses
-
-
 @pytest.fixture(scope="module")
-def corpus(tiny_llama, tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    from porting.testing import make_indexed_dataset
-
-    tok = AutoTokenizer.from_pretrained(str(tiny_llama))
-    return make_indexed_dataset(
-        tmp_path_factory.mktemp("data") / "corpus_text_document", tok, [TEXT] * 300
-    )
-
-
-@pytest.fixture(scope="module")
-def reference_run(tiny_nemo, corpus, tmp_path_factory):
+def reference_run(tiny_nemo, train_corpus, tmp_path_factory):
     """An uninterrupted 24-step run, checkpointing every 4 steps."""
     out = tmp_path_factory.mktemp("runs") / "ref"
-    r = _run_train(tiny_nemo, corpus, out, "--steps", "24", "--warmup", "2", "--save-every", "4")
+    r = _run_train(
+        tiny_nemo, train_corpus, out, "--steps", "24", "--warmup", "2", "--save-every", "4"
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return out
 
 
 def test_loss_falls_and_checkpoints_appear(reference_run):
-    losses = _losses(reference_run)
+    losses = train_losses(reference_run)
     assert sorted(losses) == list(range(24))
     # a repeated sentence: the tiny model must fit it well within 24 steps
     assert losses[23] < 0.6 * losses[0], losses
@@ -120,41 +76,20 @@ def test_loss_falls_and_checkpoints_appear(reference_run):
 
 
 def test_resume_after_kill_continues_with_the_same_data_order(
-    tiny_nemo, corpus, reference_run, tmp_path
+    tiny_nemo, train_corpus, reference_run, tmp_path
 ):
     out = tmp_path / "killed"
     args = _train_argv(
-        tiny_nemo, corpus, out, "--steps", "24", "--warmup", "2", "--save-every", "4"
+        tiny_nemo, train_corpus, out, "--steps", "24", "--warmup", "2", "--save-every", "4"
     )
-    proc = subprocess.Popen(
-        args,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-        env=_env(),
-    )
-    deadline = time.time() + 300
-    ckpts = out / "checkpoints"
-    while time.time() < deadline and proc.poll() is None:
-        done = [
-            p
-            for p in ckpts.glob("step=*-last")
-            if (p / "context" / "porting.json").exists()
-            and not p.with_name(p.name + "-unfinished").exists()
-        ]
-        if done:
-            os.killpg(proc.pid, signal.SIGKILL)
-            break
-        time.sleep(0.05)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
-    before = _losses(out)
+    kill_at_first_checkpoint(args, out, timeout=300)
+    before = train_losses(out)
     assert max(before, default=-1) < 23
 
-    r = _run(args)
+    r = run_in_session(args, 600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "Resuming" in r.stdout + r.stderr or "resum" in (r.stdout + r.stderr).lower()
-    ref, after = _losses(reference_run), _losses(out)
+    ref, after = train_losses(reference_run), train_losses(out)
     resumed_from = (
         min(s for s in after if s not in before or after[s] != before.get(s)) if after else None
     )
@@ -176,10 +111,10 @@ def test_export_after_training_matches_the_trained_model(tiny_llama, reference_r
     assert len(changed) == len(before.keys()), "training left some weights unchanged"
 
 
-def _spec(tiny_nemo, corpus, **kw):
+def _spec(tiny_nemo, train_corpus, **kw):
     from porting.train.checks import TrainSpec
 
-    return TrainSpec(checkpoint=tiny_nemo, data=[str(corpus)], out=Path("unused"), **kw)
+    return TrainSpec(checkpoint=tiny_nemo, data=[str(train_corpus)], out=Path("unused"), **kw)
 
 
 @pytest.mark.parametrize(
@@ -194,13 +129,13 @@ def _spec(tiny_nemo, corpus, **kw):
         (dict(sequence_parallel=True), "--sequence-parallel needs --tp > 1"),
     ],
 )
-def test_validation_errors(tiny_nemo, corpus, kw, needle):
+def test_validation_errors(tiny_nemo, train_corpus, kw, needle):
     from porting.testing import checkpoint_config
     from porting.train.checks import validate
 
     config = checkpoint_config(tiny_nemo)
     with pytest.raises(PortingError) as err:
-        validate(_spec(tiny_nemo, corpus, **kw), config, 256)
+        validate(_spec(tiny_nemo, train_corpus, **kw), config, 256)
     assert needle in str(err.value)
 
 
@@ -222,26 +157,26 @@ def test_validation_catches_data_from_another_tokenizer(tiny_nemo, tmp_path):
         validate(_spec(tiny_nemo, tmp_path / "nothing"), config, 256)
 
 
-def test_validation_warns_past_the_trained_context(tiny_nemo, corpus):
+def test_validation_warns_past_the_trained_context(tiny_nemo, train_corpus):
     from porting.testing import checkpoint_config
     from porting.train.checks import validate
 
     config = checkpoint_config(tiny_nemo)
-    assert validate(_spec(tiny_nemo, corpus, seq_length=256), config, 256) == []
-    (warning,) = validate(_spec(tiny_nemo, corpus, seq_length=512), config, 256)
+    assert validate(_spec(tiny_nemo, train_corpus, seq_length=256), config, 256) == []
+    (warning,) = validate(_spec(tiny_nemo, train_corpus, seq_length=512), config, 256)
     assert "exceeds the 256 positions" in warning
 
 
-def test_cli_dry_run_and_slurm_script(tiny_nemo, corpus, tmp_path):
+def test_cli_dry_run_and_slurm_script(tiny_nemo, train_corpus, tmp_path):
     r = _porting(
         "train",
         "--checkpoint",
         str(tiny_nemo),
         "--data",
         "0.3",
-        str(corpus),
+        str(train_corpus),
         "0.7",
-        str(corpus),
+        str(train_corpus),
         "--out",
         str(tmp_path / "run"),
         "--dry-run",
@@ -253,7 +188,7 @@ def test_cli_dry_run_and_slurm_script(tiny_nemo, corpus, tmp_path):
         "--checkpoint",
         str(tiny_nemo),
         "--data",
-        str(corpus),
+        str(train_corpus),
         "--out",
         str(tmp_path / "run"),
         "--nodes",
@@ -277,7 +212,7 @@ def test_cli_dry_run_and_slurm_script(tiny_nemo, corpus, tmp_path):
         "--checkpoint",
         str(tiny_nemo),
         "--data",
-        str(corpus),
+        str(train_corpus),
         "--out",
         str(tmp_path / "x"),
         "--gpus-per-node",
@@ -298,7 +233,7 @@ def test_falcon_trains_through_the_same_entry_and_exports(tmp_path):
     )
     import_hf(hf, tmp_path / "nemo", show_progress=False)
     tok = AutoTokenizer.from_pretrained(str(hf))
-    data = make_indexed_dataset(tmp_path / "data" / "corpus_text_document", tok, [TEXT] * 300)
+    data = make_indexed_dataset(tmp_path / "data" / "corpus_text_document", tok, [TRAIN_TEXT] * 300)
     out = tmp_path / "run"
     r = _run_train(
         str(tmp_path / "nemo"),
@@ -312,17 +247,17 @@ def test_falcon_trains_through_the_same_entry_and_exports(tmp_path):
         "16",
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    losses = _losses(out)
+    losses = train_losses(out)
     assert losses[15] < 0.6 * losses[0], losses
     report = export_hf(out / "checkpoints" / "last", tmp_path / "back")
     assert report.passed and report.top1_agreement == 1.0
 
 
-def test_nemo_run_executor_launches_the_same_training(tiny_nemo, corpus, tmp_path):
+def test_nemo_run_executor_launches_the_same_training(tiny_nemo, train_corpus, tmp_path):
     out = tmp_path / "nr"
     r = _run_train(
         str(tiny_nemo),
-        str(corpus),
+        str(train_corpus),
         str(out),
         "--steps",
         "2",
@@ -331,4 +266,4 @@ def test_nemo_run_executor_launches_the_same_training(tiny_nemo, corpus, tmp_pat
         timeout=600,
     )
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    assert sorted(_losses(out)) == [0, 1]
+    assert sorted(train_losses(out)) == [0, 1]

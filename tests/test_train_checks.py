@@ -22,26 +22,12 @@ import torch
 
 from porting.errors import PortingError
 
-TEXT = "The quick brown fox jumps over the lazy dog. Hello world, hello NeMo."
 
-
-@pytest.fixture(scope="module")
-def corpus(tiny_llama, tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    from porting.testing import make_indexed_dataset
-
-    tok = AutoTokenizer.from_pretrained(str(tiny_llama))
-    return make_indexed_dataset(
-        tmp_path_factory.mktemp("checks") / "corpus_text_document", tok, [TEXT] * 20
-    )
-
-
-def _spec(tiny_nemo, corpus, out, **kw):
+def _spec(tiny_nemo, train_corpus, out, **kw):
     from porting.train.checks import TrainSpec
 
     kw = {"seq_length": 32, "micro_batch": 2, "global_batch": 4, **kw}
-    return TrainSpec(checkpoint=tiny_nemo, data=[str(corpus)], out=out, **kw)
+    return TrainSpec(checkpoint=tiny_nemo, data=[str(train_corpus)], out=out, **kw)
 
 
 def _preflight(spec):
@@ -58,25 +44,25 @@ def _fake_checkpoint(tiny_nemo, out: Path, name: str = "step=7-last") -> Path:
     return ckpt
 
 
-def test_a_run_directory_of_another_family_is_refused(tiny_nemo, corpus, tmp_path):
+def test_a_run_directory_of_another_family_is_refused(tiny_nemo, train_corpus, tmp_path):
     ckpt = _fake_checkpoint(tiny_nemo, tmp_path / "run")
     manifest = ckpt / "context" / "porting.json"
     data = json.loads(manifest.read_text())
     manifest.write_text(json.dumps(data | {"family": "falcon"}))
     with pytest.raises(PortingError) as err:
-        _preflight(_spec(tiny_nemo, corpus, tmp_path / "run"))
+        _preflight(_spec(tiny_nemo, train_corpus, tmp_path / "run"))
     assert str(manifest) in str(err.value) and "family is 'falcon'" in str(err.value)
     assert "another model" in str(err.value)
 
 
-def test_a_run_directory_of_another_model_is_refused(tiny_nemo, corpus, tmp_path):
+def test_a_run_directory_of_another_model_is_refused(tiny_nemo, train_corpus, tmp_path):
     ckpt = _fake_checkpoint(tiny_nemo, tmp_path / "run")
     manifest = ckpt / "context" / "porting.json"
     data = json.loads(manifest.read_text())
     data["hf_config"]["hidden_size"] = 128
     manifest.write_text(json.dumps(data))
     with pytest.raises(PortingError) as err:
-        _preflight(_spec(tiny_nemo, corpus, tmp_path / "run"))
+        _preflight(_spec(tiny_nemo, train_corpus, tmp_path / "run"))
     assert str(manifest) in str(err.value) and "hf_config.hidden_size is 128" in str(err.value)
 
     # a checkpoint without our manifest is judged by NeMo's model.yaml
@@ -84,32 +70,34 @@ def test_a_run_directory_of_another_model_is_refused(tiny_nemo, corpus, tmp_path
     model_yaml = ckpt / "context" / "model.yaml"
     model_yaml.write_text("config:\n  num_layers: 2\n  num_attention_heads: 8\n")
     with pytest.raises(PortingError) as err:
-        _preflight(_spec(tiny_nemo, corpus, tmp_path / "run"))
+        _preflight(_spec(tiny_nemo, train_corpus, tmp_path / "run"))
     assert str(model_yaml) in str(err.value)
     assert "config.num_attention_heads is 8" in str(err.value)
 
 
-def test_a_tp_that_does_not_divide_the_heads_names_the_model_file(tiny_nemo, corpus, tmp_path):
+def test_a_tp_that_does_not_divide_the_heads_names_the_model_file(
+    tiny_nemo, train_corpus, tmp_path
+):
     with pytest.raises(PortingError) as err:
-        _preflight(_spec(tiny_nemo, corpus, tmp_path / "run", tp=3, gpus_per_node=3))
+        _preflight(_spec(tiny_nemo, train_corpus, tmp_path / "run", tp=3, gpus_per_node=3))
     message = str(err.value)
     assert "--tp 3 does not divide the 4 attention heads" in message
     assert str(tiny_nemo / "context" / "porting.json") in message
 
 
-def test_validation_data_from_another_tokenizer_is_refused(tiny_nemo, corpus, tmp_path):
+def test_validation_data_from_another_tokenizer_is_refused(tiny_nemo, train_corpus, tmp_path):
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     prefix = tmp_path / "other_tokenizer"
     b = IndexedDatasetBuilder(str(prefix) + ".bin", dtype=np.uint16)
     b.add_document(torch.tensor([5, 300, 7]), [3])
     b.finalize(str(prefix) + ".idx")
-    spec = _spec(tiny_nemo, corpus, tmp_path / "run", valid_data=[str(prefix)])
+    spec = _spec(tiny_nemo, train_corpus, tmp_path / "run", valid_data=[str(prefix)])
     with pytest.raises(PortingError) as err:
         _preflight(spec)
     assert f"--valid-data: {prefix}.bin holds token id 300" in str(err.value)
     assert "another tokenizer" in str(err.value)
-    spec.valid_data = ["0.5", str(corpus), "0.5", str(tmp_path / "missing")]
+    spec.valid_data = ["0.5", str(train_corpus), "0.5", str(tmp_path / "missing")]
     with pytest.raises(PortingError, match=r"--valid-data: .*missing\.bin does not exist"):
         _preflight(spec)
 
@@ -134,9 +122,9 @@ def _plan(tmp_path, **model) -> Path:
     return path
 
 
-def test_a_plan_for_another_model_is_refused(tiny_nemo, corpus, tmp_path):
+def test_a_plan_for_another_model_is_refused(tiny_nemo, train_corpus, tmp_path):
     planned = dict(pp=2, gpus_per_node=2, use_tp_pp_dp_mapping=True)
-    spec = _spec(tiny_nemo, corpus, tmp_path / "run", plan=_plan(tmp_path), **planned)
+    spec = _spec(tiny_nemo, train_corpus, tmp_path / "run", plan=_plan(tmp_path), **planned)
     _preflight(spec)  # the plan for this model and these flags passes
     spec.plan = _plan(tmp_path, hidden=8192, name="llama-70b")
     with pytest.raises(PortingError) as err:
@@ -152,14 +140,16 @@ def test_a_plan_for_another_model_is_refused(tiny_nemo, corpus, tmp_path):
         _preflight(spec)
 
 
-def test_a_layout_change_from_a_dp_reshardable_checkpoint_is_refused(tiny_nemo, corpus, tmp_path):
+def test_a_layout_change_from_a_dp_reshardable_checkpoint_is_refused(
+    tiny_nemo, train_corpus, tmp_path
+):
     from porting.train.checks import LAYOUT_FILE
 
     ckpt = _fake_checkpoint(tiny_nemo, tmp_path / "run")
     layout = {"tp": 2, "pp": 1, "vp": None, "cp": 1, "dp": 1, "distributed_optimizer": True,
               "optimizer_format": "dp_reshardable", "global_step": 8}  # fmt: skip
     (ckpt / "context" / LAYOUT_FILE).write_text(json.dumps(layout))
-    spec = _spec(tiny_nemo, corpus, tmp_path / "run")
+    spec = _spec(tiny_nemo, train_corpus, tmp_path / "run")
     with pytest.raises(PortingError) as err:
         _preflight(spec)
     assert str(ckpt / "context" / LAYOUT_FILE) in str(err.value)
@@ -174,13 +164,13 @@ def test_a_layout_change_from_a_dp_reshardable_checkpoint_is_refused(tiny_nemo, 
     assert any("DP 1 -> 2" in w for w in _preflight(spec).warnings)
 
 
-def test_the_launcher_refuses_before_starting_a_rank(tiny_nemo, corpus, tmp_path):
+def test_the_launcher_refuses_before_starting_a_rank(tiny_nemo, train_corpus, tmp_path):
     out = tmp_path / "run"
     plan = _plan(tmp_path, layers=80)
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     r = subprocess.run(
         [sys.executable, "-m", "porting.cli", "train", "--checkpoint", str(tiny_nemo),
-         "--data", str(corpus), "--out", str(out), "--seq-length", "32", "--micro-batch", "2",
+         "--data", str(train_corpus), "--out", str(out), "--seq-length", "32", "--micro-batch", "2",
          "--global-batch", "4", "--pp", "2", "--use-tp-pp-dp-mapping", "--gpus-per-node", "2",
          "--executor", "torchrun", "--plan", str(plan)],
         capture_output=True, text=True, env=env, timeout=300,

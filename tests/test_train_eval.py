@@ -20,16 +20,12 @@ from types import SimpleNamespace
 
 import pytest
 
+from porting.testing import child_env
+
 SUBJECTS = ["the quick fox", "a lazy dog", "the old cat", "a young bird", "the brown horse"]
 VERBS = ["jumps over", "runs past", "sleeps near", "looks at", "walks around"]
 OBJECTS = ["the tall tree", "a small house", "the green field", "a quiet river", "the red barn"]
 COMMON = ["--seq-length", "32", "--micro-batch", "2", "--global-batch", "4", "--lr", "1e-2"]
-
-
-def _env() -> dict:
-    # This pytest process holds a rendezvous port of its own; a child must pick a fresh one.
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    return env | {"PYTHONUNBUFFERED": "1"}
 
 
 def _sentences(seed: int, docs: int) -> list[str]:
@@ -75,7 +71,7 @@ def evaluated_run(tiny_nemo, corpora, tmp_path_factory):
         "--steps", "24", "--warmup", "2", "--save-every", "8", "--eval-every", "8",
         "--eval-iters", "3", *COMMON,
     ]  # fmt: skip
-    r = subprocess.run(argv, capture_output=True, text=True, env=_env(), timeout=600)
+    r = subprocess.run(argv, capture_output=True, text=True, env=child_env(), timeout=600)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     return out, r.stdout + r.stderr
 

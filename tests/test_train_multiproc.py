@@ -12,12 +12,10 @@ them all.
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -26,7 +24,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-TEXT = "The quick brown fox jumps over the lazy dog. Hello world, hello NeMo."
+from porting.testing import child_env, kill_at_first_checkpoint, run_in_session, train_losses
+
 STEPS, SAVE_EVERY = 16, 8
 COMMON = [
     "--seq-length", "32", "--micro-batch", "2", "--global-batch", "4", "--lr", "1e-2",
@@ -34,12 +33,6 @@ COMMON = [
 ]  # fmt: skip
 TIMEOUT = 300  # seconds for one run; a hang fails the test instead of blocking CI
 TOL = 1e-5
-
-
-def _env(**extra: str) -> dict:
-    # This pytest process holds a rendezvous port of its own; a child must pick a fresh one.
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    return env | {"PYTHONUNBUFFERED": "1"} | extra
 
 
 def _argv(ckpt, data, out, *extra: str) -> list[str]:
@@ -54,34 +47,10 @@ def _two(*extra: str) -> tuple[str, ...]:
 
 
 def _run(argv: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run ``argv`` to its end in a session of its own; past TIMEOUT the whole group is killed."""
-    proc = subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env or _env(),
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"ran past {TIMEOUT} s: {argv}\n{(stdout + stderr)[-3000:]}")
-    assert proc.returncode == 0, (stdout + stderr)[-4000:]
-    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
-
-
-def _losses(out: Path) -> dict[int, float]:
-    """step -> reduced_train_loss from every metrics.csv of the run (restarts included)."""
-    losses = {}
-    for f in sorted(out.rglob("metrics.csv")):
-        with open(f) as fh:
-            for row in csv.DictReader(fh):
-                if row.get("reduced_train_loss") and row.get("global_step"):
-                    losses[int(float(row["global_step"]))] = float(row["reduced_train_loss"])
-    return losses
+    """Run ``argv`` to its end (a hang past TIMEOUT kills its group and fails); it must succeed."""
+    r = run_in_session(argv, TIMEOUT, env)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    return r
 
 
 def _processes_mentioning(text: str) -> list[str]:
@@ -103,42 +72,19 @@ def _kill_after_first_checkpoint(argv: list[str], out: Path) -> dict[int, float]
     """Start ``argv`` in a session of its own, SIGKILL the whole group as soon as a checkpoint is
     complete, and check that no process of the run survives (torchrun and its ranks run in
     sessions of their own; they die with their parent). Returns the losses logged before."""
-    proc = subprocess.Popen(
-        argv,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-        env=_env(),
-    )
-    deadline, ckpts = time.time() + TIMEOUT, out / "checkpoints"
-    try:
-        while time.time() < deadline and proc.poll() is None:
-            done = [
-                p
-                for p in ckpts.glob("step=*-last")
-                if (p / "context" / "train_layout.json").exists()
-                and not p.with_name(p.name + "-unfinished").exists()
-            ]
-            if done:
-                break
-            time.sleep(0.05)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    kill_at_first_checkpoint(argv, out, TIMEOUT)
     for _ in range(100):
         left = _processes_mentioning(str(out))
         if not left:
             break
         time.sleep(0.1)
     assert not left, f"processes of the killed run survive: {left}"
-    before = _losses(out)
+    before = train_losses(out)
     assert max(before, default=-1) < STEPS - 1
     return before
 
 
-def _assert_same_losses(got: dict[int, float], ref: dict[int, float], steps) -> None:
+def _assert_sametrain_losses(got: dict[int, float], ref: dict[int, float], steps) -> None:
     missing = [s for s in steps if s not in got]
     assert not missing, f"steps {missing} not logged"
     diffs = {s: abs(got[s] - ref[s]) for s in steps}
@@ -146,34 +92,22 @@ def _assert_same_losses(got: dict[int, float], ref: dict[int, float], steps) -> 
 
 
 @pytest.fixture(scope="module")
-def corpus(tiny_llama, tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    from porting.testing import make_indexed_dataset
-
-    tok = AutoTokenizer.from_pretrained(str(tiny_llama))
-    return make_indexed_dataset(
-        tmp_path_factory.mktemp("mpdata") / "corpus_text_document", tok, [TEXT] * 300
-    )
-
-
-@pytest.fixture(scope="module")
-def one_process(tiny_nemo, corpus, tmp_path_factory) -> dict[int, float]:
+def one_process(tiny_nemo, train_corpus, tmp_path_factory) -> dict[int, float]:
     """The uninterrupted single-process run (TP=PP=DP=1) every layout is held against."""
     out = tmp_path_factory.mktemp("mp") / "one"
-    _run(_argv(tiny_nemo, corpus, out))
-    losses = _losses(out)
+    _run(_argv(tiny_nemo, train_corpus, out))
+    losses = train_losses(out)
     assert sorted(losses) == list(range(STEPS))
     return losses
 
 
 @pytest.fixture(scope="module")
-def tp2_uninterrupted(tiny_nemo, corpus, tmp_path_factory) -> dict[int, float]:
+def tp2_uninterrupted(tiny_nemo, train_corpus, tmp_path_factory) -> dict[int, float]:
     """An uninterrupted TP=2 run: TP's reductions sum in another order than one process, so a
     TP=2 resume is held against TP=2 (the two differ by up to 7e-6 over these 16 steps)."""
     out = tmp_path_factory.mktemp("mp") / "tp2"
-    _run(_argv(tiny_nemo, corpus, out, *_two("--tp", "2", "--optim-fully-reshardable")))
-    return _losses(out)
+    _run(_argv(tiny_nemo, train_corpus, out, *_two("--tp", "2", "--optim-fully-reshardable")))
+    return train_losses(out)
 
 
 LAYOUTS = {
@@ -186,7 +120,7 @@ LAYOUTS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_killed_two_process_run_resumes_exactly(name, tiny_nemo, corpus, tmp_path, request):
+def test_killed_two_process_run_resumes_exactly(name, tiny_nemo, train_corpus, tmp_path, request):
     """SIGKILL after the first checkpoint, re-run: every later loss equals the uninterrupted run's.
 
     TP=2 and PP=2 save the distributed optimizer fully reshardable, and their checkpoint also
@@ -197,7 +131,7 @@ def test_killed_two_process_run_resumes_exactly(name, tiny_nemo, corpus, tmp_pat
     flags, ref_name, reshard = LAYOUTS[name]
     ref = request.getfixturevalue(ref_name)
     out = tmp_path / name
-    argv = _argv(tiny_nemo, corpus, out, *_two(*flags))
+    argv = _argv(tiny_nemo, train_corpus, out, *_two(*flags))
     before = _kill_after_first_checkpoint(argv, out)
     layout = json.loads(
         (out / "checkpoints" / "step=7-last" / "context" / "train_layout.json").read_text()
@@ -209,10 +143,10 @@ def test_killed_two_process_run_resumes_exactly(name, tiny_nemo, corpus, tmp_pat
 
     r = _run(argv)
     assert "resum" in (r.stdout + r.stderr).lower()
-    after = _losses(out)
+    after = train_losses(out)
     resumed = range(SAVE_EVERY, STEPS)
-    _assert_same_losses(after, ref, resumed)
-    _assert_same_losses(before, ref, [s for s in before if s < SAVE_EVERY])
+    _assert_sametrain_losses(after, ref, resumed)
+    _assert_sametrain_losses(before, ref, [s for s in before if s < SAVE_EVERY])
     built = json.loads((out / "run.json").read_text())["built"]
     assert built["world_size"] == 2 and built["optimizer"] == ["DistributedOptimizer"]
     assert (built["tp"], built["pp"], built["dp"]) == {
@@ -223,13 +157,15 @@ def test_killed_two_process_run_resumes_exactly(name, tiny_nemo, corpus, tmp_pat
 
     if reshard:  # the same checkpoint, resumed in one process
         copy = tmp_path / "copy"
-        r = _run(_argv(tiny_nemo, corpus, copy))
+        r = _run(_argv(tiny_nemo, train_corpus, copy))
         assert "with a new layout" in r.stderr
-        _assert_same_losses(_losses(copy), ref, resumed)
+        _assert_sametrain_losses(train_losses(copy), ref, resumed)
 
 
 @pytest.mark.slow
-def test_emitted_plan_runs_as_emitted_and_builds_the_planned_strategy(tiny_nemo, corpus, tmp_path):
+def test_emitted_plan_runs_as_emitted_and_builds_the_planned_strategy(
+    tiny_nemo, train_corpus, tmp_path
+):
     """`porting plan --emit` for a one-node, two-device cluster; its torchrun.sh runs unchanged
     (a few more flags appended) and the trainer builds what the plan says."""
     from porting.cli import main
@@ -255,14 +191,14 @@ def test_emitted_plan_runs_as_emitted_and_builds_the_planned_strategy(tiny_nemo,
     emit, out = tmp_path / "launch", tmp_path / "run"
     argv = ["plan", "--model", str(tiny_nemo), "--cluster", str(cluster), "--global-batch", "4"]
     argv += ["--seq-length", "32", "--layout", "tp=1,pp=2,mb=2,recompute=selective", "--overlap"]
-    argv += ["--emit", str(emit), "--data", str(corpus), "--out", str(out)]
+    argv += ["--emit", str(emit), "--data", str(train_corpus), "--out", str(out)]
     assert main(argv) == 0
     plan = json.loads((emit / "plan.json").read_text())
     flags = shlex.split((emit / "train_flags.txt").read_text())
     assert "--plan" in flags and "--recompute" in flags and "--overlap-grad-reduce" in flags
 
     bindir = str(Path(sys.executable).parent)
-    env = _env(
+    env = child_env(
         PATH=bindir + os.pathsep + os.environ.get("PATH", ""),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(free_port()),
@@ -284,4 +220,4 @@ def test_emitted_plan_runs_as_emitted_and_builds_the_planned_strategy(tiny_nemo,
     assert built["overlap_grad_reduce"] is settings["overlap_grad_reduce"] is True
     assert built["overlap_param_gather"] is settings["overlap_param_gather"] is True
     assert built["grad_reduce_in_fp32"] is settings["grad_reduce_in_fp32"]
-    assert sorted(_losses(out)) == [0, 1, 2, 3]
+    assert sorted(train_losses(out)) == [0, 1, 2, 3]
