@@ -14,7 +14,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,14 +27,14 @@ def _clean_env() -> dict:
     return {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
 
 
-def _porting(*args, cwd=None, **kw) -> subprocess.Popen:
+def _porting(*args, cwd=None, env=None, **kw) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "porting.cli", *map(str, args)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         cwd=cwd,
-        env=_clean_env(),
+        env=env or _clean_env(),
         **kw,
     )
 
@@ -272,11 +271,19 @@ def _running(pids: set[int]) -> list[int]:
     return alive
 
 
+def _cmdline(pid: int) -> str:
+    with contextlib.suppress(psutil.Error):
+        return f"{pid}: {' '.join(psutil.Process(pid).cmdline())[:200]}"
+    return f"{pid}: gone"
+
+
 def _stop_at(tmp_path: Path, src: Path, when, sig=signal.SIGTERM) -> tuple[int, str, set[int]]:
     """Run `porting import SRC`, send ``sig`` once ``when(out)`` holds; returns (code, err, pids)."""
     out = tmp_path / "ck"
-    before = set(os.listdir(tempfile.gettempdir()))
-    proc = _porting("import", src, "--out", out)
+    # A temp directory of its own: what the run leaves there is the run's, whatever else runs.
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = _porting("import", src, "--out", out, env=_clean_env() | {"TMPDIR": str(tmp)})
     ps = psutil.Process(proc.pid)
     pids: set[int] = set()
     deadline = time.monotonic() + 240
@@ -291,12 +298,12 @@ def _stop_at(tmp_path: Path, src: Path, when, sig=signal.SIGTERM) -> tuple[int, 
     deadline = time.monotonic() + 15
     while (alive := _running(pids)) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert alive == [], alive
+    assert alive == [], [_cmdline(p) for p in alive]
     if sig == signal.SIGKILL:
         assert not out.exists()  # the partial directory stays; the next run removes it
     else:
         _nothing_under(out)
-    leaked = {n for n in set(os.listdir(tempfile.gettempdir())) - before if "porting" in n}
+    leaked = {p.name for p in tmp.iterdir() if "porting" in p.name}
     assert leaked == set()
     return proc.returncode, err, pids
 
@@ -348,8 +355,13 @@ def test_sighup_during_import_exits_129(medium_llama, tmp_path):
     assert code == 129 and "stopped by SIGHUP" in err, err
 
 
+def _gate_holds_hidden_states(out: Path) -> bool:
+    return any(p.glob(".porting-parity-*/*.pt") for p in out.parent.glob(f".{out.name}.partial-*"))
+
+
 def test_sigkill_during_import_leaves_no_process_and_no_output(medium_llama, tmp_path):
-    """What the out-of-memory killer does: no handler runs, yet no worker outlives the run."""
-    code, _, pids = _stop_at(tmp_path, medium_llama, _partial_has_weights, signal.SIGKILL)
+    """What the out-of-memory killer does: no handler runs, yet no worker outlives the run, and
+    the gate's hidden states (written to disk) stay inside the partial directory, not in /tmp."""
+    code, _, pids = _stop_at(tmp_path, medium_llama, _gate_holds_hidden_states, signal.SIGKILL)
     assert code == -signal.SIGKILL
     assert list(tmp_path.glob(".ck.partial-*"))  # left for the next run to clean up

@@ -53,6 +53,7 @@ def import_hf(
                 whole_model=whole_model,
                 show_progress=show_progress,
                 allow_pickle=allow_pickle,
+                scratch_dir=tmp,
             )
             if not report.passed:
                 raise ParityError(report)
@@ -80,7 +81,9 @@ def export_hf(
         family = family_by_name(read_manifest(ckpt).family)
         export_into(Path(ckpt), tmp, family, max_shard_bytes)
         if verify:
-            report = parity.verify(tmp, ckpt, whole_model=whole_model, show_progress=show_progress)
+            report = parity.verify(
+                tmp, ckpt, whole_model=whole_model, show_progress=show_progress, scratch_dir=tmp
+            )
             if not report.passed:
                 raise ParityError(report)
     return report

@@ -183,12 +183,14 @@ def verify(
     whole_model: bool = False,
     show_progress: bool = False,
     allow_pickle: bool = False,
+    scratch_dir: str | Path | None = None,
 ) -> ParityReport:
     """Run the parity check of an HF directory against one of our NeMo checkpoints.
 
     By default layer-streamed (:mod:`porting.parity.streamed`): one decoder layer of each side in
     memory at a time, per-layer divergence reported and the first diverging layer named. With
     ``whole_model`` both models are loaded whole (never together: Megatron first, then HF).
+    ``scratch_dir``: see :func:`porting.parity.streamed.streamed_logits`.
     """
     from transformers import AutoTokenizer
 
@@ -217,7 +219,14 @@ def verify(
 
         init_parallel()
         hf, mc, layers = streamed_logits(
-            hf_dir, ckpt, family, prompts, manifest.vocab_size, show_progress, allow_pickle
+            hf_dir,
+            ckpt,
+            family,
+            prompts,
+            manifest.vocab_size,
+            show_progress,
+            allow_pickle,
+            scratch_dir,
         )
         report = compare(hf, mc, atol=atol, rtol=rtol, min_top1=min_top1)
         report.mode = "layer-streamed"

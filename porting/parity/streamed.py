@@ -243,11 +243,14 @@ def streamed_logits(
     vocab_size: int,
     show_progress: bool = False,
     allow_pickle: bool = False,
+    scratch_dir: str | Path | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[LayerDivergence]]:
     """HF and Megatron logits (cut to the HF vocabulary) and the per-layer divergence.
 
     The parallel state must be initialised (:func:`porting.convert.megatron.init_parallel`).
     ``allow_pickle``: the HF side may be ``pytorch_model*.bin`` (read with ``weights_only=True``).
+    ``scratch_dir``: where the hidden states wait (default: the temp directory); an import or
+    export gives its partial output, so that a killed run leaves them with it.
     """
     from tqdm import tqdm
 
@@ -259,7 +262,7 @@ def streamed_logits(
     bar = tqdm(total=2 * n, desc="parity", unit="layer", leave=False, disable=not show_progress)
     # Each HF layer's input and output go to disk, not memory: the Megatron pass needs them one
     # layer at a time, and kept in RAM they would grow with the depth.
-    scratch = tempfile.TemporaryDirectory(prefix="porting-parity-")
+    scratch = tempfile.TemporaryDirectory(prefix=".porting-parity-", dir=scratch_dir)
     kept = Path(scratch.name)
 
     def on_hf_layer(i, layer, args, kwargs, output):
