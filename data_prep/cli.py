@@ -191,7 +191,8 @@ def _quieted(args):
 
 def run_prep(args) -> int:
     """``porting prep-data``."""
-    from data_prep.prep import PrepConfig, prepare
+    from data_prep.prep import PrepConfig
+    from data_prep.run import prepare
     from data_prep.tokenizer import resolve
 
     if args.split_sentences:

@@ -613,9 +613,8 @@ def _wind_down(work: WorkDir, opened: bool) -> str:
     return "partial outputs removed"
 
 
-def prepare(cfg: PrepConfig) -> dict:
-    """Run one ``prep-data``; return the report (also written next to the outputs)."""
-    t_start = time.perf_counter()
+def checked_inputs(cfg: PrepConfig) -> tuple[list[Source], str]:
+    """Check the flags every executor shares; return the inputs and the tokenizer's fingerprint."""
     keys = tuple(cfg.json_keys)
     if not keys or len(set(keys)) != len(keys):
         raise PortingError(f"--json-keys {' '.join(keys)}: need distinct keys")
@@ -628,14 +627,20 @@ def prepare(cfg: PrepConfig) -> dict:
     if cfg.max_record_bytes < 1:
         raise PortingError(f"--max-record-bytes {cfg.max_record_bytes}: need at least 1")
     sources = expand_inputs(cfg.inputs)
-    src = cfg.tokenizer
-    tok_fp = fingerprint(src, cfg.include_special_tokens, cfg.use_fast)
-    run_fp = _run_fingerprint(cfg, sources, tok_fp)
-    if cfg.executor != "local":
-        # Imported here: the local executor never imports Ray.
-        from data_prep import units
+    tok_fp = fingerprint(cfg.tokenizer, cfg.include_special_tokens, cfg.use_fast)
+    return sources, tok_fp
 
-        return units.prepare_distributed(cfg, sources, tok_fp, t_start)
+
+def prepare(cfg: PrepConfig) -> dict:
+    """Run one ``prep-data`` with the local executor; return the report (also written next to
+    the outputs). :func:`data_prep.run.prepare` is the entry for every executor."""
+    t_start = time.perf_counter()
+    sources, tok_fp = checked_inputs(cfg)
+    if cfg.executor != "local":
+        raise PortingError(
+            f"--executor {cfg.executor}: runs through data_prep.run.prepare (this is the local one)"
+        )
+    run_fp = _run_fingerprint(cfg, sources, tok_fp)
     if cfg.workers is None:
         cfg.workers = 1
     # Everything above only reads; from here on this run alone writes under the prefix.

@@ -38,7 +38,6 @@ import numpy as np
 from data_prep import worker
 from data_prep.backends import BackendSpec
 from data_prep.prep import (
-    _check_outputs,
     _head,
     assemble_report,
     backend_name_for,
@@ -55,7 +54,7 @@ from data_prep.report import rate, report_path, write_json_atomic
 from data_prep.sources import Source, _source, line_ranges, lines_before, range_tasks
 from data_prep.writer import write_index_from_doc_lengths
 from porting.errors import PortingError
-from porting.guard import Terminated, output_lock, signals_deferred
+from porting.guard import Terminated, signals_deferred
 
 log = logging.getLogger(__name__)
 
@@ -523,52 +522,7 @@ def finish(job: Job, summaries: list[dict], executor: str, timing: dict) -> dict
     return report
 
 
-def prepare_distributed(cfg, sources: list[Source], tok_fp: str, t_start: float) -> dict:
-    """``prep-data --executor ray`` (tokenize and merge) or ``--executor slurm`` (emit scripts)."""
-    if cfg.unit_bytes < 1:
-        raise PortingError(f"--unit-mb {cfg.unit_bytes / (1 << 20)}: need a positive size")
-    if cfg.executor == "slurm":
-        from data_prep import slurm
-
-        if not cfg.emit:
-            raise PortingError("--executor slurm needs --emit DIR (where the scripts go)")
-        with output_lock(cfg.output_prefix, "dataset"):
-            _check_outputs(cfg, cfg.json_keys)
-            job = plan_job(cfg, sources, tok_fp)
-            open_staging(job, cfg.resume)
-            return slurm.emit(job, cfg.emit)
-    from data_prep import ray_exec
-
-    if cfg.ray_address:
-        # Before the tokenizer is loaded (seconds): a wrong address is known at once.
-        ray_exec.check_reachable(cfg.ray_address)
-    with output_lock(cfg.output_prefix, "dataset"):
-        _check_outputs(cfg, cfg.json_keys)
-        job = plan_job(cfg, sources, tok_fp)
-        opened = False
-        try:
-            with signals_deferred():
-                resumed = open_staging(job, cfg.resume)
-                opened = True
-            done = {}
-            if resumed:
-                for u in job.units:
-                    s = verified(job, u.index)
-                    if s is not None:
-                        done[u.index] = s
-                log.info("resuming: %d of %d units done", len(done), len(job.units))
-            summaries, timing = ray_exec.run_units(cfg, job, done)
-        except BaseException as err:
-            kept = _wind_down(job, opened, err)
-            if isinstance(err, (KeyboardInterrupt, Terminated)):
-                err.kept = kept
-            raise
-        timing["seconds"] = round(time.perf_counter() - t_start, 3)
-        timing["units_resumed"] = len(done)
-        return finish(job, summaries, "ray", timing)
-
-
-def _wind_down(job: Job, opened: bool, err: BaseException) -> str:
+def wind_down(job: Job, opened: bool, err: BaseException) -> str:
     """After a job ended early: a stop (a signal, a lost cluster) keeps the staged units to resume
     from; a failure of the data itself (a bad record, a changed input) removes them, so that
     nothing is left under the output name."""

@@ -25,7 +25,8 @@ import ray
 
 from data_prep import testing as T
 from data_prep import units
-from data_prep.prep import output_prefix_for, prepare
+from data_prep.prep import output_prefix_for
+from data_prep.run import prepare
 from data_prep.sources import expand_inputs
 from data_prep.tokenizer import fingerprint
 from porting.errors import PortingError
@@ -299,7 +300,7 @@ def test_local_executor_does_not_import_ray(corpus, tok, tmp_path):
     code = (
         "import sys\n"
         "from data_prep import testing as T\n"
-        "from data_prep.prep import prepare\n"
+        "from data_prep.run import prepare\n"
         f"prepare(T.prep_config([{str(corpus)!r}], {str(tmp_path / 'c')!r}, {str(tok)!r}))\n"
         "assert 'ray' not in sys.modules, 'the local executor imported ray'\n"
     )

@@ -16,7 +16,8 @@ import pytest
 
 from data_prep import testing as T
 from data_prep import units
-from data_prep.prep import output_prefix_for, prepare
+from data_prep.prep import output_prefix_for
+from data_prep.run import prepare
 from porting.errors import PortingError
 
 
