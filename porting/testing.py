@@ -358,3 +358,23 @@ def train_losses(out: Path) -> dict[int, float]:
                 if row.get("reduced_train_loss") and row.get("global_step"):
                     losses[int(float(row["global_step"]))] = float(row["reduced_train_loss"])
     return losses
+
+
+def still_running(pids, grace: float) -> list[int]:
+    """The processes of ``pids`` still running (zombies aside) after waiting up to ``grace``
+    seconds: a child learns that its parent ended only when a pipe closes, a moment later."""
+    import contextlib
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + grace
+    while True:
+        alive = []
+        for pid in pids:
+            with contextlib.suppress(psutil.Error):
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.1)

@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from porting.cli import main
+from porting.testing import still_running
 
 
 def _clean_env() -> dict:
@@ -262,15 +263,6 @@ def _tree(proc: psutil.Process) -> set[int]:
         return set()
 
 
-def _running(pids: set[int]) -> list[int]:
-    alive = []
-    for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-    return alive
-
-
 def _cmdline(pid: int) -> str:
     with contextlib.suppress(psutil.Error):
         return f"{pid}: {' '.join(psutil.Process(pid).cmdline())[:200]}"
@@ -294,10 +286,7 @@ def _stop_at(tmp_path: Path, src: Path, when, sig=signal.SIGTERM) -> tuple[int, 
     assert proc.poll() is None, "the run ended before the signal point"
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
-    # A child learns that its parent ended when a pipe closes: allow it a moment to exit.
-    deadline = time.monotonic() + 15
-    while (alive := _running(pids)) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    alive = still_running(pids, grace=15)
     assert alive == [], [_cmdline(p) for p in alive]
     if sig == signal.SIGKILL:
         assert not out.exists()  # the partial directory stays; the next run removes it

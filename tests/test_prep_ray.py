@@ -30,6 +30,7 @@ from data_prep.run import prepare
 from data_prep.sources import expand_inputs
 from data_prep.tokenizer import fingerprint
 from porting.errors import PortingError
+from porting.testing import still_running
 
 UNIT = 16_000  # bytes per unit: about ten units over the corpus
 CHUNK = 3_000
@@ -230,15 +231,6 @@ def test_killed_driver_resumes_through_the_cli(cluster, corpus, tok, local, tmp_
     assert noise == [], "Ray (and Megatron) stay quiet on the console"
 
 
-def _running(pids) -> list[int]:
-    alive = []
-    for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-    return alive
-
-
 def test_sigterm_cancels_the_units_stops_its_own_ray_and_keeps_what_finished(
     corpus, tok, local, tmp_path
 ):
@@ -263,9 +255,7 @@ def test_sigterm_cancels_the_units_stops_its_own_ray_and_keeps_what_finished(
     assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
     assert "stopped by SIGTERM; finished units kept in" in err and "--resume" in err, err
     assert "Traceback" not in err and "SIGTERM received" not in err, err
-    deadline = time.time() + 30  # Ray's processes see their driver go within seconds
-    while (left := _running(tree)) and time.time() < deadline:
-        time.sleep(0.2)
+    left = still_running(tree, grace=30)  # Ray's processes see their driver go within seconds
     assert not left, f"processes of the stopped job outlive it: {left}"
     assert _under(prefix) == [staging.name]
     out = subprocess.run([*argv, "--resume"], capture_output=True, text=True, timeout=300)
