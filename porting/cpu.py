@@ -40,6 +40,20 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def hide_gpus() -> None:
+    """Let this process see no GPU: import, export, verify and the demo run on the CPU everywhere.
+
+    Conversion is host-memory work, and the gate's tolerances are those of fp32 on the CPU. On a
+    GPU node Megatron would build the buffers it computes itself (rotary frequencies) on the GPU,
+    next to weights that the layer-streamed gate reads into host memory. Hiding the devices before
+    anything asks CUDA makes a GPU node run the same path as the CPU tests. (GPU parity is
+    ``scripts/gpu/check.sh``'s, through :mod:`porting.parity.harness` with a device.)
+    """
+    if torch.cuda.is_initialized():
+        raise RuntimeError("hide_gpus() must run before CUDA is initialised")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
 def cpu_safe_config(config: Any) -> Any:
     """Turn off CUDA-only fusions on a Megatron/NeMo config in place (no-op under CUDA)."""
     if cuda_available():

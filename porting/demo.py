@@ -137,6 +137,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_demo(args) -> int:
+    from porting import cpu
+
     quiet.offline()
+    cpu.hide_gpus()
     quiet.quiet_nemo()
     return run_demo(args.workdir)

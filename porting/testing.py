@@ -111,6 +111,38 @@ def make_llama(
     return out
 
 
+# The Falcon layouts the tests and scripts/gpu/check.py build (make_falcon's switches); the
+# first four are released models' layouts.
+FALCON_VARIANTS = {
+    # falcon-7b: MQA, parallel block with one shared norm, tied output; odd FFN
+    "7b_mqa": dict(),
+    # falcon-40b / 180B: new decoder architecture, GQA, parallel block with two norms
+    "40b_gqa_two_norms": dict(new_decoder_architecture=True, num_kv_heads=2, ffn_hidden_size=98),
+    # falcon-11B: new decoder architecture with one norm, untied output, large rope_theta
+    "11b_gqa_one_norm_untied": dict(
+        new_decoder_architecture=True,
+        num_kv_heads=2,
+        num_ln_in_parallel_attn=1,
+        tie_word_embeddings=False,
+        rope_theta=500042.0,
+        ffn_hidden_size=98,
+    ),
+    # falcon-rw: sequential block, MHA with ALiBi, biases everywhere; 6 heads so that ALiBi's
+    # slopes for a head count that is not a power of two are exercised (and split under TP=2)
+    "rw_alibi_biases": dict(
+        alibi=True,
+        parallel_attn=False,
+        multi_query=False,
+        bias=True,
+        hidden_size=96,
+        num_heads=6,
+        ffn_hidden_size=98,
+    ),
+    # not a released layout, but transformers runs it: ALiBi in the 7B parallel MQA block
+    "alibi_parallel_mqa": dict(alibi=True),
+}
+
+
 def make_falcon(
     out_dir: str | Path,
     *,

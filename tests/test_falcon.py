@@ -28,40 +28,13 @@ from porting.cli import main
 from porting.convert.api import export_hf, import_hf
 from porting.demo import compare_hf_dirs
 from porting.parity import harness as parity
-from porting.testing import assert_streamed_agrees, make_falcon
+from porting.testing import FALCON_VARIANTS, assert_streamed_agrees, make_falcon
 
 ATOL = RTOL = 1e-5
 HF_VOCAB = 130
 
 # Tiny stand-ins for the released layouts (their config.json fields, not their sizes).
-VARIANTS = {
-    # falcon-7b: MQA, parallel block with one shared norm, tied output; odd FFN
-    "7b_mqa": dict(),
-    # falcon-40b / 180B: new decoder architecture, GQA, parallel block with two norms
-    "40b_gqa_two_norms": dict(new_decoder_architecture=True, num_kv_heads=2, ffn_hidden_size=98),
-    # falcon-11B: new decoder architecture with one norm, untied output, large rope_theta
-    "11b_gqa_one_norm_untied": dict(
-        new_decoder_architecture=True,
-        num_kv_heads=2,
-        num_ln_in_parallel_attn=1,
-        tie_word_embeddings=False,
-        rope_theta=500042.0,
-        ffn_hidden_size=98,
-    ),
-    # falcon-rw: sequential block, MHA with ALiBi, biases everywhere; 6 heads so that ALiBi's
-    # slopes for a head count that is not a power of two are exercised (and split under TP=2)
-    "rw_alibi_biases": dict(
-        alibi=True,
-        parallel_attn=False,
-        multi_query=False,
-        bias=True,
-        hidden_size=96,
-        num_heads=6,
-        ffn_hidden_size=98,
-    ),
-    # not a released layout, but transformers runs it: ALiBi in the 7B parallel MQA block
-    "alibi_parallel_mqa": dict(alibi=True),
-}
+VARIANTS = FALCON_VARIANTS
 TP2_VARIANTS = ["40b_gqa_two_norms", "11b_gqa_one_norm_untied", "rw_alibi_biases"]
 
 

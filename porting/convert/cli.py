@@ -70,6 +70,9 @@ def _cmd_import(args) -> int:
     guard.return_freed_memory()
     # Taken before NeMo's import (seconds), so that a second run on this output fails at once.
     with guard.output_lock(args.out, "checkpoint"):
+        from porting import cpu
+
+        cpu.hide_gpus()
         from porting.convert.api import import_hf
 
         quiet.quiet_nemo()
@@ -96,6 +99,9 @@ def _cmd_export(args) -> int:
     quiet.offline()
     guard.return_freed_memory()
     with guard.output_lock(args.out, "HF directory"):
+        from porting import cpu
+
+        cpu.hide_gpus()
         from porting.convert.api import export_hf
 
         quiet.quiet_nemo()

@@ -61,7 +61,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _cmd_verify(args) -> int:
     quiet.offline()
     guard.return_freed_memory()
+    from porting import cpu
     from porting.parity import harness
+
+    cpu.hide_gpus()
 
     quiet.quiet_nemo()
     kwargs = {

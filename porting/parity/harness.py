@@ -136,38 +136,46 @@ def hf_logits(
     hf_model_class: str,
     prompts: list[torch.Tensor],
     attn_implementation: str = "eager",
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> list[torch.Tensor]:
-    """Logits of the HF model in fp32 for each prompt; frees the model after.
+    """Logits of the HF model (fp32 on the CPU by default) for each prompt, as fp32 on the CPU;
+    frees the model after.
 
     ``attn_implementation`` is the family's choice (:attr:`Family.hf_attn_implementation`).
+    ``device`` and ``dtype`` let the GPU check run HF's own bf16 next to ours.
     """
     import transformers
 
     cls = getattr(transformers, hf_model_class)
     model = cls.from_pretrained(
         str(hf_dir),
-        dtype=torch.float32,
+        dtype=dtype,
         attn_implementation=attn_implementation,
         local_files_only=True,
     )
-    model.eval()
-    out = [model(p).logits.float() for p in prompts]
+    model.to(device).eval()
+    out = [model(p.to(device)).logits.float().cpu() for p in prompts]
     del model
     gc.collect()
     return out
 
 
 def megatron_logits_from_checkpoint(
-    ckpt: str | Path, prompts: list[torch.Tensor], vocab_size: int
+    ckpt: str | Path,
+    prompts: list[torch.Tensor],
+    vocab_size: int,
+    dtype: torch.dtype = torch.float32,
 ) -> list[torch.Tensor]:
-    """Logits of the Megatron model loaded from ``ckpt`` in fp32, cut to the HF vocabulary."""
+    """Logits of the Megatron model loaded from ``ckpt`` (cast to ``dtype``, fp32 by default), cut
+    to the HF vocabulary. The model lives where Megatron builds it: the GPU when CUDA is visible."""
     from porting.convert.checkpoint import read_manifest
     from porting.convert.megatron import init_parallel, load_mcore_from_checkpoint, mcore_logits
     from porting.registry import family_by_name
 
     family = family_by_name(read_manifest(ckpt).family)
     init_parallel()
-    model, _ = load_mcore_from_checkpoint(ckpt, family, dtype=torch.float32)
+    model, _ = load_mcore_from_checkpoint(ckpt, family, dtype=dtype)
     out = [mcore_logits(model, p)[..., :vocab_size] for p in prompts]
     del model
     gc.collect()

@@ -1,0 +1,68 @@
+"""scripts/gpu/check.sh at test size on the CPU: the GPU check's whole flow, between GPU loans.
+
+The GPU numbers themselves come only from a GPU machine (docs/training.md); what this proves is
+that the one command a short device loan gets has every step working: models, import, data,
+parity worker processes (device and a CPU reference with no GPU visible), train, a SIGKILLed and
+resumed train, export with its gate, the planner, the report, and ``--continue`` after a call cut
+short by its budget.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = ["models", "import", "data", "parity", "train stock", "export", "train resume",
+         "train falcon", "plan"]  # fmt: skip
+
+
+def _check(out: Path, work: Path, *flags: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    # no wheelhouse here: the test environment is the installed one
+    env |= {"PYTHON": sys.executable, "PORTING_WHEELHOUSE": str(work / "no-wheels")}
+    return subprocess.run(
+        [str(REPO / "scripts" / "gpu" / "check.sh"), str(out), "--tiny", "--work", str(work),
+         *flags],
+        capture_output=True, text=True, env=env, timeout=1200,
+    )  # fmt: skip
+
+
+def test_check_cut_short_by_its_budget_then_continued_passes_every_check(tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+    first = _check(out, work, "--budget-s", "1")
+    assert first.returncode == 1, first.stdout[-3000:] + first.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["steps"]["models"]["status"] == "done"
+    assert {v["status"] for k, v in report["steps"].items() if k != "models"} == {"skipped"}
+
+    done = _check(tmp_path / "out2", work, "--continue", "--budget-s", "1100")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "out2" / "report.json").read_text())
+    assert report["continued"] == 1
+    assert list(report["steps"]) == STEPS
+    assert {v["status"] for v in report["steps"].values()} == {"done"}
+    assert report["checks"] and all(v["passed"] for v in report["checks"].values()), report[
+        "checks"
+    ]
+    parity = report["steps"]["parity"]["result"]["models"]
+    assert set(parity) == {"tsuzumi-1b", "falcon-7b_mqa", "falcon-40b_gqa_two_norms",
+                           "falcon-11b_gqa_one_norm_untied", "falcon-rw_alibi_biases"}  # fmt: skip
+    for name, row in parity.items():
+        # the CPU stands in for the device here, so the two fp32 runs must agree exactly
+        assert row["fp32_device_vs_cpu"] == {"megatron_max_abs": 0.0, "hf_max_abs": 0.0}, name
+        assert row["fp32_gate_on_device"]["passed"] and row["fp32_gate_on_cpu"]["passed"], name
+        for side in ("megatron", "hf"):
+            bf16 = row["bf16_vs_hf_fp32"][side]
+            assert 0 < bf16["max_abs"] < 0.1 and bf16["top1"] > 0.9, (name, side, bf16)
+    stock = report["steps"]["train stock"]["result"]
+    assert stock["loss_last"] < stock["loss_first"] and stock["tokens_per_s"] > 0
+    assert report["steps"]["train resume"]["result"]["max_abs_dloss"] <= 1e-5
+    plan = report["steps"]["plan"]["result"]
+    assert plan["predicted_step_s"] > 0 and plan["comparable"] is False
+    table = (tmp_path / "out2" / "report.md").read_text()
+    assert "| falcon-rw_alibi_biases |" in table and "every" not in table
+    assert "===== train tsuzumi, resumed" in (tmp_path / "out2" / "check.log").read_text()
