@@ -66,3 +66,23 @@ def test_check_cut_short_by_its_budget_then_continued_passes_every_check(tmp_pat
     table = (tmp_path / "out2" / "report.md").read_text()
     assert "| falcon-rw_alibi_biases |" in table and "every" not in table
     assert "===== train tsuzumi, resumed" in (tmp_path / "out2" / "check.log").read_text()
+
+
+def test_conversion_commands_run_with_no_gpu_visible(tiny_llama, tiny_nemo, tmp_path, monkeypatch):
+    """import, export and verify hide the GPUs before anything asks CUDA (porting.cpu.hide_gpus),
+    so that a GPU node runs the same gate as the CPU; train keeps them."""
+    from porting.cli import main
+
+    for argv in (
+        ["verify", str(tiny_llama), str(tiny_nemo)],
+        ["import", str(tiny_llama), "--out", str(tmp_path / "nemo"), "--no-verify"],
+        ["export", str(tiny_nemo), "--out", str(tmp_path / "hf"), "--no-verify"],
+    ):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+        assert main(argv) == 0, argv
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "", argv
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    # refused for its missing data; what matters is that training leaves the GPUs visible
+    main(["train", "--checkpoint", str(tiny_nemo), "--data", str(tmp_path / "none"), "--out",
+          str(tmp_path / "run"), "--dry-run"])  # fmt: skip
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
