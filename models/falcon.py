@@ -127,9 +127,9 @@ class FalconConfig(GPTConfig):
             # GPTModel knows no ALiBi: no position embedding there, the bias is in core attention
             self.position_embedding_type = "none"
             self.apply_rope_fusion = False
-        # TransformerConfig.__post_init__ rejects CUDA-only fusions without TE; on the CPU they are
-        # switched off first (a no-op under CUDA).
-        cpu.cpu_safe_config(self)
+        # TransformerConfig.__post_init__ rejects fusions whose kernels are missing: off first
+        # (every CUDA-only one on the CPU; under CUDA those TE / apex would provide).
+        cpu.kernel_safe_config(self)
         super().__post_init__()
 
     @property

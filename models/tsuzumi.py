@@ -91,9 +91,9 @@ class TsuzumiConfig(GPTConfig):
     rope_scaling_original_max_position_embeddings: int = 8192
 
     def __post_init__(self) -> None:
-        # TransformerConfig.__post_init__ rejects CUDA-only fusions without TE; on the CPU they are
-        # switched off first (a no-op under CUDA).
-        cpu.cpu_safe_config(self)
+        # TransformerConfig.__post_init__ rejects fusions whose kernels are missing: off first
+        # (every CUDA-only one on the CPU; under CUDA those TE / apex would provide).
+        cpu.kernel_safe_config(self)
         super().__post_init__()
 
     def configure_model(self, tokenizer, pre_process=None, post_process=None, vp_stage=None):

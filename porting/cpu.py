@@ -3,8 +3,9 @@
 Megatron-Core 0.15.3 and NeMo 2.7.3 assume a GPU in a handful of places that have nothing to do
 with the maths of a model. Each shim below names the upstream file it answers. :func:`enable`
 installs them once per process and is a no-op when CUDA is available, so the GPU path is always
-the stock one. Config-level switches (fusions that only exist as CUDA kernels) are applied to a
-config object by :func:`cpu_safe_config`, which is also a no-op under CUDA.
+the stock one. Config-level switches (fusions that only exist as compiled kernels) are applied to
+a config object by :func:`kernel_safe_config`: all of them off on the CPU, and under CUDA only those
+whose kernels are not installed (a GPU image without Transformer Engine or apex).
 """
 
 from __future__ import annotations
@@ -54,14 +55,38 @@ def hide_gpus() -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
-def cpu_safe_config(config: Any) -> Any:
-    """Turn off CUDA-only fusions on a Megatron/NeMo config in place (no-op under CUDA)."""
-    if cuda_available():
-        return config
-    for name in CUDA_ONLY_FUSIONS:
+def fusions_without_kernels() -> list[str]:
+    """The fusions whose compiled kernels this environment lacks, where Megatron looks for them.
+
+    A GPU image with plain PyTorch (no Transformer Engine, no apex) has none of them, and Megatron
+    fails where each is used: ``TransformerConfig.__post_init__`` refuses ``apply_rope_fusion``
+    without TE's fused rope, ``torch_norm.WrappedTorchNorm`` asserts ``not persist_layer_norm``,
+    and ``fusions/fused_softmax.py`` imports ``scaled_masked_softmax_cuda`` at the first bf16
+    forward. The other fusions are torch code (``jit_fuser``) and run anywhere CUDA does.
+    """
+    from importlib.util import find_spec
+
+    from megatron.core.models.common.embeddings import rope_utils
+
+    missing = [] if rope_utils.fused_apply_rotary_pos_emb is not None else ["apply_rope_fusion"]
+    for name, module in (
+        ("masked_softmax_fusion", "scaled_masked_softmax_cuda"),
+        ("persist_layer_norm", "apex"),
+        ("gradient_accumulation_fusion", "fused_weight_gradient_mlp_cuda"),
+    ):
+        if find_spec(module) is None:
+            missing.append(name)
+    return missing
+
+
+def kernel_safe_config(config: Any) -> Any:
+    """Turn off, in place, the fusions this machine has no kernel for: every CUDA-only one on the
+    CPU (plus CPU initialisation); under CUDA those of :func:`fusions_without_kernels`."""
+    gpu = cuda_available()
+    for name in fusions_without_kernels() if gpu else CUDA_ONLY_FUSIONS:
         if hasattr(config, name):
             setattr(config, name, False)
-    if hasattr(config, "use_cpu_initialization"):
+    if not gpu and hasattr(config, "use_cpu_initialization"):
         config.use_cpu_initialization = True
     return config
 

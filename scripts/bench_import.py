@@ -120,7 +120,7 @@ def child(which: str, hf: Path, out: Path) -> None:
 
         # NeMo's LlamaConfig turns CUDA-only fusions on; off here so that it constructs on the CPU.
         def post_init(self):
-            cpu.cpu_safe_config(self)
+            cpu.kernel_safe_config(self)
             GPTConfig.__post_init__(self)
 
         LlamaConfig.__post_init__ = post_init

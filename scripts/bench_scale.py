@@ -145,7 +145,7 @@ cpu.ensure_rendezvous_env()
 
 
 def post_init(self):  # NeMo's LlamaConfig turns CUDA-only fusions on; off so it builds on the CPU
-    cpu.cpu_safe_config(self)
+    cpu.kernel_safe_config(self)
     GPTConfig.__post_init__(self)
 
 

@@ -86,3 +86,28 @@ def test_conversion_commands_run_with_no_gpu_visible(tiny_llama, tiny_nemo, tmp_
     main(["train", "--checkpoint", str(tiny_nemo), "--data", str(tmp_path / "none"), "--out",
           str(tmp_path / "run"), "--dry-run"])  # fmt: skip
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "0"
+
+
+def test_a_gpu_without_te_or_apex_keeps_only_the_fusions_it_has_kernels_for(monkeypatch):
+    """Plain PyTorch on a GPU (the lent machine's image): Megatron would refuse apply_rope_fusion,
+    assert on persist_layer_norm and import a missing softmax kernel; the torch-code fusions stay."""
+    from models.falcon import FalconConfig
+    from models.tsuzumi import TsuzumiConfig
+    from porting import cpu
+
+    missing = cpu.fusions_without_kernels()
+    # this environment has neither Transformer Engine nor apex, as that image
+    assert set(missing) == {
+        "apply_rope_fusion", "masked_softmax_fusion", "persist_layer_norm",
+        "gradient_accumulation_fusion",
+    }  # fmt: skip
+    monkeypatch.setattr(cpu, "cuda_available", lambda: True)
+    for config in (
+        TsuzumiConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4),
+        FalconConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4),
+    ):
+        assert not any(getattr(config, name) for name in missing), type(config)
+        assert config.bias_dropout_fusion, type(config)  # torch code (jit_fuser): kept
+        # Falcon's exact GELU has no fused form; the tsuzumi SwiGLU's fusion is torch code
+        assert config.bias_activation_fusion == isinstance(config, TsuzumiConfig), type(config)
+        assert not config.use_cpu_initialization, type(config)

@@ -136,7 +136,7 @@ def build_mcore_model(config) -> torch.nn.Module:
     config.virtual_pipeline_model_parallel_size = None
     config.sequence_parallel = False
     config.context_parallel_size = 1
-    cpu.cpu_safe_config(config)
+    cpu.kernel_safe_config(config)
     model = config.configure_model(None)
     model.eval()
     return model

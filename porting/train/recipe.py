@@ -110,7 +110,7 @@ def recipe(spec: TrainSpec) -> Recipe:
             "uniform",
             1,
         )
-    cpu.cpu_safe_config(cfg)
+    cpu.kernel_safe_config(cfg)
 
     paths: list | dict[str, list] = megatron_paths(spec.data, "--data")
     if spec.valid_data:
