@@ -20,6 +20,9 @@ if compgen -G "$wheels/*.whl" >/dev/null; then
     echo "[check] installed $(ls "$wheels"/*.whl | wc -l) wheels in $(( $(date +%s) - t )) s"
   fi
   export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  # the image's real versions, for the next `wheelhouse.py build --image` (comes back with OUTDIR)
+  mkdir -p "$out"
+  PYTHONPATH= "$python" -m pip list --format=freeze >"$out/image-pip-freeze.txt" 2>/dev/null || true
 else
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
