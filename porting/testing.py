@@ -141,6 +141,12 @@ FALCON_VARIANTS = {
     # not a released layout, but transformers runs it: ALiBi in the 7B parallel MQA block
     "alibi_parallel_mqa": dict(alibi=True),
 }
+RELEASED_FALCON_LAYOUTS = (
+    "7b_mqa",
+    "40b_gqa_two_norms",
+    "11b_gqa_one_norm_untied",
+    "rw_alibi_biases",
+)
 
 
 def make_falcon(

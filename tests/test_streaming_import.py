@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from porting.convert.dist_reader import DistCheckpointReader
-from porting.testing import make_falcon, make_llama
+from porting.testing import FALCON_VARIANTS, RELEASED_FALCON_LAYOUTS, make_falcon, make_llama
 
 LLAMA = {
     "mha": dict(num_kv_heads=4),
@@ -34,19 +34,7 @@ LLAMA = {
         }
     ),
 }
-FALCON = {
-    "7b_mqa": dict(),
-    "40b_gqa_two_norms": dict(new_decoder_architecture=True, num_kv_heads=2, ffn_hidden_size=98),
-    "11b_gqa_one_norm_untied": dict(
-        new_decoder_architecture=True,
-        num_kv_heads=2,
-        num_ln_in_parallel_attn=1,
-        tie_word_embeddings=False,
-    ),
-    "rw_alibi_biases": dict(
-        alibi=True, parallel_attn=False, multi_query=False, bias=True, hidden_size=96, num_heads=6
-    ),
-}
+FALCON = {name: FALCON_VARIANTS[name] for name in RELEASED_FALCON_LAYOUTS}
 
 
 def _import(hf_dir, out, streaming: bool):

@@ -120,13 +120,6 @@ TINY = Sizes(
     resume_atol=1e-5,
 )
 
-RELEASED_FALCON_LAYOUTS = (
-    "7b_mqa",
-    "40b_gqa_two_norms",
-    "11b_gqa_one_norm_untied",
-    "rw_alibi_biases",
-)
-
 
 @dataclass
 class Check:
@@ -277,7 +270,7 @@ def build_models(c: Check) -> dict:
     """
     import torch
 
-    from porting.testing import make_falcon, make_llama
+    from porting.testing import RELEASED_FALCON_LAYOUTS, make_falcon, make_llama
 
     dtype = torch.float32 if c.tiny else torch.bfloat16
     hf = c.work / "hf"
@@ -405,6 +398,7 @@ def parity(c: Check) -> dict:
     import torch
 
     from porting.parity.harness import compare
+    from porting.testing import RELEASED_FALCON_LAYOUTS
 
     names = ["tsuzumi-1b", *(f"falcon-{n}" for n in RELEASED_FALCON_LAYOUTS)]
     (c.work / "logits").mkdir(exist_ok=True)
