@@ -65,7 +65,6 @@ def _cmd_verify(args) -> int:
     from porting.parity import harness
 
     cpu.hide_gpus()
-
     quiet.quiet_nemo()
     kwargs = {
         k: v
