@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = ["models", "import", "data", "parity", "train stock", "export", "train resume",
-         "train falcon", "plan"]  # fmt: skip
+STEPS = ["models", "import", "data", "parity", "train stock", "train falcon", "plan", "export",
+         "train resume"]  # fmt: skip
 
 
 def _check(out: Path, work: Path, *flags: str) -> subprocess.CompletedProcess:
@@ -111,3 +111,54 @@ def test_a_gpu_without_te_or_apex_keeps_only_the_fusions_it_has_kernels_for(monk
         # Falcon's exact GELU has no fused form; the tsuzumi SwiGLU's fusion is torch code
         assert config.bias_activation_fusion == isinstance(config, TsuzumiConfig), type(config)
         assert not config.use_cpu_initialization, type(config)
+
+
+def _check_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "gpu_check", REPO / "scripts" / "gpu" / "check.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    # its dataclasses look their module up while it executes
+    sys.modules["gpu_check"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_commands_run_side_by_side_stop_at_the_first_failure_and_name_it(tmp_path):
+    import time
+
+    import pytest
+
+    k = _check_module()
+    c = k.Check(tmp_path, tmp_path, k.TINY, True, budget_s=60)
+    sleeper = [sys.executable, "-c", "import time; print('awake', flush=True); time.sleep(60)"]
+    failing = [sys.executable, "-c", "import sys; print('broken input'); sys.exit(3)"]
+    t = time.time()
+    with pytest.raises(RuntimeError, match=r"^fails: exit 3: broken input"):
+        c.run_together([(sleeper, "sleeps", None), (failing, "fails", None)])
+    assert time.time() - t < 20  # the sleeper was stopped, not waited for
+    log = c.log.read_text()
+    assert "===== sleeps" in log and "awake" in log and "broken input" in log
+    assert not list(tmp_path.glob(".output-*"))
+
+    both = c.run_together(
+        [([sys.executable, "-c", f"print({i})"], f"job {i}", None) for i in (1, 2)]
+    )
+    assert [o.strip() for o in both] == ["1", "2"]
+
+
+def test_commands_side_by_side_past_the_budget_are_stopped_and_named(tmp_path):
+    import time
+
+    import pytest
+
+    k = _check_module()
+    c = k.Check(tmp_path, tmp_path, k.TINY, True, budget_s=-100)  # spent: the 30 s floor applies
+    quick = [sys.executable, "-c", "print('done')"]
+    sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
+    t = time.time()
+    with pytest.raises(RuntimeError, match=r"^sleeps: ran past the time budget \(30 s\)"):
+        c.run_together([(quick, "quick", None), (sleeper, "sleeps", None)])
+    assert 29 < time.time() - t < 45

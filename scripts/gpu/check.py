@@ -8,15 +8,18 @@ Run on a GPU machine through ``scripts/gpu/check.sh OUTDIR`` (which installs the
 1. ``models``: random-init HF checkpoints saved in bf16: a ~1.1B tsuzumi-style (Llama layout,
    TinyLlama's shape), a Falcon of the 40B layout at equal FLOPs per token for the throughput
    comparison, and the four released Falcon layouts (7B, 40B, 11B, RW) at small width.
-2. ``data``: a corpus of the tokenizer's own words through ``porting prep-data``.
-3. ``import``: ``porting import`` of each (its parity gate runs on the CPU, as everywhere).
+2. ``import``: ``porting import`` of each, without its gate (the parity step runs the same
+   comparison on the CPU, and on the device besides).
+3. ``data``: a corpus of the tokenizer's own words through ``porting prep-data`` (the imported
+   1.1B's tokenizer).
 4. ``parity``: whole-model logits on the device, fp32 and bf16, HF and Megatron, against the same
-   fp32 run on the CPU in a process that sees no GPU.
-5. ``train``: ``porting train`` of the 1.1B (bf16 on a GPU, distributed optimizer, sequence 2048);
-   a second run SIGKILLed at its first checkpoint and resumed; the Falcon at equal FLOPs.
-6. ``export``: the trained checkpoint back to HF through ``porting export`` (gate on the CPU).
-7. ``plan``: ``porting plan`` for the same model, batch and sequence on one H100, next to the
+   fp32 run on the CPU in a process that sees no GPU (the two processes run side by side).
+5. ``train stock`` and ``train falcon``: ``porting train`` of the 1.1B (bf16 on a GPU, distributed
+   optimizer, sequence 2048), then the Falcon at equal FLOPs per token, back to back.
+6. ``plan``: ``porting plan`` for the same model, batch and sequence on one H100, next to the
    measured step time and memory; more than 15% apart, ``--measured-step`` fits the constants.
+7. ``export``: the trained checkpoint back to HF through ``porting export`` (gate on the CPU).
+8. ``train resume``: the stock run again, SIGKILLed at its first checkpoint and resumed.
 
 ``OUTDIR/report.json`` is rewritten after every step (a run cut short still reports what it did),
 ``OUTDIR/report.md`` holds the tables, ``OUTDIR/check.log`` every command's output. The exit status
@@ -192,26 +195,50 @@ class Check:
 
     def run(self, argv: list[str], what: str, env: dict | None = None) -> str:
         """Run a command to its end within the budget; its output goes to check.log."""
-        timeout = max(self.left_s(), 30)
-        proc = subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env or self.env(),
-            start_new_session=True,
-        )
-        try:
-            output, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            output, _ = proc.communicate()
+        return self.run_together([(argv, what, env)])[0]
+
+    def run_together(self, jobs: list[tuple[list[str], str, dict | None]]) -> list[str]:
+        """Run commands side by side, each ``(argv, what, env)``, to their end within the budget;
+        their outputs go to check.log. The first to fail, or the budget, stops the others."""
+        budget = max(self.left_s(), 30)
+        deadline = time.time() + budget
+        procs = []
+        for i, (argv, what, env) in enumerate(jobs):
+            # files, not pipes: a command nobody reads from would block once its pipe is full
+            fh = open(self.work / f".output-{i}.txt", "w+")
+            proc = subprocess.Popen(
+                argv, stdout=fh, stderr=subprocess.STDOUT, text=True, env=env or self.env(),
+                start_new_session=True,
+            )  # fmt: skip
+            procs.append((proc, fh, argv, what))
+        late: list[str] = []
+        while True:
+            codes = [proc.poll() for proc, *_ in procs]  # every one: any() would stop at the first
+            if None not in codes or any(code not in (None, 0) for code in codes):
+                break
+            if time.time() > deadline:
+                late = [what for proc, _, _, what in procs if proc.poll() is None]
+                break
+            time.sleep(0.5)
+        outputs, failed, stopped = [], None, set()
+        for proc, fh, argv, what in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+                stopped.add(what)
+            fh.seek(0)
+            output = fh.read()
+            fh.close()
+            Path(fh.name).unlink()
             self._log(what, argv, output)
-            raise RuntimeError(f"{what}: ran past the time budget ({timeout:.0f} s)") from None
-        self._log(what, argv, output)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{what}: exit {proc.returncode}: {output[-1500:]}")
-        return output
+            outputs.append(output)
+            if failed is None and what not in stopped and proc.returncode != 0:
+                failed = f"{what}: exit {proc.returncode}: {output[-1500:]}"
+        if late:
+            raise RuntimeError(f"{', '.join(late)}: ran past the time budget ({budget:.0f} s)")
+        if failed:
+            raise RuntimeError(failed)
+        return outputs
 
     def _log(self, what: str, argv: list[str], output: str) -> None:
         with open(self.log, "a") as fh:
@@ -404,12 +431,23 @@ def parity(c: Check) -> dict:
     (c.work / "logits").mkdir(exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     worker = [sys.executable, __file__, "--parity-worker", str(c.work), *names]
-    c.run([*worker, "--device", device, "--bf16", "--role", "device"], f"parity on {device}")
-    # The reference: the path every CPU test runs, in a process that sees no GPU.
-    c.run(
-        [*worker, "--device", "cpu", "--role", "reference"],
-        "parity on the CPU",
-        c.env(CUDA_VISIBLE_DEVICES=""),
+    # Side by side: the device run waits mostly on the GPU and the disk, the reference on the
+    # host's cores (measured at full size on a 2-core host: the reference alone 54 s). Both keep
+    # torch's default thread count, so on a CPU-only machine the two fp32 runs agree bit for bit.
+    c.run_together(
+        [
+            (
+                [*worker, "--device", device, "--bf16", "--role", "device"],
+                f"parity on {device}",
+                None,
+            ),
+            # The reference: the path every CPU test runs, in a process that sees no GPU.
+            (
+                [*worker, "--device", "cpu", "--role", "reference"],
+                "parity on the CPU",
+                c.env(CUDA_VISIBLE_DEVICES=""),
+            ),
+        ]
     )
     rows = {}
     for name in names:
@@ -776,11 +814,13 @@ def main(argv: list[str] | None = None) -> int:
     c.step("import", lambda: import_models(c))
     c.step("data", lambda: make_data(c))
     c.step("parity", lambda: parity(c))
+    # The two measured runs back to back, on an idle host; then the planner, which needs only the
+    # stock run; the costliest pass/fail steps last (the resume writes two 14 GiB checkpoints).
     c.step("train stock", lambda: train_stock(c))
-    c.step("export", lambda: export_trained(c))
-    c.step("train resume", lambda: train_resume(c))
     c.step("train falcon", lambda: train_falcon(c))
     c.step("plan", lambda: plan(c))
+    c.step("export", lambda: export_trained(c))
+    c.step("train resume", lambda: train_resume(c))
     (c.out / "report.md").write_text(markdown(c.report))
     failed = [n for n, v in c.report["steps"].items() if v["status"] != "done"]
     failed += [n for n, v in c.report["checks"].items() if not v["passed"]]
