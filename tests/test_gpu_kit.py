@@ -7,6 +7,7 @@ the recipe's pure functions.
 
 from __future__ import annotations
 
+import importlib.metadata as md
 import importlib.util
 import sys
 import tomllib
@@ -46,8 +47,14 @@ def image(wh):
 
 
 @pytest.fixture(scope="module")
-def decisions(wh, needed, image):
-    return wh.select(needed, image, wh.collect_pins(set(needed), "3.12"))
+def here(wh, needed):
+    """needed.txt at this environment's versions, as `build` takes it (the index moves daily)."""
+    return wh.as_installed(needed)[0]
+
+
+@pytest.fixture(scope="module")
+def decisions(wh, here, image):
+    return wh.select(here, image, wh.collect_pins(set(here), "3.12"))
 
 
 def _project_pins() -> dict[str, Requirement]:
@@ -106,14 +113,27 @@ def test_decide(wh, ours, image, in_image, spec, project, carry):
     assert dec.carry is carry, dec.reason
 
 
-def test_selection_carries_our_pinned_stack_and_never_torch(decisions, needed):
+def test_selection_carries_our_pinned_stack_and_never_torch(decisions, here):
     carried = {n for n, d in decisions.items() if d.carry}
     assert {"transformers", "tokenizers", "huggingface-hub", "nemo-toolkit"} <= carried
     assert {"protobuf", "packaging", "fsspec", "lightning"} <= carried  # pins the image misses
     assert not {"torch", "numpy", "pyarrow", "wandb", "accelerate"} & carried
     pins = _project_pins()
     for name in carried & set(pins):
-        assert pins[name].specifier.contains(needed[name].version, prereleases=True), name
+        assert pins[name].specifier.contains(here[name].version, prereleases=True), name
+
+
+def test_build_takes_this_environments_versions_and_names_what_moved(wh):
+    recorded = {
+        "packaging": wh.Needed("packaging", "0.1", ("import",)),
+        "pytest": wh.Needed("pytest", md.version("pytest"), ("train",)),
+    }
+    here, moved = wh.as_installed(recorded)
+    assert here["packaging"] == wh.Needed("packaging", md.version("packaging"), ("import",))
+    assert moved == [f"packaging 0.1 -> {md.version('packaging')}"]
+    recorded["no-such-dist"] = wh.Needed("no-such-dist", "1.0", ("train",))
+    with pytest.raises(SystemExit, match="no-such-dist, which this environment lacks.*trace"):
+        wh.as_installed(recorded)
 
 
 def test_tables_name_needed_distributions_only(wh, needed, image):

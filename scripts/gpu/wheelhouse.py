@@ -435,6 +435,34 @@ def read_needed(path: Path = NEEDED) -> dict[str, Needed]:
     return out
 
 
+def as_installed(needed: dict[str, Needed]) -> tuple[dict[str, Needed], list[str]]:
+    """``needed`` at this environment's versions, and a ``name recorded -> here`` line for each
+    that moved since the trace.
+
+    The pins come from this environment's metadata, so the versions carried must be its own too:
+    the package index moves daily (a fresh install a day after a trace found nine distributions
+    newer, pydantic 2.14.4 among them, which pins pydantic-core==2.50.5 where needed.txt recorded
+    2.50.4). A distribution needed.txt names and this environment lacks is an error: only a new
+    trace can say what the commands import now.
+    """
+    here, moved, absent = {}, [], []
+    for name, item in needed.items():
+        try:
+            version = md.version(name)
+        except md.PackageNotFoundError:
+            absent.append(name)
+            continue
+        if version != item.version:
+            moved.append(f"{name} {item.version} -> {version}")
+        here[name] = Needed(name, version, item.commands)
+    if absent:
+        raise SystemExit(
+            f"build: needed.txt names {', '.join(sorted(absent))}, which this environment "
+            "lacks: re-run `wheelhouse.py trace` with the project's interpreter"
+        )
+    return here, moved
+
+
 def read_image(path: Path = IMAGE) -> dict[str, str | None]:
     """Parse an image package list: ``name`` or ``name==version`` a line, ``#`` comments.
 
@@ -733,6 +761,14 @@ def build(
     if missing:
         raise SystemExit(f"build: no stub project under {STUBS} for {', '.join(missing)}")
     needed = {n: item for n, item in needed.items() if not set(item.commands) <= without}
+    needed, moved = as_installed(needed)
+    if moved:
+        print(
+            f"build: {len(moved)} distributions moved since the trace; carrying this "
+            f"environment's versions ({'; '.join(moved)}). A new version can import what the "
+            "trace never saw: `rehearse` shows it.",
+            file=sys.stderr,
+        )
     pins = collect_pins(set(needed), python_version)
     decisions = select(needed, read_image(image_list), pins)
     tree = work_tree_bytes()  # before the temp dir, which git would count as untracked
