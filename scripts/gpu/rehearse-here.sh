@@ -8,7 +8,7 @@
 # fresh image has). The cp311 wheelhouse made by the same recipe is installed with the GPU
 # machine's own line into /tmp/site, and every traced command runs with that interpreter.
 #
-#   scripts/gpu/rehearse-here.sh [SCRATCH]      (default /tmp/wheelhouse-rehearsal; about 6 min)
+#   scripts/gpu/rehearse-here.sh [SCRATCH]      (default /tmp/wheelhouse-rehearsal; about 4 min)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 scratch=${1:-/tmp/wheelhouse-rehearsal}
