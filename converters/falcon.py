@@ -35,7 +35,7 @@ from porting.convert.connectors import PortingExporter, PortingImporter
 from porting.convert.mapping import Fused, Ignore, Rename
 from porting.convert.transforms import VOCAB_PAD
 from porting.errors import PortingError
-from porting.family import Family, ShapeContext
+from porting.family import Family, ShapeContext, Variant
 
 
 def _query_groups_to_mcore(hf: dict) -> dict:
@@ -243,16 +243,23 @@ def shape_context(config: FalconConfig, vocab_size: int) -> FalconShapeContext:
 
 FAMILY = Family(
     name="falcon",
-    hf_architecture="FalconForCausalLM",
+    architectures=("FalconForCausalLM",),
     config_entries=CONFIG,
     weights=WEIGHTS,
     config_cls=FalconConfig,
     model_cls=FalconModel,
     shape_context=shape_context,
-    hf_model_class="FalconForCausalLM",
     # transformers' default for Falcon; its eager path (4.57) adds ALiBi a second time through the
     # causal mask (FalconModel._update_causal_mask), unlike the original RW code and sdpa
     hf_attn_implementation="sdpa",
+    summary="parallel attention+MLP, MQA/GQA, one or two norms, ALiBi (RW): a custom spec",
+    variants=(
+        Variant("7b_mqa", "MQA, parallel block with one shared norm, tied output"),
+        Variant("40b_gqa_two_norms", "new decoder architecture, GQA, two norms (40B, 180B)"),
+        Variant("11b_gqa_one_norm_untied", "new decoder architecture, one norm, untied (11B)"),
+        Variant("rw_alibi_biases", "sequential block, MHA with ALiBi, biases everywhere (RW)"),
+        Variant("alibi_parallel_mqa", "ALiBi in the 7B parallel MQA block"),
+    ),
 )
 
 

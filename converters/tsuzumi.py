@@ -29,7 +29,7 @@ from porting.convert.connectors import PortingExporter, PortingImporter
 from porting.convert.mapping import Fused, Ignore, Rename
 from porting.convert.transforms import GATED_MLP, QKV, VOCAB_PAD
 from porting.errors import PortingError
-from porting.family import Family, ShapeContext
+from porting.family import Family, ShapeContext, Variant
 
 
 def _query_groups_to_mcore(hf: dict) -> dict:
@@ -102,33 +102,29 @@ def _rope_to_hf(c) -> dict:
     return {}
 
 
-CONFIG = (
+QUERY_GROUPS = Derived(
+    ("num_key_value_heads",),
+    _query_groups_to_mcore,
+    lambda c: {"num_key_value_heads": c.num_query_groups},
+    check=POSITIVE_INT.or_null(),  # null: transformers uses num_attention_heads
+)
+ROPE_SCALING = Derived(("rope_scaling",), _rope_to_mcore, _rope_to_hf)
+
+# The fields every Llama-layout config shares (Llama, Mistral, Qwen2/3): families built on this
+# layout start from these and add their own.
+LLAMA_LAYOUT = (
     Field("num_hidden_layers", "num_layers", check=POSITIVE_INT),
     Field("hidden_size", "hidden_size", check=POSITIVE_INT),
     Field("intermediate_size", "ffn_hidden_size", check=POSITIVE_INT),
     Field("num_attention_heads", "num_attention_heads", check=POSITIVE_INT),
-    Derived(
-        ("num_key_value_heads",),
-        _query_groups_to_mcore,
-        lambda c: {"num_key_value_heads": c.num_query_groups},
-        check=POSITIVE_INT.or_null(),  # null: transformers uses num_attention_heads
-    ),
-    Field("head_dim", "kv_channels", default=None, check=POSITIVE_INT.or_null()),
+    QUERY_GROUPS,
     Field("rms_norm_eps", "layernorm_epsilon", check=POSITIVE_FLOAT),
     Field("rope_theta", "rotary_base", default=10000.0, check=POSITIVE_FLOAT),
     Field("tie_word_embeddings", "share_embeddings_and_output_weights", default=False, check=BOOL),
     Field("max_position_embeddings", "seq_length", check=POSITIVE_INT),
     Field("initializer_range", "init_method_std", default=0.02, check=POSITIVE_FLOAT),
     Field("attention_dropout", "attention_dropout", default=0.0, check=PROBABILITY),
-    Derived(("attention_bias", "mlp_bias"), _biases_to_mcore, _biases_to_hf, check=BOOL),
-    Derived(("rope_scaling",), _rope_to_mcore, _rope_to_hf),
     Require("hidden_act", lambda v: v == "silu", "the family's MLP is SwiGLU (silu-gated)"),
-    Require(
-        "pretraining_tp",
-        lambda v: v == 1 and not isinstance(v, bool),
-        "sliced-matmul emulation is not modelled",
-    ),
-    Require("model_type", lambda v: v == "llama", "the HF side is the Llama layout"),
     Carry("architectures"),
     # padded on the Megatron side by the engine, restored exactly on export
     Carry("vocab_size", check=POSITIVE_INT),
@@ -139,6 +135,19 @@ CONFIG = (
     Carry("dtype"),
     Carry("transformers_version"),
     Carry("use_cache"),
+)
+
+CONFIG = (
+    *LLAMA_LAYOUT,
+    Field("head_dim", "kv_channels", default=None, check=POSITIVE_INT.or_null()),
+    Derived(("attention_bias", "mlp_bias"), _biases_to_mcore, _biases_to_hf, check=BOOL),
+    ROPE_SCALING,
+    Require(
+        "pretraining_tp",
+        lambda v: v == 1 and not isinstance(v, bool),
+        "sliced-matmul emulation is not modelled",
+    ),
+    Require("model_type", lambda v: v == "llama", "the HF side is the Llama layout"),
 )
 
 _L = "model.layers.*."
@@ -212,13 +221,20 @@ def shape_context(config: TsuzumiConfig, vocab_size: int) -> ShapeContext:
 
 FAMILY = Family(
     name="tsuzumi",
-    hf_architecture="LlamaForCausalLM",
+    architectures=("LlamaForCausalLM",),
     config_entries=CONFIG,
     weights=WEIGHTS,
     config_cls=TsuzumiConfig,
     model_cls=TsuzumiModel,
     shape_context=shape_context,
-    hf_model_class="LlamaForCausalLM",
+    summary="Llama-family decoder on the stock GPT spec (config knobs only)",
+    variants=(
+        Variant("gqa_untied", "GQA, untied output"),
+        Variant("tied", "tied output"),
+        Variant("biases", "attention_bias and mlp_bias (every linear biased)"),
+        Variant("head_dim", "head_dim apart from hidden/heads"),
+        Variant("rope_scaling", "linear or llama3 rotary scaling"),
+    ),
 )
 
 

@@ -19,6 +19,7 @@ from porting.errors import PortingError
 
 _SUBCOMMAND_MODULES = (
     "porting.convert.cli",
+    "porting.convert.families",
     "porting.parity.cli",
     "porting.demo",
     "porting.train.cli",

@@ -1,13 +1,20 @@
-"""What the engine knows of a model family: its tables, its config classes and its shape context."""
+"""What the engine knows of a model family: its tables, its config classes and its shape context.
+
+A family is a plugin: a :class:`Family` object in any importable module, named by an entry point
+in the ``porting.families`` group of the package that ships it (docs/families.md).
+"""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from porting.convert.config_map import ConfigEntry
 from porting.convert.mapping import Entry
+from porting.errors import PortingError
 
 
 @dataclass(frozen=True)
@@ -30,29 +37,79 @@ class ShapeContext:
 
 
 @dataclass(frozen=True)
+class Variant:
+    """A layout a family converts, as ``porting families`` lists it (``7b_mqa``: what it is)."""
+
+    name: str
+    summary: str
+
+
+@dataclass(frozen=True)
 class Family:
-    """One model family: an HF architecture, its Megatron config/model classes and its tables.
+    """One model family: the HF architectures it claims, its Megatron config/model classes and tables.
 
     Attributes:
-        name: short family name used in manifests and messages (``tsuzumi``).
-        hf_architecture: the ``architectures[0]`` value the registry keys on.
+        name: short family name used in manifests, messages and ``--family`` (``tsuzumi``).
+        architectures: the ``config.json`` ``architectures[0]`` values the family converts.
         config_entries: the HF config mapping and lint (:mod:`porting.convert.config_map`).
         weights: the weight mapping table (:mod:`porting.convert.mapping`).
         config_cls: the family's NeMo/Megatron config dataclass.
         model_cls: the family's NeMo ``GPTModel`` subclass.
         shape_context: builds the :class:`ShapeContext` from a Megatron config.
-        hf_model_class: the ``transformers`` class name that loads the HF side.
+        model_types: ``config.json`` ``model_type`` values the family also claims, for checkpoints
+            whose architecture name is their own (``auto_map`` code, never run by us).
+        hf_model_class: the class the HF reference side loads: a ``transformers`` class name or
+            the class itself; ``None`` means the ``transformers`` class named like the
+            checkpoint's architecture.
         hf_attn_implementation: the ``transformers`` attention implementation parity runs the HF
             side with; ``"eager"`` unless the family's eager path disagrees with its default one
             (transformers 4.57's eager Falcon adds ALiBi twice; its default, sdpa, once).
+        variants: the layouts the family's tests prove, for ``porting families``.
+        summary: one line for ``porting families``.
     """
 
     name: str
-    hf_architecture: str
+    architectures: tuple[str, ...]
     config_entries: tuple[ConfigEntry, ...]
     weights: tuple[Entry, ...]
     config_cls: type
     model_cls: type
     shape_context: Callable[[Any], ShapeContext]
-    hf_model_class: str
+    model_types: tuple[str, ...] = ()
+    hf_model_class: str | type | None = None
     hf_attn_implementation: str = "eager"
+    variants: tuple[Variant, ...] = ()
+    summary: str = ""
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """Every registry key the family claims: its architectures, then its model types."""
+        return (*self.architectures, *self.model_types)
+
+    def claims(self, hf_config: dict) -> bool:
+        """Whether an HF ``config.json`` (parsed) is one of this family's."""
+        archs = hf_config.get("architectures") or [None]
+        return archs[0] in self.architectures or hf_config.get("model_type") in self.model_types
+
+    def hf_class(self, architecture: str) -> type:
+        """The class that loads the HF reference side of a checkpoint of ``architecture``."""
+        import transformers
+
+        cls = self.hf_model_class or architecture
+        if isinstance(cls, type):
+            return cls
+        found = getattr(transformers, cls, None)
+        if found is None:
+            raise PortingError(
+                f"family {self.name} ({self.source}): transformers {transformers.__version__} has "
+                f"no class {cls!r} for the HF side; set Family.hf_model_class to the class"
+            )
+        return found
+
+    @property
+    def source(self) -> str:
+        """The file that defines the family's tables, for messages that point an author at it."""
+        # The shape context sits beside the tables in the family's converter module.
+        module = sys.modules.get(getattr(self.shape_context, "__module__", ""))
+        path = getattr(module, "__file__", None)
+        return str(Path(path)) if path else f"family {self.name}"

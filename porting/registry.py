@@ -1,55 +1,177 @@
-"""The family registry, keyed by the HF ``architectures[0]`` name.
+"""The family registry: every :class:`~porting.family.Family` installed, found through entry points.
 
-Each value is the family's converter module, which defines its ``FAMILY`` object and registers its
-NeMo ``io.ModelConnector`` importer/exporter on the model class. This is the one place that imports
-converters: user code that calls ``llm.import_ckpt`` / ``llm.export_ckpt`` imports the converter
-module itself (``import converters.tsuzumi``) or goes through :func:`family_for_architecture`.
-Modules are imported only when a family is used, which keeps NeMo (slow to import) out of
-commands that do not need it.
+A package ships a family by naming its ``Family`` object in the ``porting.families`` entry-point
+group (ours do so in ``pyproject.toml``, exactly as an outside package does)::
+
+    [project.entry-points."porting.families"]
+    tsuzumi = "converters.tsuzumi:FAMILY"
+
+The entry's name is the family's name. Loading a family imports its converter module, which also
+registers its NeMo ``io.ModelConnector`` importer/exporter; nothing is imported until a family is
+asked for, which keeps NeMo (slow to import) out of commands that do not need it.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.metadata as md
+from dataclasses import dataclass
 from pathlib import Path
 
 from porting.convert.config_map import read_hf_config
 from porting.errors import PortingError
 from porting.family import Family
 
-FAMILIES: dict[str, str] = {
-    "FalconForCausalLM": "converters.falcon",
-    "LlamaForCausalLM": "converters.tsuzumi",
-}
+GROUP = "porting.families"
+GUIDE = "docs/families.md"
 
 
-def known_architectures() -> list[str]:
-    """The HF architecture names we can convert."""
-    return sorted(FAMILIES)
+@dataclass(frozen=True)
+class Installed:
+    """One entry point of the group: where a family comes from, loaded or not."""
+
+    name: str
+    value: str
+    package: str
+    family: Family | None = None
+    error: str | None = None
 
 
-def family_for_architecture(arch: str) -> Family:
-    """Return the family registered for ``arch`` or raise naming the known ones."""
-    if arch not in FAMILIES:
-        raise PortingError(
-            f"unknown architecture {arch!r}; known: {', '.join(known_architectures())}"
+def _package(ep: md.EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    return f"{dist.metadata['Name']} {dist.version}" if dist is not None else "?"
+
+
+def _load(ep: md.EntryPoint) -> Installed:
+    base = Installed(ep.name, ep.value, _package(ep))
+    try:
+        family = ep.load()
+    except Exception as err:  # a broken plugin must not take the others down; it is reported
+        return Installed(**{**base.__dict__, "error": f"{type(err).__name__}: {err}"})
+    if not isinstance(family, Family):
+        return Installed(
+            **{**base.__dict__, "error": f"{ep.value} is a {type(family).__name__}, not a Family"}
         )
-    return importlib.import_module(FAMILIES[arch]).FAMILY
+    if family.name != ep.name:
+        return Installed(
+            **{
+                **base.__dict__,
+                "error": f"entry point {ep.name!r} names a family called {family.name!r}; "
+                "the entry's name must be the family's",
+            }
+        )
+    return Installed(**{**base.__dict__, "family": family})
+
+
+@functools.cache
+def installed() -> tuple[Installed, ...]:
+    """Every entry point of the group, each loaded (a failed load is kept with its error)."""
+    eps = sorted(md.entry_points(group=GROUP), key=lambda e: (e.name, e.value))
+    seen: dict[str, md.EntryPoint] = {}
+    out = []
+    for ep in eps:
+        if ep.name in seen:
+            if seen[ep.name].value == ep.value:
+                continue  # one distribution seen twice on the path (an editable install)
+            raise PortingError(
+                f"two packages install a family called {ep.name!r}: {_package(seen[ep.name])} "
+                f"({seen[ep.name].value}) and {_package(ep)} ({ep.value}); uninstall one"
+            )
+        seen[ep.name] = ep
+        out.append(_load(ep))
+    _check_claims(out)
+    return tuple(out)
+
+
+def _check_claims(found: list[Installed]) -> None:
+    owner: dict[str, Installed] = {}
+    by_model: dict[type, Installed] = {}
+    for inst in found:
+        if inst.family is None:
+            continue
+        # NeMo finds a checkpoint's connectors through its model class: one class, one family.
+        other = by_model.setdefault(inst.family.model_cls, inst)
+        if other is not inst:
+            raise PortingError(
+                f"families {other.name} ({other.value}) and {inst.name} ({inst.value}) share the "
+                f"model class {inst.family.model_cls.__qualname__}; each family needs its own "
+                "(a subclass is enough) so that NeMo finds its importer and exporter"
+            )
+        for key in inst.family.keys:
+            if key in owner:
+                other = owner[key]
+                raise PortingError(
+                    f"{key!r} is claimed by two families: {other.name} (package {other.package}, "
+                    f"{other.value}) and {inst.name} (package {inst.package}, {inst.value}); "
+                    "uninstall one or narrow its Family.architectures / model_types"
+                )
+            owner[key] = inst
+
+
+def refresh() -> None:
+    """Forget what was found (after a package is installed or removed in this process)."""
+    importlib.invalidate_caches()
+    installed.cache_clear()
+
+
+def families() -> list[Family]:
+    """The families that loaded, by name."""
+    return [i.family for i in installed() if i.family is not None]
+
+
+def known_keys() -> list[str]:
+    """Every architecture and model type some installed family claims."""
+    return sorted(k for f in families() for k in f.keys)
+
+
+def _not_found(what: str) -> PortingError:
+    broken = [f"{i.name} ({i.value}: {i.error})" for i in installed() if i.error]
+    hint = f"; families that failed to load: {', '.join(broken)}" if broken else ""
+    return PortingError(
+        f"{what}; known: {', '.join(known_keys()) or 'none'}{hint}. A new architecture is a "
+        f"family package: see {GUIDE}, or start one with `porting new-family NAME --from HF_DIR`"
+    )
 
 
 def family_by_name(name: str) -> Family:
-    """Return the family whose ``Family.name`` is ``name`` (used when reading our checkpoints)."""
-    for arch in FAMILIES:
-        fam = family_for_architecture(arch)
+    """Return the installed family called ``name`` (``--family``, our checkpoints' manifests)."""
+    for fam in families():
         if fam.name == name:
             return fam
-    raise PortingError(f"unknown family {name!r}")
+    raise _not_found(f"no family called {name!r} is installed")
 
 
-def family_for_hf_dir(hf_dir: str | Path) -> tuple[Family, dict]:
-    """The family and parsed config of an HF model directory (errors name its ``config.json``)."""
+def family_for_config(hf_config: dict) -> Family:
+    """The family that claims an HF config: by ``architectures[0]``, then by ``model_type``."""
+    arch = (hf_config.get("architectures") or [None])[0]
+    for fam in families():
+        if arch in fam.architectures:
+            return fam
+    mtype = hf_config.get("model_type")
+    for fam in families():
+        if mtype in fam.model_types:
+            return fam
+    raise _not_found(f"unknown architecture {arch!r} (model_type {mtype!r})")
+
+
+def family_for_hf_dir(hf_dir: str | Path, family: str | None = None) -> tuple[Family, dict]:
+    """The family and parsed config of an HF model directory (errors name its ``config.json``).
+
+    ``family`` forces one by name (``porting import --family``); it must still claim the config,
+    so a checkpoint cannot be read through a table written for another layout.
+    """
     cfg = read_hf_config(hf_dir)  # checks that architectures holds exactly one name
+    where = Path(hf_dir) / "config.json"
+    if family is not None:
+        fam = family_by_name(family)
+        if not fam.claims(cfg):
+            raise PortingError(
+                f"{where}: family {fam.name} claims {', '.join(fam.keys)}, not architecture "
+                f"{cfg['architectures'][0]!r} (model_type {cfg.get('model_type')!r})"
+            )
+        return fam, cfg
     try:
-        return family_for_architecture(cfg["architectures"][0]), cfg
+        return family_for_config(cfg), cfg
     except PortingError as err:
-        raise PortingError(f"{Path(hf_dir) / 'config.json'}: architectures: {err}") from err
+        raise PortingError(f"{where}: {err}") from err

@@ -1,7 +1,7 @@
 """The layout's rules, pinned: what each capability may import, and no import circles anywhere.
 
 The import graph is read from the source (every ``import`` statement, at module level or inside a
-function, plus the modules the registry and the CLI import by name), so a lazy import cannot hide
+function, plus the modules the registry's entry points and the CLI name), so a lazy import cannot hide
 a dependency. ``porting --help`` and the planner are also run to check what they really load.
 """
 
@@ -39,13 +39,22 @@ def _resolve(name: str, modules: dict[str, Path]) -> str | None:
     return None
 
 
+def _family_modules() -> list[str]:
+    """The modules our ``porting.families`` entry points name (the registry loads them)."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    eps = project["entry-points"]["porting.families"]
+    return [value.partition(":")[0] for value in eps.values()]
+
+
 def _string_imports(mod: str, tree: ast.Module) -> list[str]:
-    """Modules imported by name: the registry's families and the CLI's subcommand modules."""
-    names = []
+    """Modules imported by name: the registry's entry points and the CLI's subcommand modules."""
+    names = _family_modules() if mod == "porting.registry" else []
     for node in ast.walk(tree):
         if isinstance(node, ast.AnnAssign | ast.Assign):
             target = node.target if isinstance(node, ast.AnnAssign) else node.targets[0]
-            if isinstance(target, ast.Name) and target.id in ("FAMILIES", "_SUBCOMMAND_MODULES"):
+            if isinstance(target, ast.Name) and target.id == "_SUBCOMMAND_MODULES":
                 for const in ast.walk(node.value):
                     if isinstance(const, ast.Constant) and isinstance(const.value, str):
                         names.append(const.value)

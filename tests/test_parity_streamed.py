@@ -7,7 +7,6 @@ and the streamed check must name that layer as the first divergence.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -15,43 +14,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from porting.cli import main
-from porting.convert.mapping import Fused, Rename
 from porting.convert.transforms import TransformPair
 from porting.errors import PortingError
 from porting.parity import harness
+from porting.proof import broken_table, import_with_table
 from porting.testing import make_falcon, make_llama
 
 LAYERS = 4
-
-
-def _per_layer(table, pattern: str, layer: int, broken_transform):
-    """``table`` with the entry whose Megatron name ends in ``pattern`` broken for one layer."""
-    out = []
-    for e in table:
-        if isinstance(e, Rename | Fused) and e.mcore.endswith(pattern) and "*" in e.mcore:
-            for i in range(LAYERS):
-                hf = (e.hf,) if isinstance(e, Rename) else e.hf
-                hf = tuple(k.replace("*", str(i)) for k in hf)
-                transform = e.transform if isinstance(e, Fused) else None
-                if i == layer:
-                    transform = broken_transform
-                if transform is None:
-                    out.append(Rename(hf[0], e.mcore.replace("*", str(i)), when=e.when))
-                else:
-                    out.append(Fused(hf, e.mcore.replace("*", str(i)), transform, when=e.when))
-        else:
-            out.append(e)
-    return tuple(out)
-
-
-def _import_broken(hf_dir, out, importer_cls, table):
-    class Broken(importer_cls):
-        FAMILY = dataclasses.replace(importer_cls.FAMILY, weights=table)
-
-    importer = Broken(str(hf_dir))
-    importer.show_progress = False
-    importer.convert_into(out)
-    return out
 
 
 CONCAT = TransformPair("concat", lambda q, k, v, ctx: torch.cat([q, k, v]), lambda t, ctx: (t,))
@@ -72,8 +41,8 @@ def llama4(tmp_path_factory):
 def test_a_broken_tsuzumi_layer_is_named(llama4, tmp_path, pattern, transform, layer):
     from converters import tsuzumi
 
-    table = _per_layer(tsuzumi.WEIGHTS, pattern, layer, transform)
-    ckpt = _import_broken(llama4, tmp_path / "ck", tsuzumi.HFTsuzumiImporter, table)
+    table = broken_table(tsuzumi.WEIGHTS, pattern, layer, lambda _: transform, LAYERS)
+    ckpt = import_with_table(llama4, tmp_path / "ck", tsuzumi.FAMILY, table)
     report = harness.verify(llama4, ckpt)
     assert not report.passed
     assert report.first_divergent_layer == layer
@@ -88,8 +57,8 @@ def test_a_broken_falcon_mlp_is_named(tmp_path):
     hf = make_falcon(
         tmp_path / "hf", num_layers=LAYERS, new_decoder_architecture=True, num_kv_heads=2
     )
-    table = _per_layer(falcon.WEIGHTS, "mlp.linear_fc1.weight", 3, SCALED)
-    ckpt = _import_broken(hf, tmp_path / "ck", falcon.HFFalconImporter, table)
+    table = broken_table(falcon.WEIGHTS, "mlp.linear_fc1.weight", 3, lambda _: SCALED, LAYERS)
+    ckpt = import_with_table(hf, tmp_path / "ck", falcon.FAMILY, table)
     report = harness.verify(hf, ckpt)
     assert not report.passed and report.first_divergent_layer == 3
     # the carried-in error of the last layer equals its own error: nothing came before it
@@ -99,8 +68,8 @@ def test_a_broken_falcon_mlp_is_named(tmp_path):
 def test_verify_json_has_layers_and_plot_is_written(llama4, tmp_path, capsys):
     from converters import tsuzumi
 
-    table = _per_layer(tsuzumi.WEIGHTS, "linear_qkv.weight", 2, CONCAT)
-    ckpt = _import_broken(llama4, tmp_path / "ck", tsuzumi.HFTsuzumiImporter, table)
+    table = broken_table(tsuzumi.WEIGHTS, "linear_qkv.weight", 2, lambda _: CONCAT, LAYERS)
+    ckpt = import_with_table(llama4, tmp_path / "ck", tsuzumi.FAMILY, table)
     png = tmp_path / "layers.png"
     code = main(["verify", str(llama4), str(ckpt), "--json", "--plot", str(png)])
     out = capsys.readouterr().out

@@ -1,15 +1,176 @@
-"""The registry's contents are pinned: adding a family is a deliberate, reviewed line."""
+"""The registry finds families through the ``porting.families`` entry points, ours included.
+
+Outside packages are simulated as real installed distributions: a ``*.dist-info`` directory with
+``METADATA`` and ``entry_points.txt`` on ``sys.path``, which is what ``importlib.metadata`` (and
+so the registry) reads for a package installed by pip.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+import tomllib
+from pathlib import Path
+
+import pytest
 
 from porting import registry
+from porting.cli import main
+from porting.errors import PortingError
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_registry_lists_exactly_the_known_families():
-    assert registry.FAMILIES == {
-        "LlamaForCausalLM": "converters.tsuzumi",
-        "FalconForCausalLM": "converters.falcon",
-    }
+def test_our_families_are_registered_as_entry_points_exactly_as_pyproject_says():
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"][
+        "porting.families"
+    ]
+    ours = {i.name: i.value for i in registry.installed() if i.package.startswith("porting ")}
+    assert ours == declared
+    assert {"tsuzumi", "falcon"} <= set(ours)
 
 
-def test_each_registered_family_answers_to_its_architecture():
-    for arch in registry.FAMILIES:
-        assert registry.family_for_architecture(arch).hf_architecture == arch
+def test_each_family_answers_to_its_keys_and_only_to_them():
+    for fam in registry.families():
+        assert fam.keys, fam.name
+        for arch in fam.architectures:
+            assert registry.family_for_config({"architectures": [arch]}) is fam
+        for mtype in fam.model_types:
+            cfg = {"architectures": ["SomethingNobodyClaims"], "model_type": mtype}
+            assert registry.family_for_config(cfg) is fam
+        assert registry.family_by_name(fam.name) is fam
+
+
+def test_unknown_architecture_names_the_known_ones_and_the_guide():
+    with pytest.raises(PortingError) as err:
+        registry.family_for_config({"architectures": ["NoSuchForCausalLM"], "model_type": "x"})
+    msg = str(err.value)
+    for needle in ("NoSuchForCausalLM", "LlamaForCausalLM", "docs/families.md", "new-family"):
+        assert needle in msg, msg
+
+
+def _install(site: Path, dist: str, families: dict[str, str], module_source: str) -> None:
+    """A distribution ``dist`` whose entry points name ``families`` (name -> module:attr)."""
+    # pip's directory naming: the name's dashes as underscores (importlib.metadata parses it)
+    info = site / f"{dist.replace('-', '_')}-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
+    lines = "\n".join(f"{k} = {v}" for k, v in families.items())
+    (info / "entry_points.txt").write_text(f"[porting.families]\n{lines}\n")
+    module = next(iter(families.values())).partition(":")[0]
+    (site / f"{module}.py").write_text(textwrap.dedent(module_source))
+
+
+# A family over tsuzumi's tables with its own model class and its own key.
+_FAMILY_SRC = """
+    import dataclasses
+    from converters import tsuzumi
+    from models.tsuzumi import TsuzumiModel
+
+    class {cls}(TsuzumiModel):
+        pass
+
+    FAMILY = dataclasses.replace(
+        tsuzumi.FAMILY, name={name!r}, architectures={archs!r}, model_types={mtypes!r},
+        model_cls={cls},
+    )
+"""
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch):
+    """A directory on ``sys.path`` to install fake distributions into; the registry is reset."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registry.refresh()
+    yield tmp_path
+    for mod in [m for m in sys.modules if m.startswith("fam_")]:
+        del sys.modules[mod]
+    monkeypatch.undo()
+    registry.refresh()
+
+
+def test_an_installed_outside_family_is_found_by_model_type(site):
+    src = _FAMILY_SRC.format(cls="M", name="inhouse", archs=("InHouseForCausalLM",), mtypes=("ih",))
+    _install(site, "inhouse-family", {"inhouse": "fam_inhouse:FAMILY"}, src)
+    registry.refresh()
+    fam = registry.family_for_config({"architectures": ["AutoMapOnlyName"], "model_type": "ih"})
+    assert fam.name == "inhouse"
+    (inst,) = [i for i in registry.installed() if i.name == "inhouse"]
+    assert inst.package == "inhouse-family 1.0" and inst.error is None
+
+
+def test_two_families_claiming_one_key_is_an_error_naming_both_packages(site):
+    for dist, name in (("pkg-one", "one"), ("pkg-two", "two")):
+        src = _FAMILY_SRC.format(cls="M", name=name, archs=("SharedForCausalLM",), mtypes=())
+        _install(site, dist, {name: f"fam_{name}:FAMILY"}, src)
+    registry.refresh()
+    with pytest.raises(PortingError) as err:
+        registry.families()
+    msg = str(err.value)
+    for needle in ("SharedForCausalLM", "pkg-one 1.0", "pkg-two 1.0", "one", "two"):
+        assert needle in msg, msg
+
+
+def test_a_family_taking_our_architecture_is_refused(site):
+    src = _FAMILY_SRC.format(cls="M", name="llama2", archs=("LlamaForCausalLM",), mtypes=())
+    _install(site, "squatter", {"llama2": "fam_llama2:FAMILY"}, src)
+    registry.refresh()
+    with pytest.raises(PortingError, match=r"LlamaForCausalLM.*claimed by two families"):
+        registry.family_for_config({"architectures": ["LlamaForCausalLM"]})
+
+
+def test_two_families_sharing_a_model_class_are_refused(site):
+    src = """
+        import dataclasses
+        from converters import tsuzumi
+        FAMILY = dataclasses.replace(tsuzumi.FAMILY, name="twin", architectures=("TwinLM",))
+    """
+    _install(site, "twin", {"twin": "fam_twin:FAMILY"}, src)
+    registry.refresh()
+    with pytest.raises(PortingError, match="share the model class TsuzumiModel"):
+        registry.families()
+
+
+def test_a_broken_family_is_listed_with_its_error_and_the_rest_still_work(site, capsys):
+    _install(site, "broken", {"broken": "fam_broken:FAMILY"}, "raise ImportError('no such dep')\n")
+    _install(site, "notafamily", {"nota": "fam_nota:FAMILY"}, "FAMILY = 3\n")
+    registry.refresh()
+    assert registry.family_by_name("tsuzumi").name == "tsuzumi"
+    with pytest.raises(PortingError, match=r"broken \(fam_broken:FAMILY: ImportError: no such dep"):
+        registry.family_by_name("missing")
+    assert main(["families", "--json"]) == 2
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert "ImportError: no such dep" in rows["broken"]["error"]
+    assert "is a int, not a Family" in rows["nota"]["error"]
+    assert rows["tsuzumi"]["architectures"] == ["LlamaForCausalLM"]
+    assert rows["falcon"]["variants"]["rw_alibi_biases"]
+
+
+def test_an_entry_named_apart_from_its_family_is_refused(site):
+    src = _FAMILY_SRC.format(cls="M", name="realname", archs=("X1",), mtypes=())
+    _install(site, "misnamed", {"othername": "fam_misnamed:FAMILY"}, src)
+    registry.refresh()
+    (inst,) = [i for i in registry.installed() if i.name == "othername"]
+    assert "must be the family's" in inst.error
+
+
+def test_families_lists_ours_with_their_source_files(capsys):
+    assert main(["families"]) == 0
+    out = capsys.readouterr().out
+    assert "tsuzumi  (porting 0.1.0, converters.tsuzumi:FAMILY)" in out
+    assert str(ROOT / "converters" / "falcon.py") in out
+    assert "claims: FalconForCausalLM" in out
+
+
+def test_import_family_flag_must_claim_the_checkpoint(tmp_path, capsys):
+    from porting.testing import make_llama
+
+    hf = make_llama(tmp_path / "hf")
+    code = main(["import", str(hf), "--out", str(tmp_path / "o"), "--family", "falcon"])
+    err = capsys.readouterr().err
+    assert code == 2 and "family falcon claims FalconForCausalLM" in err, err
+    assert "LlamaForCausalLM" in err
+    code = main(["import", str(hf), "--out", str(tmp_path / "o"), "--family", "nope"])
+    assert code == 2 and "no family called 'nope'" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

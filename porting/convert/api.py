@@ -29,15 +29,18 @@ def import_hf(
     rtol: float | None = None,
     whole_model: bool = False,
     show_progress: bool = True,
+    family: str | None = None,
 ):
     """Import an HF directory into a NeMo 2.0 checkpoint at ``out``; gate it on parity.
 
+    ``family`` picks an installed family by name where more than one could read the checkpoint
+    (it must still claim the config's architecture or model type).
     Returns the parity report (``None`` with ``verify=False``). On a failed parity check the
     checkpoint is not left under ``out`` and :class:`PortingError` is raised with the report.
     """
     from porting.parity import harness as parity
 
-    family, _ = family_for_hf_dir(hf_dir)
+    family, _ = family_for_hf_dir(hf_dir, family)
     importer = family.model_cls.importer(f"hf://{Path(hf_dir).resolve()}")
     importer.dtype, importer.allow_pickle = dtype, allow_pickle
     importer.vocab_divisor, importer.show_progress = vocab_divisor, show_progress

@@ -16,7 +16,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "import",
         help="convert a Hugging Face model directory into a NeMo 2.0 checkpoint",
         description="Convert an HF model directory (config.json, *.safetensors, tokenizer) into a "
-        "NeMo 2.0 checkpoint. The family is found from config.json's architectures[0]. The result "
+        "NeMo 2.0 checkpoint. The family is found from config.json's architectures[0] (or its "
+        "model_type) among the installed families (`porting families`). The result "
         "is checked for full-logit parity against the HF model before it appears under --out; a "
         "failed check exits non-zero and leaves nothing there.",
     )
@@ -24,6 +25,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, required=True, help="NeMo checkpoint directory to create")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument("--no-verify", action="store_true", help="skip the parity gate")
+    p.add_argument(
+        "--family",
+        metavar="NAME",
+        help="the installed family to convert with (default: the one claiming config.json's "
+        "architecture); it must claim the checkpoint's architecture or model type",
+    )
     p.add_argument(
         "--dtype",
         choices=["float32", "bfloat16", "float16"],
@@ -88,6 +95,7 @@ def _cmd_import(args) -> int:
             rtol=args.rtol,
             whole_model=args.whole_model,
             show_progress=sys.stderr.isatty(),
+            family=args.family,
         )
     print_report(report, args.json)
     if not args.json:

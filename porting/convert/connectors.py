@@ -167,10 +167,10 @@ class PortingImporter(io.ModelConnector):
         hf_dir = Path(str(self))
         family = self.FAMILY
         hf_config = self.hf_config
-        if hf_config["architectures"][0] != family.hf_architecture:
+        if not family.claims(hf_config):
             raise PortingError(
                 f"{hf_dir}/config.json: architecture {hf_config['architectures'][0]!r} is not "
-                f"{family.hf_architecture!r} (family {family.name})"
+                f"one of family {family.name}'s ({', '.join(family.keys)})"
             )
         source = SafetensorsSource(hf_dir, allow_pickle=self.allow_pickle)
         dtype = resolve_dtype(source, self.dtype)
@@ -245,7 +245,7 @@ class PortingImporter(io.ModelConnector):
                 extras.append(name)
         manifest = Manifest(
             family=self.FAMILY.name,
-            hf_architecture=self.FAMILY.hf_architecture,
+            hf_architecture=hf_config["architectures"][0],
             hf_config=hf_config,
             vocab_size=ctx.vocab_size,
             padded_vocab_size=ctx.padded_vocab_size,

@@ -133,7 +133,7 @@ def compare(
 @torch.no_grad()
 def hf_logits(
     hf_dir: str | Path,
-    hf_model_class: str,
+    hf_model_class: str | type,
     prompts: list[torch.Tensor],
     attn_implementation: str = "eager",
     device: str | torch.device = "cpu",
@@ -147,7 +147,9 @@ def hf_logits(
     """
     import transformers
 
-    cls = getattr(transformers, hf_model_class)
+    cls = (
+        getattr(transformers, hf_model_class) if isinstance(hf_model_class, str) else hf_model_class
+    )
     model = cls.from_pretrained(
         str(hf_dir),
         dtype=dtype,
@@ -219,7 +221,8 @@ def verify(
     prompts = build_prompts(tokenizer, manifest.vocab_size)
     if whole_model:
         mc = megatron_logits_from_checkpoint(ckpt, prompts, manifest.vocab_size)
-        hf = hf_logits(hf_dir, family.hf_model_class, prompts, family.hf_attn_implementation)
+        hf_cls = family.hf_class(manifest.hf_architecture)
+        hf = hf_logits(hf_dir, hf_cls, prompts, family.hf_attn_implementation)
         report = compare(hf, mc, atol=atol, rtol=rtol, min_top1=min_top1)
     else:
         from porting.convert.megatron import init_parallel

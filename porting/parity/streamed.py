@@ -147,17 +147,17 @@ class _Side:
                 h.remove()
 
 
-def _hf_side(hf_dir: Path, hf_model_class: str, attn_implementation: str, allow_pickle: bool):
+def _hf_side(hf_dir: Path, family, allow_pickle: bool):
     import transformers
     from accelerate import init_empty_weights
 
     from porting.convert.safetensors_io import SafetensorsSource
 
     config = transformers.AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
-    cls = getattr(transformers, hf_model_class)
+    cls = family.hf_class(config.architectures[0])
     with init_empty_weights():
         model = cls._from_config(
-            config, dtype=torch.float32, attn_implementation=attn_implementation
+            config, dtype=torch.float32, attn_implementation=family.hf_attn_implementation
         )
     model.eval()
     prefix, layers = _layer_list(model, config.num_hidden_layers)
@@ -255,9 +255,7 @@ def streamed_logits(
     from tqdm import tqdm
 
     ids, valid = pad_batch(prompts)
-    hf, _ = _hf_side(
-        Path(hf_dir), family.hf_model_class, family.hf_attn_implementation, allow_pickle
-    )
+    hf, _ = _hf_side(Path(hf_dir), family, allow_pickle)
     n = len(hf.layers)
     bar = tqdm(total=2 * n, desc="parity", unit="layer", leave=False, disable=not show_progress)
     # Each HF layer's input and output go to disk, not memory: the Megatron pass needs them one

@@ -405,7 +405,7 @@ def parity_worker(models: list[str], work: Path, device: str, bf16: bool, role: 
             )
             out[f"hf_{label}"] = harness.hf_logits(
                 hf_dir,
-                family.hf_model_class,
+                family.hf_class(manifest.hf_architecture),
                 prompts,
                 family.hf_attn_implementation,
                 device=device,

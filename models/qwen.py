@@ -1,0 +1,39 @@
+"""The Qwen2 / Qwen3 decoders on the stock Megatron GPT layer spec.
+
+A Llama layout with two attention knobs Megatron has as config fields: Qwen2's q/k/v biases
+without an o_proj or MLP bias (``add_qkv_bias``), and Qwen3's per-head RMSNorm on queries and keys
+before the rotary embedding (``qk_layernorm``, built on ``kv_channels`` by the layer spec).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nemo.collections.llm.gpt.model.base import GPTModel
+
+from models.tsuzumi import TsuzumiConfig
+
+
+@dataclass
+class QwenConfig(TsuzumiConfig):
+    """Megatron GPT config for Qwen2 (``add_qkv_bias``) and Qwen3 (``qk_layernorm``)."""
+
+    add_qkv_bias: bool = False
+    qk_layernorm: bool = False
+    num_query_groups: int = 4
+    rotary_base: float = 1000000.0
+    layernorm_epsilon: float = 1e-6
+
+
+class QwenModel(GPTModel):
+    """NeMo 2.0 model for the Qwen family (a ``GPTModel`` with :class:`QwenConfig`)."""
+
+    def __init__(
+        self, config: QwenConfig | None = None, optim=None, tokenizer=None, model_transform=None
+    ):
+        super().__init__(
+            config or QwenConfig(),
+            optim=optim,
+            tokenizer=tokenizer,
+            model_transform=model_transform,
+        )

@@ -1,0 +1,68 @@
+"""``porting families``: the families installed, where each comes from and what it converts."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``families`` subcommand."""
+    p = sub.add_parser(
+        "families",
+        help="list the installed model families (entry points of group porting.families)",
+        description="List every model family installed in this environment: ours and those of "
+        "any package that declares an entry point in the porting.families group "
+        "(docs/families.md). For each: the package and module it comes from, the HF "
+        "architectures and model types it claims, and the variants its tests prove. A family "
+        "that fails to load is listed with its error and the command exits 2.",
+    )
+    p.add_argument("--json", action="store_true", help="print the list as JSON")
+    p.set_defaults(func=_cmd_families)
+
+
+def _cmd_families(args) -> int:
+    from porting import cpu, quiet
+
+    quiet.offline()
+    cpu.hide_gpus()
+    quiet.quiet_nemo()
+    from porting import registry
+
+    found = registry.installed()
+    rows = [
+        {
+            "name": i.name,
+            "package": i.package,
+            "entry_point": i.value,
+            "error": i.error,
+            **(
+                {
+                    "source": i.family.source,
+                    "summary": i.family.summary,
+                    "architectures": list(i.family.architectures),
+                    "model_types": list(i.family.model_types),
+                    "variants": {v.name: v.summary for v in i.family.variants},
+                }
+                if i.family
+                else {}
+            ),
+        }
+        for i in found
+    ]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        for r in rows:
+            print(f"{r['name']}  ({r['package']}, {r['entry_point']})")
+            if r["error"]:
+                print(f"  failed to load: {r['error']}")
+                continue
+            if r["summary"]:
+                print(f"  {r['summary']}")
+            print(f"  source: {r['source']}")
+            print(f"  claims: {', '.join(r['architectures'] + r['model_types'])}")
+            for name, what in r["variants"].items():
+                print(f"  variant {name}: {what}")
+        print(f"{sum(not r['error'] for r in rows)} families installed")
+    return 2 if any(r["error"] for r in rows) else 0

@@ -1,0 +1,271 @@
+"""The proof every family owes, as functions a family's tests call (ours and an outside package's).
+
+Each check builds on a tiny random-init HF model made locally (:func:`make_hf`, no hub) and one of
+our checkpoints imported from it, and asserts what its name says:
+
+- :func:`prove_parity`: fp32 full-logit parity against ``transformers`` on prompts of several
+  lengths, every logit within ``atol=rtol=1e-5``, 100% top-1 agreement; the layer-streamed gate
+  gives the same logits and names no diverging layer;
+- :func:`prove_tp2`: two gloo ranks at tensor parallel 2 give the TP=1 logits (1e-5);
+- :func:`prove_round_trip`: export gives back every tensor bit for bit, the same ``config.json``
+  and tokenizer, and ``transformers``' own class loads it to the same logits;
+- :func:`prove_fault_named`: the negative control. One layer's entry of the table is broken, the
+  checkpoint written through the normal importer; parity must fail by far more than the tolerance
+  and the streamed gate must name that layer first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from porting.testing import assert_streamed_agrees, make_tokenizer, perturb
+
+ATOL = RTOL = 1e-5
+
+
+def make_hf(
+    out_dir: str | Path,
+    architecture: str,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    tokenizer_vocab: int = 120,
+    **fields,
+) -> Path:
+    """Save a tiny random ``transformers`` ``architecture`` model plus tokenizer at ``out_dir``.
+
+    ``fields`` are the config's (``hidden_size=64, num_hidden_layers=2, ...``); the token ids come
+    from the tokenizer. Norm weights and biases are moved off their init (:func:`perturb`), so a
+    dropped one fails parity.
+    """
+    import transformers
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = make_tokenizer(out, vocab_size=tokenizer_vocab)
+    cls = getattr(transformers, architecture)
+    config = cls.config_class(
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        **fields,
+    )
+    torch.manual_seed(seed)
+    model = cls(config)
+    perturb(model, seed)
+    model.to(dtype).save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+def checkpoint_family(ckpt: str | Path):
+    """``(family, manifest)`` of one of our checkpoints."""
+    from porting.convert.checkpoint import read_manifest
+    from porting.registry import family_by_name
+
+    manifest = read_manifest(ckpt)
+    return family_by_name(manifest.family), manifest
+
+
+def prompts_of(ckpt: str | Path) -> list[torch.Tensor]:
+    """The gate's prompts, tokenized with the checkpoint's own tokenizer."""
+    from transformers import AutoTokenizer
+
+    from porting.parity import harness
+
+    _, m = checkpoint_family(ckpt)
+    tok = AutoTokenizer.from_pretrained(str(Path(ckpt) / m.tokenizer["path"]))
+    return harness.build_prompts(tok, m.vocab_size)
+
+
+def logits(hf_dir: str | Path, ckpt: str | Path, prompts=None):
+    """``(hf, megatron)`` fp32 logits per prompt, whole models, cut to the HF vocabulary."""
+    from porting.parity import harness
+
+    family, m = checkpoint_family(ckpt)
+    prompts = prompts_of(ckpt) if prompts is None else prompts
+    mc = harness.megatron_logits_from_checkpoint(ckpt, prompts, m.vocab_size)
+    hf_cls = family.hf_class(m.hf_architecture)
+    hf = harness.hf_logits(hf_dir, hf_cls, prompts, family.hf_attn_implementation)
+    return hf, mc
+
+
+def assert_parity(hf, mc, atol: float = ATOL, rtol: float = RTOL) -> None:
+    """Every logit of every position of every prompt within tolerance, and the same top-1."""
+    assert len(hf) == len(mc) >= 4
+    assert len({t.shape[1] for t in hf}) >= 3  # prompts of several lengths
+    for a, b in zip(hf, mc, strict=True):
+        torch.testing.assert_close(b, a, atol=atol, rtol=rtol)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def prove_parity(hf_dir: str | Path, ckpt: str | Path, prompts=None) -> None:
+    """Whole-model fp32 parity at TP=1, and the streamed gate agreeing with it."""
+    from porting.parity import harness
+
+    family, _ = checkpoint_family(ckpt)
+    prompts = prompts_of(ckpt) if prompts is None else prompts
+    hf, mc = logits(hf_dir, ckpt, prompts)
+    assert_parity(hf, mc)
+    report = harness.compare(hf, mc)
+    assert report.passed and report.top1_agreement == 1.0
+    assert_streamed_agrees(hf_dir, ckpt, family, prompts, hf, mc)
+
+
+def prove_round_trip(hf_dir: str | Path, ckpt: str | Path, out: str | Path) -> None:
+    """Export is exact: tensors, ``config.json``, tokenizer; transformers loads it unchanged."""
+    from transformers import AutoTokenizer
+
+    from porting.convert.api import export_hf
+    from porting.demo import compare_hf_dirs
+
+    hf_dir, out = Path(hf_dir), Path(out)
+    export_hf(ckpt, out, verify=False)
+    rt = compare_hf_dirs(hf_dir, out)
+    assert rt.same_keys and rt.equal_tensors == rt.tensors > 0, rt
+    assert rt.config_fields_differing == []
+    assert json.loads((out / "config.json").read_text()) == json.loads(
+        (hf_dir / "config.json").read_text()
+    )
+    text = "東京 hello world"
+    tok_a = AutoTokenizer.from_pretrained(str(hf_dir))
+    tok_b = AutoTokenizer.from_pretrained(str(out))
+    assert tok_a(text)["input_ids"] == tok_b(text)["input_ids"]
+    ids = torch.tensor([tok_b(text)["input_ids"]])
+    family, m = checkpoint_family(ckpt)
+    cls = family.hf_class(m.hf_architecture)  # no remote code: the family's own class
+    with torch.no_grad():
+        a = cls.from_pretrained(str(hf_dir)).eval()(ids).logits
+        b = cls.from_pretrained(str(out)).eval()(ids).logits
+    assert torch.equal(a, b)
+
+
+# Every checkpoint in one launch of two ranks: starting NeMo twice per checkpoint would cost more
+# than the rest of a family's proof. A `python -c` child needs no importable test module.
+_TP2_SCRIPT = """
+import sys, torch
+from porting.convert.megatron import init_parallel, mcore_logits, shutdown_parallel
+from porting.testing import load_checkpoint_model
+rank, out, ids, ckpts = int(sys.argv[1]), sys.argv[2], torch.load(sys.argv[3]), sys.argv[4:]
+init_parallel(tp=2, rank=rank, world_size=2)
+logits = {}
+for ckpt in ckpts:
+    model, _ = load_checkpoint_model(ckpt, dtype=torch.float32)
+    logits[ckpt] = mcore_logits(model, ids)
+if rank == 0:
+    torch.save(logits, out)
+shutdown_parallel()
+"""
+
+
+def tp2_logits(
+    ckpts: list[str | Path], ids: torch.Tensor, work: str | Path
+) -> dict[str, torch.Tensor]:
+    """Megatron logits (padded vocabulary) of each checkpoint at tensor parallel 2 over gloo."""
+    from porting.cpu import free_port
+
+    work = Path(work)
+    work.mkdir(parents=True, exist_ok=True)
+    torch.save(ids, work / "ids.pt")
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    args = [str(work / "tp2.pt"), str(work / "ids.pt"), *map(str, ckpts)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _TP2_SCRIPT, str(rank), *args],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    errors = [p.communicate(timeout=600)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), errors[0][-3000:] + errors[1][-3000:]
+    return torch.load(work / "tp2.pt", weights_only=True)
+
+
+def prove_tp2(ckpts: list[str | Path], work: str | Path, vocab: int = 130) -> None:
+    """Each checkpoint's logits at TP=2 equal its TP=1 logits (atol=rtol=1e-5)."""
+    from porting.parity import harness
+
+    ids = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(3))
+    tp2 = tp2_logits(ckpts, ids, work)
+    for ckpt in ckpts:
+        (tp1,) = harness.megatron_logits_from_checkpoint(ckpt, [ids], tp2[str(ckpt)].shape[-1])
+        torch.testing.assert_close(tp2[str(ckpt)], tp1, atol=1e-5, rtol=1e-5)
+
+
+def broken_table(table, pattern: str, layer: int, breaker, num_layers: int):
+    """``table`` with the entry whose Megatron name ends in ``pattern`` broken for one layer only.
+
+    ``breaker(transform) -> TransformPair`` turns the entry's own transform into the broken one
+    (see :func:`scaled`); the other layers keep theirs.
+    """
+    from porting.convert.mapping import Fused, Rename
+    from porting.convert.transforms import IDENTITY
+
+    out = []
+    for e in table:
+        if isinstance(e, Rename | Fused) and e.mcore.endswith(pattern) and "*" in e.mcore:
+            fixed = e.transform if isinstance(e, Fused) else IDENTITY
+            for i in range(num_layers):
+                hf = (e.hf,) if isinstance(e, Rename) else e.hf
+                hf = tuple(k.replace("*", str(i)) for k in hf)
+                chosen = breaker(fixed) if i == layer else fixed
+                out.append(Fused(hf, e.mcore.replace("*", str(i)), chosen, when=e.when))
+        else:
+            out.append(e)
+    assert tuple(out) != tuple(table), f"no layered entry ends in {pattern!r}"
+    return tuple(out)
+
+
+def import_with_table(hf_dir: str | Path, out: str | Path, family, table) -> Path:
+    """Import through the family's own importer with ``table`` in place of its weight table."""
+    importer = family.model_cls.importer(f"hf://{Path(hf_dir).resolve()}")
+    importer.FAMILY = dataclasses.replace(family, weights=table)
+    importer.show_progress = False
+    importer.convert_into(Path(out))
+    return Path(out)
+
+
+def scaled(factor: float = 1.5):
+    """A breaker for :func:`broken_table`: the entry's own transform, its output times ``factor``."""
+    from porting.convert.transforms import TransformPair
+
+    def breaker(fixed):
+        return TransformPair(
+            f"{fixed.name}_times_{factor}",
+            lambda *args: factor * fixed.forward(*args),
+            lambda t, ctx: fixed.inverse(t / factor, ctx),
+        )
+
+    return breaker
+
+
+def prove_fault_named(
+    hf_dir: str | Path,
+    out: str | Path,
+    family,
+    layer: int,
+    num_layers: int,
+    pattern: str = "self_attention.linear_proj.weight",
+) -> None:
+    """The negative control: one layer's ``pattern`` tensor scaled by 1.5 through the importer
+    must fail full-logit parity by more than 1e-2 and be named by the streamed gate."""
+    from porting.parity import harness
+
+    table = broken_table(family.weights, pattern, layer, scaled(), num_layers)
+    ckpt = import_with_table(hf_dir, out, family, table)
+    hf, mc = logits(hf_dir, ckpt)
+    whole = harness.compare(hf, mc)
+    assert not whole.passed and whole.max_abs_diff > 1e-2
+    report = harness.verify(hf_dir, ckpt)
+    assert not report.passed
+    assert report.first_divergent_layer == layer, report.summary()
+    assert all(d["own_max_rel"] < 1e-5 for d in report.layers[:layer])
