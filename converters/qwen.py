@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 from nemo.lightning import io
 
-from converters.tsuzumi import LLAMA_LAYOUT, ROPE_SCALING
+from converters.tsuzumi import HEAD_DIM_OR_NULL, LLAMA_LAYOUT, ROPE_SCALING
 from converters.tsuzumi import WEIGHTS as LLAMA_WEIGHTS
 from models.qwen import QwenConfig, QwenModel
-from porting.convert.config_map import POSITIVE_INT, Derived
+from porting.convert.config_map import Derived
 from porting.convert.connectors import PortingExporter, PortingImporter
 from porting.convert.mapping import Fused, Rename
 from porting.convert.transforms import QKV
@@ -72,15 +72,10 @@ def _window_to_mcore(hf: dict) -> dict:
     return {}
 
 
-def _head_dim_to_mcore(hf: dict) -> dict:
-    # Qwen2 has no head_dim field (hidden/heads); Qwen3 has one apart from hidden/heads.
-    return {"kv_channels": hf.get("head_dim")}
-
-
 CONFIG = (
     *LLAMA_LAYOUT,
     ROPE_SCALING,
-    Derived(("head_dim",), _head_dim_to_mcore, lambda c: {}, check=POSITIVE_INT.or_null()),
+    HEAD_DIM_OR_NULL,  # Qwen2 has none (hidden/heads); Qwen3's is apart from hidden/heads
     Derived(("model_type", "attention_bias"), _attention_to_mcore, _attention_to_hf),
     # carried unchanged when use_sliding_window is false: they then do not change the maths
     Derived(

@@ -109,6 +109,14 @@ QUERY_GROUPS = Derived(
     check=POSITIVE_INT.or_null(),  # null: transformers uses num_attention_heads
 )
 ROPE_SCALING = Derived(("rope_scaling",), _rope_to_mcore, _rope_to_hf)
+# For configs that may leave head_dim out or null (hidden/heads then): the original value is
+# carried back on export as it was, never replaced by the derived one.
+HEAD_DIM_OR_NULL = Derived(
+    ("head_dim",),
+    lambda hf: {"kv_channels": hf.get("head_dim")},
+    lambda c: {},
+    check=POSITIVE_INT.or_null(),
+)
 
 # The fields every Llama-layout config shares (Llama, Mistral, Qwen2/3): families built on this
 # layout start from these and add their own.

@@ -1,0 +1,62 @@
+"""Mistral family <-> HF ``MistralForCausalLM``: config mapping, weight table, NeMo connectors.
+
+The Llama layout (:mod:`converters.tsuzumi`'s fields and table, unchanged) plus one field:
+``sliding_window`` (``W`` or null) becomes Megatron's ``window_size=(W-1, 0)`` on every layer
+(:mod:`models.mistral` says why ``W-1``).
+"""
+
+from __future__ import annotations
+
+from nemo.lightning import io
+
+from converters.tsuzumi import HEAD_DIM_OR_NULL, LLAMA_LAYOUT
+from converters.tsuzumi import WEIGHTS as LLAMA_WEIGHTS
+from converters.tsuzumi import shape_context as llama_shape_context
+from models.mistral import MistralConfig, MistralModel
+from porting.convert.config_map import POSITIVE_INT, Field, Require
+from porting.convert.connectors import PortingExporter, PortingImporter
+from porting.family import Family, Variant
+
+CONFIG = (
+    *LLAMA_LAYOUT,
+    HEAD_DIM_OR_NULL,
+    Field(
+        "sliding_window",
+        "window_size",
+        to_mcore=lambda w: None if w is None else (w - 1, 0),
+        to_hf=lambda ws: None if ws is None else ws[0] + 1,
+        default=None,
+        check=POSITIVE_INT.or_null(),
+    ),
+    Require("model_type", lambda v: v == "mistral", "the HF side is the Mistral layout"),
+)
+
+FAMILY = Family(
+    name="mistral",
+    architectures=("MistralForCausalLM",),
+    config_entries=CONFIG,
+    weights=LLAMA_WEIGHTS,
+    config_cls=MistralConfig,
+    model_cls=MistralModel,
+    shape_context=llama_shape_context,
+    summary="Llama layout with sliding-window attention (window_size) on the stock GPT spec",
+    variants=(
+        Variant("window", "sliding window shorter than the prompts (7B v0.1 layout)"),
+        Variant("no_window", "sliding_window null: full attention (v0.2 and later)"),
+        Variant("tied", "tied output"),
+    ),
+)
+
+
+@io.model_importer(MistralModel, "hf")
+class HFMistralImporter(PortingImporter):
+    """``llm.import_ckpt(model=MistralModel(...), source="hf://DIR")`` for Mistral checkpoints."""
+
+    FAMILY = FAMILY
+
+
+@io.model_exporter(MistralModel, "hf")
+class HFMistralExporter(PortingExporter):
+    """``llm.export_ckpt(path, target="hf")`` for Mistral checkpoints."""
+
+    FAMILY = FAMILY

@@ -1,0 +1,40 @@
+"""The Mistral decoder: a Llama layout with sliding-window attention, on the stock GPT spec.
+
+HF's window of ``W`` lets position ``i`` attend to keys ``i-W+1 .. i`` (``masking_utils``:
+``kv_idx > q_idx - sliding_window``); Megatron's ``window_size=(left, right)`` lets it attend to
+``i-left .. i+right``, so ``W`` is ``window_size=(W-1, 0)`` on every layer
+(``window_attn_skip_freq`` unset). On the CPU the local spec's softmax builds that mask through
+:mod:`porting.cpu`'s shim of Megatron's CUDA-only mask builder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nemo.collections.llm.gpt.model.base import GPTModel
+
+from models.tsuzumi import TsuzumiConfig
+
+
+@dataclass
+class MistralConfig(TsuzumiConfig):
+    """Megatron GPT config for Mistral: the Llama layout plus ``window_size`` (or none)."""
+
+    window_size: tuple[int, int] | None = None
+    num_query_groups: int = 8
+    ffn_hidden_size: int = 14336
+    layernorm_epsilon: float = 1e-5
+
+
+class MistralModel(GPTModel):
+    """NeMo 2.0 model for the Mistral family (a ``GPTModel`` with :class:`MistralConfig`)."""
+
+    def __init__(
+        self, config: MistralConfig | None = None, optim=None, tokenizer=None, model_transform=None
+    ):
+        super().__init__(
+            config or MistralConfig(),
+            optim=optim,
+            tokenizer=tokenizer,
+            model_transform=model_transform,
+        )
