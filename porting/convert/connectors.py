@@ -42,6 +42,7 @@ from porting.convert.megatron import (
     init_parallel,
 )
 from porting.convert.safetensors_io import SafetensorsSource, StreamingShardWriter
+from porting.convert.table_check import check_table, hf_meta_shapes
 from porting.errors import PortingError
 from porting.family import Family, ShapeContext
 
@@ -193,6 +194,8 @@ class PortingImporter(io.ModelConnector):
             for k, v in model.module.state_dict(keep_vars=True).items()
             if not k.endswith("_extra_state")
         }
+        # The table against both models of this config, on meta tensors, before any tensor is read.
+        check_table(family, ctx, hf_meta_shapes(family, hf_config), _shapes(target))
         progress = (
             (lambda n: tqdm(total=n, desc="import", unit="tensor", leave=False))
             if self.show_progress
@@ -270,6 +273,10 @@ class PortingExporter(io.ModelConnector):
         return Path(output_path)
 
 
+def _shapes(params: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(v.shape) for k, v in params.items()}
+
+
 def export_into(
     ckpt: Path, out: Path, family: Family, max_shard_bytes: int = 5 * 2**30
 ) -> Manifest:
@@ -302,6 +309,7 @@ def export_into(
     meta = {
         k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")
     }
+    check_table(family, ctx, hf_meta_shapes(family, manifest.hf_config), _shapes(meta))
     dtype = DTYPES[manifest.dtype]  # training keeps fp32 master weights; HF gets the import dtype
     # The transforms run on meta tensors first: every HF tensor's name, shape and dtype, before
     # any data, so the shards and their headers are planned up front.

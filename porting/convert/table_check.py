@@ -1,0 +1,123 @@
+"""A family's weight table checked against a config before any checkpoint tensor is read.
+
+The HF reference model the family names is built on the meta device from the config alone; the
+Megatron side is the model import and export already build without data (NeMo's lazily allocated
+module, the meta-device model). The table is then run both ways on meta tensors: every HF tensor
+the HF model has must be read by exactly one entry or ignored by one, every entry must read
+tensors that exist, every Megatron parameter must be written exactly once, and each entry's
+forward transform must give the Megatron parameter's shape and its inverse the HF tensors' shapes.
+A failure names the family's file and the entry (``WEIGHTS[i]``) at fault, so a family author
+learns what to fix before a multi-GB checkpoint is opened.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any
+
+import torch
+
+from porting.convert.mapping import Concrete, Fused, Ignore, Rename, resolve_target_names
+from porting.convert.transforms import IDENTITY
+from porting.errors import PortingError
+from porting.family import Family
+
+
+def hf_meta_shapes(family: Family, hf_config: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor the family's HF reference model has for ``hf_config``, with its shape."""
+    from accelerate import init_empty_weights
+
+    cls = family.hf_class(hf_config["architectures"][0])
+    config = cls.config_class.from_dict(dict(hf_config))
+    with init_empty_weights(include_buffers=True):
+        model = cls._from_config(config, dtype=torch.float32)
+    # A tied output is one tensor under two names; safetensors files hold it once.
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def _indexed(table, ctx, num_layers) -> tuple[list[tuple[int, Concrete]], list[tuple[int, Ignore]]]:
+    concrete, ignores = [], []
+    for i, entry in enumerate(table):
+        if entry.when is not None and not entry.when(ctx):
+            continue
+        if isinstance(entry, Ignore):
+            ignores.append((i, entry))
+            continue
+        hf = (entry.hf,) if isinstance(entry, Rename) else entry.hf
+        transform = IDENTITY if isinstance(entry, Rename) else entry.transform
+        layered = "*" in entry.mcore or any("*" in k for k in hf)
+        for layer in range(num_layers) if layered else [None]:
+            fill = (lambda s: s) if layer is None else (lambda s, n=layer: s.replace("*", str(n)))
+            concrete.append((i, Concrete(tuple(map(fill, hf)), fill(entry.mcore), transform)))
+    return concrete, ignores
+
+
+def check_table(
+    family: Family,
+    ctx: Any,
+    hf_shapes: dict[str, tuple[int, ...]],
+    mcore_shapes: dict[str, tuple[int, ...]],
+) -> None:
+    """Raise :class:`PortingError` naming the family file and entry where the table and the two
+    models disagree (see the module docstring); return quietly when they agree."""
+    where = family.source
+
+    def entry(i: int) -> str:
+        e = family.weights[i]
+        target = f" -> {e.mcore}" if isinstance(e, Rename | Fused) else ""
+        name = e.hf if isinstance(e, Rename | Ignore) else ", ".join(e.hf)
+        return f"WEIGHTS[{i}] ({type(e).__name__} {name}{target})"
+
+    def fail(msg: str) -> PortingError:
+        return PortingError(f"family {family.name} ({where}): {msg}")
+
+    indexed, ignores = _indexed(family.weights, ctx, ctx.num_layers)
+    resolved = resolve_target_names([c for _, c in indexed], mcore_shapes)
+    reader: dict[str, int] = {}
+    writer: dict[str, int] = {}
+    for (i, _), c in zip(indexed, resolved, strict=True):
+        for key in c.hf:
+            if key in reader:
+                raise fail(f"{entry(reader[key])} and {entry(i)} both read HF tensor {key!r}")
+            if key not in hf_shapes:
+                raise fail(
+                    f"{entry(i)} reads HF tensor {key!r}, which this config's HF model lacks"
+                )
+            reader[key] = i
+        if c.mcore in writer:
+            raise fail(
+                f"{entry(writer[c.mcore])} and {entry(i)} both write Megatron parameter {c.mcore!r}"
+            )
+        if c.mcore not in mcore_shapes:
+            raise fail(
+                f"{entry(i)} writes {c.mcore!r}, which this config's Megatron model does not have"
+            )
+        writer[c.mcore] = i
+        inputs = [torch.empty(hf_shapes[k], device="meta") for k in c.hf]
+        want = mcore_shapes[c.mcore]
+        try:
+            got = tuple(c.transform.forward(*inputs, ctx).shape)
+            back = [
+                tuple(t.shape) for t in c.transform.inverse(torch.empty(want, device="meta"), ctx)
+            ]
+        except (PortingError, RuntimeError, ValueError, IndexError) as err:
+            shapes = ", ".join(f"{k} {hf_shapes[k]}" for k in c.hf)
+            raise fail(f"{entry(i)}: {c.transform.name} fails on {shapes}: {err}") from err
+        if got != want:
+            raise fail(f"{entry(i)} makes {c.mcore!r} {got}; the Megatron config expects {want}")
+        if back != [hf_shapes[k] for k in c.hf]:
+            raise fail(
+                f"{entry(i)}: the inverse of {c.transform.name} gives {back} for "
+                f"{', '.join(c.hf)}, not {[hf_shapes[k] for k in c.hf]}"
+            )
+    for key, shape in hf_shapes.items():
+        if key not in reader and not any(fnmatch.fnmatchcase(key, g.hf) for _, g in ignores):
+            raise fail(
+                f"no entry of WEIGHTS reads HF tensor {key!r} {shape} (add one, or Ignore it)"
+            )
+    unwritten = sorted(set(mcore_shapes) - set(writer))
+    if unwritten:
+        raise fail(
+            f"no entry of WEIGHTS writes Megatron parameter(s) {', '.join(map(repr, unwritten[:5]))}"
+            + (" ..." if len(unwritten) > 5 else "")
+        )
