@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from nemo.lightning import io
 
-from models.falcon import FalconBlock, FalconConfig, FalconModel, falcon_block
+from models.falcon import FalconBlock, FalconConfig, FalconModel, falcon_block, falcon_layer_spec
 from porting.convert.config_map import (
     BOOL,
     POSITIVE_FLOAT,
@@ -252,6 +252,7 @@ FAMILY = Family(
     # transformers' default for Falcon; its eager path (4.57) adds ALiBi a second time through the
     # causal mask (FalconModel._update_causal_mask), unlike the original RW code and sdpa
     hf_attn_implementation="sdpa",
+    context_symbols=(falcon_layer_spec,),
     summary="parallel attention+MLP, MQA/GQA, one or two norms, ALiBi (RW): a custom spec",
     variants=(
         Variant("7b_mqa", "MQA, parallel block with one shared norm, tied output"),

@@ -66,6 +66,10 @@ class Family:
             (transformers 4.57's eager Falcon adds ALiBi twice; its default, sdpa, once).
         variants: the layouts the family's tests prove, for ``porting families``.
         summary: one line for ``porting families``.
+        context_symbols: functions (or other non-class objects) the family's config names, which
+            NeMo writes into a checkpoint's ``context/io.json`` (a layer-spec function, an
+            activation): the io.json check allows them, and the classes defined in the config's
+            and model's modules, for this family's checkpoints.
     """
 
     name: str
@@ -80,6 +84,7 @@ class Family:
     hf_attn_implementation: str = "eager"
     variants: tuple[Variant, ...] = ()
     summary: str = ""
+    context_symbols: tuple[Any, ...] = ()
 
     @property
     def keys(self) -> tuple[str, ...]:

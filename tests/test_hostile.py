@@ -137,6 +137,19 @@ def test_allow_list_admits_what_nemo_writes_and_nothing_else(tiny_nemo):
         assert not allowed(module, name), (module, name)
 
 
+def test_a_family_s_context_symbols_are_allowed_for_its_checkpoints_only():
+    from converters import falcon, gemma
+    from porting.convert.context import allowed
+
+    assert not allowed("models.falcon", "falcon_layer_spec")
+    assert allowed("models.falcon", "falcon_layer_spec", falcon.FAMILY)
+    assert not allowed("models.gemma", "gelu_tanh", falcon.FAMILY)
+    assert allowed("models.gemma", "gelu_tanh", gemma.FAMILY)
+    # a function of the family's module that it did not declare stays out
+    assert not allowed("models.gemma", "gemma_block_spec", falcon.FAMILY)
+    assert not allowed("models.falcon", "alibi_bias", falcon.FAMILY)
+
+
 def test_trust_remote_code_in_io_json_is_refused(ckpt):
     from porting.convert.context import check_io_json
     from porting.errors import PortingError

@@ -291,7 +291,7 @@ def export_into(
 
     manifest = read_manifest(ckpt)
     # Not read here, but a checkpoint whose NeMo context would run code on load is hostile.
-    check_io_json(ckpt)
+    check_io_json(ckpt, family)
     if manifest.family != family.name:
         raise PortingError(
             f"{ckpt}: a {manifest.family!r} checkpoint, not one of family {family.name!r}"

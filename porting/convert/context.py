@@ -13,18 +13,18 @@ from __future__ import annotations
 
 import importlib
 import json
+import sys
 from pathlib import Path
 
 from porting.errors import PortingError
 
-# Exactly what NeMo 2.7.3 writes for our families' model, tokenizer, trainer and optimizer, beyond
-# the classes of the namespaces below.
+# Exactly what NeMo 2.7.3 writes for a model, tokenizer, trainer and optimizer, beyond the classes
+# of the namespaces below and what the checkpoint's family declares (Family.context_symbols).
 _EXACT = {
     "builtins": {"dict", "list", "tuple"},
     "fiddle._src.config": {"Config", "Partial", "BuildableTraverserMetadata"},
     "torch": {"float32", "bfloat16", "float16"},
     "torch.nn.functional": {"silu", "gelu", "relu"},
-    "models.falcon": {"falcon_layer_spec"},
 }
 # Namespaces whose classes (defined there, not re-exported from elsewhere) may be built: NeMo's and
 # Megatron's configs, models, strategies and tokenizers, Lightning's callbacks, our families and
@@ -37,10 +37,21 @@ def _in_namespaces(module: str) -> bool:
     return module.startswith(_CLASS_NAMESPACES)
 
 
-def allowed(module: str, name: str) -> bool:
-    """Whether ``module.name`` may appear in an ``io.json``; imports only allowed namespaces."""
+def allowed(module: str, name: str, family=None) -> bool:
+    """Whether ``module.name`` may appear in an ``io.json``; imports only allowed namespaces.
+
+    ``family`` (the checkpoint's) adds its ``context_symbols`` and the classes defined in its
+    config's and model's modules, so that an outside package's family needs no entry here.
+    """
     if name in _EXACT.get(module, ()):
         return True
+    if family is not None:
+        if any((o.__module__, o.__qualname__) == (module, name) for o in family.context_symbols):
+            return True
+        homes = {family.config_cls.__module__, family.model_cls.__module__}
+        if module in homes:
+            obj = getattr(sys.modules.get(module), name, None)
+            return isinstance(obj, type) and obj.__module__ == module
     if not _in_namespaces(module) or not name.isidentifier():
         return False
     try:
@@ -71,23 +82,25 @@ def _truthy_leaf(value) -> bool:
     return leaf not in (None, False)
 
 
-def _walk(node, where: str, path: Path) -> None:
+def _walk(node, where: str, path: Path, family) -> None:
     """Refuse any disallowed pyref and any request for remote code below ``node``."""
     if isinstance(node, dict):
         if node.get("type") == "pyref":
             module, name = node.get("module"), node.get("name")
-            if not (isinstance(module, str) and isinstance(name, str) and allowed(module, name)):
+            ok = isinstance(module, str) and isinstance(name, str)
+            if not (ok and allowed(module, name, family)):
                 raise PortingError(
                     f"{path}: {where} names {module}.{name}, which is not on the allow-list of "
                     "what a NeMo context may build (NeMo's, Megatron's and our model, config and "
-                    "trainer classes, torch dtypes); refusing to load this checkpoint"
+                    "trainer classes, torch dtypes, the family's context_symbols); refusing to "
+                    "load this checkpoint"
                 )
         pairs = list(node.items())
     elif isinstance(node, list):
         # fiddle writes a config's arguments as [["Attr(name='x')", value], ...]
         pairs = [tuple(v) for v in node if isinstance(v, list) and len(v) == 2]
         for value in node:
-            _walk(value, where, path)
+            _walk(value, where, path, family)
     else:
         return
     for key, value in pairs:
@@ -97,11 +110,12 @@ def _walk(node, where: str, path: Path) -> None:
                 "checkpoint; refusing to load it"
             )
         if isinstance(node, dict):
-            _walk(value, where, path)
+            _walk(value, where, path, family)
 
 
-def check_io_json(ckpt: str | Path) -> None:
-    """Refuse ``CKPT/context/io.json`` unless every symbol it names is allowed.
+def check_io_json(ckpt: str | Path, family=None) -> None:
+    """Refuse ``CKPT/context/io.json`` unless every symbol it names is allowed (``family``: the
+    checkpoint's, whose declared symbols are allowed too; see :func:`allowed`).
 
     Raises :class:`PortingError` naming the file and the entry (its path in the NeMo object graph,
     e.g. ``<root>.model.optim.config.optimizer``).
@@ -126,5 +140,5 @@ def check_io_json(ckpt: str | Path) -> None:
         and isinstance(obj["metadata"].get("key"), str)
     }
     for key, obj in objects.items():
-        _walk(obj, _where(key, objects, owners), path)
-    _walk({k: v for k, v in data.items() if k != "objects"}, "<root>", path)
+        _walk(obj, _where(key, objects, owners), path, family)
+    _walk({k: v for k, v in data.items() if k != "objects"}, "<root>", path, family)

@@ -103,12 +103,14 @@ def shutdown_parallel() -> None:
         torch.distributed.destroy_process_group()
 
 
-def checkpoint_config(ckpt: str | Path, family: Family):
+def checkpoint_config(ckpt: str | Path, family: Family, dtype: torch.dtype | None = None):
     """The Megatron config of one of our checkpoints, rebuilt from its manifest.
 
     The HF config recorded in ``context/porting.json`` goes through the family's config map, as on
     import; ``context/io.json`` is never read, since NeMo deserialises it by importing and calling
-    whatever it names.
+    whatever it names. ``dtype`` is the precision the model will run in (default: the
+    checkpoint's); a bf16 checkpoint run in fp32 for parity must not keep ``bf16=True``, which
+    makes Megatron's fp32 softmax cast its output back to bf16.
     """
     manifest = read_manifest(ckpt)
     if manifest.family != family.name:
@@ -118,7 +120,7 @@ def checkpoint_config(ckpt: str | Path, family: Family):
     config, _ = build_config(
         family,
         manifest.hf_config,
-        DTYPES[manifest.dtype],
+        DTYPES[manifest.dtype] if dtype is None else dtype,
         vocab_divisor=1,
         padded_vocab_size=manifest.padded_vocab_size,
     )
@@ -170,7 +172,7 @@ def load_mcore_from_checkpoint(
     Returns ``(mcore_model, config)``; the parallel state must be initialised first
     (:func:`init_parallel`). ``dtype`` casts the loaded model (e.g. fp32 for parity).
     """
-    config = checkpoint_config(ckpt, family)
+    config = checkpoint_config(ckpt, family, dtype)
     model = build_mcore_model(config)
     load_weights(model, ckpt)
     if dtype is not None:

@@ -209,9 +209,9 @@ def verify(
     from porting.registry import family_by_name
 
     manifest = read_manifest(ckpt)
-    # Not read here, but a checkpoint whose NeMo context would run code on load is hostile.
-    check_io_json(ckpt)
     family = family_by_name(manifest.family)
+    # Not read here, but a checkpoint whose NeMo context would run code on load is hostile.
+    check_io_json(ckpt, family)
     tok_files = tokenizer_files(ckpt, manifest)
     tokenizer = (
         AutoTokenizer.from_pretrained(str(tok_files[0].parent), local_files_only=True)

@@ -194,7 +194,7 @@ def _megatron_side(ckpt: Path, family):
     from porting.convert.dist_reader import DistCheckpointReader
     from porting.convert.megatron import build_mcore_model, checkpoint_config
 
-    config = checkpoint_config(ckpt, family)
+    config = checkpoint_config(ckpt, family, torch.float32)  # the layers run in fp32
     with init_empty_weights():
         model = build_mcore_model(config)
     weights = Path(ckpt) / "weights"

@@ -511,9 +511,9 @@ def preflight(spec: TrainSpec) -> Preflight:
     # NeMo reads io.json of the restored checkpoint and of every checkpoint it may resume from
     # (artifacts, the tokenizer); each is checked before NeMo sees it. The model itself is built
     # from our manifest.
-    check_io_json(spec.checkpoint)
+    check_io_json(spec.checkpoint, family)
     for resumable in sorted((Path(spec.out) / "checkpoints").glob("*/context")):
-        check_io_json(resumable.parent)
+        check_io_json(resumable.parent, family)
     config = checkpoint_config(spec.checkpoint, family)
     check_run_dir(spec, manifest, config)
     warnings = validate(spec, config, manifest.padded_vocab_size)

@@ -1,0 +1,231 @@
+"""Gemma family <-> HF ``GemmaForCausalLM`` / ``Gemma2ForCausalLM``: config mapping, weight table,
+NeMo connectors.
+
+The HF tensors have Llama's names; what differs is the maths (:mod:`models.gemma`) and, for
+Gemma 2, where ``post_attention_layernorm`` goes: in Gemma it is the norm before the MLP (Llama's
+meaning), in Gemma 2 the norm after attention, which sits in ``linear_proj.post_layernorm``; Gemma
+2's ``pre_feedforward_layernorm`` is then the norm before the MLP and ``post_feedforward_layernorm``
+sits in ``linear_fc2.post_layernorm``. Norm weights are zero-centred on both sides: no transform.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nemo.lightning import io
+
+from converters.tsuzumi import QUERY_GROUPS
+from converters.tsuzumi import WEIGHTS as LLAMA_WEIGHTS
+from models.gemma import GemmaConfig, GemmaModel, gelu_erf, gelu_tanh, gemma_block_spec
+from porting.convert.config_map import (
+    BOOL,
+    POSITIVE_FLOAT,
+    POSITIVE_INT,
+    PROBABILITY,
+    Carry,
+    Derived,
+    Field,
+)
+from porting.convert.connectors import PortingExporter, PortingImporter
+from porting.convert.mapping import Rename
+from porting.errors import PortingError
+from porting.family import Family, ShapeContext, Variant
+
+_MODEL_TYPES = {"GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2"}
+_ACTIVATIONS = {"gelu_pytorch_tanh": gelu_tanh, "gelu": gelu_erf}
+
+
+def _activation(name, field: str):
+    if name not in _ACTIVATIONS:
+        raise PortingError(
+            f"config.json: {field}={name!r} is not supported (supported: {', '.join(_ACTIVATIONS)})"
+        )
+    return _ACTIVATIONS[name]
+
+
+def _layout_to_mcore(hf: dict) -> dict:
+    """model_type, the activation fields and the Gemma 2 switches, checked together."""
+    arch, mtype = hf["architectures"][0], hf.get("model_type")
+    if _MODEL_TYPES.get(arch) != mtype:
+        raise PortingError(
+            f"config.json: model_type={mtype!r} does not match architecture {arch!r} "
+            f"(expected {_MODEL_TYPES.get(arch)!r})"
+        )
+    if hf.get("attention_bias", False) is not False:
+        raise PortingError(
+            f"config.json: attention_bias={hf['attention_bias']!r} is not supported: it biases "
+            "o_proj without the MLP, which Megatron cannot express"
+        )
+    gemma2 = mtype == "gemma2"
+    # transformers 4.57: Gemma's MLP reads hidden_act, Gemma 2's hidden_activation; the other
+    # field, where a config has it, must agree or it would mean something to another version.
+    used, other = (
+        ("hidden_activation", "hidden_act") if gemma2 else ("hidden_act", "hidden_activation")
+    )
+    act = hf.get(used, "gelu_pytorch_tanh")
+    if hf.get(other) not in (None, act):
+        raise PortingError(
+            f"config.json: {other}={hf[other]!r} disagrees with {used}={act!r}; refusing to guess"
+        )
+    out = {"activation_func": _activation(act, used), "sandwich_norms": gemma2}
+    gemma2_only = (
+        "query_pre_attn_scalar",
+        "attn_logit_softcapping",
+        "final_logit_softcapping",
+        "sliding_window",
+        "layer_types",
+    )
+    if not gemma2:
+        present = [k for k in gemma2_only if k in hf]
+        if present:
+            raise PortingError(f"config.json: {', '.join(present)} are Gemma 2 fields, not Gemma's")
+        return out
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)
+    ]
+    if len(types) != n or set(types) - {"sliding_attention", "full_attention"}:
+        raise PortingError(
+            f"config.json: layer_types={types!r} must name full_attention or sliding_attention "
+            f"for each of the {n} layers"
+        )
+    window = hf.get("sliding_window", 4096)
+    if "sliding_attention" in types and window is None:
+        raise PortingError("config.json: layer_types has sliding layers but sliding_window is null")
+    scalar = hf.get("query_pre_attn_scalar", 256)
+    for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+        value = hf.get(name)
+        if value is not None and (isinstance(value, bool) or not value > 0):
+            raise PortingError(f"config.json: {name}={value!r} must be a positive number or null")
+    return out | {
+        "softmax_scale": float(scalar) ** -0.5,
+        "attn_logit_softcapping": hf.get("attn_logit_softcapping", 50.0),
+        "final_logit_softcapping": hf.get("final_logit_softcapping", 30.0),
+        # HF's window W admits keys i-W+1 .. i: Megatron's (W-1, 0) (see models.mistral)
+        "window_size": None if "sliding_attention" not in types else (window - 1, 0),
+        "window_attn_skip_freq": [int(t == "sliding_attention") for t in types],
+    }
+
+
+CONFIG = (
+    Field("num_hidden_layers", "num_layers", check=POSITIVE_INT),
+    Field("hidden_size", "hidden_size", check=POSITIVE_INT),
+    Field("intermediate_size", "ffn_hidden_size", check=POSITIVE_INT),
+    Field("num_attention_heads", "num_attention_heads", check=POSITIVE_INT),
+    QUERY_GROUPS,
+    Field("head_dim", "kv_channels", check=POSITIVE_INT),
+    Field("rms_norm_eps", "layernorm_epsilon", check=POSITIVE_FLOAT),
+    Field("rope_theta", "rotary_base", default=10000.0, check=POSITIVE_FLOAT),
+    Field("tie_word_embeddings", "share_embeddings_and_output_weights", default=True, check=BOOL),
+    Field("max_position_embeddings", "seq_length", check=POSITIVE_INT),
+    Field("initializer_range", "init_method_std", default=0.02, check=POSITIVE_FLOAT),
+    Field("attention_dropout", "attention_dropout", default=0.0, check=PROBABILITY),
+    # every value is carried verbatim in the original config; export rewrites none of them
+    Derived(
+        (
+            "model_type",
+            "attention_bias",
+            "hidden_act",
+            "hidden_activation",
+            "query_pre_attn_scalar",
+            "attn_logit_softcapping",
+            "final_logit_softcapping",
+            "sliding_window",
+            "layer_types",
+        ),
+        _layout_to_mcore,
+        lambda c: {},
+    ),
+    Carry("architectures"),
+    Carry("vocab_size", check=POSITIVE_INT),
+    Carry("bos_token_id"),
+    Carry("eos_token_id"),
+    Carry("pad_token_id"),
+    Carry("torch_dtype"),
+    Carry("dtype"),
+    Carry("transformers_version"),
+    Carry("use_cache"),
+    Carry("cache_implementation"),  # generation-time cache choice
+)
+
+
+@dataclass(frozen=True)
+class GemmaShapeContext(ShapeContext):
+    """Adds Gemma 2's sandwich norms, which the table's ``when`` predicates read."""
+
+    sandwich: bool = False
+
+
+_L = "model.layers.*."
+_M = "decoder.layers.*."
+_POST_ATTN = _L + "post_attention_layernorm.weight"
+
+
+def _sandwich(c: GemmaShapeContext) -> bool:
+    return c.sandwich
+
+
+WEIGHTS = (
+    *(e for e in LLAMA_WEIGHTS if getattr(e, "hf", None) != _POST_ATTN),
+    Rename(_POST_ATTN, _M + "pre_mlp_layernorm.weight", when=lambda c: not c.sandwich),
+    Rename(_POST_ATTN, _M + "self_attention.linear_proj.post_layernorm.weight", when=_sandwich),
+    Rename(
+        _L + "pre_feedforward_layernorm.weight", _M + "pre_mlp_layernorm.weight", when=_sandwich
+    ),
+    Rename(
+        _L + "post_feedforward_layernorm.weight",
+        _M + "mlp.linear_fc2.post_layernorm.weight",
+        when=_sandwich,
+    ),
+)
+
+
+def shape_context(config: GemmaConfig, vocab_size: int) -> GemmaShapeContext:
+    """Shape facts of a Gemma config for the table (``vocab_size`` is the HF, unpadded one)."""
+    return GemmaShapeContext(
+        num_layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        num_heads=config.num_attention_heads,
+        num_query_groups=config.num_query_groups or config.num_attention_heads,
+        head_dim=config.kv_channels,
+        vocab_size=vocab_size,
+        padded_vocab_size=config.vocab_size,
+        tied_output=config.share_embeddings_and_output_weights,
+        sandwich=config.sandwich_norms,
+    )
+
+
+FAMILY = Family(
+    name="gemma",
+    architectures=tuple(_MODEL_TYPES),
+    config_entries=CONFIG,
+    weights=WEIGHTS,
+    config_cls=GemmaConfig,
+    model_cls=GemmaModel,
+    shape_context=shape_context,
+    # soft-capping exists only in transformers' eager attention for Gemma 2
+    hf_attn_implementation="eager",
+    context_symbols=(gemma_block_spec, gelu_tanh, gelu_erf),
+    summary="Gemma ((1+w) fp32 RMSNorm, scaled embeddings, GeGLU) and Gemma 2 (sandwich norms, "
+    "soft-capping, alternating sliding window): a custom spec",
+    variants=(
+        Variant("gemma_mqa", "Gemma-2B layout: MQA, head_dim apart, tied, tanh GeGLU"),
+        Variant("gemma_mha_erf", "Gemma-7B layout: MHA, exact-erf GeGLU (hidden_act gelu)"),
+        Variant("gemma2", "Gemma 2: GQA, sandwich norms, both soft-caps, alternating window"),
+        Variant("gemma2_untied_nocap", "Gemma 2 untied, soft-caps null"),
+    ),
+)
+
+
+@io.model_importer(GemmaModel, "hf")
+class HFGemmaImporter(PortingImporter):
+    """``llm.import_ckpt(model=GemmaModel(...), source="hf://DIR")`` for Gemma/Gemma 2 checkpoints."""
+
+    FAMILY = FAMILY
+
+
+@io.model_exporter(GemmaModel, "hf")
+class HFGemmaExporter(PortingExporter):
+    """``llm.export_ckpt(path, target="hf")`` for Gemma checkpoints."""
+
+    FAMILY = FAMILY
