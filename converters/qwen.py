@@ -56,7 +56,8 @@ def _attention_to_hf(c) -> dict:
     return {}  # model_type and attention_bias are carried verbatim in the original config
 
 
-def _window_to_mcore(hf: dict) -> dict:
+def window_to_mcore(hf: dict) -> dict:
+    """Refuse Qwen's sliding window (see the module docstring); return no Megatron fields."""
     if hf.get("use_sliding_window", False) is not False:
         raise PortingError(
             f"config.json: use_sliding_window={hf['use_sliding_window']!r} is not supported: "
@@ -80,7 +81,7 @@ CONFIG = (
     # carried unchanged when use_sliding_window is false: they then do not change the maths
     Derived(
         ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types"),
-        _window_to_mcore,
+        window_to_mcore,
         lambda c: {},
     ),
 )

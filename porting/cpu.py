@@ -152,6 +152,11 @@ class _NoStream:
     def wait_stream(self, other: Any) -> None:
         pass
 
+    def record_event(self, *args: Any, **kwargs: Any) -> _NoStream:
+        # the MoE all-to-all dispatcher records an event on its device-to-host stream and
+        # synchronizes on it before reading token counts (transformer/moe/token_dispatcher.py)
+        return self
+
 
 def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
     # megatron/core/transformer/utils.py builds this on device="cuda".
@@ -219,6 +224,13 @@ def enable() -> None:
     for module in (tf_utils, fused_softmax):
         module.get_default_causal_mask = _cpu_default_causal_mask
         module.get_sliding_window_causal_mask = _cpu_sliding_window_causal_mask
+
+    from megatron.core.transformer.moe import moe_utils
+
+    # moe_utils imports te_general_gemm inside a try and tests it against None where it routes
+    # tokens (router_gating_linear); without Transformer Engine the name is never bound.
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
     log.debug("Megatron-Core CPU compatibility shims installed")
 
 

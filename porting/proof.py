@@ -9,6 +9,8 @@ our checkpoints imported from it, and asserts what its name says:
 - :func:`prove_tp2`: two gloo ranks at tensor parallel 2 give the TP=1 logits (1e-5);
 - :func:`prove_round_trip`: export gives back every tensor bit for bit, the same ``config.json``
   and tokenizer, and ``transformers``' own class loads it to the same logits;
+- :func:`prove_routing` (mixture-of-experts families): every layer sends every token to the same
+  experts on both sides, with no near-tie that rounding could flip;
 - :func:`prove_fault_named`: the negative control. One layer's entry of the table is broken, the
   checkpoint written through the normal importer; parity must fail by 100x the tolerance and
   more, and the streamed gate must name that layer first.
@@ -37,13 +39,14 @@ def make_hf(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     tokenizer_vocab: int = 120,
+    edit=None,
     **fields,
 ) -> Path:
     """Save a tiny random ``transformers`` ``architecture`` model plus tokenizer at ``out_dir``.
 
     ``fields`` are the config's (``hidden_size=64, num_hidden_layers=2, ...``); the token ids come
     from the tokenizer. Norm weights and biases are moved off their init (:func:`perturb`), so a
-    dropped one fails parity.
+    dropped one fails parity; ``edit(model)`` may change the weights further before saving.
     """
     import transformers
 
@@ -60,6 +63,9 @@ def make_hf(
     torch.manual_seed(seed)
     model = cls(config)
     perturb(model, seed)
+    if edit is not None:
+        with torch.no_grad():
+            edit(model)
     model.to(dtype).save_pretrained(str(out), safe_serialization=True)
     return out
 
@@ -116,6 +122,105 @@ def prove_parity(hf_dir: str | Path, ckpt: str | Path, prompts=None) -> None:
     report = harness.compare(hf, mc)
     assert report.passed and report.top1_agreement == 1.0
     assert_streamed_agrees(hf_dir, ckpt, family, prompts, hf, mc)
+
+
+@torch.no_grad()
+def routing(hf_dir: str | Path, ckpt: str | Path, router_suffix: str, prompts=None):
+    """``(hf, megatron)``: per layer, per prompt, the sorted top-k expert ids of every token, and
+    HF's smallest gap between the k-th and (k+1)-th router logit.
+
+    ``router_suffix`` names the HF router modules (``block_sparse_moe.gate``, ``mlp.gate``); the
+    Megatron side is every ``TopKRouter``'s routing map.
+    """
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from porting.convert.megatron import init_parallel, mcore_logits
+    from porting.testing import load_checkpoint_model
+
+    family, m = checkpoint_family(ckpt)
+    prompts = prompts_of(ckpt) if prompts is None else prompts
+    hf_model = family.hf_class(m.hf_architecture).from_pretrained(
+        str(hf_dir), dtype=torch.float32, attn_implementation=family.hf_attn_implementation
+    )
+    k = hf_model.config.num_experts_per_tok
+    routers = [mod for name, mod in hf_model.named_modules() if name.endswith(router_suffix)]
+    hf_logits = [[] for _ in routers]
+    hooks = [
+        r.register_forward_hook(
+            lambda mod, a, out, i=i: hf_logits[i].append(out.reshape(-1, out.shape[-1]))
+        )
+        for i, r in enumerate(routers)
+    ]
+    for p in prompts:
+        hf_model.eval()(p)
+    for h in hooks:
+        h.remove()
+    hf_top = [[t.topk(k, -1).indices.sort(-1).values for t in layer] for layer in hf_logits]
+    gaps = [
+        (s[:, k - 1] - s[:, k]).min().item()
+        for layer in hf_logits
+        for s in (t.sort(-1, descending=True).values for t in layer)
+    ]
+    init_parallel()
+    model, _ = load_checkpoint_model(ckpt, dtype=torch.float32)
+    mc_maps = {}
+    mc_routers = [mod for mod in model.modules() if isinstance(mod, TopKRouter)]
+    hooks = [
+        r.register_forward_hook(lambda mod, a, out, i=i: mc_maps.setdefault(i, []).append(out[1]))
+        for i, r in enumerate(mc_routers)
+    ]
+    for p in prompts:
+        mcore_logits(model, p)
+    for h in hooks:
+        h.remove()
+    mc_top = [
+        [rm.nonzero()[:, 1].reshape(rm.shape[0], k).sort(-1).values for rm in mc_maps[i]]
+        for i in range(len(mc_routers))
+    ]
+    return hf_top, mc_top, min(gaps)
+
+
+def prove_routing(hf_dir: str | Path, ckpt: str | Path, router_suffix: str) -> None:
+    """Both sides pick the same experts for every token of every prompt in every layer, and no
+    HF top-k decision is within 1e-4 of a tie (a hundred times the fp32 rounding of router logits
+    of order one, so rounding cannot decide it)."""
+    hf_top, mc_top, gap = routing(hf_dir, ckpt, router_suffix)
+    assert gap > 1e-4, f"a routing near-tie ({gap:.2e}) in the test model; widen the router"
+    assert len(hf_top) == len(mc_top) > 0
+    for layer, (a, b) in enumerate(zip(hf_top, mc_top, strict=True)):
+        for prompt, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert torch.equal(x, y), f"layer {layer}, prompt {prompt}: experts differ"
+    # the routing really varies: several experts are used
+    assert len(torch.cat([t.flatten() for t in hf_top[0]]).unique()) > 1
+
+
+def swapped_experts_table(table, layer: int, a: int, b: int, num_layers: int, num_experts: int):
+    """``table`` with experts ``a`` and ``b`` of one layer swapped (each written from the other's
+    HF tensors): the negative control of a mixture-of-experts mapping."""
+    from porting.convert.mapping import EXPERT, LAYER, Fused, Rename
+
+    out = []
+    for e in table:
+        names = (
+            (e.mcore, *((e.hf,) if isinstance(e, Rename) else e.hf))
+            if isinstance(e, Rename | Fused)
+            else ()
+        )
+        if not any(EXPERT in n for n in names):
+            out.append(e)
+            continue
+        hf = (e.hf,) if isinstance(e, Rename) else e.hf
+        transform = e.transform if isinstance(e, Fused) else None
+        for i in range(num_layers):
+            for x in range(num_experts):
+                src = {a: b, b: a}.get(x, x) if i == layer else x
+                keys = tuple(k.replace(LAYER, str(i)).replace(EXPERT, str(src)) for k in hf)
+                mcore = e.mcore.replace(LAYER, str(i)).replace(EXPERT, str(x))
+                if transform is None:
+                    out.append(Rename(keys[0], mcore, when=e.when))
+                else:
+                    out.append(Fused(keys, mcore, transform, when=e.when))
+    return tuple(out)
 
 
 def prove_round_trip(hf_dir: str | Path, ckpt: str | Path, out: str | Path) -> None:
@@ -257,11 +362,17 @@ def prove_fault_named(
     pattern: str = "self_attention.linear_proj.weight",
 ) -> None:
     """The negative control: one layer's ``pattern`` tensor scaled by 1.5 through the importer
-    must fail full-logit parity by more than 100x the tolerance and be named by the streamed
-    gate."""
+    (see :func:`prove_table_fault_named`)."""
+    table = broken_table(family.weights, pattern, layer, scaled(), num_layers)
+    prove_table_fault_named(hf_dir, out, family, table, layer)
+
+
+def prove_table_fault_named(hf_dir: str | Path, out: str | Path, family, table, layer: int) -> None:
+    """A checkpoint written through ``table`` (wrong in ``layer`` only) must fail full-logit
+    parity by more than 100x the tolerance, and the streamed gate must name ``layer`` first with
+    the layers before it exact."""
     from porting.parity import harness
 
-    table = broken_table(family.weights, pattern, layer, scaled(), num_layers)
     ckpt = import_with_table(hf_dir, out, family, table)
     hf, mc = logits(hf_dir, ckpt)
     whole = harness.compare(hf, mc)

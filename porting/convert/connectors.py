@@ -42,7 +42,7 @@ from porting.convert.megatron import (
     init_parallel,
 )
 from porting.convert.safetensors_io import SafetensorsSource, StreamingShardWriter
-from porting.convert.table_check import check_table, hf_meta_shapes
+from porting.convert.table_check import check_checkpoint_shapes, check_table, hf_meta_shapes
 from porting.errors import PortingError
 from porting.family import Family, ShapeContext
 
@@ -194,8 +194,11 @@ class PortingImporter(io.ModelConnector):
             for k, v in model.module.state_dict(keep_vars=True).items()
             if not k.endswith("_extra_state")
         }
-        # The table against both models of this config, on meta tensors, before any tensor is read.
-        check_table(family, ctx, hf_meta_shapes(family, hf_config), _shapes(target))
+        # The table against both models of this config, on meta tensors, then the checkpoint's
+        # headers against the config, all before any tensor is read.
+        hf_shapes = hf_meta_shapes(family, hf_config)
+        check_table(family, ctx, hf_shapes, _shapes(target))
+        check_checkpoint_shapes(source, hf_shapes, hf_dir / "config.json")
         progress = (
             (lambda n: tqdm(total=n, desc="import", unit="tensor", leave=False))
             if self.show_progress

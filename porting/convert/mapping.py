@@ -7,7 +7,8 @@ A family's mapping is one module-level tuple of typed entries:
   :class:`~porting.convert.transforms.TransformPair`, whose inverse serves export;
 - :class:`Ignore` - an HF key that is deliberately not carried (a buffer recomputed from config).
 
-Patterns use ``*`` for the layer index. An entry may carry ``when``, a predicate on the shape
+Patterns use ``*`` for the layer index and ``#`` for the expert index of mixture-of-experts
+layers. An entry may carry ``when``, a predicate on the shape
 context, for parts that exist only in some configs (biases, an untied output layer).
 
 Import and export are both driven by :func:`expand`; completeness is accounted both ways: every
@@ -66,11 +67,12 @@ Entry = Rename | Fused | Ignore
 
 @dataclass(frozen=True)
 class Concrete:
-    """One entry with the layer wildcard filled in."""
+    """One entry with its wildcards filled in; ``entry`` is its index in the family's table."""
 
     hf: tuple[str, ...]
     mcore: str
     transform: TransformPair
+    entry: int = -1
 
 
 # Transformer Engine fuses the pre-attention and pre-MLP norms into the following linear layer
@@ -85,17 +87,28 @@ TE_FUSED_NORM_NAMES = {
 }
 
 
-def _fill(pattern: str, layer: int | None) -> str:
-    return pattern if layer is None else pattern.replace("*", str(layer))
+LAYER, EXPERT = "*", "#"
+
+
+def _fill(pattern: str, layer: int | None, expert: int | None) -> str:
+    if layer is not None:
+        pattern = pattern.replace(LAYER, str(layer))
+    if expert is not None:
+        pattern = pattern.replace(EXPERT, str(expert))
+    return pattern
 
 
 def expand(
     table: Iterable[Entry], ctx: Any, num_layers: int
 ) -> tuple[list[Concrete], list[Ignore]]:
-    """Expand layer wildcards and drop entries whose ``when`` is false for ``ctx``."""
+    """Expand the wildcards and drop entries whose ``when`` is false for ``ctx``.
+
+    ``*`` stands for the layer index (``num_layers``), ``#`` for the expert index
+    (``ctx.num_experts``, for mixture-of-experts families), in HF and Megatron names alike.
+    """
     concrete: list[Concrete] = []
     ignores: list[Ignore] = []
-    for entry in table:
+    for index, entry in enumerate(table):
         if entry.when is not None and not entry.when(ctx):
             continue
         if isinstance(entry, Ignore):
@@ -103,11 +116,19 @@ def expand(
             continue
         hf = (entry.hf,) if isinstance(entry, Rename) else entry.hf
         transform = IDENTITY if isinstance(entry, Rename) else entry.transform
-        layered = "*" in entry.mcore or any("*" in k for k in hf)
-        for layer in range(num_layers) if layered else [None]:
-            concrete.append(
-                Concrete(tuple(_fill(k, layer) for k in hf), _fill(entry.mcore, layer), transform)
-            )
+        names = (entry.mcore, *hf)
+        layers = range(num_layers) if any(LAYER in k for k in names) else [None]
+        experts = range(ctx.num_experts) if any(EXPERT in k for k in names) else [None]
+        for layer in layers:
+            for expert in experts:
+                concrete.append(
+                    Concrete(
+                        tuple(_fill(k, layer, expert) for k in hf),
+                        _fill(entry.mcore, layer, expert),
+                        transform,
+                        index,
+                    )
+                )
     return concrete, ignores
 
 
@@ -122,7 +143,7 @@ def resolve_target_names(entries: list[Concrete], target_names: Iterable[str]) -
                 if name.endswith(local) and name[: -len(local)] + te in names:
                     name = name[: -len(local)] + te
                     break
-        resolved.append(Concrete(c.hf, name, c.transform))
+        resolved.append(Concrete(c.hf, name, c.transform, c.entry))
     return resolved
 
 

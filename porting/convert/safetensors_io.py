@@ -346,6 +346,13 @@ class SafetensorsSource:
             )
         return t
 
+    def shape(self, key: str) -> tuple[tuple[int, ...], Path]:
+        """A tensor's shape as its header (or loaded pickle) gives it, and the file holding it."""
+        if self._pickled is not None:
+            return tuple(self._pickled[key].shape), self.dir
+        path = self._key_to_file[key]
+        return self._headers[path][key].shape, path
+
     def dtypes(self) -> set[torch.dtype]:
         """The set of floating dtypes in the checkpoint (read from headers only where possible)."""
         if self._pickled is not None:

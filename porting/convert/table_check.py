@@ -17,8 +17,7 @@ from typing import Any
 
 import torch
 
-from porting.convert.mapping import Concrete, Fused, Ignore, Rename, resolve_target_names
-from porting.convert.transforms import IDENTITY
+from porting.convert.mapping import Fused, Ignore, Rename, expand, resolve_target_names
 from porting.errors import PortingError
 from porting.family import Family
 
@@ -33,23 +32,6 @@ def hf_meta_shapes(family: Family, hf_config: dict) -> dict[str, tuple[int, ...]
         model = cls._from_config(config, dtype=torch.float32)
     # A tied output is one tensor under two names; safetensors files hold it once.
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
-
-
-def _indexed(table, ctx, num_layers) -> tuple[list[tuple[int, Concrete]], list[tuple[int, Ignore]]]:
-    concrete, ignores = [], []
-    for i, entry in enumerate(table):
-        if entry.when is not None and not entry.when(ctx):
-            continue
-        if isinstance(entry, Ignore):
-            ignores.append((i, entry))
-            continue
-        hf = (entry.hf,) if isinstance(entry, Rename) else entry.hf
-        transform = IDENTITY if isinstance(entry, Rename) else entry.transform
-        layered = "*" in entry.mcore or any("*" in k for k in hf)
-        for layer in range(num_layers) if layered else [None]:
-            fill = (lambda s: s) if layer is None else (lambda s, n=layer: s.replace("*", str(n)))
-            concrete.append((i, Concrete(tuple(map(fill, hf)), fill(entry.mcore), transform)))
-    return concrete, ignores
 
 
 def check_table(
@@ -71,11 +53,11 @@ def check_table(
     def fail(msg: str) -> PortingError:
         return PortingError(f"family {family.name} ({where}): {msg}")
 
-    indexed, ignores = _indexed(family.weights, ctx, ctx.num_layers)
-    resolved = resolve_target_names([c for _, c in indexed], mcore_shapes)
+    concrete, ignores = expand(family.weights, ctx, ctx.num_layers)
     reader: dict[str, int] = {}
     writer: dict[str, int] = {}
-    for (i, _), c in zip(indexed, resolved, strict=True):
+    for c in resolve_target_names(concrete, mcore_shapes):
+        i = c.entry
         for key in c.hf:
             if key in reader:
                 raise fail(f"{entry(reader[key])} and {entry(i)} both read HF tensor {key!r}")
@@ -111,7 +93,7 @@ def check_table(
                 f"{', '.join(c.hf)}, not {[hf_shapes[k] for k in c.hf]}"
             )
     for key, shape in hf_shapes.items():
-        if key not in reader and not any(fnmatch.fnmatchcase(key, g.hf) for _, g in ignores):
+        if key not in reader and not any(fnmatch.fnmatchcase(key, g.hf) for g in ignores):
             raise fail(
                 f"no entry of WEIGHTS reads HF tensor {key!r} {shape} (add one, or Ignore it)"
             )
@@ -121,3 +103,18 @@ def check_table(
             f"no entry of WEIGHTS writes Megatron parameter(s) {', '.join(map(repr, unwritten[:5]))}"
             + (" ..." if len(unwritten) > 5 else "")
         )
+
+
+def check_checkpoint_shapes(source, hf_shapes: dict[str, tuple[int, ...]], config_path) -> None:
+    """Every tensor of the checkpoint that the config's HF model has must have that model's shape
+    (from the headers, before any tensor is read); the error names the file, the tensor and the
+    config. Missing and unknown tensors are the table plan's to name (:func:`plan_import`)."""
+    for key in source.keys():
+        want = hf_shapes.get(key)
+        if want is None:
+            continue
+        got, where = source.shape(key)
+        if tuple(got) != want:
+            raise PortingError(
+                f"{where}: tensor {key!r} is {tuple(got)}, but {config_path} makes it {want}"
+            )

@@ -1,0 +1,269 @@
+"""MoE family <-> HF ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``, ``Qwen3MoeForCausalLM``:
+config mapping, weight table, NeMo connectors.
+
+Attention and norms are the Qwen/Llama table (:mod:`converters.qwen`); every MLP is a router and
+``#`` experts (the table's expert wildcard), plus Qwen2-MoE's gated shared expert. The routing
+choice each HF config implies is in :mod:`models.moe`. What the family refuses, by name: dense
+layers between sparse ones (``decoder_sparse_step`` other than 1, ``mlp_only_layers``), Qwen's
+sliding window, Qwen3-MoE's ``attention_bias``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nemo.lightning import io
+
+from converters import qwen
+from converters.tsuzumi import HEAD_DIM_OR_NULL, LLAMA_LAYOUT, ROPE_SCALING
+from models.moe import MoEConfig, MoEModel, moe_layer_spec
+from porting.convert.config_map import Carry, Derived
+from porting.convert.connectors import PortingExporter, PortingImporter
+from porting.convert.mapping import Fused, Rename
+from porting.convert.transforms import GATED_MLP
+from porting.errors import PortingError
+from porting.family import Family, Variant
+
+_MODEL_TYPES = {
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
+_MIXTRAL_ONLY = ("num_local_experts", "router_jitter_noise")
+_QWEN_ONLY = (
+    "num_experts",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "use_sliding_window",
+    "max_window_layers",
+    "layer_types",
+)
+_FIELDS = (
+    "model_type",
+    *_MIXTRAL_ONLY,
+    *_QWEN_ONLY,
+    "num_experts_per_tok",
+    "shared_expert_intermediate_size",
+    "qkv_bias",
+    "attention_bias",
+    "sliding_window",
+    "router_aux_loss_coef",
+)
+
+
+def _positive_int(hf: dict, name: str) -> int:
+    v = hf.get(name)
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise PortingError(f"config.json: {name}={v!r} is invalid: it must be a positive integer")
+    return v
+
+
+def _not_here(hf: dict, names, which: str) -> None:
+    present = [k for k in names if k in hf]
+    if present:
+        raise PortingError(f"config.json: {', '.join(present)} are not {which} fields")
+
+
+def _moe_to_mcore(hf: dict) -> dict:
+    arch, mtype = hf["architectures"][0], hf.get("model_type")
+    if _MODEL_TYPES.get(arch) != mtype:
+        raise PortingError(
+            f"config.json: model_type={mtype!r} does not match architecture {arch!r} "
+            f"(expected {_MODEL_TYPES.get(arch)!r})"
+        )
+    topk = _positive_int(hf, "num_experts_per_tok")
+    aux = hf.get("router_aux_loss_coef", 0.001)
+    if isinstance(aux, bool) or not isinstance(aux, int | float) or aux < 0:
+        raise PortingError(f"config.json: router_aux_loss_coef={aux!r} must be a number >= 0")
+    out = {"moe_router_topk": topk, "moe_aux_loss_coeff": float(aux)}
+    if mtype == "mixtral":
+        _not_here(
+            hf,
+            (*_QWEN_ONLY, "shared_expert_intermediate_size", "qkv_bias", "attention_bias"),
+            "Mixtral",
+        )
+        experts = _positive_int(hf, "num_local_experts")
+        jitter = hf.get("router_jitter_noise", 0.0)
+        if isinstance(jitter, bool) or not isinstance(jitter, int | float) or not 0 <= jitter < 1:
+            raise PortingError(f"config.json: router_jitter_noise={jitter!r} must be in [0, 1)")
+        window = hf.get("sliding_window")
+        if window is not None:
+            _positive_int(hf, "sliding_window")
+        return out | {
+            "num_moe_experts": experts,
+            "moe_ffn_hidden_size": _positive_int(hf, "intermediate_size"),
+            # HF renormalises the top-k of the softmax: the softmax of the top-k logits
+            "moe_router_pre_softmax": False,
+            # the same training-time noise: inputs times U(1 - eps, 1 + eps)
+            "moe_input_jitter_eps": float(jitter) or None,
+            "window_size": None if window is None else (window - 1, 0),
+            "add_qkv_bias": False,
+            "qk_layernorm": False,
+            "hf_mlp_layout": "mixtral",
+        }
+    _not_here(hf, _MIXTRAL_ONLY, "Qwen-MoE")
+    qwen.window_to_mcore(hf)
+    if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+        raise PortingError(
+            f"config.json: decoder_sparse_step={hf.get('decoder_sparse_step')!r} with "
+            f"mlp_only_layers={hf.get('mlp_only_layers')!r} makes some layers dense; only "
+            "all-sparse models (step 1, no mlp_only_layers) are supported"
+        )
+    norm = hf.get("norm_topk_prob", False)
+    if not isinstance(norm, bool):
+        raise PortingError(f"config.json: norm_topk_prob={norm!r} must be true or false")
+    out |= {
+        "num_moe_experts": _positive_int(hf, "num_experts"),
+        "moe_ffn_hidden_size": _positive_int(hf, "moe_intermediate_size"),
+        # without renormalisation HF takes the top-k of the full softmax
+        "moe_router_pre_softmax": not norm,
+        "hf_mlp_layout": "qwen",
+    }
+    if mtype == "qwen2_moe":
+        _not_here(hf, ("attention_bias",), "Qwen2-MoE")
+        shared = hf.get("shared_expert_intermediate_size")
+        qkv_bias = hf.get("qkv_bias", True)
+        if not isinstance(qkv_bias, bool):
+            raise PortingError(f"config.json: qkv_bias={qkv_bias!r} must be true or false")
+        if shared is not None and shared != 0:
+            _positive_int(hf, "shared_expert_intermediate_size")
+        return out | {
+            "moe_shared_expert_intermediate_size": shared or None,
+            "moe_shared_expert_gate": bool(shared),
+            "add_qkv_bias": qkv_bias,
+            "qk_layernorm": False,
+        }
+    _not_here(hf, ("shared_expert_intermediate_size", "qkv_bias"), "Qwen3-MoE")
+    if hf.get("attention_bias", False) is not False:
+        raise PortingError(
+            f"config.json: attention_bias={hf['attention_bias']!r} is not supported: it biases "
+            "o_proj without the MLP, which Megatron cannot express"
+        )
+    return out | {"add_qkv_bias": False, "qk_layernorm": True}
+
+
+CONFIG = (
+    *LLAMA_LAYOUT,
+    ROPE_SCALING,
+    HEAD_DIM_OR_NULL,
+    Derived(_FIELDS, _moe_to_mcore, lambda c: {}),  # carried verbatim in the original config
+    Carry("output_router_logits"),  # whether forward() also returns router logits
+)
+
+
+@dataclass(frozen=True)
+class MoEShapeContext(qwen.QwenShapeContext):
+    """Adds the expert count (the table's ``#``) and which HF layout names the MLP."""
+
+    num_experts: int = 0
+    mixtral: bool = False
+    shared_expert: bool = False
+
+
+_L = "model.layers.*."
+_M = "decoder.layers.*."
+_EXPERT = _M + "mlp.experts.local_experts.#."
+
+
+def _mixtral(c: MoEShapeContext) -> bool:
+    return c.mixtral
+
+
+def _qwen(c: MoEShapeContext) -> bool:
+    return not c.mixtral
+
+
+def _shared(c: MoEShapeContext) -> bool:
+    return c.shared_expert
+
+
+_B = _L + "block_sparse_moe."
+WEIGHTS = (
+    # attention, norms, embeddings and output: the Qwen table without its dense MLP
+    *(e for e in qwen.WEIGHTS if ".mlp." not in getattr(e, "mcore", "")),
+    Rename(_B + "gate.weight", _M + "mlp.router.weight", when=_mixtral),
+    Fused(
+        (_B + "experts.#.w1.weight", _B + "experts.#.w3.weight"),
+        _EXPERT + "linear_fc1.weight",
+        GATED_MLP,
+        when=_mixtral,
+    ),
+    Rename(_B + "experts.#.w2.weight", _EXPERT + "linear_fc2.weight", when=_mixtral),
+    Rename(_L + "mlp.gate.weight", _M + "mlp.router.weight", when=_qwen),
+    Fused(
+        (_L + "mlp.experts.#.gate_proj.weight", _L + "mlp.experts.#.up_proj.weight"),
+        _EXPERT + "linear_fc1.weight",
+        GATED_MLP,
+        when=_qwen,
+    ),
+    Rename(_L + "mlp.experts.#.down_proj.weight", _EXPERT + "linear_fc2.weight", when=_qwen),
+    Fused(
+        (_L + "mlp.shared_expert.gate_proj.weight", _L + "mlp.shared_expert.up_proj.weight"),
+        _M + "mlp.shared_experts.linear_fc1.weight",
+        GATED_MLP,
+        when=_shared,
+    ),
+    Rename(
+        _L + "mlp.shared_expert.down_proj.weight",
+        _M + "mlp.shared_experts.linear_fc2.weight",
+        when=_shared,
+    ),
+    Rename(
+        _L + "mlp.shared_expert_gate.weight", _M + "mlp.shared_experts.gate_weight", when=_shared
+    ),
+)
+
+
+def shape_context(config: MoEConfig, vocab_size: int) -> MoEShapeContext:
+    """Shape facts of an MoE config for the table (``vocab_size`` is the HF, unpadded one)."""
+    return MoEShapeContext(
+        num_layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        num_heads=config.num_attention_heads,
+        num_query_groups=config.num_query_groups or config.num_attention_heads,
+        head_dim=config.kv_channels,
+        vocab_size=vocab_size,
+        padded_vocab_size=config.vocab_size,
+        tied_output=config.share_embeddings_and_output_weights,
+        qkv_bias=config.add_qkv_bias,
+        qk_norm=config.qk_layernorm,
+        num_experts=config.num_moe_experts,
+        mixtral=config.hf_mlp_layout == "mixtral",
+        shared_expert=config.moe_shared_expert_intermediate_size is not None,
+    )
+
+
+FAMILY = Family(
+    name="moe",
+    architectures=tuple(_MODEL_TYPES),
+    config_entries=CONFIG,
+    weights=WEIGHTS,
+    config_cls=MoEConfig,
+    model_cls=MoEModel,
+    shape_context=shape_context,
+    context_symbols=(moe_layer_spec,),
+    summary="mixture of experts on Megatron-Core's MoE layer: Mixtral, Qwen2-MoE (gated shared "
+    "expert), Qwen3-MoE (QK-norm); router top-k and softmax order as HF",
+    variants=(
+        Variant("mixtral", "8 experts, top-2, renormalised (Mixtral-8x7B layout)"),
+        Variant("mixtral_window", "Mixtral with a sliding window"),
+        Variant("qwen2_moe", "top-k of the full softmax, gated shared expert, q/k/v biases"),
+        Variant("qwen3_moe", "renormalised top-k (norm_topk_prob), QK-norm, no shared expert"),
+    ),
+)
+
+
+@io.model_importer(MoEModel, "hf")
+class HFMoEImporter(PortingImporter):
+    """``llm.import_ckpt(model=MoEModel(...), source="hf://DIR")`` for MoE checkpoints."""
+
+    FAMILY = FAMILY
+
+
+@io.model_exporter(MoEModel, "hf")
+class HFMoEExporter(PortingExporter):
+    """``llm.export_ckpt(path, target="hf")`` for MoE checkpoints."""
+
+    FAMILY = FAMILY

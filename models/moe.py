@@ -1,0 +1,65 @@
+"""The mixture-of-experts decoders (Mixtral, Qwen2-MoE, Qwen3-MoE) on Megatron-Core's MoE layer.
+
+Attention is the Llama/Qwen one (:class:`models.qwen.QwenConfig`'s switches); every MLP is a
+``MoELayer``: a router (a bias-free linear to one logit per expert), top-k routing, SwiGLU experts,
+and for Qwen2-MoE a shared expert whose output is scaled by ``sigmoid(gate · x)``. Routing follows
+HF exactly: Mixtral and ``norm_topk_prob`` Qwen take the softmax over the top-k logits
+(``moe_router_pre_softmax=False``, the same numbers as HF's softmax-then-renormalise); Qwen2-MoE's
+default takes the top-k of the full softmax without renormalising (``moe_router_pre_softmax``).
+Expert outputs are weighted after the expert, as HF does. Experts are one module each
+(``SequentialMLP``, ``moe_grouped_gemm=False``), so a checkpoint names
+``mlp.experts.local_experts.<e>.linear_fc1.weight`` per expert.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.core.transformer.spec_utils import ModuleSpec
+from nemo.collections.llm.gpt.model.base import GPTModel, default_layer_spec
+
+from models.qwen import QwenConfig
+
+
+def moe_layer_spec(config: MoEConfig) -> ModuleSpec:
+    """NeMo's layer spec for ``config`` (Transformer Engine where installed, else local), with the
+    shared expert's gate switched on when the config has one (upstream's spec hard-codes it off)."""
+    spec = default_layer_spec(config)
+    shared = spec.submodules.mlp.submodules.shared_experts
+    if shared is not None:
+        shared.params = {**shared.params, "gate": config.moe_shared_expert_gate}
+    return spec
+
+
+@dataclass
+class MoEConfig(QwenConfig):
+    """Megatron GPT config for the MoE family (defaults: Mixtral-8x7B's routing)."""
+
+    num_moe_experts: int = 8
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int = 14336
+    moe_router_pre_softmax: bool = False
+    moe_shared_expert_gate: bool = False
+    moe_router_dtype: str = "fp32"
+    moe_grouped_gemm: bool = False
+    moe_token_dispatcher_type: str = "alltoall"
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 0.001
+    # which HF names the MLP has ("mixtral": block_sparse_moe.experts.N.w1; "qwen":
+    # mlp.experts.N.gate_proj), for the weight table's choice on export
+    hf_mlp_layout: str = "mixtral"
+    transformer_layer_spec: ModuleSpec | object = moe_layer_spec
+
+
+class MoEModel(GPTModel):
+    """NeMo 2.0 model for the MoE family (a ``GPTModel`` with :class:`MoEConfig`)."""
+
+    def __init__(
+        self, config: MoEConfig | None = None, optim=None, tokenizer=None, model_transform=None
+    ):
+        super().__init__(
+            config or MoEConfig(),
+            optim=optim,
+            tokenizer=tokenizer,
+            model_transform=model_transform,
+        )

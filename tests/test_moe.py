@@ -1,0 +1,225 @@
+"""MoE family (Mixtral, Qwen2-MoE, Qwen3-MoE): the full proof (porting.proof) on tiny random-init
+models, the routing decisions compared token by token, the expert-permutation negative control,
+and the configs and checkpoints it refuses.
+
+Tolerance: fp32, atol=rtol=1e-5 on every logit, 100% top-1 (porting.proof.assert_parity). Ties in
+routing are avoided by construction: the router weights are scaled up (x30) so that the k-th and
+(k+1)-th router logits of every token are far apart (checked: > 1e-4, a hundred times the fp32
+rounding of these logits), and rounding cannot swap an expert.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from converters import moe
+from porting import proof
+from porting.cli import main
+from porting.convert.api import import_hf
+
+LAYERS, EXPERTS = 3, 4
+COMMON = dict(
+    vocab_size=130,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_experts_per_tok=2,
+    max_position_embeddings=256,
+)
+QWEN_MOE = dict(num_experts=EXPERTS, moe_intermediate_size=48)
+VARIANTS = {
+    "mixtral": ("MixtralForCausalLM", dict(num_local_experts=EXPERTS)),
+    "mixtral_window": (
+        "MixtralForCausalLM",
+        dict(num_local_experts=EXPERTS, sliding_window=8, tie_word_embeddings=True),
+    ),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", QWEN_MOE | dict(shared_expert_intermediate_size=80)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", QWEN_MOE | dict(norm_topk_prob=True, head_dim=32)),
+    "qwen3_moe_bf16": (
+        "Qwen3MoeForCausalLM",
+        QWEN_MOE | dict(norm_topk_prob=True, head_dim=32, dtype=torch.bfloat16),
+    ),
+}
+ROUTERS = {"MixtralForCausalLM": "block_sparse_moe.gate"}
+
+
+def _router(arch: str) -> str:
+    return ROUTERS.get(arch, "mlp.gate")
+
+
+def _widen_routers(arch):
+    def edit(model):
+        for name, mod in model.named_modules():
+            if name.endswith(_router(arch)):
+                mod.weight.mul_(30.0)
+
+    return edit
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """``converted(variant) -> (hf_dir, ckpt)``, each built and imported once per module."""
+    cache: dict[str, tuple] = {}
+
+    def get(variant: str):
+        if variant not in cache:
+            arch, fields = VARIANTS[variant]
+            root = tmp_path_factory.mktemp(variant)
+            hf = proof.make_hf(
+                root / "hf", arch, seed=len(variant), edit=_widen_routers(arch), **COMMON, **fields
+            )
+            import_hf(hf, root / "nemo", verify=False, show_progress=False)
+            cache[variant] = (hf, root / "nemo")
+        return cache[variant]
+
+    return get
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_parity_against_transformers(variant, converted):
+    proof.prove_parity(*converted(variant))
+
+
+@pytest.mark.parametrize("variant", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_routing_decisions_match_token_by_token(variant, converted):
+    proof.prove_routing(*converted(variant), _router(VARIANTS[variant][0]))
+
+
+def test_the_variants_route_as_hf_does(converted):
+    """Softmax order per layout, shared expert and its gate, expert count and size."""
+    from porting.testing import checkpoint_config
+
+    expected = {
+        "mixtral": (False, None, False),
+        "qwen2_moe": (True, 80, True),  # norm_topk_prob false: top-k of the full softmax
+        "qwen3_moe": (False, None, False),
+    }
+    for variant, (pre_softmax, shared, gate) in expected.items():
+        config = checkpoint_config(converted(variant)[1])
+        assert config.num_moe_experts == EXPERTS and config.moe_router_topk == 2
+        assert config.moe_router_pre_softmax == pre_softmax, variant
+        assert config.moe_shared_expert_intermediate_size == shared, variant
+        assert config.moe_shared_expert_gate == gate, variant
+        assert config.moe_ffn_hidden_size == (96 if variant == "mixtral" else 48)
+
+
+def test_permuted_experts_fail_and_the_layer_is_named(converted, tmp_path):
+    """Experts 0 and 1 of layer 1 swapped in the table: parity fails there."""
+    hf, _ = converted("mixtral")
+    table = proof.swapped_experts_table(moe.WEIGHTS, 1, 0, 1, LAYERS, EXPERTS)
+    proof.prove_table_fault_named(hf, tmp_path / "ck", moe.FAMILY, table, 1)
+
+
+@pytest.mark.parametrize(
+    "variant,pattern",
+    [("qwen2_moe", "shared_experts.linear_fc2.weight"), ("qwen3_moe", "mlp.router.weight")],
+)
+def test_planted_fault_is_named(variant, pattern, converted, tmp_path):
+    hf, _ = converted(variant)
+    proof.prove_fault_named(hf, tmp_path / "ck", moe.FAMILY, 2, LAYERS, pattern)
+
+
+def test_tensor_parallel_2_matches_tp_1(converted, tmp_path):
+    proof.prove_tp2([converted(v)[1] for v in ("mixtral", "qwen2_moe")], tmp_path)
+
+
+@pytest.mark.parametrize("variant", ["mixtral_window", "qwen2_moe", "qwen3_moe_bf16"])
+def test_round_trip_is_exact(variant, converted, tmp_path):
+    proof.prove_round_trip(*converted(variant), tmp_path / "hf-back")
+
+
+def _damaged(converted, tmp_path, variant, change):
+    hf = tmp_path / "hf"
+    shutil.copytree(converted(variant)[0], hf)
+    tensors = load_file(hf / "model.safetensors")
+    change(tensors)
+    save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
+    return hf
+
+
+@pytest.mark.parametrize(
+    "change,needles",
+    [
+        (
+            lambda t: t.pop("model.layers.1.block_sparse_moe.experts.3.w2.weight"),
+            ["missing from the checkpoint", "layers.1.block_sparse_moe.experts.3.w2.weight"],
+        ),
+        (
+            lambda t: t.update(
+                {"model.layers.0.block_sparse_moe.experts.4.w1.weight": torch.zeros(96, 64)}
+            ),
+            ["not in the mapping table", "experts.4.w1.weight"],
+        ),
+        (
+            lambda t: t.update({"model.layers.2.block_sparse_moe.gate.weight": torch.zeros(5, 64)}),
+            ["model.safetensors", "layers.2.block_sparse_moe.gate.weight", "(5, 64)", "(4, 64)"],
+        ),
+    ],
+    ids=["missing_expert", "extra_expert", "router_shape"],
+)
+def test_damaged_moe_checkpoint_is_located_and_nothing_written(
+    change, needles, converted, tmp_path, capsys, monkeypatch
+):
+    from porting.convert.safetensors_io import SafetensorsSource
+
+    hf = _damaged(converted, tmp_path, "mixtral", change)
+
+    def no_reads(self, key):
+        raise AssertionError(f"{key} read before the checkpoint was checked")
+
+    monkeypatch.setattr(SafetensorsSource, "get", no_reads)
+    out = tmp_path / "out"
+    code = main(["import", str(hf), "--out", str(out), "--no-verify"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    for needle in needles:
+        assert needle in err, err
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+@pytest.mark.parametrize(
+    "variant,changes,needles",
+    [
+        ("mixtral", {"num_local_experts": 5}, ["model.safetensors", "(5, 64)", "(4, 64)"]),
+        ("qwen2_moe", {"decoder_sparse_step": 2}, ["decoder_sparse_step=2", "dense"]),
+        ("qwen2_moe", {"mlp_only_layers": [1]}, ["mlp_only_layers=[1]"]),
+        ("qwen2_moe", {"use_sliding_window": True}, ["use_sliding_window=True"]),
+        ("qwen3_moe", {"attention_bias": True}, ["attention_bias=True"]),
+        ("qwen3_moe", {"num_local_experts": 4}, ["num_local_experts are not Qwen-MoE fields"]),
+        ("mixtral", {"num_experts_per_tok": 0}, ["num_experts_per_tok=0"]),
+        ("mixtral", {"router_jitter_noise": 1.5}, ["router_jitter_noise=1.5"]),
+        ("mixtral", {"model_type": "qwen2_moe"}, ["model_type='qwen2_moe'"]),
+    ],
+    ids=[
+        "expert_count",
+        "sparse_step",
+        "mlp_only",
+        "window",
+        "o_bias",
+        "wrong_field",
+        "topk0",
+        "jitter",
+        "model_type",
+    ],
+)
+def test_config_lint_names_the_field(variant, changes, needles, converted, tmp_path, capsys):
+    hf = tmp_path / "hf"
+    shutil.copytree(converted(variant)[0], hf)
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg.update(changes)
+    (hf / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "out"
+    code = main(["import", str(hf), "--out", str(out), "--no-verify"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    for needle in needles:
+        assert needle in err, err
+    assert not out.exists()
