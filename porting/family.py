@@ -113,8 +113,11 @@ class Family:
 
     @property
     def source(self) -> str:
-        """The file that defines the family's tables, for messages that point an author at it."""
-        # The shape context sits beside the tables in the family's converter module.
-        module = sys.modules.get(getattr(self.shape_context, "__module__", ""))
+        """The file that defines the family, for messages that point an author at it: the module
+        holding it as ``FAMILY`` (where its tables are), else its shape context's module."""
+        module = next(
+            (m for m in list(sys.modules.values()) if getattr(m, "FAMILY", None) is self),
+            sys.modules.get(getattr(self.shape_context, "__module__", "")),
+        )
         path = getattr(module, "__file__", None)
         return str(Path(path)) if path else f"family {self.name}"

@@ -7,7 +7,9 @@ A family lists every HF field it knows, in one of four kinds:
 - :class:`Require` - a field whose value must satisfy a check, else the maths would change in a way
   we cannot represent; the error names the field and the value;
 - :class:`Carry`   - a field that does not change the maths (ids, bookkeeping); it is stored in the
-  checkpoint and written back unchanged on export.
+  checkpoint and written back unchanged on export;
+- :class:`Undecided` - a field a new family has not decided yet (``porting new-family`` writes one
+  per field it cannot place); a family with any is refused, all of them listed at once.
 
 Any HF field the family does not list is an error: an unknown field might change the maths, and we
 never drop one silently.
@@ -129,7 +131,21 @@ class Carry:
     check: Check | None = None
 
 
-ConfigEntry = Field | Derived | Require | Carry
+@dataclass(frozen=True)
+class Undecided:
+    """HF field ``hf`` is still to decide (its value in the config the family was started from
+    was ``seen``): map it, carry it or require a value. Refused until then."""
+
+    hf: str
+    seen: Any = None
+
+
+ConfigEntry = Field | Derived | Require | Carry | Undecided
+
+
+def undecided(entries: Iterable[ConfigEntry]) -> list[Undecided]:
+    """The entries still to decide."""
+    return [e for e in entries if isinstance(e, Undecided)]
 
 
 def _names(entry: ConfigEntry) -> tuple[str, ...]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -19,6 +20,32 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", action="store_true", help="print the list as JSON")
     p.set_defaults(func=_cmd_families)
+
+    p = sub.add_parser(
+        "new-family",
+        help="write a family package skeleton from an HF model directory",
+        description="Write an installable family package started from HF_DIR's config.json and "
+        "tensor names (no tensor is read, no checkpoint code run): pyproject.toml with the "
+        "porting.families entry point, model.py, converter.py with every config field placed "
+        "(mapped, carried, required as seen, or Undecided), and a test that builds a tiny random "
+        "model of the config and runs the full proof. The family claims HF_DIR's architecture, "
+        "or its model_type when another family has the architecture. See docs/families.md.",
+    )
+    p.add_argument("name", help="family name: lower case, digits and underscores")
+    p.add_argument("--from", dest="hf_dir", type=Path, required=True, help="HF model directory")
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="where to write the package (default: ./porting-family-NAME)",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    p.add_argument(
+        "--hf-class",
+        metavar="CLASS",
+        help="the transformers class of the HF reference side, where the checkpoint's "
+        "architecture is not one (auto_map checkpoints; their own code is never run)",
+    )
+    p.set_defaults(func=_cmd_new_family)
 
 
 def _cmd_families(args) -> int:
@@ -66,3 +93,17 @@ def _cmd_families(args) -> int:
                 print(f"  variant {name}: {what}")
         print(f"{sum(not r['error'] for r in rows)} families installed")
     return 2 if any(r["error"] for r in rows) else 0
+
+
+def _cmd_new_family(args) -> int:
+    from porting import cpu, quiet
+
+    quiet.offline()
+    cpu.hide_gpus()
+    quiet.quiet_nemo()
+    from porting.scaffold import new_family
+
+    out = args.out or Path(f"porting-family-{args.name.replace('_', '-')}")
+    done = new_family(args.name, args.hf_dir, out, overwrite=args.overwrite, hf_class=args.hf_class)
+    print(done.summary())
+    return 0

@@ -48,6 +48,14 @@ def build_config(
     ``padded_vocab_size`` (from a manifest) replaces the padding ``vocab_divisor`` would give.
     Raises :class:`PortingError` for config fields the family cannot represent.
     """
+    left = config_map.undecided(family.config_entries)
+    if left:
+        raise PortingError(
+            f"family {family.name} ({family.source}): {len(left)} HF config field(s) still to "
+            "decide: " + ", ".join(f"{e.hf} (seen {e.seen!r})" for e in left) + ". Map each "
+            "(Field, Derived), Carry it if it does not change the maths, or Require the values "
+            "the family models (docs/families.md)"
+        )
     kwargs = config_map.to_mcore(hf_config, family.config_entries)
     vocab = hf_config.get("vocab_size")
     if not isinstance(vocab, int) or vocab <= 0:

@@ -148,13 +148,15 @@ class _Side:
 
 
 def _hf_side(hf_dir: Path, family, allow_pickle: bool):
-    import transformers
     from accelerate import init_empty_weights
 
+    from porting.convert.config_map import read_hf_config
     from porting.convert.safetensors_io import SafetensorsSource
 
-    config = transformers.AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
-    cls = family.hf_class(config.architectures[0])
+    # The family's class reads the config: AutoConfig would want the checkpoint's own code for a
+    # model_type transformers does not know (an auto_map checkpoint).
+    cls = family.hf_class(read_hf_config(hf_dir)["architectures"][0])
+    config = cls.config_class.from_pretrained(str(hf_dir), local_files_only=True)
     with init_empty_weights():
         model = cls._from_config(
             config, dtype=torch.float32, attn_implementation=family.hf_attn_implementation
