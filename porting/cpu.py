@@ -231,7 +231,19 @@ def enable() -> None:
     # tokens (router_gating_linear); without Transformer Engine the name is never bound.
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    from megatron.core.transformer.moe import token_dispatcher
+
+    # The all-to-all dispatcher asks for its split sizes as numpy arrays, which
+    # torch.distributed.all_to_all_single accepts; upstream converts only tensors on a GPU, so on
+    # the CPU the sizes stay tensors and the call's binding refuses them (expert parallel > 1).
+    token_dispatcher.maybe_move_tensor_to_cpu = _cpu_tensor_maybe_numpy
     log.debug("Megatron-Core CPU compatibility shims installed")
+
+
+def _cpu_tensor_maybe_numpy(tensor, as_numpy: bool = False, record_stream: bool = False):
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor
 
 
 def _is_cuda_device(device: Any) -> bool:

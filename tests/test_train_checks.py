@@ -179,3 +179,20 @@ def test_the_launcher_refuses_before_starting_a_rank(tiny_nemo, train_corpus, tm
     assert f"{plan}: model.layers is 80" in r.stderr
     assert "torchrun" not in r.stderr.replace("--executor torchrun", "")
     assert not out.exists() and not (tmp_path / ".run.lock").exists()
+
+
+@pytest.mark.parametrize("split,share", [("99,1,0", "validation"), ("0,100,0", "training")])
+def test_a_split_share_left_without_documents_is_refused(
+    tiny_nemo, tiny_llama, tmp_path, split, share
+):
+    """40 documents at 99,1,0 leave validation none (round(39.6) = 40): Megatron's builder would
+    loop forever building that share's sample index; refused before launch instead."""
+    from transformers import AutoTokenizer
+
+    from porting.testing import TRAIN_TEXT, make_indexed_dataset
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+    data = make_indexed_dataset(tmp_path / "small", tok, [TRAIN_TEXT] * 40)
+    spec = _spec(tiny_nemo, data, tmp_path / "run", split=split)
+    with pytest.raises(PortingError, match=f"holds 40 document.*leaves the {share} share none"):
+        _preflight(spec)

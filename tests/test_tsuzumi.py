@@ -83,6 +83,11 @@ def test_parity_against_transformers_llama(variant, tmp_path):
     assert_streamed_agrees(hf_dir, ckpt, tsuzumi.FAMILY, _prompts(ckpt), hf, mc)
 
 
+def _qkv_rows(ctx) -> list[int]:
+    kv = ctx.num_query_groups * ctx.head_dim
+    return [ctx.num_heads * ctx.head_dim, kv, kv]
+
+
 def test_negative_control_plain_qkv_concat_fails_parity(tmp_path):
     """The same check with QKV concatenated instead of interleaved per group must fail."""
     from converters import tsuzumi
@@ -90,7 +95,9 @@ def test_negative_control_plain_qkv_concat_fails_parity(tmp_path):
     from porting.convert.transforms import TransformPair
 
     concat = TransformPair(
-        "plain_concat", lambda q, k, v, ctx: torch.cat([q, k, v]), lambda t, ctx: (t,)
+        "plain_concat",
+        lambda q, k, v, ctx: torch.cat([q, k, v]),
+        lambda t, ctx: tuple(t.split(_qkv_rows(ctx))),
     )
     broken = tuple(
         dataclasses.replace(e, transform=concat)

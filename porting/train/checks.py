@@ -40,6 +40,7 @@ class TrainSpec:
     pp: int = 1
     vp: int | None = None
     cp: int = 1
+    ep: int = 1
     sequence_parallel: bool = False
     seq_length: int = 2048
     micro_batch: int = 1
@@ -165,6 +166,20 @@ def validate(spec: TrainSpec, model_config, vocab_size: int) -> list[str]:
             f"--global-batch {spec.global_batch} is not divisible by --micro-batch "
             f"{spec.micro_batch} x data-parallel size {dp}"
         )
+    experts = getattr(model_config, "num_moe_experts", None)
+    if spec.ep < 1:
+        raise PortingError(f"--ep {spec.ep} must be at least 1")
+    if spec.ep > 1:
+        if not experts:
+            raise PortingError(f"--ep {spec.ep}: the model has no experts to spread")
+        if experts % spec.ep:
+            raise PortingError(f"--ep {spec.ep} does not divide the model's {experts} experts")
+        # Megatron's expert groups tile tensor x context x data parallel ranks
+        if (spec.tp * spec.cp * dp) % spec.ep:
+            raise PortingError(
+                f"--ep {spec.ep} does not divide tensor x context x data parallel "
+                f"({spec.tp} x {spec.cp} x {dp})"
+            )
     if spec.sequence_parallel and spec.tp == 1:
         raise PortingError("--sequence-parallel needs --tp > 1")
     if spec.steps < 1 or spec.warmup >= spec.steps:
@@ -196,6 +211,8 @@ def validate(spec: TrainSpec, model_config, vocab_size: int) -> list[str]:
     check_data(spec.data, vocab_size, "--data")
     if spec.valid_data:
         check_data(spec.valid_data, vocab_size, "--valid-data")
+    else:
+        check_split(spec.data, spec.split, "--data")
     warnings = []
     trained = _trained_context(model_config)
     if trained and spec.seq_length > trained:
@@ -227,6 +244,41 @@ def check_data(items: list[str], vocab_size: int, flag: str) -> None:
                 f"{flag}: {prefix}.bin holds token id {max_id}, beyond the model's vocabulary "
                 f"of {vocab_size}; it was tokenized with another tokenizer"
             )
+
+
+_SPLITS = ("training", "validation", "test")
+
+
+def check_split(items: list[str], split: str, flag: str) -> None:
+    """The training share of ``split``, and every other share with a non-zero ratio, holds at
+    least one document of every prefix.
+
+    Megatron's dataset builder cuts each prefix's documents at ``round(bound * documents)``
+    (``blended_megatron_dataset_builder._build_megatron_dataset_splits``); a share left with no
+    document has no tokens, and its sample index then loops forever (``gpt_dataset``
+    ``_get_num_epochs``) instead of failing.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    bounds = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    for prefix in _prefixes(items, flag):
+        docs = IndexedDataset(prefix).document_indices.shape[0] - 1
+        for name, bound in zip(_SPLITS, bounds, strict=True):
+            if bound is None and name != "training":  # a share of ratio 0 is not built
+                continue
+            share = (
+                0 if bound is None else int(round(bound[1] * docs)) - int(round(bound[0] * docs))
+            )
+            if share < 1:
+                raise PortingError(
+                    f"{flag}: {prefix} holds {docs} document(s); --split {split} leaves the "
+                    f"{name} share none of them. Add documents, change --split, or pass "
+                    "--valid-data"
+                )
 
 
 def _trained_context(config) -> int | None:

@@ -42,6 +42,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     p.add_argument("--vp", type=int, default=None, help="virtual pipeline stages per rank")
     p.add_argument("--cp", type=int, default=1, help="context-parallel size")
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel size (mixture-of-experts models): experts spread over this many ranks",
+    )
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--seq-length", type=int, default=2048)
     p.add_argument("--micro-batch", type=int, default=1)
@@ -133,6 +139,7 @@ def _spec(args):
         pp=args.pp,
         vp=args.vp,
         cp=args.cp,
+        ep=args.ep,
         sequence_parallel=args.sequence_parallel,
         seq_length=args.seq_length,
         micro_batch=args.micro_batch,

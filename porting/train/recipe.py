@@ -88,6 +88,7 @@ def recipe(spec: TrainSpec) -> Recipe:
     cfg.pipeline_model_parallel_size = spec.pp
     cfg.virtual_pipeline_model_parallel_size = spec.vp
     cfg.context_parallel_size = spec.cp
+    cfg.expert_model_parallel_size = spec.ep
     cfg.sequence_parallel = spec.sequence_parallel
     # Weights are stored in the checkpoint's dtype; training keeps fp32 master weights and lets the
     # mixed-precision plugin cast (bf16 on GPUs).
@@ -144,6 +145,7 @@ def recipe(spec: TrainSpec) -> Recipe:
         pipeline_model_parallel_size=spec.pp,
         virtual_pipeline_model_parallel_size=spec.vp,
         context_parallel_size=spec.cp,
+        expert_model_parallel_size=spec.ep,
         sequence_parallel=spec.sequence_parallel,
         pipeline_dtype=cfg.pipeline_dtype,
         use_tp_pp_dp_mapping=spec.use_tp_pp_dp_mapping,
@@ -311,6 +313,7 @@ class BuiltLayout(Callback):
             "pp": ps.get_pipeline_model_parallel_world_size(),
             "vp": ps.get_virtual_pipeline_model_parallel_world_size(),
             "cp": ps.get_context_parallel_world_size(),
+            "ep": ps.get_expert_model_parallel_world_size(),
             "dp": ps.get_data_parallel_world_size(),
             "sequence_parallel": bool(config.sequence_parallel),
             "use_tp_pp_dp_mapping": bool(strategy.use_tp_pp_dp_mapping),
