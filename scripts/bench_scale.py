@@ -6,6 +6,8 @@ weights, no model built in memory), then runs each command in a fresh process un
 
     7b        hidden 4096, 32 layers, FFN 11008, 32 heads (MHA), vocab 32000 (6.7B, 13.5 GB)
     7b-deep   the same width, 64 layers                                         (13.0B, 26 GB)
+    moe       Mixtral layout: hidden 2048, 4 layers, 8 experts of FFN 5632 (top-2), GQA 16/8,
+              vocab 32000                                                        (1.3B, 2.6 GB)
 
 ``--nemo`` also runs NeMo 2.7.3's own ``HFLlamaImporter`` (``llm.import_ckpt``) on the same
 checkpoint. Outputs are deleted as soon as the next step no longer needs them (disk).
@@ -29,12 +31,16 @@ SIZES = {
     "7b-deep": dict(hidden=4096, layers=64, ffn=11008, heads=32, kv=32, vocab=32000),
     "1b": dict(hidden=2048, layers=16, ffn=5632, heads=16, kv=16, vocab=32000),
     "1b-deep": dict(hidden=2048, layers=32, ffn=5632, heads=16, kv=16, vocab=32000),
+    "moe": dict(hidden=2048, layers=4, ffn=5632, heads=16, kv=8, vocab=32000, experts=8),
 }
 SHARD_BYTES = 4 * 2**30
 
 
-def write_checkpoint(out: Path, hidden, layers, ffn, heads, kv, vocab) -> int:
-    """A random Llama-layout bf16 checkpoint at ``out``, shard by shard; returns bytes on disk."""
+def write_checkpoint(out: Path, hidden, layers, ffn, heads, kv, vocab, experts=0) -> int:
+    """A random Llama-layout bf16 checkpoint at ``out``, shard by shard; returns bytes on disk.
+
+    With ``experts``, every MLP is a Mixtral mixture of that many experts (top-2).
+    """
     import torch
     from safetensors.torch import save_file
 
@@ -61,6 +67,14 @@ def write_checkpoint(out: Path, hidden, layers, ffn, heads, kv, vocab) -> int:
                 p + "post_attention_layernorm.weight",
                 (1 + rand(hidden, scale=0.1).float()).bfloat16(),
             )
+            if experts:
+                m = p + "block_sparse_moe."
+                yield m + "gate.weight", rand(experts, hidden, scale=1.0)
+                for e in range(experts):
+                    yield m + f"experts.{e}.w1.weight", rand(ffn, hidden)
+                    yield m + f"experts.{e}.w3.weight", rand(ffn, hidden)
+                    yield m + f"experts.{e}.w2.weight", rand(hidden, ffn)
+                continue
             yield p + "mlp.gate_proj.weight", rand(ffn, hidden)
             yield p + "mlp.up_proj.weight", rand(ffn, hidden)
             yield p + "mlp.down_proj.weight", rand(hidden, ffn)
@@ -108,6 +122,15 @@ def write_checkpoint(out: Path, hidden, layers, ffn, heads, kv, vocab) -> int:
         "bos_token_id": 0,
         "eos_token_id": 1,
     }
+    if experts:
+        for key in ("attention_bias", "mlp_bias"):
+            del config[key]
+        config.update(
+            architectures=["MixtralForCausalLM"],
+            model_type="mixtral",
+            num_local_experts=experts,
+            num_experts_per_tok=2,
+        )
     (out / "config.json").write_text(json.dumps(config, indent=1))
     return sum(f.stat().st_size for f in out.glob("*.safetensors"))
 

@@ -25,9 +25,6 @@ _EXACT = {
     "fiddle._src.config": {"Config", "Partial", "BuildableTraverserMetadata"},
     "torch": {"float32", "bfloat16", "float16"},
     "torch.nn.functional": {"silu", "gelu", "relu"},
-    # Megatron's default init_method is functools.partial(torch.nn.init.normal_, ...); NeMo writes
-    # it when a config subclass's __post_init__ filled it in before NeMo captured the arguments
-    "torch.nn.init": {"normal_"},
 }
 # Namespaces whose classes (defined there, not re-exported from elsewhere) may be built: NeMo's and
 # Megatron's configs, models, strategies and tokenizers, Lightning's callbacks, our families and

@@ -69,6 +69,12 @@ def build_config(
         pipeline_dtype=dtype,
         autocast_dtype=dtype,
     )
+    # NeMo records a config's constructor arguments for context/io.json by wrapping its class's
+    # __init__ on first use, and skips a class whose flag it finds by getattr: a subclass built
+    # after its parent inherits the parent's flag, stays unwrapped, and its context then records
+    # every field Megatron filled in (init_method as a partial of torch.nn.init.normal_).
+    if "__wrapped_init__" not in vars(family.config_cls):
+        family.config_cls.__wrapped_init__ = False
     config = family.config_cls(**kwargs)
     return config, family.shape_context(config, vocab)
 
