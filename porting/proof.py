@@ -31,6 +31,51 @@ from porting.testing import assert_streamed_agrees, make_tokenizer, perturb
 
 ATOL = RTOL = 1e-5
 
+_TINY = dict(
+    vocab_size=130,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+# What each architecture needs beyond _TINY to be a meaningful tiny model of its kind (its windows
+# shorter than the prompts, its soft-caps low enough to bend, its experts routed top-2 of 4).
+_TINY_EXTRA = {
+    "FalconForCausalLM": dict(new_decoder_architecture=True, num_kv_heads=2, ffn_hidden_size=96),
+    "Qwen3ForCausalLM": dict(head_dim=32),
+    "MistralForCausalLM": dict(sliding_window=8),
+    "GemmaForCausalLM": dict(head_dim=32),
+    "Gemma2ForCausalLM": dict(
+        head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
+        attn_logit_softcapping=0.05, final_logit_softcapping=0.2,
+    ),
+    "MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2),
+    "Qwen2MoeForCausalLM": dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+        shared_expert_intermediate_size=80,
+    ),
+    "Qwen3MoeForCausalLM": dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
+        head_dim=32,
+    ),
+}  # fmt: skip
+_FALCON_NAMES = ("intermediate_size", "num_key_value_heads")
+
+
+def tiny_fields(architecture: str, scale: int = 1, **overrides) -> dict:
+    """Config fields of a tiny model of ``architecture`` for :func:`make_hf` (widths times
+    ``scale``), as the benchmarks and the GPU check build them."""
+    fields = _TINY | _TINY_EXTRA.get(architecture, {})
+    if architecture == "FalconForCausalLM":
+        fields = {k: v for k, v in fields.items() if k not in _FALCON_NAMES}
+    for key in ("hidden_size", "intermediate_size", "ffn_hidden_size", "moe_intermediate_size",
+                "shared_expert_intermediate_size", "head_dim"):  # fmt: skip
+        if key in fields:
+            fields[key] *= scale
+    return fields | overrides
+
 
 def make_hf(
     out_dir: str | Path,

@@ -8,6 +8,7 @@ weights, no model built in memory), then runs each command in a fresh process un
     7b-deep   the same width, 64 layers                                         (13.0B, 26 GB)
     moe       Mixtral layout: hidden 2048, 4 layers, 8 experts of FFN 5632 (top-2), GQA 16/8,
               vocab 32000                                                        (1.3B, 2.6 GB)
+    moe-deep  the same with 16 layers                                            (4.8B, 9.6 GB)
 
 ``--nemo`` also runs NeMo 2.7.3's own ``HFLlamaImporter`` (``llm.import_ckpt``) on the same
 checkpoint. Outputs are deleted as soon as the next step no longer needs them (disk).
@@ -32,6 +33,7 @@ SIZES = {
     "1b": dict(hidden=2048, layers=16, ffn=5632, heads=16, kv=16, vocab=32000),
     "1b-deep": dict(hidden=2048, layers=32, ffn=5632, heads=16, kv=16, vocab=32000),
     "moe": dict(hidden=2048, layers=4, ffn=5632, heads=16, kv=8, vocab=32000, experts=8),
+    "moe-deep": dict(hidden=2048, layers=16, ffn=5632, heads=16, kv=8, vocab=32000, experts=8),
 }
 SHARD_BYTES = 4 * 2**30
 
@@ -69,7 +71,7 @@ def write_checkpoint(out: Path, hidden, layers, ffn, heads, kv, vocab, experts=0
             )
             if experts:
                 m = p + "block_sparse_moe."
-                yield m + "gate.weight", rand(experts, hidden, scale=1.0)
+                yield m + "gate.weight", rand(experts, hidden)
                 for e in range(experts):
                     yield m + f"experts.{e}.w1.weight", rand(ffn, hidden)
                     yield m + f"experts.{e}.w3.weight", rand(ffn, hidden)

@@ -253,3 +253,14 @@ def test_model_flops_scale_with_gqa_and_swiglu():
     expect = 80 * (6 * per_layer + 12 * 4096 * 8192) + 6 * 8192 * 32000
     assert m.model_flops_per_token(4096) == expect
     assert math.isclose(m.model_flops_per_token(4096) / (6 * m.total_params()), 1.1, rel_tol=0.1)
+
+
+@pytest.mark.parametrize("field", ["num_local_experts", "num_experts"])
+def test_a_mixture_of_experts_config_is_refused_not_planned_as_dense(field):
+    from porting.errors import PortingError
+    from porting.planner.model import from_hf_config
+
+    cfg = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "vocab_size": 100, "intermediate_size": 96, field: 8}  # fmt: skip
+    with pytest.raises(PortingError, match="mixture-of-experts model \\(8 experts\\)"):
+        from_hf_config(cfg, "config.json")

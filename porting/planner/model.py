@@ -134,11 +134,22 @@ def _is_falcon_layout(cfg: dict) -> bool:
     return any(k in cfg for k in ("multi_query", "new_decoder_architecture", "parallel_attn"))
 
 
+_EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+
+
 def from_hf_config(cfg: dict, source: str = "config.json", name: str | None = None) -> ModelShape:
     """Build a shape from an HF ``config.json`` dict (Llama-style or Falcon-style fields)."""
     if not isinstance(cfg, dict):
         raise PortingError(f"{source}: expected a JSON object")
     name = name or source
+    experts = next((cfg[k] for k in _EXPERT_FIELDS if cfg.get(k)), None)
+    if experts:
+        # Refused rather than planned as a dense model: its FLOPs, memory and all-to-all traffic
+        # would all be wrong.
+        raise PortingError(
+            f"{source}: a mixture-of-experts model ({experts} experts); the planner's time and "
+            "memory model covers dense decoders only, and expert parallelism is not in its search"
+        )
     hidden = _need(cfg, source, "hidden_size", "n_embed")
     layers = _need(cfg, source, "num_hidden_layers", "n_layer")
     heads = _need(cfg, source, "num_attention_heads", "n_head")

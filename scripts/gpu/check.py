@@ -297,6 +297,7 @@ def build_models(c: Check) -> dict:
     """
     import torch
 
+    from porting import proof, registry
     from porting.testing import RELEASED_FALCON_LAYOUTS, make_falcon, make_llama
 
     dtype = torch.float32 if c.tiny else torch.bfloat16
@@ -310,6 +311,21 @@ def build_models(c: Check) -> dict:
     made["falcon-1b"] = round(time.time() - t, 1)
     for name in RELEASED_FALCON_LAYOUTS:
         make_falcon(hf / f"falcon-{name}", dtype=dtype, **_falcon_small(name, c.sizes.falcon_width))
+    # Every other installed family's architectures, at the Falcon layouts' small width: the
+    # parity step compares each one's bf16 against transformers' own bf16 on the device.
+    width = c.sizes.falcon_width
+    for family in registry.families():
+        if family.name in ("tsuzumi", "falcon"):
+            continue
+        for arch in family.architectures:
+            fields = proof.tiny_fields(
+                arch,
+                scale=width["scale"],
+                vocab_size=width["vocab_size"],
+                num_hidden_layers=width["num_layers"],
+                max_position_embeddings=width["max_position_embeddings"],
+            )
+            proof.make_hf(hf / f"{family.name}-{arch}", arch, dtype=dtype, **fields)
     return {"built_s": made, "models": sorted(p.name for p in hf.iterdir())}
 
 
