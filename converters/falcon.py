@@ -19,8 +19,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nemo.lightning import io
-
 from models.falcon import FalconBlock, FalconConfig, FalconModel, falcon_block, falcon_layer_spec
 from porting.convert.config_map import (
     BOOL,
@@ -31,7 +29,7 @@ from porting.convert.config_map import (
     Field,
     Require,
 )
-from porting.convert.connectors import PortingExporter, PortingImporter
+from porting.convert.connectors import register_connectors
 from porting.convert.mapping import Fused, Ignore, Rename
 from porting.convert.transforms import VOCAB_PAD
 from porting.errors import PortingError
@@ -226,15 +224,9 @@ WEIGHTS = (
 
 def shape_context(config: FalconConfig, vocab_size: int) -> FalconShapeContext:
     """Shape facts of a Falcon config for the table (``vocab_size`` is the HF, unpadded one)."""
-    return FalconShapeContext(
-        num_layers=config.num_layers,
-        hidden_size=config.hidden_size,
-        num_heads=config.num_attention_heads,
-        num_query_groups=config.num_query_groups or config.num_attention_heads,
-        head_dim=config.kv_channels,
-        vocab_size=vocab_size,
-        padded_vocab_size=config.vocab_size,
-        tied_output=config.share_embeddings_and_output_weights,
+    return FalconShapeContext.from_config(
+        config,
+        vocab_size,
         attention_bias=config.add_bias_linear,
         mlp_bias=config.add_bias_linear,
         block=config.block,
@@ -264,15 +256,4 @@ FAMILY = Family(
 )
 
 
-@io.model_importer(FalconModel, "hf")
-class HFFalconImporter(PortingImporter):
-    """``llm.import_ckpt(model=FalconModel(...), source="hf://DIR")`` for ``FalconForCausalLM``."""
-
-    FAMILY = FAMILY
-
-
-@io.model_exporter(FalconModel, "hf")
-class HFFalconExporter(PortingExporter):
-    """``llm.export_ckpt(path, target="hf")`` for Falcon checkpoints."""
-
-    FAMILY = FAMILY
+HFFalconImporter, HFFalconExporter = register_connectors(FAMILY)

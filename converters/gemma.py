@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nemo.lightning import io
-
 from converters.tsuzumi import QUERY_GROUPS
 from converters.tsuzumi import WEIGHTS as LLAMA_WEIGHTS
 from models.gemma import GemmaConfig, GemmaModel, gelu_erf, gelu_tanh, gemma_block_spec
@@ -26,7 +24,7 @@ from porting.convert.config_map import (
     Derived,
     Field,
 )
-from porting.convert.connectors import PortingExporter, PortingImporter
+from porting.convert.connectors import register_connectors
 from porting.convert.mapping import Rename
 from porting.errors import PortingError
 from porting.family import Family, ShapeContext, Variant
@@ -182,17 +180,7 @@ WEIGHTS = (
 
 def shape_context(config: GemmaConfig, vocab_size: int) -> GemmaShapeContext:
     """Shape facts of a Gemma config for the table (``vocab_size`` is the HF, unpadded one)."""
-    return GemmaShapeContext(
-        num_layers=config.num_layers,
-        hidden_size=config.hidden_size,
-        num_heads=config.num_attention_heads,
-        num_query_groups=config.num_query_groups or config.num_attention_heads,
-        head_dim=config.kv_channels,
-        vocab_size=vocab_size,
-        padded_vocab_size=config.vocab_size,
-        tied_output=config.share_embeddings_and_output_weights,
-        sandwich=config.sandwich_norms,
-    )
+    return GemmaShapeContext.from_config(config, vocab_size, sandwich=config.sandwich_norms)
 
 
 FAMILY = Family(
@@ -217,15 +205,4 @@ FAMILY = Family(
 )
 
 
-@io.model_importer(GemmaModel, "hf")
-class HFGemmaImporter(PortingImporter):
-    """``llm.import_ckpt(model=GemmaModel(...), source="hf://DIR")`` for Gemma/Gemma 2 checkpoints."""
-
-    FAMILY = FAMILY
-
-
-@io.model_exporter(GemmaModel, "hf")
-class HFGemmaExporter(PortingExporter):
-    """``llm.export_ckpt(path, target="hf")`` for Gemma checkpoints."""
-
-    FAMILY = FAMILY
+HFGemmaImporter, HFGemmaExporter = register_connectors(FAMILY)

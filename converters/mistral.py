@@ -7,14 +7,12 @@ The Llama layout (:mod:`converters.tsuzumi`'s fields and table, unchanged) plus 
 
 from __future__ import annotations
 
-from nemo.lightning import io
-
 from converters.tsuzumi import HEAD_DIM_OR_NULL, LLAMA_LAYOUT
 from converters.tsuzumi import WEIGHTS as LLAMA_WEIGHTS
 from converters.tsuzumi import shape_context as llama_shape_context
 from models.mistral import MistralConfig, MistralModel
 from porting.convert.config_map import POSITIVE_INT, Field, Require
-from porting.convert.connectors import PortingExporter, PortingImporter
+from porting.convert.connectors import register_connectors
 from porting.family import Family, Variant
 
 CONFIG = (
@@ -48,15 +46,4 @@ FAMILY = Family(
 )
 
 
-@io.model_importer(MistralModel, "hf")
-class HFMistralImporter(PortingImporter):
-    """``llm.import_ckpt(model=MistralModel(...), source="hf://DIR")`` for Mistral checkpoints."""
-
-    FAMILY = FAMILY
-
-
-@io.model_exporter(MistralModel, "hf")
-class HFMistralExporter(PortingExporter):
-    """``llm.export_ckpt(path, target="hf")`` for Mistral checkpoints."""
-
-    FAMILY = FAMILY
+HFMistralImporter, HFMistralExporter = register_connectors(FAMILY)

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nemo.lightning import io
-
 from converters import qwen
 from converters.tsuzumi import HEAD_DIM_OR_NULL, LLAMA_LAYOUT, ROPE_SCALING
 from models.moe import MoEConfig, MoEModel, moe_layer_spec
 from porting.convert.config_map import Carry, Derived
-from porting.convert.connectors import PortingExporter, PortingImporter
+from porting.convert.connectors import register_connectors
 from porting.convert.mapping import Fused, Rename
 from porting.convert.transforms import GATED_MLP
 from porting.errors import PortingError
@@ -218,15 +216,9 @@ WEIGHTS = (
 
 def shape_context(config: MoEConfig, vocab_size: int) -> MoEShapeContext:
     """Shape facts of an MoE config for the table (``vocab_size`` is the HF, unpadded one)."""
-    return MoEShapeContext(
-        num_layers=config.num_layers,
-        hidden_size=config.hidden_size,
-        num_heads=config.num_attention_heads,
-        num_query_groups=config.num_query_groups or config.num_attention_heads,
-        head_dim=config.kv_channels,
-        vocab_size=vocab_size,
-        padded_vocab_size=config.vocab_size,
-        tied_output=config.share_embeddings_and_output_weights,
+    return MoEShapeContext.from_config(
+        config,
+        vocab_size,
         qkv_bias=config.add_qkv_bias,
         qk_norm=config.qk_layernorm,
         num_experts=config.num_moe_experts,
@@ -255,15 +247,4 @@ FAMILY = Family(
 )
 
 
-@io.model_importer(MoEModel, "hf")
-class HFMoEImporter(PortingImporter):
-    """``llm.import_ckpt(model=MoEModel(...), source="hf://DIR")`` for MoE checkpoints."""
-
-    FAMILY = FAMILY
-
-
-@io.model_exporter(MoEModel, "hf")
-class HFMoEExporter(PortingExporter):
-    """``llm.export_ckpt(path, target="hf")`` for MoE checkpoints."""
-
-    FAMILY = FAMILY
+HFMoEImporter, HFMoEExporter = register_connectors(FAMILY)

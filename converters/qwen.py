@@ -14,13 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nemo.lightning import io
-
 from converters.tsuzumi import HEAD_DIM_OR_NULL, LLAMA_LAYOUT, ROPE_SCALING
 from converters.tsuzumi import WEIGHTS as LLAMA_WEIGHTS
 from models.qwen import QwenConfig, QwenModel
 from porting.convert.config_map import Derived
-from porting.convert.connectors import PortingExporter, PortingImporter
+from porting.convert.connectors import register_connectors
 from porting.convert.mapping import Fused, Rename
 from porting.convert.transforms import QKV
 from porting.errors import PortingError
@@ -122,17 +120,8 @@ WEIGHTS = (
 
 def shape_context(config: QwenConfig, vocab_size: int) -> QwenShapeContext:
     """Shape facts of a Qwen config for the table (``vocab_size`` is the HF, unpadded one)."""
-    return QwenShapeContext(
-        num_layers=config.num_layers,
-        hidden_size=config.hidden_size,
-        num_heads=config.num_attention_heads,
-        num_query_groups=config.num_query_groups or config.num_attention_heads,
-        head_dim=config.kv_channels,
-        vocab_size=vocab_size,
-        padded_vocab_size=config.vocab_size,
-        tied_output=config.share_embeddings_and_output_weights,
-        qkv_bias=config.add_qkv_bias,
-        qk_norm=config.qk_layernorm,
+    return QwenShapeContext.from_config(
+        config, vocab_size, qkv_bias=config.add_qkv_bias, qk_norm=config.qk_layernorm
     )
 
 
@@ -154,15 +143,4 @@ FAMILY = Family(
 )
 
 
-@io.model_importer(QwenModel, "hf")
-class HFQwenImporter(PortingImporter):
-    """``llm.import_ckpt(model=QwenModel(...), source="hf://DIR")`` for Qwen2/Qwen3 checkpoints."""
-
-    FAMILY = FAMILY
-
-
-@io.model_exporter(QwenModel, "hf")
-class HFQwenExporter(PortingExporter):
-    """``llm.export_ckpt(path, target="hf")`` for Qwen checkpoints."""
-
-    FAMILY = FAMILY
+HFQwenImporter, HFQwenExporter = register_connectors(FAMILY)

@@ -12,8 +12,6 @@ The HF side uses the Llama checkpoint layout, so parity is checked against the t
 
 from __future__ import annotations
 
-from nemo.lightning import io
-
 from models.tsuzumi import TsuzumiConfig, TsuzumiModel
 from porting.convert.config_map import (
     BOOL,
@@ -25,7 +23,7 @@ from porting.convert.config_map import (
     Field,
     Require,
 )
-from porting.convert.connectors import PortingExporter, PortingImporter
+from porting.convert.connectors import register_connectors
 from porting.convert.mapping import Fused, Ignore, Rename
 from porting.convert.transforms import GATED_MLP, QKV, VOCAB_PAD
 from porting.errors import PortingError
@@ -213,17 +211,8 @@ WEIGHTS = (
 
 def shape_context(config: TsuzumiConfig, vocab_size: int) -> ShapeContext:
     """Shape facts of a tsuzumi config for the transforms (``vocab_size`` is the HF, unpadded one)."""
-    return ShapeContext(
-        num_layers=config.num_layers,
-        hidden_size=config.hidden_size,
-        num_heads=config.num_attention_heads,
-        num_query_groups=config.num_query_groups or config.num_attention_heads,
-        head_dim=config.kv_channels,
-        vocab_size=vocab_size,
-        padded_vocab_size=config.vocab_size,
-        tied_output=config.share_embeddings_and_output_weights,
-        attention_bias=config.add_bias_linear,
-        mlp_bias=config.add_bias_linear,
+    return ShapeContext.from_config(
+        config, vocab_size, attention_bias=config.add_bias_linear, mlp_bias=config.add_bias_linear
     )
 
 
@@ -246,15 +235,4 @@ FAMILY = Family(
 )
 
 
-@io.model_importer(TsuzumiModel, "hf")
-class HFTsuzumiImporter(PortingImporter):
-    """``llm.import_ckpt(model=TsuzumiModel(...), source="hf://DIR")`` for Llama-layout checkpoints."""
-
-    FAMILY = FAMILY
-
-
-@io.model_exporter(TsuzumiModel, "hf")
-class HFTsuzumiExporter(PortingExporter):
-    """``llm.export_ckpt(path, target="hf")`` for tsuzumi checkpoints."""
-
-    FAMILY = FAMILY
+HFTsuzumiImporter, HFTsuzumiExporter = register_connectors(FAMILY)

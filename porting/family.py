@@ -35,6 +35,22 @@ class ShapeContext:
     attention_bias: bool = False
     mlp_bias: bool = False
 
+    @classmethod
+    def from_config(cls, config: Any, vocab_size: int, **extra: Any) -> ShapeContext:
+        """The shape facts of a Megatron GPT ``config`` (``vocab_size``: the HF, unpadded one),
+        plus a subclass's own fields in ``extra``."""
+        return cls(
+            num_layers=config.num_layers,
+            hidden_size=config.hidden_size,
+            num_heads=config.num_attention_heads,
+            num_query_groups=config.num_query_groups or config.num_attention_heads,
+            head_dim=config.kv_channels,
+            vocab_size=vocab_size,
+            padded_vocab_size=config.vocab_size,
+            tied_output=config.share_embeddings_and_output_weights,
+            **extra,
+        )
+
 
 @dataclass(frozen=True)
 class Variant:

@@ -115,6 +115,47 @@ def make_hf(
     return out
 
 
+def imported_variants(tmp_path_factory, make):
+    """For a module-scoped fixture: ``get(variant) -> (hf_dir, ckpt)``, each variant's HF model
+    built by ``make(directory, variant) -> hf_dir`` and imported (gate off) once per module."""
+    from porting.convert.api import import_hf
+
+    cache: dict[str, tuple[Path, Path]] = {}
+
+    def get(variant: str) -> tuple[Path, Path]:
+        if variant not in cache:
+            root = tmp_path_factory.mktemp(variant)
+            hf = Path(make(root / "hf", variant))
+            import_hf(hf, root / "nemo", verify=False, show_progress=False)
+            cache[variant] = (hf, root / "nemo")
+        return cache[variant]
+
+    return get
+
+
+def refused_import(hf_dir: str | Path, changes: dict, work: str | Path) -> str:
+    """``porting import`` of a copy of ``hf_dir`` whose ``config.json`` has ``changes``: asserts
+    exit 2 with nothing written; returns what it printed on stderr (the located message)."""
+    import contextlib
+    import io
+    import shutil
+
+    from porting.cli import main
+
+    hf, out = Path(work) / "hf", Path(work) / "out"
+    shutil.copytree(hf_dir, hf)
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg.update(changes)
+    (hf / "config.json").write_text(json.dumps(cfg))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["import", str(hf), "--out", str(out), "--no-verify"])
+    assert code == 2, err.getvalue()
+    assert not out.exists()
+    assert not [p for p in Path(work).iterdir() if p.name.startswith(".out")]
+    return err.getvalue()
+
+
 def checkpoint_family(ckpt: str | Path):
     """``(family, manifest)`` of one of our checkpoints."""
     from porting.convert.checkpoint import read_manifest

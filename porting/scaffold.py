@@ -301,7 +301,7 @@ class {cls}Model(GPTModel):
         f"from converters.tsuzumi import {ours}, shape_context\n"
         "from converters.tsuzumi import WEIGHTS as LLAMA_WEIGHTS\n"
         + (f"from porting.convert.config_map import {kinds}\n" if kinds else "")
-        + "from porting.convert.connectors import PortingExporter, PortingImporter\n"
+        + "from porting.convert.connectors import register_connectors\n"
         "from porting.family import Family\n"
         f"from {pkg}.model import {cls}Config, {cls}Model\n"
     )
@@ -315,8 +315,6 @@ family is refused, all of them listed, until none is left). See docs/families.md
 """
 
 from __future__ import annotations
-
-from nemo.lightning import io
 
 {imports}
 CONFIG = (
@@ -341,18 +339,7 @@ FAMILY = Family(
 )
 
 
-@io.model_importer({cls}Model, "hf")
-class HF{cls}Importer(PortingImporter):
-    """``llm.import_ckpt(model={cls}Model(...), source="hf://DIR")``."""
-
-    FAMILY = FAMILY
-
-
-@io.model_exporter({cls}Model, "hf")
-class HF{cls}Exporter(PortingExporter):
-    """``llm.export_ckpt(path, target="hf")``."""
-
-    FAMILY = FAMILY
+HF{cls}Importer, HF{cls}Exporter = register_connectors(FAMILY)
 '''
     )
     (root / "tests" / f"test_{name}.py").write_text(

@@ -10,7 +10,6 @@ side runs transformers' default attention for Falcon (sdpa): its eager path adds
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -24,10 +23,11 @@ from models.falcon import (
     alibi_slopes,
     build_falcon_layer_spec,
 )
-from porting.cli import main
 from porting.convert.api import export_hf, import_hf
 from porting.demo import compare_hf_dirs
 from porting.parity import harness as parity
+from porting.proof import refused_import
+from porting.proof import tp2_logits as tp2_logits_of
 from porting.testing import FALCON_VARIANTS, assert_streamed_agrees, make_falcon
 
 ATOL = RTOL = 1e-5
@@ -262,52 +262,12 @@ def test_nemo_api_import_and_export(converted, tmp_path):
     assert compare_hf_dirs(hf_dir, exported).exact
 
 
-# Both ranks load every TP2 variant in one launch: starting NeMo twice per variant would cost more
-# than the rest of this file. A `python -c` child needs no importable test module.
-_TP2_SCRIPT = """
-import sys, torch
-from porting.convert.megatron import init_parallel, mcore_logits, shutdown_parallel
-from porting.testing import load_checkpoint_model
-rank, out, ids, ckpts = int(sys.argv[1]), sys.argv[2], torch.load(sys.argv[3]), sys.argv[4:]
-init_parallel(tp=2, rank=rank, world_size=2)
-logits = {}
-for ckpt in ckpts:
-    model, _ = load_checkpoint_model(ckpt, dtype=torch.float32)
-    logits[ckpt] = mcore_logits(model, ids)
-if rank == 0:
-    torch.save(logits, out)
-shutdown_parallel()
-"""
-
-
 @pytest.fixture(scope="module")
 def tp2_logits(converted, tmp_path_factory):
     """``(ids, {variant: logits at TP=2})`` from two gloo ranks over every TP2 variant."""
-    import os
-    import subprocess
-    import sys
-
-    from porting.cpu import free_port
-
-    work = tmp_path_factory.mktemp("tp2")
     ids = torch.randint(0, HF_VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
-    torch.save(ids, work / "ids.pt")
     ckpts = [str(converted(v)[1]) for v in TP2_VARIANTS]
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    args = [str(work / "tp2.pt"), str(work / "ids.pt"), *ckpts]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _TP2_SCRIPT, str(rank), *args],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    errors = [p.communicate(timeout=300)[1] for p in procs]
-    assert all(p.returncode == 0 for p in procs), errors[0][-3000:] + errors[1][-3000:]
-    logits = torch.load(work / "tp2.pt", weights_only=True)
+    logits = tp2_logits_of(ckpts, ids, tmp_path_factory.mktemp("tp2"))
     return ids, {v: logits[c] for v, c in zip(TP2_VARIANTS, ckpts, strict=True)}
 
 
@@ -365,20 +325,10 @@ def falcon_hf(tmp_path_factory):
         "unknown_field",
     ],
 )
-def test_config_lint_names_the_field(falcon_hf, tmp_path, capsys, changes, needles):
-    hf = tmp_path / "hf"
-    shutil.copytree(falcon_hf, hf)
-    cfg = json.loads((hf / "config.json").read_text())
-    cfg.update(changes)
-    (hf / "config.json").write_text(json.dumps(cfg))
-    out = tmp_path / "out"
-    code = main(["import", str(hf), "--out", str(out), "--no-verify"])
-    err = capsys.readouterr().err
-    assert code == 2, err
+def test_config_lint_names_the_field(falcon_hf, tmp_path, changes, needles):
+    err = refused_import(falcon_hf, changes, tmp_path)
     for needle in needles:
         assert needle in err, err
-    assert not out.exists()
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
 
 
 def test_falcon_configs_are_chosen_by_fields_not_names():

@@ -1,7 +1,9 @@
 """HF <-> NeMo 2.0 conversion: the generic NeMo ``io.ModelConnector`` importer and exporter.
 
-A family's converter module subclasses :class:`PortingImporter` / :class:`PortingExporter`, sets
-``FAMILY`` and registers them with ``io.model_importer`` / ``io.model_exporter``; everything else
+A family's converter module calls :func:`register_connectors` with its ``FAMILY``, which subclasses
+:class:`PortingImporter` / :class:`PortingExporter` for it and registers them on its model class
+with ``io.model_importer`` / ``io.model_exporter`` (``llm.import_ckpt`` / ``llm.export_ckpt`` then
+find them); everything else
 (streaming weights through the table, the NeMo checkpoint, the manifest, the tokenizer) is here and
 serves every family.
 """
@@ -12,6 +14,7 @@ import gc
 import json
 import logging
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -274,6 +277,25 @@ class PortingExporter(io.ModelConnector):
         with atomic_dir(output_path) as tmp:
             export_into(Path(str(self)), tmp, self.FAMILY)
         return Path(output_path)
+
+
+def register_connectors(family: Family) -> tuple[type, type]:
+    """Make and register ``family``'s HF importer and exporter on its model class; returns them
+    (``HF<Model>Importer``, ``HF<Model>Exporter``), for code that subclasses one."""
+    model = family.model_cls
+    where = sys._getframe(1).f_globals.get("__name__", model.__module__)  # the family's module
+    doc = f"``llm.{{}}`` for family {family.name} ({model.__name__})."
+    importer = type(
+        f"HF{model.__name__}Importer",
+        (PortingImporter,),
+        {"FAMILY": family, "__module__": where, "__doc__": doc.format("import_ckpt")},
+    )
+    exporter = type(
+        f"HF{model.__name__}Exporter",
+        (PortingExporter,),
+        {"FAMILY": family, "__module__": where, "__doc__": doc.format("export_ckpt")},
+    )
+    return io.model_importer(model, "hf")(importer), io.model_exporter(model, "hf")(exporter)
 
 
 def _shapes(params: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
