@@ -232,8 +232,13 @@ class WorkDir:
             if f is not None:
                 _fsync(f)
         tmp = self.path / (STATE + ".tmp")
-        tmp.write_text(json.dumps(self.state, indent=1, ensure_ascii=False))
-        os.replace(tmp, self.path / STATE)
+        try:
+            tmp.write_text(json.dumps(self.state, indent=1, ensure_ascii=False))
+            os.replace(tmp, self.path / STATE)
+        finally:
+            # a stop signal (raised as an exception) between the write and the rename must not
+            # leave the half-made state beside the last committed one
+            tmp.unlink(missing_ok=True)
 
     def flush(self) -> None:
         """Hand buffered writes to the OS (without committing them)."""
