@@ -31,6 +31,10 @@ _WARNINGS = (
     ("`torch.distributed._sharded_tensor` will be deprecated", FutureWarning),
     # lightning's logger_connector, for metrics NeMo's strategy logs itself
     ("It is recommended to use `self.log(", UserWarning),
+    # megatron/core imports: megatron_fsdp/utils.py and inference/unified_memory.py, on a machine
+    # without Transformer Engine, Apex or CUDA (the launcher of `porting train --executor torchrun`)
+    ("Transformer Engine and Apex are not installed", UserWarning),
+    ("Failed to create unified memory mempool", UserWarning),
 )
 
 # Log records silenced by default: (logger name, message prefix); an empty prefix means the logger

@@ -219,9 +219,12 @@ def _run_ranks(cmd: list[str]) -> int:
     ``subprocess.call`` would SIGKILL only the launcher on an exception, orphaning its ranks; a
     SIGKILL of this process reaches the launcher and the ranks through :func:`die_with_parent`.
     """
+    # torchrun sets OMP_NUM_THREADS=1 per rank when unset, with a banner saying so; the same
+    # value, given, keeps the banner out of the user's terminal
+    env = {"OMP_NUM_THREADS": "1"} | os.environ | {_LOCK_HELD: "1"}
     proc = subprocess.Popen(
         cmd,
-        env=os.environ | {_LOCK_HELD: "1"},
+        env=env,
         start_new_session=True,
         preexec_fn=die_with_parent,
     )
@@ -251,7 +254,9 @@ def _cmd_train(args) -> int:
         gc.freeze()  # see the end of this function
     if args.dry_run:
         print(
-            f"ok: TP {spec.tp} x PP {spec.pp} x CP {spec.cp} x DP {spec.data_parallel}, "
+            f"ok: TP {spec.tp} x PP {spec.pp} x CP {spec.cp} x DP {spec.data_parallel}"
+            + (f" (EP {spec.ep})" if spec.ep > 1 else "")
+            + ", "
             f"global batch {spec.global_batch} = micro {spec.micro_batch} x DP x "
             f"{spec.global_batch // (spec.micro_batch * spec.data_parallel)} accumulation steps"
         )
@@ -301,7 +306,8 @@ def _cmd_train(args) -> int:
     held = os.environ.get(_LOCK_HELD) == "1" or os.environ.get("RANK", "0") != "0"
     with contextlib.nullcontext() if held else guard.output_lock(spec.out, "training run"):
         out = recipe.run(r)
-    print(f"done: checkpoints in {out / 'checkpoints'} (last: {out / 'checkpoints' / 'last'})")
+    if os.environ.get("RANK", "0") == "0":  # one line for the run, not one per rank
+        print(f"done: checkpoints in {out / 'checkpoints'} (last: {out / 'checkpoints' / 'last'})")
     # Exit handlers of libraries NeMo imports (leptonai's Remote._atexit_cleanup) run a full
     # gc.collect() over the whole heap: seconds per process. Nothing left needs collecting.
     gc.freeze()
