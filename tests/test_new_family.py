@@ -166,3 +166,24 @@ def test_new_family_keeps_an_existing_output(tmp_path, capsys):
     assert main(["new-family", "x1", "--from", str(hf), "--out", str(out)]) == 2
     assert "--overwrite" in capsys.readouterr().err
     assert (out / "mine").read_text() == "keep"
+
+
+def test_new_family_reads_no_pickle_and_no_path_outside_the_checkpoint(tmp_path, capsys):
+    """The scaffold reads names only, through the same checks as import: pickle weights are
+    refused, and a config.json that is a symlink out of the directory is not followed."""
+    import torch
+    from safetensors.torch import load_file
+
+    hf = make_llama(tmp_path / "hf")
+    torch.save(load_file(hf / "model.safetensors"), hf / "pytorch_model.bin")
+    (hf / "model.safetensors").unlink()
+    out = tmp_path / "p"
+    assert main(["new-family", "x2", "--from", str(hf), "--out", str(out)]) == 2
+    assert "pickle" in capsys.readouterr().err
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text((hf / "config.json").read_text())
+    (hf / "config.json").unlink()
+    (hf / "config.json").symlink_to(elsewhere)
+    assert main(["new-family", "x2", "--from", str(hf), "--out", str(out)]) == 2
+    assert "outside the model directory" in capsys.readouterr().err
+    assert not out.exists() and not list(tmp_path.glob(".p-*"))
