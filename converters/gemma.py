@@ -12,14 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from converters.tsuzumi import QUERY_GROUPS
+from converters.tsuzumi import LLAMA_LAYOUT
 from converters.tsuzumi import WEIGHTS as LLAMA_WEIGHTS
 from models.gemma import GemmaConfig, GemmaModel, gelu_erf, gelu_tanh, gemma_block_spec
 from porting.convert.config_map import (
     BOOL,
-    POSITIVE_FLOAT,
     POSITIVE_INT,
-    PROBABILITY,
     Carry,
     Derived,
     Field,
@@ -105,19 +103,14 @@ def _layout_to_mcore(hf: dict) -> dict:
     }
 
 
+# The Llama layout's fields, less two that Gemma reads otherwise: the activation (hidden_act or
+# hidden_activation, decided below) and the output tie (true unless said).
+_GEMMA_OWN = ("hidden_act", "tie_word_embeddings")
+
 CONFIG = (
-    Field("num_hidden_layers", "num_layers", check=POSITIVE_INT),
-    Field("hidden_size", "hidden_size", check=POSITIVE_INT),
-    Field("intermediate_size", "ffn_hidden_size", check=POSITIVE_INT),
-    Field("num_attention_heads", "num_attention_heads", check=POSITIVE_INT),
-    QUERY_GROUPS,
+    *(e for e in LLAMA_LAYOUT if getattr(e, "hf", None) not in _GEMMA_OWN),
     Field("head_dim", "kv_channels", check=POSITIVE_INT),
-    Field("rms_norm_eps", "layernorm_epsilon", check=POSITIVE_FLOAT),
-    Field("rope_theta", "rotary_base", default=10000.0, check=POSITIVE_FLOAT),
     Field("tie_word_embeddings", "share_embeddings_and_output_weights", default=True, check=BOOL),
-    Field("max_position_embeddings", "seq_length", check=POSITIVE_INT),
-    Field("initializer_range", "init_method_std", default=0.02, check=POSITIVE_FLOAT),
-    Field("attention_dropout", "attention_dropout", default=0.0, check=PROBABILITY),
     # every value is carried verbatim in the original config; export rewrites none of them
     Derived(
         (
@@ -134,15 +127,6 @@ CONFIG = (
         _layout_to_mcore,
         lambda c: {},
     ),
-    Carry("architectures"),
-    Carry("vocab_size", check=POSITIVE_INT),
-    Carry("bos_token_id"),
-    Carry("eos_token_id"),
-    Carry("pad_token_id"),
-    Carry("torch_dtype"),
-    Carry("dtype"),
-    Carry("transformers_version"),
-    Carry("use_cache"),
     Carry("cache_implementation"),  # generation-time cache choice
 )
 

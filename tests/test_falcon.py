@@ -9,8 +9,6 @@ side runs transformers' default attention for Falcon (sdpa): its eager path adds
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -23,10 +21,10 @@ from models.falcon import (
     alibi_slopes,
     build_falcon_layer_spec,
 )
-from porting.convert.api import export_hf, import_hf
+from porting.convert.api import import_hf
 from porting.demo import compare_hf_dirs
 from porting.parity import harness as parity
-from porting.proof import refused_import
+from porting.proof import prove_round_trip, refused_import
 from porting.proof import tp2_logits as tp2_logits_of
 from porting.testing import FALCON_VARIANTS, assert_streamed_agrees, make_falcon
 
@@ -218,27 +216,9 @@ def test_transformers_eager_alibi_adds_the_bias_twice(converted):
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_round_trip_is_exact_and_loads_in_transformers(variant, converted, tmp_path):
-    from transformers import AutoTokenizer, FalconForCausalLM
-
-    hf_dir, ckpt = converted(variant)
-    out = tmp_path / "hf-back"
-    export_hf(ckpt, out, verify=False)
-    rt = compare_hf_dirs(hf_dir, out)
-    assert rt.same_keys and rt.equal_tensors == rt.tensors > 0, rt
-    assert rt.config_fields_differing == []
-    assert json.loads((out / "config.json").read_text()) == json.loads(
-        (hf_dir / "config.json").read_text()
-    )
-    text = "東京 hello world"
-    tok_a = AutoTokenizer.from_pretrained(str(hf_dir))
-    tok_b = AutoTokenizer.from_pretrained(str(out))
-    assert tok_a(text)["input_ids"] == tok_b(text)["input_ids"]
-    ids = torch.tensor([tok_b(text)["input_ids"]])
-    # no remote code: transformers' own class loads the export
-    m_a = FalconForCausalLM.from_pretrained(str(hf_dir)).eval()
-    m_b = FalconForCausalLM.from_pretrained(str(out)).eval()
-    with torch.no_grad():
-        assert torch.equal(m_a(ids).logits, m_b(ids).logits)
+    """Tensors bit for bit, config.json and tokenizer equal, transformers' Falcon (no remote
+    code) loads the export to identical logits (porting.proof.prove_round_trip)."""
+    prove_round_trip(*converted(variant), tmp_path / "hf-back")
 
 
 def test_nemo_api_import_and_export(converted, tmp_path):
