@@ -1,6 +1,20 @@
 """Errors shared by every part of the toolkit."""
 
 
+def check_finite(tensor, where: str, key: str) -> None:
+    """Raise :class:`PortingError` when a floating tensor holds NaN or Inf: a converted checkpoint
+    would carry them silently (and every logit it gives would be NaN)."""
+    import torch
+
+    if tensor.is_floating_point():
+        bad = tensor.numel() - int(torch.isfinite(tensor).sum())
+        if bad:
+            raise PortingError(
+                f"{where}: tensor {key!r} holds {bad} NaN/Inf value(s) of {tensor.numel()}; a "
+                "weight must be finite"
+            )
+
+
 class PortingError(Exception):
     """An error caused by the user's input or files (bad checkpoint, bad config, bad flag).
 

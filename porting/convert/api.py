@@ -13,6 +13,7 @@ from pathlib import Path
 from porting.convert.checkpoint import claimed_output, read_manifest
 from porting.convert.connectors import export_into
 from porting.errors import PortingError
+from porting.guard import refuse_overlap
 from porting.registry import family_by_name, family_for_hf_dir
 
 
@@ -40,6 +41,7 @@ def import_hf(
     """
     from porting.parity import harness as parity
 
+    refuse_overlap(out, [("HF directory", hf_dir)])
     family, _ = family_for_hf_dir(hf_dir, family)
     importer = family.model_cls.importer(f"hf://{Path(hf_dir).resolve()}")
     importer.dtype, importer.allow_pickle = dtype, allow_pickle
@@ -79,6 +81,7 @@ def export_hf(
     """
     from porting.parity import harness as parity
 
+    refuse_overlap(out, [("checkpoint", ckpt)])
     report = None
     with claimed_output(out, overwrite, "HF directory") as tmp:
         family = family_by_name(read_manifest(ckpt).family)

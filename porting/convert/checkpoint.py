@@ -9,6 +9,7 @@ With it, export needs no HF model and no hub.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -197,6 +198,42 @@ def claimed_output(out: str | os.PathLike, overwrite: bool, what: str):
             yield tmp
 
 
+# Below this much free space a failed write is taken for a full disk: writers that lose the
+# errno on the way up (torch.save's zip writer reports "unexpected pos 704 vs 598") still fail
+# because a write came up short.
+_NEARLY_FULL = 4 << 20
+
+
+def disk_full_error(
+    err: BaseException, path: str | os.PathLike, name: str | os.PathLike | None = None
+) -> OSError | None:
+    """An ``OSError(ENOSPC)`` naming ``name`` (default ``path``) when ``err`` came from a full disk: ENOSPC or EDQUOT
+    anywhere in its chain (causes, contexts, torch's per-rank checkpoint failures), or any error
+    but ours while ``path``'s file system has less than 4 MiB free. None otherwise."""
+    name = str(path if name is None else name)
+    seen: set[int] = set()
+    todo: list[BaseException] = [err]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return OSError(e.errno, os.strerror(e.errno), name)
+        todo += [x for x in (e.__cause__, e.__context__) if x is not None]
+        failures = getattr(e, "failures", None)  # torch.distributed.checkpoint CheckpointException
+        if isinstance(failures, dict):
+            todo += [x for x in failures.values() if isinstance(x, BaseException)]
+    if isinstance(err, Exception) and not isinstance(err, PortingError):
+        try:
+            st = os.statvfs(path)
+        except OSError:
+            return None
+        if st.f_bavail * st.f_frsize < _NEARLY_FULL:
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), name)
+    return None
+
+
 @contextlib.contextmanager
 def atomic_dir(out: str | os.PathLike):
     """Yield a temporary sibling directory that becomes ``out`` only if the block succeeds.
@@ -214,8 +251,12 @@ def atomic_dir(out: str | os.PathLike):
     tmp.chmod(0o777 & ~umask)
     try:
         yield tmp
-    except BaseException:
+    except BaseException as err:
+        # Judged before the partial output is removed: its bytes are what filled the disk.
+        full = disk_full_error(err, tmp, out)
         shutil.rmtree(tmp, ignore_errors=True)
+        if full is not None:
+            raise full from err
         raise
     if out.exists():
         old = out.with_name(f".{out.name}.old-{os.getpid()}")

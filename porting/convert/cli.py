@@ -75,6 +75,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _cmd_import(args) -> int:
     quiet.offline()
     guard.return_freed_memory()
+    guard.refuse_overlap(args.out, [("HF directory", args.hf_dir)])
     # Taken before NeMo's import (seconds), so that a second run on this output fails at once.
     with guard.output_lock(args.out, "checkpoint"):
         from porting import cpu
@@ -106,6 +107,7 @@ def _cmd_import(args) -> int:
 def _cmd_export(args) -> int:
     quiet.offline()
     guard.return_freed_memory()
+    guard.refuse_overlap(args.out, [("checkpoint", args.ckpt)])
     with guard.output_lock(args.out, "HF directory"):
         from porting import cpu
 

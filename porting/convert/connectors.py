@@ -44,8 +44,9 @@ from porting.convert.megatron import (
     dtype_name,
     init_parallel,
 )
+from porting.convert.preflight import check_hf_checkpoint, check_nemo_layout
 from porting.convert.safetensors_io import SafetensorsSource, StreamingShardWriter
-from porting.convert.table_check import check_checkpoint_shapes, check_table, hf_meta_shapes
+from porting.convert.table_check import check_table, hf_meta_shapes
 from porting.errors import PortingError
 from porting.family import Family, ShapeContext
 
@@ -177,6 +178,9 @@ class PortingImporter(io.ModelConnector):
                 f"one of family {family.name}'s ({', '.join(family.keys)})"
             )
         source = SafetensorsSource(hf_dir, allow_pickle=self.allow_pickle)
+        # What the config claims against the checkpoint's headers, before any model exists: a
+        # config that lies about its size must not be built first and refused after.
+        hf_shapes = check_hf_checkpoint(family, hf_config, source, hf_dir / "config.json", "import")
         dtype = resolve_dtype(source, self.dtype)
         reader = _CastingSource(source, dtype) if self.dtype else source
         config, ctx = build_config(family, hf_config, dtype, self.vocab_divisor)
@@ -197,11 +201,8 @@ class PortingImporter(io.ModelConnector):
             for k, v in model.module.state_dict(keep_vars=True).items()
             if not k.endswith("_extra_state")
         }
-        # The table against both models of this config, on meta tensors, then the checkpoint's
-        # headers against the config, all before any tensor is read.
-        hf_shapes = hf_meta_shapes(family, hf_config)
+        # The table against both models of this config, on meta tensors, before any tensor is read.
         check_table(family, ctx, hf_shapes, _shapes(target))
-        check_checkpoint_shapes(source, hf_shapes, hf_dir / "config.json")
         progress = (
             (lambda n: tqdm(total=n, desc="import", unit="tensor", leave=False))
             if self.show_progress
@@ -244,13 +245,15 @@ class PortingImporter(io.ModelConnector):
         if not tok_dir.is_dir():
             # NeMo copies tokenizer artifacts into context/ on dump; keep a copy where the manifest
             # says if a NeMo version does not.
-            shutil.copytree(self._tokenizer_dir, tok_dir)
+            shutil.copytree(self._tokenizer_dir, tok_dir, copy_function=shutil.copyfile)
         extra_dir = out / "context" / "hf_extra"
         extras = []
         for name in EXTRA_HF_FILES:
             if (hf_dir / name).exists():
                 extra_dir.mkdir(exist_ok=True)
-                shutil.copy2(hf_dir / name, extra_dir / name)
+                # copyfile, not copy2: the output's files follow this run's umask, not the
+                # source file's mode (a world-readable copy of a private file, or the reverse).
+                shutil.copyfile(hf_dir / name, extra_dir / name)
                 extras.append(name)
         manifest = Manifest(
             family=self.FAMILY.name,
@@ -343,11 +346,10 @@ def export_into(
         for key, t in export_weights(meta, family.weights, ctx, ctx.num_layers)
     ]
     writer = StreamingShardWriter(out, specs, max_shard_bytes)
-    params = CheckpointParameters(
-        DistCheckpointReader(Path(ckpt) / "weights"),
-        model.sharded_state_dict(prefix="module."),
-        meta,
-    )
+    reader = DistCheckpointReader(Path(ckpt) / "weights")
+    sharded = model.sharded_state_dict(prefix="module.")
+    check_nemo_layout(sharded, reader, f"{ckpt}/context/porting.json")
+    params = CheckpointParameters(reader, sharded, meta)
     for key, tensor in export_weights(params, family.weights, ctx, ctx.num_layers):
         writer.write(key, tensor.to(dtype))
         del tensor

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from porting.errors import PortingError
+from porting.errors import PortingError, check_finite
 
 
 class DistCheckpointReader:
@@ -38,6 +38,10 @@ class DistCheckpointReader:
             raise PortingError(f"{self.dir}/.metadata: unreadable ({err})") from err
         self._tensors = {k: v for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks")}
         self._storage = md.storage_data
+
+    def keys(self) -> list[str]:
+        """Every tensor key the checkpoint stores (model and, for a training checkpoint, optimizer)."""
+        return list(self._tensors)
 
     def global_shape(self, key: str) -> tuple[int, ...]:
         """The whole tensor's shape as saved (stacked layer keys have a leading layer axis)."""
@@ -92,6 +96,7 @@ class DistCheckpointReader:
             src = data[
                 tuple(slice(a - c, b - c) for a, b, c in zip(lo, hi, chunk.offsets, strict=True))
             ]
+            check_finite(src, str(self.dir), key)
             out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets, strict=True))] = src
             covered += src.numel()
             del data

@@ -18,6 +18,7 @@ import torch
 from porting import cpu
 from porting.convert import config_map
 from porting.convert.checkpoint import read_manifest
+from porting.convert.preflight import check_nemo_counts
 from porting.errors import PortingError
 from porting.family import Family
 
@@ -138,6 +139,8 @@ def checkpoint_config(ckpt: str | Path, family: Family, dtype: torch.dtype | Non
         vocab_divisor=1,
         padded_vocab_size=manifest.padded_vocab_size,
     )
+    # Before anyone builds the model this config describes: its size against the weights' own.
+    check_nemo_counts(Path(ckpt), manifest, config)
     return config
 
 

@@ -25,7 +25,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from porting.convert.config_map import model_file, no_duplicate_keys, read_json
-from porting.errors import PortingError
+from porting.errors import PortingError, check_finite
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
@@ -323,6 +323,7 @@ class SafetensorsSource:
     def get(self, key: str) -> torch.Tensor:
         """Read one tensor (a fresh CPU tensor, not a view into the mapped file)."""
         if self._pickled is not None:
+            check_finite(self._pickled[key], str(self.dir), key)
             return self._pickled[key]
         path = self._key_to_file[key]
         st = path.stat()
@@ -344,6 +345,7 @@ class SafetensorsSource:
                 f"{path}: tensor {key!r} read as {tuple(t.shape)} {t.dtype}, its header says "
                 f"{info.shape} {info.dtype}"
             )
+        check_finite(t, str(path), key)
         return t
 
     def shape(self, key: str) -> tuple[tuple[int, ...], Path]:
@@ -353,14 +355,24 @@ class SafetensorsSource:
         path = self._key_to_file[key]
         return self._headers[path][key].shape, path
 
+    def stored_dtype(self, key: str) -> tuple[str, Path]:
+        """A tensor's dtype as safetensors names it (``BF16``, ``I32``; for a pickle checkpoint
+        the torch dtype mapped to that name) and the file holding it."""
+        if self._pickled is not None:
+            dtype = self._pickled[key].dtype
+            return _TORCH_TO_ST.get(dtype, str(dtype).removeprefix("torch.")), self.dir
+        path = self._key_to_file[key]
+        return self._headers[path][key].dtype, path
+
     def dtypes(self) -> set[torch.dtype]:
         """The set of floating dtypes in the checkpoint (read from headers only where possible)."""
         if self._pickled is not None:
             return {t.dtype for t in self._pickled.values() if t.is_floating_point()}
         return {
-            _ST_TO_TORCH.get(info.dtype, torch.float32)
+            _ST_TO_TORCH[info.dtype]
             for header in self._headers.values()
             for info in header.values()
+            if info.dtype in _ST_TO_TORCH
         }
 
     def close(self) -> None:

@@ -31,7 +31,7 @@ def print_report(report, as_json: bool) -> None:
     if report is None:
         return
     if as_json:
-        print(json.dumps(report.as_dict(), indent=2))
+        print(json.dumps(report.as_dict(), indent=2, allow_nan=False))
     else:
         print(report.summary())
 

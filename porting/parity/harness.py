@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -50,10 +51,14 @@ class ParityReport:
     mode: str = "whole-model"
     layers: list[dict] = field(default_factory=list)
     first_divergent_layer: int | None = None
+    # NaN / Inf logit values per side; any fails the gate, whatever the differences say.
+    nonfinite_hf: int = 0
+    nonfinite_megatron: int = 0
 
     def as_dict(self) -> dict:
-        """JSON-ready dict."""
-        return asdict(self)
+        """JSON-ready dict: strict JSON, a non-finite number (NaN, Inf) becomes ``null`` (the
+        ``nonfinite_*`` counts say why)."""
+        return _finite(asdict(self))
 
     def summary(self) -> str:
         """Human-readable one-block summary."""
@@ -61,6 +66,13 @@ class ParityReport:
         text = (
             f"parity {verdict}: {self.prompts} prompts, {self.positions} positions, "
             f"vocab {self.vocab_size}\n"
+        )
+        if self.nonfinite_hf or self.nonfinite_megatron:
+            text += (
+                f"  NOT FINITE     {self.nonfinite_hf} NaN/Inf logit values from HF, "
+                f"{self.nonfinite_megatron} from Megatron (a weight holds NaN/Inf, or overflows)\n"
+            )
+        text += (
             f"  max |dlogit|   {self.max_abs_diff:.3e}   (gate: atol {self.atol:g} + rtol "
             f"{self.rtol:g} * |logit|)\n"
             f"  mean |dlogit|  {self.mean_abs_diff:.3e}\n"
@@ -81,6 +93,16 @@ class ParityReport:
                 f"input; fp32 explains up to {LAYER_RTOL:g})"
             )
         return text
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
 
 
 def build_prompts(tokenizer, vocab_size: int, seed: int = 0) -> list[torch.Tensor]:
@@ -112,8 +134,12 @@ def compare(
     logp = torch.log_softmax(a, -1)
     logq = torch.log_softmax(b, -1)
     kl = (logp.exp() * (logp - logq)).sum(-1).mean().item()
-    top1 = (a.argmax(-1) == b.argmax(-1)).double().mean().item()
-    finite = bool(torch.isfinite(a).all() and torch.isfinite(b).all())
+    bad_a, bad_b = ~torch.isfinite(a), ~torch.isfinite(b)
+    # argmax takes NaN for the largest value: two all-NaN rows would "agree" at index 0. Only
+    # positions finite on both sides can agree.
+    rows = ~(bad_a.any(-1) | bad_b.any(-1))
+    top1 = ((a.argmax(-1) == b.argmax(-1)) & rows).double().mean().item()
+    finite = not (bad_a.any() or bad_b.any())
     return ParityReport(
         prompts=len(hf),
         positions=a.shape[0],
@@ -127,6 +153,8 @@ def compare(
         min_top1=min_top1,
         worst_excess=excess,
         passed=finite and excess <= 0 and top1 >= min_top1,
+        nonfinite_hf=int(bad_a.sum()),
+        nonfinite_megatron=int(bad_b.sum()),
     )
 
 
@@ -205,13 +233,25 @@ def verify(
     from transformers import AutoTokenizer
 
     from porting.convert.checkpoint import read_manifest, tokenizer_files
+    from porting.convert.config_map import read_hf_config
     from porting.convert.context import check_io_json
+    from porting.convert.preflight import check_hf_checkpoint
+    from porting.convert.safetensors_io import SafetensorsSource
     from porting.registry import family_by_name
 
     manifest = read_manifest(ckpt)
     family = family_by_name(manifest.family)
     # Not read here, but a checkpoint whose NeMo context would run code on load is hostile.
     check_io_json(ckpt, family)
+    # The HF side's config against its headers before either model is built (the Megatron
+    # side's is checked as its config is rebuilt, checkpoint_config).
+    check_hf_checkpoint(
+        family,
+        read_hf_config(hf_dir),
+        SafetensorsSource(hf_dir, allow_pickle=allow_pickle),
+        Path(hf_dir) / "config.json",
+        "verify",
+    )
     tok_files = tokenizer_files(ckpt, manifest)
     tokenizer = (
         AutoTokenizer.from_pretrained(str(tok_files[0].parent), local_files_only=True)

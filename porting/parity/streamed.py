@@ -195,6 +195,7 @@ def _megatron_side(ckpt: Path, family):
 
     from porting.convert.dist_reader import DistCheckpointReader
     from porting.convert.megatron import build_mcore_model, checkpoint_config
+    from porting.convert.preflight import check_nemo_layout
 
     config = checkpoint_config(ckpt, family, torch.float32)  # the layers run in fp32
     with init_empty_weights():
@@ -203,6 +204,7 @@ def _megatron_side(ckpt: Path, family):
     reader = DistCheckpointReader(weights)
     # Every key, offset and factory of the checkpoint's layout, without data.
     sharded = model.sharded_state_dict(prefix="module.")
+    check_nemo_layout(sharded, reader, f"{ckpt}/context/porting.json")
 
     def params_of(module_prefix: str, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         out = {}

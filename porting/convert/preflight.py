@@ -1,0 +1,216 @@
+"""What a config says, checked against what a checkpoint holds, before anything is built or read.
+
+A config is a claim: ``num_hidden_layers: 100000`` or ``vocab_size: 2**40`` over two layers of
+weights would have import build (or try to allocate) a model of that size before any check could
+see the lie. These checks take only the config, the family's weight table and the checkpoint's
+headers (safetensors headers, torch_dist ``.metadata``), and run before any model exists; their
+cost does not depend on what the config claims:
+
+- every tensor the table reads is floating point (an ``I32`` of the right byte size would otherwise
+  be cast to float silently); a non-float dtype is refused by name;
+- the layer and expert indices the checkpoint's names carry are exactly the config's counts;
+- the largest tensor the step holds at once fits in the memory this machine has free.
+
+Shapes are then checked tensor by tensor once the (bounded) meta models exist
+(:func:`porting.convert.table_check.check_checkpoint_shapes`, :func:`check_nemo_layout`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from pathlib import Path
+from typing import Any
+
+from porting.convert.mapping import EXPERT, LAYER, Ignore, Rename
+from porting.errors import PortingError
+from porting.family import Family
+
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+_LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+_EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+_BYTES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
+
+
+def _pattern(name: str) -> re.Pattern:
+    rx = re.escape(name).replace(re.escape(LAYER), r"(?P<layer>\d+)")
+    return re.compile(rx.replace(re.escape(EXPERT), r"(?P<expert>\d+)") + r"\Z")
+
+
+def _read_patterns(family: Family) -> list[re.Pattern]:
+    names = []
+    for e in family.weights:
+        if not isinstance(e, Ignore):
+            names.extend((e.hf,) if isinstance(e, Rename) else e.hf)
+    return [_pattern(n) for n in dict.fromkeys(names)]
+
+
+def _field(hf_config: dict, candidates: tuple[str, ...], value: int, what: str) -> str:
+    for key in candidates:
+        if hf_config.get(key) == value:
+            return f"{key} is {value}"
+    return f"it makes {value} {what}"
+
+
+def _span(found: set[int]) -> str:
+    if not found:
+        return "none"
+    lo, hi = min(found), max(found)
+    if found == set(range(lo, hi + 1)):
+        return f"{lo}..{hi} ({len(found)})"
+    missing = sorted(set(range(lo, hi + 1)) - found)[:3]
+    return f"{lo}..{hi} without {', '.join(map(str, missing))}"
+
+
+def check_hf_counts(family: Family, hf_config: dict, ctx: Any, names, config_path) -> None:
+    """The layer and expert indices in the checkpoint's tensor ``names`` (read through the table's
+    ``*`` / ``#`` patterns) must be exactly ``range(num_layers)`` / ``range(num_experts)``."""
+    layers: set[int] = set()
+    experts: set[int] = set()
+    patterns = [p for p in _read_patterns(family) if p.groupindex]
+    for name in names:
+        for p in patterns:
+            m = p.match(name)
+            if m:
+                if "layer" in p.groupindex:
+                    layers.add(int(m["layer"]))
+                if "expert" in p.groupindex:
+                    experts.add(int(m["expert"]))
+                break
+    if any("layer" in p.groupindex for p in patterns) and layers != set(range(ctx.num_layers)):
+        raise PortingError(
+            f"{config_path}: {_field(hf_config, _LAYER_FIELDS, ctx.num_layers, 'layers')}, but "
+            f"the checkpoint's tensors hold layers {_span(layers)}"
+        )
+    n_experts = getattr(ctx, "num_experts", 0) or 0
+    if any("expert" in p.groupindex for p in patterns) and experts != set(range(n_experts)):
+        raise PortingError(
+            f"{config_path}: {_field(hf_config, _EXPERT_FIELDS, n_experts, 'experts')}, but the "
+            f"checkpoint's tensors hold experts {_span(experts)}"
+        )
+
+
+def check_float_dtypes(family: Family, source) -> None:
+    """Every tensor of ``source`` that the family does not ``Ignore`` is stored as a float."""
+    ignores = [e.hf for e in family.weights if isinstance(e, Ignore)]
+    for key in source.keys():
+        dtype, where = source.stored_dtype(key)
+        if dtype not in FLOAT_DTYPES and not any(fnmatch.fnmatchcase(key, g) for g in ignores):
+            raise PortingError(
+                f"{where}: tensor {key!r} is stored as {dtype}; weights must be floating point "
+                f"({', '.join(FLOAT_DTYPES)}), and an integer or quantized tensor is not cast"
+            )
+
+
+def available_bytes() -> int:
+    """Memory this process can still take: free RAM plus free swap."""
+    import psutil
+
+    return psutil.virtual_memory().available + psutil.swap_memory().free
+
+
+def check_largest_tensor(step: str, shapes: dict[str, tuple[tuple[int, ...], str]]) -> None:
+    """The largest single tensor of ``shapes`` (name -> (shape, safetensors dtype)), held once as
+    stored and once in fp32 (the gate's precision), must fit in this machine's free memory."""
+    if not shapes:
+        return
+    name, (shape, dtype) = max(
+        shapes.items(), key=lambda kv: _numel(kv[1][0]) * _BYTES.get(kv[1][1], 4)
+    )
+    need = _numel(shape) * (_BYTES.get(dtype, 4) + 4)
+    have = available_bytes()
+    if need > have:
+        raise PortingError(
+            f"{step} needs at least {need / 2**30:.1f} GiB at once for tensor {name!r} "
+            f"{tuple(shape)} {dtype}; this machine has {have / 2**30:.1f} GiB free"
+        )
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def check_hf_checkpoint(
+    family: Family, hf_config: dict, source, config_path, step: str
+) -> dict[str, tuple[int, ...]]:
+    """All of the HF side's checks, cheapest first: dtypes, layer and expert counts (names only),
+    then every tensor's shape against the config's HF model built on the meta device, then the
+    memory for the largest tensor. Returns that model's shapes (name -> shape)."""
+    import torch
+
+    from porting.convert.megatron import build_config
+    from porting.convert.table_check import check_checkpoint_shapes, hf_meta_shapes
+
+    check_float_dtypes(family, source)
+    _, ctx = build_config(family, hf_config, torch.float32, vocab_divisor=1)
+    check_hf_counts(family, hf_config, ctx, source.keys(), config_path)
+    hf_shapes = hf_meta_shapes(family, hf_config)
+    check_checkpoint_shapes(source, hf_shapes, config_path)
+    check_largest_tensor(
+        step, {k: (source.shape(k)[0], source.stored_dtype(k)[0]) for k in source.keys()}
+    )
+    return hf_shapes
+
+
+def check_nemo_counts(ckpt: Path, manifest, config) -> None:
+    """Our checkpoint's manifest against its ``weights/`` metadata: the vocabulary sizes agree
+    with each other and with the embedding's rows, and every stacked layer tensor holds the
+    config's layer count. Reads ``.metadata`` only."""
+    from porting.convert.dist_reader import DistCheckpointReader
+
+    where = Path(ckpt) / "context" / "porting.json"
+    hf_vocab = manifest.hf_config.get("vocab_size")
+    if hf_vocab != manifest.vocab_size:
+        raise PortingError(
+            f"{where}: hf_config.vocab_size is {hf_vocab!r}, but vocab_size is "
+            f"{manifest.vocab_size!r}"
+        )
+    if manifest.padded_vocab_size < manifest.vocab_size:
+        raise PortingError(
+            f"{where}: padded_vocab_size {manifest.padded_vocab_size} is smaller than "
+            f"vocab_size {manifest.vocab_size}"
+        )
+    reader = DistCheckpointReader(Path(ckpt) / "weights")
+    for key in reader.keys():
+        shape = reader.global_shape(key)
+        if key.startswith("module.decoder.layers.") and shape[:1] != (config.num_layers,):
+            field = _field(manifest.hf_config, _LAYER_FIELDS, config.num_layers, "layers")
+            raise PortingError(
+                f"{where}: hf_config's {field}, but {reader.dir} holds {shape[0]} layers "
+                f"({key!r} is {shape})"
+            )
+        if key == "module.embedding.word_embeddings.weight" and (
+            shape[0] != manifest.padded_vocab_size
+        ):
+            raise PortingError(
+                f"{where}: padded_vocab_size is {manifest.padded_vocab_size}, but {reader.dir} "
+                f"holds {shape[0]} embedding rows"
+            )
+
+
+def check_nemo_layout(sharded: dict, reader, where: str) -> None:
+    """Every tensor of a model's data-free ``sharded_state_dict`` has, in the checkpoint, the
+    global shape the model expects (one line naming the tensor and both shapes otherwise)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    def visit(item) -> None:
+        if isinstance(item, dict):
+            for v in item.values():
+                visit(v)
+        elif isinstance(item, list | tuple):
+            for v in item:
+                visit(v)
+        elif isinstance(item, ShardedTensorFactory):
+            visit(item.build())
+        elif isinstance(item, ShardedTensor):
+            got = reader.global_shape(item.key)
+            if tuple(got) != tuple(item.global_shape):
+                raise PortingError(
+                    f"{reader.dir}: {item.key!r} is {tuple(got)}, but {where} makes it "
+                    f"{tuple(item.global_shape)}"
+                )
+
+    visit(sharded)
