@@ -135,6 +135,12 @@ def register(subparsers) -> None:
         help='keep "text": "" as an empty '
         "document, as preprocess_data.py does, instead of treating it as an error",
     )
+    g.add_argument(
+        "--allow-empty",
+        action="store_true",
+        help="write an empty dataset when no record is kept (by default that run fails: every "
+        "record skipped, or inputs with none, is a wrong input)",
+    )
     g.add_argument("--resume", action="store_true", help="continue an interrupted run")
     g.add_argument("--chunk-mb", type=float, default=4.0, help="input per work unit (MiB)")
     g.add_argument(
@@ -214,6 +220,7 @@ def run_prep(args) -> int:
         backend=args.tokenizer_backend,
         on_error=args.on_error,
         keep_empty=args.keep_empty,
+        allow_empty=args.allow_empty,
         resume=args.resume,
         overwrite=args.overwrite,
         chunk_bytes=max(1, int(args.chunk_mb * (1 << 20))),

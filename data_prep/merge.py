@@ -15,7 +15,7 @@ import numpy as np
 
 from data_prep.writer import index_header, read_index, write_index
 from porting.errors import PortingError
-from porting.guard import output_lock
+from porting.guard import output_lock, refuse_overlap
 
 
 def prefixes_in(directory: str | Path) -> list[str]:
@@ -43,6 +43,11 @@ def merge(prefixes: list[str], output_prefix: str | Path, overwrite: bool = Fals
     """
     if not prefixes:
         raise PortingError("nothing to merge")
+    refuse_overlap(
+        [Path(f"{output_prefix}{ext}") for ext in (".bin", ".idx")],
+        [("dataset", Path(f"{p}{ext}")) for p in prefixes for ext in (".bin", ".idx")],
+        "--output-prefix",
+    )
     with output_lock(output_prefix, "dataset"):
         return _merge(prefixes, output_prefix, overwrite)
 

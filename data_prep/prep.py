@@ -35,7 +35,15 @@ import numpy as np
 
 from data_prep import worker
 from data_prep.backends import LightReference, build_backend, describe_diff
-from data_prep.records import PROBLEM_KINDS, Parsed, oversize, parse_jsonl, parse_rows
+from data_prep.records import (
+    PROBLEM_KINDS,
+    Parsed,
+    listed,
+    oversize,
+    parse_jsonl,
+    parse_rows,
+    refuse_empty,
+)
 from data_prep.report import Progress, rate, report_path, write_json_atomic
 from data_prep.sources import MAX_RECORD_BYTES, Source, expand_inputs, iter_tasks, read_range
 from data_prep.tokenizer import (
@@ -50,7 +58,7 @@ from data_prep.tokenizer import (
 )
 from data_prep.writer import WorkDir, total_tokens, write_index_from_doc_lengths
 from porting.errors import PortingError
-from porting.guard import Terminated, output_lock, signals_deferred
+from porting.guard import Terminated, output_lock, refuse_overlap, signals_deferred
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +87,7 @@ class PrepConfig:
     backend: str = "auto"
     on_error: str = "fail"
     keep_empty: bool = False
+    allow_empty: bool = False
     resume: bool = False
     overwrite: bool = False
     chunk_bytes: int = 4 << 20
@@ -531,19 +540,18 @@ class _Run:
             entry["tokens"] += int(tokens.size)
             entry["empty"] += int(np.count_nonzero(lens == 0))
             n_tokens += int(tokens.size)
-        rows = []
-        for rel, kind, detail in res.problems:
-            state["problem_counts"][kind] = state["problem_counts"].get(kind, 0) + 1
-            rows.append(
-                {
-                    "file": str(source.path),
-                    source.unit: line0 + rel + 1,
-                    "reason": kind,
-                    "detail": detail,
-                }
-            )
+        rows = [
+            {
+                "file": str(source.path),
+                source.unit: line0 + rel + 1,
+                "reason": kind,
+                "detail": detail,
+            }
+            for rel, kind, detail in res.problems
+            if listed(state["problem_counts"], kind)
+        ]
         self.work.add_problems(rows)
-        state["skipped"] += len(rows)
+        state["skipped"] += len(res.problems)
         state["records"] += n_docs
         state["lines"] += res.n_lines
         state["bytes"] += res.nbytes
@@ -627,6 +635,18 @@ def checked_inputs(cfg: PrepConfig) -> tuple[list[Source], str]:
     if cfg.max_record_bytes < 1:
         raise PortingError(f"--max-record-bytes {cfg.max_record_bytes}: need at least 1")
     sources = expand_inputs(cfg.inputs)
+    finals = [output_prefix_for(cfg.output_prefix, k) for k in keys]
+    outputs = [Path(f"{f}{ext}") for f in finals for ext in (".bin", ".idx")]
+    outputs += [report_path(cfg.output_prefix), work_path(cfg.output_prefix)]
+    refuse_overlap(
+        outputs,
+        # the directories given as inputs too: an output among their files would be read as
+        # input by the next run
+        [("input", p) for p in map(Path, cfg.inputs) if p.is_dir()]
+        + [("input", s.path) for s in sources]
+        + [("tokenizer", cfg.tokenizer.path)],
+        "--output-prefix",
+    )
     tok_fp = fingerprint(cfg.tokenizer, cfg.include_special_tokens, cfg.use_fast)
     return sources, tok_fp
 
@@ -753,6 +773,11 @@ def _prepare(cfg: PrepConfig, sources: list[Source], tok_fp: str, run_fp: str, t
         if isinstance(err, (KeyboardInterrupt, Terminated)):
             err.kept = kept
         raise
+    try:
+        refuse_empty(state["records"], state["skipped"], state["problem_counts"], cfg.allow_empty)
+    except PortingError:
+        work.remove()
+        raise
     rpath = report_path(cfg.output_prefix)
     try:
         # A signal now would leave some outputs renamed and the resume state without them.
@@ -842,6 +867,8 @@ def report_counts(cfg, state: dict, skipped: list[dict]) -> dict:
         "skipped": state["skipped"],
         "problems": {k: v for k, v in state["problem_counts"].items() if v},
         "skipped_records": skipped,
+        # Beyond the first PROBLEMS_LISTED of each kind, skipped records are counted, not listed.
+        "skipped_not_listed": state["skipped"] - len(skipped),
         "equivalence": {
             # gigatoken only: sampled documents re-encoded by the tokenizers/sentencepiece object
             # Megatron's tokenizer wraps (the other backends are that object).

@@ -26,7 +26,32 @@ PROBLEM_KINDS = (
     "empty_text",
 )
 
+#: Skipped records listed in the report, per kind; the rest are counted only. A corpus with a
+#: million bad lines must not need a million entries in memory and in the report.
+PROBLEMS_LISTED = 100
+
 _MISSING = object()
+
+
+def listed(counts: dict[str, int], kind: str) -> bool:
+    """Count one problem of ``kind`` in ``counts``; True while it is among the first
+    :data:`PROBLEMS_LISTED` of its kind (the ones the report lists)."""
+    counts[kind] = counts.get(kind, 0) + 1
+    return counts[kind] <= PROBLEMS_LISTED
+
+
+def refuse_empty(records: int, skipped: int, problems: dict[str, int], allow_empty: bool) -> None:
+    """A run that kept no record at all is an error unless ``--allow-empty`` asked for it: a
+    corpus every line of which was skipped (or that holds none) is a wrong input, not a dataset."""
+    if records or allow_empty:
+        return
+    from porting.errors import PortingError
+
+    why = ", ".join(f"{n} {k}" for k, n in problems.items() if n) or "the inputs hold no record"
+    raise PortingError(
+        f"no record kept ({skipped} skipped: {why}); nothing written. Pass --allow-empty to "
+        "write an empty dataset"
+    )
 
 
 @dataclass

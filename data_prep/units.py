@@ -49,7 +49,7 @@ from data_prep.prep import (
     report_static,
     tokenizer_setup,
 )
-from data_prep.records import PROBLEM_KINDS
+from data_prep.records import PROBLEM_KINDS, PROBLEMS_LISTED, listed, refuse_empty
 from data_prep.report import rate, report_path, write_json_atomic
 from data_prep.sources import Source, _source, line_ranges, lines_before, range_tasks
 from data_prep.writer import write_index_from_doc_lengths
@@ -92,6 +92,7 @@ class Job:
     checkpoint: str | None
     overwrite: bool
     report: dict
+    allow_empty: bool = False
 
 
 def staging_path(output_prefix: str | Path) -> Path:
@@ -155,6 +156,7 @@ def plan_job(cfg, sources: list[Source], tok_fp: str) -> Job:
         checkpoint=str(contract.checkpoint) if contract else None,
         overwrite=cfg.overwrite,
         report=static,
+        allow_empty=cfg.allow_empty,
     )
 
 
@@ -263,6 +265,7 @@ def run_unit(job: Job, index: int, report=None) -> dict:
     lens: dict[str, list] = {k: [] for k in job.json_keys}
     stats = {k: {"documents": 0, "tokens": 0, "empty": 0} for k in job.json_keys}
     problems: list[list] = []
+    problem_counts: dict[str, int] = {}
     lossy = {"sampled": 0, "differing": 0, "example": None}
     lines = nbytes = disk = compared = docs = tokens = 0
 
@@ -303,7 +306,11 @@ def run_unit(job: Job, index: int, report=None) -> dict:
                 stats[key]["tokens"] += int(toks.size)
                 stats[key]["empty"] += int(np.count_nonzero(dl == 0))
                 tokens += int(toks.size)
-            problems += [[lines + rel, kind, detail] for rel, kind, detail in res.problems]
+            problems += [
+                [lines + rel, kind, detail]
+                for rel, kind, detail in res.problems
+                if listed(problem_counts, kind)
+            ]
             docs += len(res.doc_lens[job.json_keys[0]])
             lines += res.n_lines
             nbytes += res.nbytes
@@ -334,6 +341,7 @@ def run_unit(job: Job, index: int, report=None) -> dict:
         "bytes": nbytes,
         "disk_bytes": disk,
         "problems": problems,
+        "problem_counts": problem_counts,
         "lossy": lossy,
         "compared": compared,
         "seconds": round(time.perf_counter() - t0, 4),
@@ -421,12 +429,20 @@ def _state(job: Job, summaries: list[dict]) -> tuple[dict, list[dict]]:
         state["lines"] += s["lines"]
         state["bytes"] += s["bytes"]
         state["compared"] += s["compared"]
+        # Each unit lists its first PROBLEMS_LISTED of a kind; the job lists the first of all.
         for rel, kind, detail in s["problems"]:
-            state["problem_counts"][kind] = state["problem_counts"].get(kind, 0) + 1
-            skipped.append(
-                {"file": str(src.path), src.unit: base + rel + 1, "reason": kind, "detail": detail}
-            )
-        state["skipped"] += len(s["problems"])
+            if sum(r["reason"] == kind for r in skipped) < PROBLEMS_LISTED:
+                skipped.append(
+                    {
+                        "file": str(src.path),
+                        src.unit: base + rel + 1,
+                        "reason": kind,
+                        "detail": detail,
+                    }
+                )
+        for kind, n in s["problem_counts"].items():
+            state["problem_counts"][kind] = state["problem_counts"].get(kind, 0) + n
+            state["skipped"] += n
         lossy = state["lossy"]
         lossy["sampled"] += s["lossy"]["sampled"]
         lossy["differing"] += s["lossy"]["differing"]
@@ -462,6 +478,11 @@ def finish(job: Job, summaries: list[dict], executor: str, timing: dict) -> dict
     is then removed). ``summaries`` in unit order, each :func:`verified`."""
     staging = Path(job.staging)
     state, skipped = _state(job, summaries)
+    try:
+        refuse_empty(state["records"], state["skipped"], state["problem_counts"], job.allow_empty)
+    except PortingError:
+        shutil.rmtree(staging, ignore_errors=True)  # a finished job of nothing: no resume state
+        raise
     t0 = time.perf_counter()
     from data_prep.tokenizer import third_party_quieted
 

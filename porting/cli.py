@@ -83,10 +83,13 @@ def main(argv: list[str] | None = None) -> int:
         # Workers, and the helpers Megatron's checkpoint writer and multiprocessing start, must
         # not outlive a stopped command (a normal exit shuts them down through atexit).
         guard.stop_new_children(before)
+        code = stop.exit_code if isinstance(stop, guard.Terminated) else 130
+        if getattr(stop, "silent", False):  # a rank whose launcher reports the stop
+            return code
         name = "SIGINT" if isinstance(stop, KeyboardInterrupt) else str(stop)
         kept = getattr(stop, "kept", None) or "partial outputs removed"
         print(f"porting {args.command}: stopped by {name}; {kept}", file=sys.stderr)
-        return stop.exit_code if isinstance(stop, guard.Terminated) else 130
+        return code
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@
 - :func:`signals_deferred`: a block that SIGINT, SIGTERM and SIGHUP do not interrupt (a rename
   that must complete, a loop that must stop its own workers first); the first signal is handled
   as the block ends, and the block can ask whether one is pending.
+- :func:`refuse_overlap`: an output that is, lies inside or contains an input is refused before
+  anything is written, ``--overwrite`` or not (replacing it would destroy the input).
 - :func:`stop_new_children`: terminates every process started since a snapshot (our workers,
   multiprocessing managers and resource trackers that Megatron's checkpoint writer starts).
 """
@@ -50,9 +52,27 @@ _SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 def _raise_terminated(signum: int, frame) -> None:
     # Further signals during the clean-up would interrupt it half-way; the first one decides.
-    for sig in _SIGNALS:
+    for sig in (*_SIGNALS, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
     raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def interrupts_as_terminated() -> Iterator[None]:
+    """Within the block SIGINT, too, raises :class:`Terminated` (exit status 130), for code that
+    handles ``KeyboardInterrupt`` its own way: Lightning's trainer turns it into ``exit(1)``."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if previous == signal.SIG_IGN:  # started ignoring it (a background job): keep ignoring it
+        yield
+        return
+    signal.signal(signal.SIGINT, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @contextlib.contextmanager
@@ -66,6 +86,32 @@ def signals_as_exceptions() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def refuse_overlap(outputs, inputs, flag: str = "--out") -> None:
+    """Raise :class:`PortingError` when any of ``outputs`` (paths this run will write or replace)
+    is, lies inside, or contains any of ``inputs`` (``(what, path)`` pairs), compared after
+    resolving symlinks: with ``--overwrite`` the input would be destroyed, without it a later run
+    would read its own output as input."""
+    if isinstance(outputs, str | os.PathLike):
+        outputs = [outputs]
+    for out in outputs:
+        o = Path(os.path.realpath(out))
+        for what, given in inputs:
+            i = Path(os.path.realpath(given))
+            if o == i:
+                how = "is"
+            elif o.is_relative_to(i):
+                how = "lies inside"
+            elif i.is_relative_to(o):
+                how = "contains"
+            else:
+                continue
+            via = f" ({o} after symlinks)" if Path(out).absolute() != o else ""
+            raise PortingError(
+                f"{flag} {out}{via} {how} the {what} {given}; choose an output outside every "
+                "input (nothing was written)"
+            )
 
 
 def child_pids() -> set[int]:

@@ -135,7 +135,7 @@ def test_validation_errors(tiny_nemo, train_corpus, kw, needle):
 
     config = checkpoint_config(tiny_nemo)
     with pytest.raises(PortingError) as err:
-        validate(_spec(tiny_nemo, train_corpus, **kw), config, 256)
+        validate(_spec(tiny_nemo, train_corpus, **kw), config, 130)
     assert needle in str(err.value)
 
 
@@ -151,10 +151,24 @@ def test_validation_catches_data_from_another_tokenizer(tiny_nemo, tmp_path):
     b.add_document(torch.tensor([5, 300, 7]), [3])
     b.finalize(str(prefix) + ".idx")
     config = checkpoint_config(tiny_nemo)
-    with pytest.raises(PortingError, match="token id 300, beyond the model's vocabulary of 256"):
-        validate(_spec(tiny_nemo, prefix), config, 256)
+    with pytest.raises(
+        PortingError, match="token id 300, beyond the checkpoint's vocabulary of 130"
+    ):
+        validate(_spec(tiny_nemo, prefix), config, 130)
+    # An id inside the padded vocabulary (256) but past the real one (130) lands on a padding row
+    # that export drops: refused too, both sizes named.
+    padded = tmp_path / "padding_ids"
+    b = IndexedDatasetBuilder(str(padded) + ".bin", dtype=np.uint16)
+    b.add_document(torch.tensor([5, 200, 7]), [3])
+    b.finalize(str(padded) + ".idx")
+    with pytest.raises(PortingError) as err:
+        validate(_spec(tiny_nemo, padded), config, 130)
+    assert f"{padded}.bin holds token id 200, beyond the checkpoint's vocabulary of 130 " in str(
+        err.value
+    )
+    assert "(padded to 256 for the layout)" in str(err.value)
     with pytest.raises(PortingError, match="does not exist"):
-        validate(_spec(tiny_nemo, tmp_path / "nothing"), config, 256)
+        validate(_spec(tiny_nemo, tmp_path / "nothing"), config, 130)
 
 
 def test_validation_warns_past_the_trained_context(tiny_nemo, train_corpus):
@@ -162,8 +176,8 @@ def test_validation_warns_past_the_trained_context(tiny_nemo, train_corpus):
     from porting.train.checks import validate
 
     config = checkpoint_config(tiny_nemo)
-    assert validate(_spec(tiny_nemo, train_corpus, seq_length=256), config, 256) == []
-    (warning,) = validate(_spec(tiny_nemo, train_corpus, seq_length=512), config, 256)
+    assert validate(_spec(tiny_nemo, train_corpus, seq_length=256), config, 130) == []
+    (warning,) = validate(_spec(tiny_nemo, train_corpus, seq_length=512), config, 130)
     assert "exceeds the 256 positions" in warning
 
 

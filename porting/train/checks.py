@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from porting.errors import PortingError
+from porting.guard import refuse_overlap
 
 RECOMPUTE = ("none", "selective", "full")
 # Written by SelfDescribingCheckpoint into every checkpoint's context/: the layout it was saved at.
@@ -107,6 +108,16 @@ def _prefixes(items: list[str], flag: str = "--data") -> list[str]:
     return blend[0] if isinstance(blend, tuple) else blend
 
 
+def refuse_input_overlap(spec: TrainSpec) -> None:
+    """``--out`` must not be, lie inside or contain ``--checkpoint`` or any data file: a run
+    directory is written into and may be replaced, and its inputs must survive it."""
+    inputs = [("--checkpoint", spec.checkpoint)]
+    for flag, items in (("--data", spec.data), ("--valid-data", spec.valid_data or [])):
+        for prefix in _prefixes(items, flag):
+            inputs += [(f"{flag} file", f"{prefix}{ext}") for ext in (".bin", ".idx")]
+    refuse_overlap(spec.out, inputs)
+
+
 def megatron_paths(items: list[str], flag: str) -> list:
     """Megatron's blend list (``[w1, p1, w2, p2]`` or ``[p1, p2]``) for ``--data``-style items."""
     blend = parse_blend(items, flag)
@@ -120,7 +131,8 @@ def validate(spec: TrainSpec, model_config, vocab_size: int) -> list[str]:
 
     Raises :class:`PortingError` naming the offending flag (and, for model limits, the file the
     model's field comes from); returns warnings (as strings) for settings that run but deserve a
-    look (a sequence longer than the rotary settings were trained for).
+    look (a sequence longer than the rotary settings were trained for). ``vocab_size`` is the
+    checkpoint's real (HF) vocabulary, the bound on the data's token ids.
     """
     manifest = Path(spec.checkpoint) / "context" / "porting.json"
     heads = model_config.num_attention_heads
@@ -208,9 +220,9 @@ def validate(spec: TrainSpec, model_config, vocab_size: int) -> list[str]:
         raise PortingError(
             f"padded vocabulary {model_config.vocab_size} is not divisible by --tp {spec.tp}"
         )
-    check_data(spec.data, vocab_size, "--data")
+    check_data(spec.data, vocab_size, "--data", model_config.vocab_size)
     if spec.valid_data:
-        check_data(spec.valid_data, vocab_size, "--valid-data")
+        check_data(spec.valid_data, vocab_size, "--valid-data", model_config.vocab_size)
     else:
         check_split(spec.data, spec.split, "--data")
     warnings = []
@@ -228,11 +240,14 @@ def validate(spec: TrainSpec, model_config, vocab_size: int) -> list[str]:
     return warnings
 
 
-def check_data(items: list[str], vocab_size: int, flag: str) -> None:
-    """Every prefix of ``items`` exists and holds no token id beyond the model's vocabulary.
+def check_data(items: list[str], vocab_size: int, flag: str, padded: int | None = None) -> None:
+    """Every prefix of ``items`` exists and holds no token id at or beyond ``vocab_size``, the
+    checkpoint's real (HF) vocabulary.
 
-    A token id at or past the vocabulary means the data was tokenized with another tokenizer than
-    the checkpoint's (the contract ``porting prep-data --tokenizer CHECKPOINT`` enforces).
+    A token id at or past it means the data was tokenized with another tokenizer than the
+    checkpoint's (the contract ``porting prep-data --tokenizer CHECKPOINT`` enforces). The padded
+    vocabulary (``padded``) is not the bound: its extra rows exist only to divide evenly across
+    tensor-parallel ranks, and export drops them, so tokens trained onto them are lost.
     """
     for prefix in _prefixes(items, flag):
         for ext in (".bin", ".idx"):
@@ -240,9 +255,10 @@ def check_data(items: list[str], vocab_size: int, flag: str) -> None:
                 raise PortingError(f"{flag}: {prefix}{ext} does not exist")
         max_id = max_token_id(prefix)
         if max_id is not None and max_id >= vocab_size:
+            pad = f" (padded to {padded} for the layout)" if padded and padded != vocab_size else ""
             raise PortingError(
-                f"{flag}: {prefix}.bin holds token id {max_id}, beyond the model's vocabulary "
-                f"of {vocab_size}; it was tokenized with another tokenizer"
+                f"{flag}: {prefix}.bin holds token id {max_id}, beyond the checkpoint's "
+                f"vocabulary of {vocab_size}{pad}; it was tokenized with another tokenizer"
             )
 
 
@@ -568,7 +584,7 @@ def preflight(spec: TrainSpec) -> Preflight:
         check_io_json(resumable.parent, family)
     config = checkpoint_config(spec.checkpoint, family)
     check_run_dir(spec, manifest, config)
-    warnings = validate(spec, config, manifest.padded_vocab_size)
+    warnings = validate(spec, config, manifest.vocab_size)
     if spec.plan is not None:
         check_plan(spec, manifest, config)
     note = check_layout_change(spec)
