@@ -56,6 +56,11 @@ _RECORDS = (
     ("megatron.core.rerun_state_machine", "Implicit initialization of Rerun State Machine"),
     ("megatron.core.rerun_state_machine", "RerunStateMachine initialized in mode"),
     ("nv_one_logger", ""),
+    # NeMo's telemetry spans, cut short when a run is stopped
+    ("nv_one_logger.recorder.default_recorder", "The parent of span"),
+    # "Received SIGTERM": `porting train` says itself what a stop kept
+    ("lightning.pytorch.trainer.connectors.signal_connector", "[rank: "),
+    ("lightning.pytorch.trainer.connectors.signal_connector", "Received SIG"),
 )
 
 # Loggers whose INFO lines are set-up narration (GPU/TPU/HPU availability, the process-group

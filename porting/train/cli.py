@@ -7,13 +7,13 @@ import contextlib
 import gc
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 from porting import guard, quiet
 from porting.errors import PortingError
+from porting.train import stop
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -190,56 +190,25 @@ def _rank_argv() -> list[str]:
 _LOCK_HELD = "PORTING_TRAIN_LOCK_HELD"
 
 
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def die_with_parent() -> None:
-    """Have the kernel SIGKILL this process when its parent dies (Linux; elsewhere a no-op).
-
-    torchrun starts each rank in a session of its own
-    (torch/distributed/elastic/multiprocessing/subprocess_handler), and ``_run_ranks`` starts
-    torchrun in one: a SIGKILL of the launching process group reaches neither, and without this the
-    ranks would train on, orphaned, writing checkpoints into a run directory whose lock is gone.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    parent = os.getppid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        return
-    if os.getppid() != parent:  # the parent died before the request took effect
-        os._exit(137)
-
-
-def _run_ranks(cmd: list[str]) -> int:
+def _run_ranks(cmd: list[str], out: Path) -> int:
     """Run the rank launcher in its own process group; a stop of ours stops every rank with it.
 
     ``subprocess.call`` would SIGKILL only the launcher on an exception, orphaning its ranks; a
-    SIGKILL of this process reaches the launcher and the ranks through :func:`die_with_parent`.
+    SIGKILL of this process reaches the launcher and the ranks through
+    :func:`porting.train.stop.die_with_parent`.
     """
     # torchrun sets OMP_NUM_THREADS=1 per rank when unset, with a banner saying so; the same
     # value, given, keeps the banner out of the user's terminal
     env = {"OMP_NUM_THREADS": "1"} | os.environ | {_LOCK_HELD: "1"}
-    proc = subprocess.Popen(
-        cmd,
-        env=env,
-        start_new_session=True,
-        preexec_fn=die_with_parent,
-    )
-    try:
+
+    def launch() -> int:
+        proc = subprocess.Popen(
+            cmd, env=env | {"TMPDIR": os.environ["TMPDIR"]}, start_new_session=True,
+            preexec_fn=stop.die_with_parent,
+        )  # fmt: skip
         return proc.wait()
-    except BaseException:
-        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, sig)
-            try:
-                proc.wait(timeout=wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        raise
+
+    return stop.launched(launch, out)
 
 
 def _cmd_train(args) -> int:
@@ -247,6 +216,7 @@ def _cmd_train(args) -> int:
     from porting.train import checks
 
     spec = _spec(args)
+    checks.refuse_input_overlap(spec)
     if args.executor != "local" or args.dry_run:
         # Every check that needs no trainer, in this process, before any rank is started.
         for w in checks.preflight(spec).warnings:
@@ -283,20 +253,23 @@ def _cmd_train(args) -> int:
             *_rank_argv(),
         ]
         with guard.output_lock(spec.out, "training run"):
-            return _run_ranks(cmd)
+            return _run_ranks(cmd, Path(spec.out))
     if args.executor == "nemo-run":
         from porting.train import launch
 
         with guard.output_lock(spec.out, "training run"):
             os.environ[_LOCK_HELD] = "1"
-            return launch.launch_nemo_run(spec, _rank_argv())
+            argv = _rank_argv()
+            return stop.launched(lambda: launch.launch_nemo_run(spec, argv), Path(spec.out))
     if spec.world_size > 1 and "LOCAL_RANK" not in os.environ and "SLURM_PROCID" not in os.environ:
         raise PortingError(
             f"{spec.world_size} processes requested: use --executor torchrun (one node) or "
             "--executor slurm"
         )
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a rank of torchrun: die with it
-        die_with_parent()
+        stop.die_with_parent()
+        stop.watch_launcher()
+    stop.guard_forked_children()
     from porting.train import recipe
 
     quiet.quiet_nemo()
@@ -305,7 +278,17 @@ def _cmd_train(args) -> int:
     # a hand-made torchrun) is locked by its first rank.
     held = os.environ.get(_LOCK_HELD) == "1" or os.environ.get("RANK", "0") != "0"
     with contextlib.nullcontext() if held else guard.output_lock(spec.out, "training run"):
-        out = recipe.run(r)
+        before = guard.child_pids()
+        try:
+            with guard.interrupts_as_terminated():
+                out = recipe.run(r)
+        except (KeyboardInterrupt, guard.Terminated) as err:
+            if os.environ.get(_LOCK_HELD) == "1" and "RANK" in os.environ:
+                err.silent = True  # the launcher settles the run and says what is kept
+            elif os.environ.get("RANK", "0") == "0":
+                guard.stop_new_children(before)
+                err.kept = stop.settle_checkpoints(spec.out)
+            raise
     if os.environ.get("RANK", "0") == "0":  # one line for the run, not one per rank
         print(f"done: checkpoints in {out / 'checkpoints'} (last: {out / 'checkpoints' / 'last'})")
     # Exit handlers of libraries NeMo imports (leptonai's Remote._atexit_cleanup) run a full

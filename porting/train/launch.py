@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+import threading
 from pathlib import Path
 
 from porting.errors import PortingError
@@ -51,5 +52,21 @@ def launch_nemo_run(spec: TrainSpec, argv: list[str]) -> int:
     os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
     script = run.Script(path="porting.cli", args=["train", *argv], entrypoint="python", m=True)
     executor = run.LocalExecutor(ntasks_per_node=spec.gpus_per_node, launcher="torchrun")
-    run.run(script, executor=executor, name="porting-train")
+    # NeMo-Run waits in a loop that absorbs the exception a stop signal raises (the run would go
+    # on), so it waits on a thread and this one takes the signal: porting.train.stop.launched
+    # then stops the ranks and settles the run directory.
+    failure: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            run.run(script, executor=executor, name="porting-train")
+        except BaseException as err:
+            failure.append(err)
+
+    waiter = threading.Thread(target=wait, name="nemo-run", daemon=True)
+    waiter.start()
+    while waiter.is_alive():
+        waiter.join(0.2)
+    if failure:
+        raise failure[0]
     return 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -349,12 +350,28 @@ class SelfDescribingCheckpoint(ModelCheckpoint):
         self._history: dict[int, dict] | None = None
         self._saved: dict[int, str] = {}
 
+    def _get_finalize_save_checkpoint_callback(self, trainer, filepath: str, global_step: int):
+        # NeMo's finalization removes the checkpoint's "-unfinished" marker. Our files go in
+        # before it, so that a checkpoint without its manifest never looks complete; "last"
+        # moves after it, so that it never points at an incomplete one (a run killed at any
+        # moment leaves "last" on a checkpoint it can resume from).
+        finalize = super()._get_finalize_save_checkpoint_callback(trainer, filepath, global_step)
+
+        def cb() -> None:
+            ckpt = Path(ckpt_to_dir(filepath))
+            if trainer.global_rank == 0:
+                copy_manifest(self._source, ckpt)
+                write_layout(ckpt, self._layout | {"global_step": global_step})
+            finalize()
+            if trainer.global_rank == 0 and ckpt.name.endswith("-last"):
+                relink(ckpt.parent / "last", ckpt.name)
+
+        return cb
+
     def _save_checkpoint(self, trainer, filepath: str) -> None:
         super()._save_checkpoint(trainer, filepath)
         if trainer.global_rank == 0:
             ckpt = ckpt_to_dir(filepath)
-            copy_manifest(self._source, ckpt)
-            write_layout(ckpt, self._layout | {"global_step": trainer.global_step})
             name = Path(ckpt).name
             # A step saves "step=N" and "step=N-last"; the -last one is removed at the next save.
             if trainer.global_step not in self._saved or not name.endswith("-last"):
@@ -417,9 +434,11 @@ def copy_manifest(source_ckpt: Path, ckpt: Path) -> None:
     src, dst = Path(source_ckpt) / "context", Path(ckpt) / "context"
     if not dst.is_dir():
         return
-    shutil.copy2(src / "porting.json", dst / "porting.json")
+    shutil.copyfile(src / "porting.json", dst / "porting.json")
     if (src / "hf_extra").is_dir():
-        shutil.copytree(src / "hf_extra", dst / "hf_extra", dirs_exist_ok=True)
+        shutil.copytree(
+            src / "hf_extra", dst / "hf_extra", dirs_exist_ok=True, copy_function=shutil.copyfile
+        )
 
 
 def write_layout(ckpt: Path, layout: dict) -> None:
@@ -460,9 +479,30 @@ def _tensorboard_logger(out: Path):
 
 
 def _csv_logger(out: Path):
-    from lightning.pytorch.loggers import CSVLogger
+    """``csv/metrics.csv``, continued by a resumed run (Lightning's logger deletes it on start;
+    rows of steps a resumed run repeats appear again, the later ones being the kept history)."""
+    import csv
 
-    return CSVLogger(save_dir=str(out), name="csv", version="")
+    from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+    from lightning.pytorch.loggers.logger import rank_zero_experiment
+
+    class HistoryWriter(ExperimentWriter):
+        def _check_log_dir_exists(self) -> None:
+            if os.path.isfile(self.metrics_file_path):
+                with open(self.metrics_file_path, newline="") as f:
+                    self.metrics_keys = list(next(csv.reader(f), []))
+
+    class HistoryLogger(CSVLogger):
+        @property
+        @rank_zero_experiment
+        def experiment(self):
+            if self._experiment is None:
+                os.makedirs(self.root_dir, exist_ok=True)
+                self._experiment = HistoryWriter(log_dir=self.log_dir)
+            return self._experiment
+
+    return HistoryLogger(save_dir=str(out), name="csv", version="")
 
 
 def run(r: Recipe) -> Path:

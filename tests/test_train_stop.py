@@ -1,0 +1,134 @@
+"""`porting train` stopped by a signal, in every executor: one line saying what is kept, no
+traceback, no process left, ``checkpoints/last`` on a complete checkpoint, nothing unfinished,
+no launcher temp directory; a resumed run appends to the metrics history.
+
+Each run is a real `porting train` (NeMo's trainer over gloo) in a session of its own; the signal
+goes to the whole group, as a terminal's Ctrl-C or a scheduler's SIGTERM does.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from porting.testing import child_env, run_in_session
+
+TIMEOUT = 300
+COMMON = ["--seq-length", "32", "--micro-batch", "2", "--global-batch", "4", "--lr", "1e-2"]
+
+
+def _argv(ckpt, data, out, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "porting.cli", "train", "--checkpoint", str(ckpt),
+        "--data", str(data), "--out", str(out), "--save-every", "2", *COMMON, *extra,
+    ]  # fmt: skip
+
+
+def _complete_checkpoint(out: Path) -> bool:
+    return any(
+        (p / "context" / "train_layout.json").exists()
+        and not p.with_name(p.name + "-unfinished").exists()
+        for p in (out / "checkpoints").glob("step=*-last")
+    )
+
+
+def _ours(text: str) -> list[str]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                status = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if text in cmd and status != "Z":
+                found.append(f"{pid}: {cmd[:160]}")
+    return found
+
+
+def _stop_at_first_checkpoint(argv, out: Path, sig: int) -> subprocess.CompletedProcess:
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+        start_new_session=True,
+    )
+    deadline = time.time() + TIMEOUT
+    try:
+        while time.time() < deadline and proc.poll() is None and not _complete_checkpoint(out):
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before it could be stopped"
+        os.killpg(proc.pid, sig)
+        stdout, stderr = proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+
+
+def _assert_settled(out: Path, r: subprocess.CompletedProcess, sig: int, torchelastic: set) -> None:
+    name = signal.Signals(sig).name
+    assert r.returncode == 128 + sig, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("porting train:")]
+    assert lines == [lines[0]] and lines[0].startswith(f"porting train: stopped by {name}; "), (
+        r.stderr[-3000:]
+    )
+    last = out / "checkpoints" / "last"
+    assert f"last complete checkpoint {last} -> " in lines[0]
+    target = last.resolve()
+    assert target.is_dir() and (target / "context" / "porting.json").is_file()
+    assert not list((out / "checkpoints").glob("*-unfinished"))
+    assert not list(out.glob(".tmp-launcher-*"))
+    assert set(Path("/tmp").glob("torchelastic_*")) <= torchelastic
+    left = []
+    for _ in range(50):
+        left = _ours(str(out))
+        if not left:
+            break
+        time.sleep(0.1)
+    assert not left, f"processes of the stopped run survive: {left}"
+
+
+@pytest.mark.parametrize(
+    "executor,sig",
+    [("local", signal.SIGINT), ("torchrun", signal.SIGTERM), ("nemo-run", signal.SIGTERM)],
+)
+def test_a_stopped_run_leaves_a_resumable_directory_and_no_process(
+    executor, sig, tiny_nemo, train_corpus, tmp_path
+):
+    out = tmp_path / "run"
+    extra = ["--steps", "2000", "--executor", executor]
+    if executor != "local":
+        extra += ["--gpus-per-node", "2"]
+    torchelastic = set(Path("/tmp").glob("torchelastic_*"))
+    r = _stop_at_first_checkpoint(_argv(tiny_nemo, train_corpus, out, *extra), out, sig)
+    _assert_settled(out, r, sig, torchelastic)
+
+
+def test_a_resumed_run_appends_to_the_metrics_history(tiny_nemo, train_corpus, tmp_path):
+    out = tmp_path / "run"
+    argv = _argv(tiny_nemo, train_corpus, out, "--steps", "2000")
+    r = _stop_at_first_checkpoint(argv, out, signal.SIGTERM)
+    _assert_settled(out, r, signal.SIGTERM, set(Path("/tmp").glob("torchelastic_*")))
+    metrics = out / "csv" / "metrics.csv"
+    with open(metrics) as f:
+        first = [int(float(row["global_step"])) for row in csv.DictReader(f)]
+    resumed_from = int(os.readlink(out / "checkpoints" / "last").split("=")[1].split("-")[0])
+    steps = resumed_from + 4
+    r = run_in_session(_argv(tiny_nemo, train_corpus, out, "--steps", str(steps)), TIMEOUT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    with open(metrics) as f:
+        both = [int(float(row["global_step"])) for row in csv.DictReader(f)]
+    assert both[: len(first)] == first, "the rows before the resume were rewritten"
+    assert both[len(first) :] == list(range(resumed_from + 1, steps)), both
