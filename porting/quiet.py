@@ -56,6 +56,8 @@ _RECORDS = (
     ("megatron.core.rerun_state_machine", "Implicit initialization of Rerun State Machine"),
     ("megatron.core.rerun_state_machine", "RerunStateMachine initialized in mode"),
     ("nv_one_logger", ""),
+    # a checkpoint write that failed: `porting train` names the failure (a full disk) itself
+    ("megatron.core.dist_checkpointing.strategies.filesystem_async", "Local process"),
     # NeMo's telemetry spans, cut short when a run is stopped
     ("nv_one_logger.recorder.default_recorder", "The parent of span"),
     # "Received SIGTERM": `porting train` says itself what a stop kept

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from porting.errors import PortingError
+from porting.guard import Terminated
 
 log = logging.getLogger(__name__)
 
@@ -224,7 +225,9 @@ def disk_full_error(
         failures = getattr(e, "failures", None)  # torch.distributed.checkpoint CheckpointException
         if isinstance(failures, dict):
             todo += [x for x in failures.values() if isinstance(x, BaseException)]
-    if isinstance(err, Exception) and not isinstance(err, PortingError):
+    # torch's CheckpointException is a BaseException; a stop or an exit is not a write failure.
+    stops = (PortingError, KeyboardInterrupt, SystemExit, GeneratorExit, Terminated)
+    if not isinstance(err, stops):
         try:
             st = os.statvfs(path)
         except OSError:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import logging
 import os
 import shutil
 import subprocess
@@ -272,6 +273,9 @@ def _cmd_train(args) -> int:
     stop.guard_forked_children()
     from porting.train import recipe
 
+    # A log file on a full disk must not add "--- Logging error ---" reports to the one line
+    # that says the disk is full.
+    logging.raiseExceptions = False
     quiet.quiet_nemo()
     r = recipe.recipe(spec)
     # The launching process holds the run's lock for its ranks; a run started otherwise (srun,
@@ -289,6 +293,19 @@ def _cmd_train(args) -> int:
                 guard.stop_new_children(before)
                 err.kept = stop.settle_checkpoints(spec.out)
             raise
+        except BaseException as err:  # torch's CheckpointException is a BaseException
+            from porting.convert.checkpoint import disk_full_error
+
+            # Judged now, while the partial checkpoint still fills the disk; Megatron's writer
+            # loses the errno on the way ("unexpected pos 704 vs 598").
+            full = disk_full_error(err, spec.out)
+            if full is None:
+                raise
+            guard.stop_new_children(before)
+            kept = stop.settle_checkpoints(spec.out) if os.environ.get("RANK", "0") == "0" else ""
+            raise PortingError(
+                f"no space left on the device writing {spec.out}" + (f"; {kept}" if kept else "")
+            ) from err
     if os.environ.get("RANK", "0") == "0":  # one line for the run, not one per rank
         print(f"done: checkpoints in {out / 'checkpoints'} (last: {out / 'checkpoints' / 'last'})")
     # Exit handlers of libraries NeMo imports (leptonai's Remote._atexit_cleanup) run a full
