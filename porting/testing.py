@@ -352,9 +352,20 @@ def run_in_session(argv: list[str], timeout: float, env: dict | None = None):
     return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
 
 
-def kill_at_first_checkpoint(argv: list[str], out: Path, timeout: float) -> None:
+def checkpoint_complete(out: Path) -> bool:
+    """Whether the `porting train` run directory ``out`` holds a complete ``*-last`` checkpoint."""
+    return any(
+        (p / "context" / "train_layout.json").exists()
+        and not p.with_name(p.name + "-unfinished").exists()
+        for p in (Path(out) / "checkpoints").glob("step=*-last")
+    )
+
+
+def signal_at_first_checkpoint(argv: list[str], out: Path, sig: int, timeout: float):
     """Start the `porting train` command ``argv`` (run directory ``out``) in a session of its
-    own and SIGKILL the whole group once a checkpoint is complete (what a node failure does)."""
+    own, send ``sig`` to the whole group once a checkpoint is complete (SIGKILL: what a node
+    failure does; SIGTERM: a scheduler; SIGINT: Ctrl-C) and wait for it to end. Returns the
+    ``CompletedProcess`` (output captured); fails if the run ended first or outlived ``timeout``."""
     import os
     import signal
     import subprocess
@@ -362,26 +373,56 @@ def kill_at_first_checkpoint(argv: list[str], out: Path, timeout: float) -> None
 
     proc = subprocess.Popen(
         argv,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         start_new_session=True,
         env=child_env(),
     )
-    deadline, ckpts = time.time() + timeout, Path(out) / "checkpoints"
+    deadline = time.time() + timeout
     try:
-        while time.time() < deadline and proc.poll() is None:
-            if any(
-                (p / "context" / "train_layout.json").exists()
-                and not p.with_name(p.name + "-unfinished").exists()
-                for p in ckpts.glob("step=*-last")
-            ):
-                break
+        while time.time() < deadline and proc.poll() is None and not checkpoint_complete(out):
             time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before it could be stopped"
+        os.killpg(proc.pid, sig)
+        stdout, stderr = proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+            proc.communicate()
+    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
+
+
+def kill_at_first_checkpoint(argv: list[str], out: Path, timeout: float) -> None:
+    """SIGKILL the `porting train` run ``argv`` as soon as a checkpoint is complete."""
+    import signal
+
+    r = signal_at_first_checkpoint(argv, out, signal.SIGKILL, timeout)
+    assert r.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+
+
+def processes_mentioning(text: str, grace: float = 0.0) -> list[str]:
+    """Command lines of live processes (not this one, not zombies) that mention ``text``, after
+    waiting up to ``grace`` seconds for them to end (a child learns of its parent's end late)."""
+    import os
+    import time
+
+    deadline = time.monotonic() + grace
+    while True:
+        found = []
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit() or int(pid) == os.getpid():
+                continue
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if text in cmd and state != "Z":
+                found.append(f"{pid}: {cmd[:200]}")
+        if not found or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.1)
 
 
 def train_losses(out: Path) -> dict[int, float]:

@@ -18,13 +18,18 @@ import shlex
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from porting.testing import child_env, kill_at_first_checkpoint, run_in_session, train_losses
+from porting.testing import (
+    child_env,
+    kill_at_first_checkpoint,
+    processes_mentioning,
+    run_in_session,
+    train_losses,
+)
 
 STEPS, SAVE_EVERY = 16, 8
 COMMON = [
@@ -53,32 +58,18 @@ def _run(argv: list[str], env: dict | None = None) -> subprocess.CompletedProces
     return r
 
 
-def _processes_mentioning(text: str) -> list[str]:
-    """Command lines of live processes (other than this one) that mention ``text``."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if text in cmd:
-            found.append(f"{pid}: {cmd[:200]}")
-    return found
-
-
 def _kill_after_first_checkpoint(argv: list[str], out: Path) -> dict[int, float]:
     """Start ``argv`` in a session of its own, SIGKILL the whole group as soon as a checkpoint is
     complete, and check that no process of the run survives (torchrun and its ranks run in
     sessions of their own; they die with their parent). Returns the losses logged before."""
     kill_at_first_checkpoint(argv, out, TIMEOUT)
-    for _ in range(100):
-        left = _processes_mentioning(str(out))
-        if not left:
-            break
-        time.sleep(0.1)
+    left = processes_mentioning(str(out), grace=10)
     assert not left, f"processes of the killed run survive: {left}"
+    # checkpoints/last moves only once a save is complete: it never names an unfinished one
+    last = out / "checkpoints" / "last"
+    if last.is_symlink():
+        assert not last.with_name(os.readlink(last) + "-unfinished").exists()
+        assert (last.resolve() / "context" / "porting.json").is_file()
     before = train_losses(out)
     assert max(before, default=-1) < STEPS - 1
     return before

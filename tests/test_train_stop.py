@@ -13,12 +13,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from porting.testing import child_env, run_in_session
+from porting.testing import processes_mentioning, run_in_session, signal_at_first_checkpoint
 
 TIMEOUT = 300
 COMMON = ["--seq-length", "32", "--micro-batch", "2", "--global-batch", "4", "--lr", "1e-2"]
@@ -29,51 +28,6 @@ def _argv(ckpt, data, out, *extra: str) -> list[str]:
         sys.executable, "-m", "porting.cli", "train", "--checkpoint", str(ckpt),
         "--data", str(data), "--out", str(out), "--save-every", "2", *COMMON, *extra,
     ]  # fmt: skip
-
-
-def _complete_checkpoint(out: Path) -> bool:
-    return any(
-        (p / "context" / "train_layout.json").exists()
-        and not p.with_name(p.name + "-unfinished").exists()
-        for p in (out / "checkpoints").glob("step=*-last")
-    )
-
-
-def _ours(text: str) -> list[str]:
-    found = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit() and int(pid) != os.getpid():
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-                status = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if text in cmd and status != "Z":
-                found.append(f"{pid}: {cmd[:160]}")
-    return found
-
-
-def _stop_at_first_checkpoint(argv, out: Path, sig: int) -> subprocess.CompletedProcess:
-    proc = subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=child_env(),
-        start_new_session=True,
-    )
-    deadline = time.time() + TIMEOUT
-    try:
-        while time.time() < deadline and proc.poll() is None and not _complete_checkpoint(out):
-            time.sleep(0.05)
-        assert proc.poll() is None, "the run ended before it could be stopped"
-        os.killpg(proc.pid, sig)
-        stdout, stderr = proc.communicate(timeout=TIMEOUT)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-    return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
 
 
 def _assert_settled(out: Path, r: subprocess.CompletedProcess, sig: int, torchelastic: set) -> None:
@@ -91,12 +45,7 @@ def _assert_settled(out: Path, r: subprocess.CompletedProcess, sig: int, torchel
     assert not list((out / "checkpoints").glob("*-unfinished"))
     assert not list(out.glob(".tmp-launcher-*"))
     assert set(Path("/tmp").glob("torchelastic_*")) <= torchelastic
-    left = []
-    for _ in range(50):
-        left = _ours(str(out))
-        if not left:
-            break
-        time.sleep(0.1)
+    left = processes_mentioning(str(out), grace=5)
     assert not left, f"processes of the stopped run survive: {left}"
 
 
@@ -112,14 +61,14 @@ def test_a_stopped_run_leaves_a_resumable_directory_and_no_process(
     if executor != "local":
         extra += ["--gpus-per-node", "2"]
     torchelastic = set(Path("/tmp").glob("torchelastic_*"))
-    r = _stop_at_first_checkpoint(_argv(tiny_nemo, train_corpus, out, *extra), out, sig)
+    r = signal_at_first_checkpoint(_argv(tiny_nemo, train_corpus, out, *extra), out, sig, TIMEOUT)
     _assert_settled(out, r, sig, torchelastic)
 
 
 def test_a_resumed_run_appends_to_the_metrics_history(tiny_nemo, train_corpus, tmp_path):
     out = tmp_path / "run"
     argv = _argv(tiny_nemo, train_corpus, out, "--steps", "2000")
-    r = _stop_at_first_checkpoint(argv, out, signal.SIGTERM)
+    r = signal_at_first_checkpoint(argv, out, signal.SIGTERM, TIMEOUT)
     _assert_settled(out, r, signal.SIGTERM, set(Path("/tmp").glob("torchelastic_*")))
     metrics = out / "csv" / "metrics.csv"
     with open(metrics) as f:

@@ -282,30 +282,9 @@ def _cmd_train(args) -> int:
     # a hand-made torchrun) is locked by its first rank.
     held = os.environ.get(_LOCK_HELD) == "1" or os.environ.get("RANK", "0") != "0"
     with contextlib.nullcontext() if held else guard.output_lock(spec.out, "training run"):
-        before = guard.child_pids()
-        try:
-            with guard.interrupts_as_terminated():
-                out = recipe.run(r)
-        except (KeyboardInterrupt, guard.Terminated) as err:
-            if os.environ.get(_LOCK_HELD) == "1" and "RANK" in os.environ:
-                err.silent = True  # the launcher settles the run and says what is kept
-            elif os.environ.get("RANK", "0") == "0":
-                guard.stop_new_children(before)
-                err.kept = stop.settle_checkpoints(spec.out)
-            raise
-        except BaseException as err:  # torch's CheckpointException is a BaseException
-            from porting.convert.checkpoint import disk_full_error
-
-            # Judged now, while the partial checkpoint still fills the disk; Megatron's writer
-            # loses the errno on the way ("unexpected pos 704 vs 598").
-            full = disk_full_error(err, spec.out)
-            if full is None:
-                raise
-            guard.stop_new_children(before)
-            kept = stop.settle_checkpoints(spec.out) if os.environ.get("RANK", "0") == "0" else ""
-            raise PortingError(
-                f"no space left on the device writing {spec.out}" + (f"; {kept}" if kept else "")
-            ) from err
+        # Ranks under our launcher leave settling the run directory, and saying so, to it.
+        quiet_rank = os.environ.get(_LOCK_HELD) == "1" and "RANK" in os.environ
+        out = stop.run_settled(lambda: recipe.run(r), Path(spec.out), quiet_rank)
     if os.environ.get("RANK", "0") == "0":  # one line for the run, not one per rank
         print(f"done: checkpoints in {out / 'checkpoints'} (last: {out / 'checkpoints' / 'last'})")
     # Exit handlers of libraries NeMo imports (leptonai's Remote._atexit_cleanup) run a full

@@ -6,6 +6,9 @@
   :func:`guard_forked_children` asks for it again in every child a rank forks, and gives it the
   default signal dispositions (a forked writer that raised our ``Terminated`` would print a
   traceback and keep the futex it waited on).
+- :func:`run_settled` (a process of the run) and :func:`launched` (a launcher of ranks: torchrun,
+  NeMo-Run): a stop, or a full disk, stops what the process started and settles the run
+  directory; one line says what is kept.
 - :func:`settle_checkpoints`: after a stop, the checkpoints whose save did not complete (NeMo's
   ``-unfinished`` marker) are removed, and ``checkpoints/last`` points at the newest complete
   ``*-last`` one; returns the line that says so.
@@ -111,6 +114,40 @@ def settle_checkpoints(out: str | os.PathLike) -> str:
     if last is None:
         return f"no checkpoint was complete{gone}"
     return f"last complete checkpoint {last} -> {os.readlink(last)}{gone}"
+
+
+def run_settled(train: Callable[[], Path], out: Path, quiet_rank: bool) -> Path:
+    """Run ``train()`` (one process of a run: the local one, or a rank); return what it returns.
+
+    SIGINT raises ``Terminated`` here too (Lightning turns ``KeyboardInterrupt`` into
+    ``exit(1)``). On a stop, or on a full disk, the processes this one started are stopped and,
+    on the first rank, the run directory is settled; the exception then carries the line that
+    says what is kept. A rank whose launcher does that (``quiet_rank``) stops without a word.
+    """
+    before = guard.child_pids()
+    first = os.environ.get("RANK", "0") == "0"
+    try:
+        with guard.interrupts_as_terminated():
+            return train()
+    except (KeyboardInterrupt, guard.Terminated) as err:
+        if quiet_rank:
+            err.silent = True
+        elif first:
+            guard.stop_new_children(before)
+            err.kept = settle_checkpoints(out)
+        raise
+    except BaseException as err:  # torch's CheckpointException is a BaseException
+        from porting.convert.checkpoint import disk_full_error
+        from porting.errors import PortingError
+
+        # Judged now, while the partial checkpoint still fills the disk; Megatron's writer
+        # loses the errno on the way ("unexpected pos 704 vs 598").
+        full = disk_full_error(err, out)
+        if full is None:
+            raise
+        guard.stop_new_children(before)
+        kept = f"; {settle_checkpoints(out)}" if first else ""
+        raise PortingError(f"no space left on the device writing {out}{kept}") from err
 
 
 def launched(launch: Callable[[], int], out: Path) -> int:
