@@ -360,3 +360,33 @@ def test_a_full_disk_during_a_train_checkpoint_is_one_line(tiny_nemo, train_corp
         -3000:
     ]
     assert "no checkpoint was complete" in last, last
+
+
+def test_train_refuses_a_model_this_machine_cannot_hold(
+    tiny_nemo, train_corpus, tmp_path, capsys, monkeypatch
+):
+    from porting.convert import preflight
+
+    monkeypatch.setattr(preflight, "available_bytes", lambda: 1000)
+    argv = ["train", "--checkpoint", tiny_nemo, "--data", train_corpus, "--out", tmp_path / "run"]
+    _refused(
+        [*argv, "--steps", "1", "--dry-run"],
+        capsys,
+        "parameters need at least",
+        "on this node for fp32 weights and gradients alone (1 rank(s), each 1/1 of the model)",
+        "it has 1000 B free",
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_import_refuses_a_tensor_larger_than_free_memory(tiny_llama, tmp_path, capsys, monkeypatch):
+    from porting.convert import preflight
+
+    monkeypatch.setattr(preflight, "available_bytes", lambda: 1000)
+    _refused(
+        ["import", tiny_llama, "--out", tmp_path / "out"],
+        capsys,
+        "import needs at least 65.0 KiB at once for tensor '",
+        "(130, 64) F32",
+        "this machine has 1000 B free",
+    )

@@ -102,6 +102,15 @@ def check_float_dtypes(family: Family, source) -> None:
             )
 
 
+def size(n: float) -> str:
+    """``n`` bytes for a message: ``1.5 GiB``, ``300.0 KiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
 def available_bytes() -> int:
     """Memory this process can still take: free RAM plus free swap."""
     import psutil
@@ -121,8 +130,8 @@ def check_largest_tensor(step: str, shapes: dict[str, tuple[tuple[int, ...], str
     have = available_bytes()
     if need > have:
         raise PortingError(
-            f"{step} needs at least {need / 2**30:.1f} GiB at once for tensor {name!r} "
-            f"{tuple(shape)} {dtype}; this machine has {have / 2**30:.1f} GiB free"
+            f"{step} needs at least {size(need)} at once for tensor {name!r} "
+            f"{tuple(shape)} {dtype}; this machine has {size(have)} free"
         )
 
 

@@ -11,6 +11,7 @@ in the launching process, so a bad run fails before a rank starts.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -561,6 +562,34 @@ class Preflight:
     warnings: list[str]
 
 
+def check_memory(spec: TrainSpec) -> None:
+    """On the CPU, refuse a run whose ranks on this node cannot hold even their share of the
+    model's fp32 weights and gradients (8 bytes a parameter; Adam's states and activations come on
+    top): it would be killed by the out-of-memory killer minutes in. The parameter count comes
+    from the checkpoint's ``.metadata``; on GPUs the planner (`porting plan`) is the check."""
+    import torch
+
+    from porting.convert.dist_reader import DistCheckpointReader
+    from porting.convert.preflight import available_bytes, size
+
+    if torch.cuda.is_available():
+        return
+    reader = DistCheckpointReader(Path(spec.checkpoint) / "weights")
+    params = sum(
+        math.prod(reader.global_shape(k)) for k in reader.keys() if k.startswith("module.")
+    )
+    ranks = spec.gpus_per_node
+    need = params * 8 * ranks // (spec.tp * spec.pp)
+    have = available_bytes()
+    if need > have:
+        raise PortingError(
+            f"--checkpoint {spec.checkpoint}: {params / 1e9:.2f}B parameters need at least "
+            f"{size(need)} on this node for fp32 weights and gradients alone ({ranks} rank(s), "
+            f"each 1/{spec.tp * spec.pp} of the model); it has {size(have)} free. Train on GPUs, "
+            "or on more nodes with a larger --tp / --pp"
+        )
+
+
 def preflight(spec: TrainSpec) -> Preflight:
     """Every check that can be made before a process is launched (no trainer, no model built).
 
@@ -583,6 +612,7 @@ def preflight(spec: TrainSpec) -> Preflight:
     for resumable in sorted((Path(spec.out) / "checkpoints").glob("*/context")):
         check_io_json(resumable.parent, family)
     config = checkpoint_config(spec.checkpoint, family)
+    check_memory(spec)
     check_run_dir(spec, manifest, config)
     warnings = validate(spec, config, manifest.vocab_size)
     if spec.plan is not None:
