@@ -44,7 +44,7 @@ from porting.convert.megatron import (
     dtype_name,
     init_parallel,
 )
-from porting.convert.preflight import check_hf_checkpoint, check_nemo_layout
+from porting.convert.preflight import check_float_dtypes, check_hf_checkpoint, check_nemo_layout
 from porting.convert.safetensors_io import SafetensorsSource, StreamingShardWriter
 from porting.convert.table_check import check_table, hf_meta_shapes
 from porting.errors import PortingError
@@ -178,12 +178,15 @@ class PortingImporter(io.ModelConnector):
                 f"one of family {family.name}'s ({', '.join(family.keys)})"
             )
         source = SafetensorsSource(hf_dir, allow_pickle=self.allow_pickle)
-        # What the config claims against the checkpoint's headers, before any model exists: a
-        # config that lies about its size must not be built first and refused after.
-        hf_shapes = check_hf_checkpoint(family, hf_config, source, hf_dir / "config.json", "import")
+        check_float_dtypes(family, source)
         dtype = resolve_dtype(source, self.dtype)
         reader = _CastingSource(source, dtype) if self.dtype else source
         config, ctx = build_config(family, hf_config, dtype, self.vocab_divisor)
+        # What the config claims against the checkpoint's headers, before any model exists: a
+        # config that lies about its size must not be built first and refused after.
+        hf_shapes = check_hf_checkpoint(
+            family, hf_config, ctx, source, hf_dir / "config.json", "import"
+        )
         model = family.model_cls(config, tokenizer=self.tokenizer)
         # NeMo builds the module lazily (perform_initialization=False): its parameters are
         # allocated and never touched, so they cost address space, not memory. Synchronous,

@@ -143,18 +143,14 @@ def _numel(shape) -> int:
 
 
 def check_hf_checkpoint(
-    family: Family, hf_config: dict, source, config_path, step: str
+    family: Family, hf_config: dict, ctx: Any, source, config_path, step: str
 ) -> dict[str, tuple[int, ...]]:
-    """All of the HF side's checks, cheapest first: dtypes, layer and expert counts (names only),
-    then every tensor's shape against the config's HF model built on the meta device, then the
-    memory for the largest tensor. Returns that model's shapes (name -> shape)."""
-    import torch
-
-    from porting.convert.megatron import build_config
+    """The HF side's checks after :func:`check_float_dtypes`, cheapest first: layer and expert
+    counts (names only), then every tensor's shape against the config's HF model built on the meta
+    device, then the memory for the largest tensor. ``ctx`` is the family's shape context of
+    ``hf_config`` (``build_config``). Returns that model's shapes (name -> shape)."""
     from porting.convert.table_check import check_checkpoint_shapes, hf_meta_shapes
 
-    check_float_dtypes(family, source)
-    _, ctx = build_config(family, hf_config, torch.float32, vocab_divisor=1)
     check_hf_counts(family, hf_config, ctx, source.keys(), config_path)
     hf_shapes = hf_meta_shapes(family, hf_config)
     check_checkpoint_shapes(source, hf_shapes, config_path)

@@ -235,7 +235,8 @@ def verify(
     from porting.convert.checkpoint import read_manifest, tokenizer_files
     from porting.convert.config_map import read_hf_config
     from porting.convert.context import check_io_json
-    from porting.convert.preflight import check_hf_checkpoint
+    from porting.convert.megatron import build_config
+    from porting.convert.preflight import check_float_dtypes, check_hf_checkpoint
     from porting.convert.safetensors_io import SafetensorsSource
     from porting.registry import family_by_name
 
@@ -245,13 +246,11 @@ def verify(
     check_io_json(ckpt, family)
     # The HF side's config against its headers before either model is built (the Megatron
     # side's is checked as its config is rebuilt, checkpoint_config).
-    check_hf_checkpoint(
-        family,
-        read_hf_config(hf_dir),
-        SafetensorsSource(hf_dir, allow_pickle=allow_pickle),
-        Path(hf_dir) / "config.json",
-        "verify",
-    )
+    hf_config = read_hf_config(hf_dir)
+    source = SafetensorsSource(hf_dir, allow_pickle=allow_pickle)
+    check_float_dtypes(family, source)
+    _, ctx = build_config(family, hf_config, torch.float32, vocab_divisor=1)
+    check_hf_checkpoint(family, hf_config, ctx, source, Path(hf_dir) / "config.json", "verify")
     tok_files = tokenizer_files(ckpt, manifest)
     tokenizer = (
         AutoTokenizer.from_pretrained(str(tok_files[0].parent), local_files_only=True)
