@@ -378,6 +378,8 @@ def signal_at_first_checkpoint(argv: list[str], out: Path, sig: int, timeout: fl
         text=True,
         start_new_session=True,
         env=child_env(),
+        # as started from a terminal: a suite run as a background job inherits SIGINT ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.time() + timeout
     try:
