@@ -260,11 +260,17 @@ def _print_report(args, report: dict) -> None:
     print(
         f"records {report['records']}, skipped {report['skipped']}"
         + (f" {report['problems']}" if report["problems"] else "")
+        + (
+            f" ({report['skipped_not_listed']} beyond the first 100 of a kind counted, not listed)"
+            if report.get("skipped_not_listed")
+            else ""
+        )
     )
     ckpt = report["tokenizer"].get("checkpoint")
     if ckpt:
         print(
-            f"checkpoint {ckpt['path']}: every id < {ckpt['padded_vocab_size']}, "
+            f"checkpoint {ckpt['path']}: every id < {ckpt['vocab_size']} (HF vocab_size; padded "
+            f"to {ckpt['padded_vocab_size']}), "
             f"EOD {report['tokenizer']['eod']} (model eos_token_id {ckpt['eos_token_id']})"
         )
     lossy = report["lossiness"]

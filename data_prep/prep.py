@@ -221,10 +221,10 @@ def located(source: Source, line: int, kind: str, detail: str) -> PortingError:
 
 
 def bad_id_error(where: str, key: str, bad: int, id_limit: int, checkpoint) -> PortingError:
-    """A token id at or past the vocabulary (or, with a ``checkpoint``, the model's padded
-    vocabulary) at ``where``."""
+    """A token id at or past the vocabulary (or, with a ``checkpoint``, the model's HF
+    vocabulary, not the padded one) at ``where``."""
     what = (
-        f"the model's vocabulary ({id_limit}, {checkpoint})"
+        f"the model's vocabulary ({id_limit}, HF vocab_size of {checkpoint})"
         if checkpoint
         else f"the tokenizer's vocabulary ({id_limit})"
     )
@@ -476,7 +476,7 @@ def _worker_config(
         keep_empty=cfg.keep_empty,
         stop_at_first=cfg.on_error == "fail",
         dtype=dtype,
-        id_limit=contract.padded_vocab_size if contract else vocab_size,
+        id_limit=contract.id_limit if contract else vocab_size,
         reference=reference,
         max_record=cfg.max_record_bytes,
     )
@@ -826,6 +826,7 @@ def report_static(cfg, sources, src, facts, backend_name, dtype, tok_fp, n_probe
     if src.contract is not None:
         tokenizer["checkpoint"] = {
             "path": str(src.contract.checkpoint.resolve()),
+            "vocab_size": src.contract.id_limit,
             "padded_vocab_size": src.contract.padded_vocab_size,
             "eos_token_id": src.contract.eos_token_id,
         }

@@ -63,6 +63,14 @@ class Contract:
     checkpoint: Path
     padded_vocab_size: int
     eos_token_id: int | list[int] | None
+    # The HF vocabulary: the bound on data ids. The padded rows past it exist only to divide
+    # evenly across tensor-parallel ranks; export drops them, and what trains onto them is lost.
+    vocab_size: int | None = None
+
+    @property
+    def id_limit(self) -> int:
+        """Every token id of the data must be below this."""
+        return self.vocab_size or self.padded_vocab_size
 
 
 @dataclass(frozen=True)
@@ -117,8 +125,15 @@ def read_checkpoint(ckpt: Path) -> TokenizerSource:
         raise PortingError(
             f"{manifest}: padded_vocab_size must be a positive integer, got {padded!r}"
         )
-    eos = (data.get("hf_config") or {}).get("eos_token_id")
-    return TokenizerSource(tok["kind"], path, Contract(ckpt, padded, eos))
+    hf_config = data.get("hf_config") or {}
+    eos = hf_config.get("eos_token_id")
+    vocab = hf_config.get("vocab_size")
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or not 0 < vocab <= padded:
+        raise PortingError(
+            f"{manifest}: hf_config.vocab_size must be a positive integer no larger than "
+            f"padded_vocab_size {padded}, got {vocab!r}"
+        )
+    return TokenizerSource(tok["kind"], path, Contract(ckpt, padded, eos, vocab))
 
 
 def resolve(
@@ -424,9 +439,9 @@ def check_contract(facts: Facts, contract: Contract, append_eod: bool) -> None:
     eod = facts.eod
     if eod is None:
         raise PortingError(f"{facts.path}: the tokenizer has no EOS token to append as EOD")
-    if eod >= contract.padded_vocab_size:
+    if eod >= contract.id_limit:
         raise PortingError(
-            f"{where}: EOD id {eod} is outside the model's vocabulary ({contract.padded_vocab_size})"
+            f"{where}: EOD id {eod} is outside the model's vocabulary ({contract.id_limit})"
         )
     eos = contract.eos_token_id
     allowed = eos if isinstance(eos, list) else [eos] if eos is not None else None

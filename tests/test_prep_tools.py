@@ -176,12 +176,13 @@ def test_tokenizer_of_a_checkpoint_porting_imported(tmp_path, texts, tiny_nemo, 
     c = T.write_jsonl(tmp_path / "c.jsonl", [{"text": t} for t in texts[:8]])
     report = _prep([c], tmp_path / "out", tiny_nemo, chunk_bytes=1000)
     assert report["tokenizer"]["checkpoint"]["padded_vocab_size"] == manifest["padded_vocab_size"]
+    assert report["tokenizer"]["checkpoint"]["vocab_size"] == manifest["hf_config"]["vocab_size"]
     assert report["tokenizer"]["eod"] == hf.eos_token_id == manifest["hf_config"]["eos_token_id"]
     ds = IndexedDataset(str(output_prefix_for(tmp_path / "out", "text")))
     for d, text in enumerate(texts[:8]):
         ids = ds[int(ds.document_indices[d])].tolist()
         assert ids == hf(text).input_ids + [hf.eos_token_id]
-        assert max(ids) < manifest["padded_vocab_size"]
+        assert max(ids) < manifest["hf_config"]["vocab_size"]
 
 
 def test_worker_flags_ids_outside_the_vocabulary(tok):

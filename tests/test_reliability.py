@@ -200,8 +200,30 @@ def test_prep_data_merge_and_train_refuse_an_output_over_an_input(
     assert (corpus / "a.jsonl").read_text() == '{"text": "hello"}\n'  # fmt: skip
 
 
-# -- 4. the tokenizer contract uses the real vocabulary: tests/test_train.py
-#    (test_validation_catches_data_from_another_tokenizer) -----------------------------------------
+# -- 4. the tokenizer contract uses the real vocabulary (train: tests/test_train.py,
+#    test_validation_catches_data_from_another_tokenizer) ------------------------------------------
+
+
+def test_prep_data_bounds_ids_by_the_hf_vocabulary_not_the_padded_one(tiny_nemo, tmp_path, capsys):
+    ckpt = _edited_ckpt(tiny_nemo, tmp_path / "ckpt", vocab_size=5)  # padded stays 256
+    manifest = ckpt / "context" / "porting.json"
+    manifest.write_text(manifest.read_text().replace('"vocab_size": 130', '"vocab_size": 5'))
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"text": "hello world"}\n')
+    argv = [
+        "prep-data",
+        "--input",
+        src,
+        "--output-prefix",
+        tmp_path / "out" / "ds",
+        "--tokenizer",
+        ckpt,
+    ]
+    _refused(
+        argv, capsys, f"{src}:1: key 'text': token id", "outside the model's vocabulary (5, HF"
+    )
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
 
 # -- 5. bounded memory in skip mode --------------------------------------------------------------
 
