@@ -9,18 +9,115 @@ sizes) and where its bytes are (file, offset, length), and each chunk is one ``t
 (``torch/distributed/checkpoint/filesystem.py``: ``FileSystemWriter`` writes it, ``FileSystemReader
 .read_data`` reads it back with ``torch.load(weights_only=True)``). :class:`DistCheckpointReader`
 reads exactly the chunks that overlap a requested region, with torch's own metadata reader and
-``torch.load(weights_only=True)``; nothing else is held.
+torch's own weights-only unpickler, each record's bytes mapped rather than copied
+(:func:`_mapped_record`); nothing else is held.
 """
 
 from __future__ import annotations
 
 import io
+import mmap
+import pickle
+import struct
+import sys
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
 from porting.errors import PortingError, check_finite
+
+
+class _Window(io.RawIOBase):
+    """``[offset, offset + length)`` of an open file, as a file of its own (for ``zipfile``)."""
+
+    def __init__(self, f, offset: int, length: int) -> None:
+        self._f, self._offset, self._length, self._pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, buf) -> int:
+        n = max(0, min(len(buf), self._length - self._pos))
+        self._f.seek(self._offset + self._pos)
+        got = self._f.readinto(memoryview(buf)[:n])
+        self._pos += got
+        return got
+
+
+def _mapped_record(path: Path, offset: int, length: int) -> torch.Tensor:
+    """The tensor of the ``torch.save`` record at ``[offset, offset + length)`` of ``path``, as a
+    view of the mapped file.
+
+    What ``torch.load(weights_only=True)`` does, without its copies: the record is a zip of
+    stored (uncompressed) members; its pickle is read by torch's own weights-only unpickler, and
+    each storage it names becomes a view of that member's bytes in a private mapping of the file
+    instead of a fresh buffer (``torch/serialization.py``, ``_load``). A torch_dist layer is read
+    at the speed of the page cache, not of two copies and a page fault per 4 KiB.
+    """
+    from torch import _weights_only_unpickler
+
+    with open(path, "rb") as f:
+        with zipfile.ZipFile(_Window(f, offset, length)) as zf:
+            pkl = [n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
+            if len(pkl) != 1:
+                raise ValueError(f"{len(pkl)} pickles in the record")
+            prefix = pkl[0][: -len("data.pkl")]
+            order = f"{prefix}byteorder"
+            if order in zf.namelist() and zf.read(order).decode() != sys.byteorder:
+                raise ValueError("stored with the other byte order")
+            pickled = zf.read(pkl[0])
+            members = {}
+            for member in zf.infolist():
+                if not member.filename.startswith(f"{prefix}data/"):
+                    continue
+                if member.compress_type != zipfile.ZIP_STORED:
+                    raise ValueError(f"{member.filename} is compressed")
+                f.seek(offset + member.header_offset)
+                local = f.read(30)
+                if len(local) != 30 or local[:4] != b"PK\x03\x04":
+                    raise ValueError(f"{member.filename}: no local header")
+                name_len, extra_len = struct.unpack("<HH", local[26:30])
+                start = offset + member.header_offset + 30 + name_len + extra_len
+                members[member.filename[len(prefix) + 5 :]] = (start, member.file_size)
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: writes reach no file
+
+    def storage(saved_id):
+        typename, storage_type, key, _location, numel = saved_id
+        if torch.serialization._maybe_decode_ascii(typename) != "storage":
+            raise pickle.UnpicklingError(f"persistent id {typename!r}")
+        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+        start, size = members[torch.serialization._maybe_decode_ascii(key)]
+        nbytes = numel * torch._utils._element_size(dtype)
+        if nbytes > size or start + nbytes > offset + length:
+            raise ValueError(f"storage {key!r} of {nbytes} bytes exceeds its member ({size})")
+        raw = (
+            torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes, offset=start)
+            if nbytes
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        return torch.storage.TypedStorage(
+            wrap_storage=raw.untyped_storage(), dtype=dtype, _internal=True
+        )
+
+    unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(pickled), encoding="utf-8")
+    unpickler.persistent_load = storage
+    tensor = unpickler.load()
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"holds a {type(tensor).__name__}, not a tensor")
+    return tensor
 
 
 class DistCheckpointReader:
@@ -63,21 +160,37 @@ class DistCheckpointReader:
         path = self.dir / info.relative_path
         if Path(info.relative_path).name != info.relative_path or not path.is_file():
             raise PortingError(f"{self.dir}: {key!r} points at {info.relative_path!r}")
-        with open(path, "rb") as f:
-            f.seek(info.offset)
-            data = f.read(info.length)
-        if len(data) != info.length:
+        if info.offset + info.length > path.stat().st_size:
             raise PortingError(f"{path}: truncated; {key!r} needs bytes past its end")
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        try:
+            return _mapped_record(path, info.offset, info.length)
+        except (zipfile.BadZipFile, pickle.UnpicklingError, ValueError, KeyError) as err:
+            raise PortingError(f"{path}: the record of {key!r} is unreadable ({err})") from err
 
-    def read(self, key: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
-        """The region ``[offsets, offsets + shape)`` of ``key``, assembled from stored chunks."""
+    def read(
+        self,
+        key: str,
+        offsets: tuple[int, ...],
+        shape: tuple[int, ...],
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The region ``[offsets, offsets + shape)`` of ``key``, assembled from stored chunks.
+
+        ``out``: a tensor of ``shape`` to assemble into, cast to its dtype on the way (the parity
+        gate's fp32 layer buffers); by default a new one of the saved dtype.
+        """
         full = self.global_shape(key)
         if len(offsets) != len(full) or len(shape) != len(full):
             raise PortingError(
                 f"{self.dir}: {key!r} has {len(full)} dimensions, asked for {len(shape)}"
             )
-        out = torch.empty(shape, dtype=self.dtype(key))
+        if out is None:
+            out = torch.empty(shape, dtype=self.dtype(key))
+        elif tuple(out.shape) != tuple(shape):
+            raise PortingError(
+                f"{self.dir}: {key!r} region {tuple(shape)} read into a buffer of "
+                f"{tuple(out.shape)}"
+            )
         covered = 0
         for chunk in self._tensors[key].chunks:
             lo = [max(o, c) for o, c in zip(offsets, chunk.offsets, strict=True)]
@@ -87,7 +200,7 @@ class DistCheckpointReader:
             ]
             if any(a >= b for a, b in zip(lo, hi, strict=True)):
                 continue
-            data = self._chunk(key, chunk.offsets)
+            data = self._chunk(key, chunk.offsets)  # a view of the mapped file
             if tuple(data.shape) != tuple(chunk.sizes):
                 raise PortingError(
                     f"{self.dir}: chunk of {key!r} at {tuple(chunk.offsets)} has shape "
@@ -107,26 +220,35 @@ class DistCheckpointReader:
             )
         return out
 
-    def read_sharded(self, sharded) -> torch.Tensor:
+    def read_sharded(self, sharded, out: torch.Tensor | None = None) -> torch.Tensor:
         """The local tensor of a Megatron ``ShardedTensor`` or ``ShardedTensorFactory`` (data-free).
 
         A stacked layer key's ``ShardedTensor`` has a leading layer axis in the checkpoint
-        (``prepend_axis_num``) that the module's parameter does not have.
+        (``prepend_axis_num``) that the module's parameter does not have. ``out``: a tensor of
+        the local shape to read into (cast to its dtype), as for :meth:`read`.
         """
         from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
         if isinstance(sharded, ShardedTensorFactory):
             built = sharded.build()
-            return sharded.merge_fn(_map_sharded(built, self.read_sharded))
+            merged = sharded.merge_fn(_map_sharded(built, self.read_sharded))
+            return merged if out is None else out.copy_(merged)
         if not isinstance(sharded, ShardedTensor):
             raise PortingError(f"cannot read {type(sharded).__name__} {sharded!r}")
         if sharded.flattened_range is not None:
             raise PortingError(f"{sharded.key}: flattened (distributed-optimizer) shards")
         prepend = sharded.prepend_axis_num
+        shape = (1,) * prepend + tuple(sharded.local_shape)
+        if out is not None and tuple(out.shape) != tuple(sharded.local_shape):
+            raise PortingError(
+                f"{self.dir}: {sharded.key!r} has local shape {tuple(sharded.local_shape)}, read "
+                f"into a buffer of {tuple(out.shape)}"
+            )
         region = self.read(
             sharded.key,
             tuple(sharded.global_offset),
-            (1,) * prepend + tuple(sharded.local_shape),
+            shape,
+            None if out is None else out.view(shape),
         )
         return region.reshape(sharded.local_shape)
 

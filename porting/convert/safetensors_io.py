@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 
@@ -244,6 +247,7 @@ class SafetensorsSource:
         self.dir = Path(model_dir)
         self._key_to_file: dict[str, Path] = {}
         self._headers: dict[Path, dict[str, TensorInfo]] = {}
+        self._data_start: dict[Path, int] = {}  # where each file's data buffer begins
         # size and mtime when the header was checked: a shard rewritten or truncated while an
         # import streams from it is an error, not a wrong tensor (or a SIGBUS from the mapping)
         self._stamps: dict[Path, tuple[int, int]] = {}
@@ -292,6 +296,8 @@ class SafetensorsSource:
         self._headers[path] = header
         st = path.stat()
         self._stamps[path] = (st.st_size, st.st_mtime_ns)
+        # The validated header says the data buffer ends the file.
+        self._data_start[path] = st.st_size - max((i.end for i in header.values()), default=0)
         return header
 
     def _load_pickled(self) -> dict[str, torch.Tensor]:
@@ -320,18 +326,55 @@ class SafetensorsSource:
             return list(self._pickled)
         return list(self._key_to_file)
 
-    def get(self, key: str) -> torch.Tensor:
-        """Read one tensor (a fresh CPU tensor, not a view into the mapped file)."""
-        if self._pickled is not None:
-            check_finite(self._pickled[key], str(self.dir), key)
-            return self._pickled[key]
-        path = self._key_to_file[key]
+    def _unchanged(self, path: Path, key: str) -> None:
         st = path.stat()
         if (st.st_size, st.st_mtime_ns) != self._stamps[path]:
             raise PortingError(
                 f"{path}: changed while being read (size {self._stamps[path][0]} -> "
                 f"{st.st_size}); reading {key!r} would give a wrong tensor"
             )
+
+    @contextmanager
+    def mapped(self, key: str) -> Iterator[torch.Tensor]:
+        """One tensor as a view of the mapped file (private: writes to it reach no file).
+
+        For a reader that copies it on at once (the parity gate casts it straight into the
+        buffer its layer computes with): no intermediate tensor is made. The caller checks the
+        copy for NaN/Inf (:func:`porting.errors.check_finite`); a view is not checked here.
+        """
+        if self._pickled is not None:
+            yield self._pickled[key]
+            return
+        path = self._key_to_file[key]
+        self._unchanged(path, key)
+        info = self._headers[path][key]
+        dtype = _ST_TO_TORCH.get(info.dtype)
+        if dtype is None:
+            raise PortingError(f"{path}: tensor {key!r} has dtype {info.dtype}, not a torch one")
+        with open(path, "rb") as f:
+            # A private mapping: torch.frombuffer wants a writable buffer; nothing writes to it.
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        count = math.prod(info.shape)
+        try:
+            if count:
+                start = self._data_start[path] + info.start
+                view = torch.frombuffer(mm, dtype=dtype, count=count, offset=start)
+            else:
+                view = torch.empty(0, dtype=dtype)
+            yield view.view(info.shape)
+        finally:
+            # Not closed: a tensor made by frombuffer keeps the map object alive but does not
+            # pin it, and closing under a view the caller kept would fault. The mapping goes
+            # when its last view does (at once, for a caller that only copied it).
+            view = mm = None
+
+    def get(self, key: str) -> torch.Tensor:
+        """Read one tensor (a fresh CPU tensor, not a view into the mapped file)."""
+        if self._pickled is not None:
+            check_finite(self._pickled[key], str(self.dir), key)
+            return self._pickled[key]
+        path = self._key_to_file[key]
+        self._unchanged(path, key)
         # A handle per read: the mapped pages are released right after the copy, so resident
         # memory never accumulates the shards already streamed (a kept handle would hold them).
         with _safe_open(path) as h:
