@@ -11,7 +11,9 @@ from __future__ import annotations
 import gc
 import logging
 import math
-from dataclasses import asdict, dataclass, field
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -54,6 +56,14 @@ class ParityReport:
     # NaN / Inf logit values per side; any fails the gate, whatever the differences say.
     nonfinite_hf: int = 0
     nonfinite_megatron: int = 0
+    # What the gate cost: where it ran, its wall time (from reading the inputs to the verdict),
+    # and its floor, both sides' matmuls at this device's measured fp32 rate (layer-streamed).
+    device: str = "cpu"
+    wall_s: float | None = None
+    floor_s: float | None = None
+    floor_ratio: float | None = None
+    matmul_tflop: float | None = None
+    matmul_gflops: float | None = None
 
     def as_dict(self) -> dict:
         """JSON-ready dict: strict JSON, a non-finite number (NaN, Inf) becomes ``null`` (the
@@ -85,6 +95,13 @@ class ParityReport:
                 f"\n  layers         {len(self.layers)} streamed; largest own error at layer "
                 f"{worst['layer']}: {worst['own_max_rel']:.1e} relative"
             )
+        if self.wall_s is not None:
+            text += f"\n  gate           {self.wall_s:.1f} s on {self.device}"
+            if self.floor_s:
+                text += (
+                    f"; floor {self.floor_s:.1f} s ({self.matmul_tflop:.2f} TFLOP of matmul at "
+                    f"{self.matmul_gflops:.0f} GFLOP/s): {self.floor_ratio:.1f}x"
+                )
         if self.first_divergent_layer is not None:
             d = self.layers[self.first_divergent_layer]
             text += (
@@ -222,13 +239,17 @@ def verify(
     show_progress: bool = False,
     allow_pickle: bool = False,
     scratch_dir: str | Path | None = None,
+    device: str = "cpu",
 ) -> ParityReport:
     """Run the parity check of an HF directory against one of our NeMo checkpoints.
 
     By default layer-streamed (:mod:`porting.parity.streamed`): one decoder layer of each side in
     memory at a time, per-layer divergence reported and the first diverging layer named. With
     ``whole_model`` both models are loaded whole (never together: Megatron first, then HF).
-    ``scratch_dir``: see :func:`porting.parity.streamed.streamed_logits`.
+    ``scratch_dir``: see :func:`porting.parity.streamed.streamed_logits`. ``device``: ``cpu``,
+    or ``cuda`` for the layers streamed to the device (in a child process when this one has hidden
+    its GPUs for a conversion); a device that runs out of memory hands the gate to the CPU, with
+    one line on stderr, and the verdict is the CPU's.
     """
     from transformers import AutoTokenizer
 
@@ -240,8 +261,14 @@ def verify(
     from porting.convert.safetensors_io import SafetensorsSource
     from porting.registry import family_by_name
 
+    if torch.device(device).type != "cpu":
+        from porting import cpu
+
+        if not cpu.cuda_available():  # hidden from this process for the conversion
+            return _verify_in_child(hf_dir, ckpt, device, locals())
     manifest = read_manifest(ckpt)
-    family = family_by_name(manifest.family)
+    family = family_by_name(manifest.family)  # imports NeMo: start-up, not the gate
+    started = time.perf_counter()
     # Not read here, but a checkpoint whose NeMo context would run code on load is hostile.
     check_io_json(ckpt, family)
     # The HF side's config against its headers before either model is built (the Megatron
@@ -261,29 +288,93 @@ def verify(
     if whole_model:
         mc = megatron_logits_from_checkpoint(ckpt, prompts, manifest.vocab_size)
         hf_cls = family.hf_class(manifest.hf_architecture)
-        hf = hf_logits(hf_dir, hf_cls, prompts, family.hf_attn_implementation)
+        hf = hf_logits(hf_dir, hf_cls, prompts, family.hf_attn_implementation, device=device)
         report = compare(hf, mc, atol=atol, rtol=rtol, min_top1=min_top1)
     else:
         from porting.convert.megatron import init_parallel
         from porting.parity.streamed import streamed_logits
 
         init_parallel()
-        hf, mc, layers = streamed_logits(
-            hf_dir,
-            ckpt,
-            family,
-            prompts,
-            manifest.vocab_size,
-            show_progress,
-            allow_pickle,
-            scratch_dir,
-        )
+        try:
+            hf, mc, layers, cost = streamed_logits(
+                hf_dir,
+                ckpt,
+                family,
+                prompts,
+                manifest.vocab_size,
+                show_progress,
+                allow_pickle,
+                scratch_dir,
+                device,
+            )
+        except torch.OutOfMemoryError as err:
+            if torch.device(device).type == "cpu":
+                raise
+            print(
+                f"parity: the {device} device ran out of memory "
+                f"({str(err).splitlines()[0][:160]}); running the gate on the CPU instead",
+                file=sys.stderr,
+                flush=True,
+            )
+            torch.cuda.empty_cache()
+            return _verify_in_child(hf_dir, ckpt, "cpu", locals())
         report = compare(hf, mc, atol=atol, rtol=rtol, min_top1=min_top1)
         report.mode = "layer-streamed"
+        report.matmul_tflop = cost.flop * 2 / 1e12
+        report.matmul_gflops = cost.gflops
+        report.floor_s = cost.floor_s
         report.layers = [asdict(d) for d in layers]
         first = next((d.layer for d in layers if d.diverges), None)
         report.first_divergent_layer = first
         if first is not None:
             report.passed = False
+    report.device = torch.device(device).type
+    report.wall_s = time.perf_counter() - started
+    if report.floor_s:
+        report.floor_ratio = report.wall_s / report.floor_s
     log.debug("%s", report.summary())
+    return report
+
+
+def _verify_in_child(hf_dir, ckpt, device: str, given: dict) -> ParityReport:
+    """:func:`verify` in a process of its own on ``device`` (``porting verify --json``), with
+    this call's tolerances and options (``given``: its arguments); the child's report.
+
+    For a device this process cannot use: the GPUs it hid for a conversion (the child is started
+    with them visible), or the CPU after the device ran out of memory (the child starts with none,
+    so Megatron builds as on a CPU node).
+    """
+    import json
+    import os
+    import subprocess
+
+    from porting import cpu
+    from porting.errors import PortingError
+
+    cmd = [sys.executable, "-m", "porting.cli", "verify", str(hf_dir), str(ckpt), "--json"]
+    cmd += ["--device", device, "--atol", repr(given["atol"]), "--rtol", repr(given["rtol"])]
+    cmd += ["--min-top1", repr(given["min_top1"])]
+    cmd += ["--whole-model"] * bool(given["whole_model"])
+    cmd += ["--allow-pickle"] * bool(given["allow_pickle"])
+    env = cpu.environment_with_gpus() if device != "cpu" else dict(os.environ)
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    if given["scratch_dir"] is not None:  # the hidden states wait beside the partial output
+        env["TMPDIR"] = str(given["scratch_dir"])
+    # stderr passes through: the progress bar, and a device's fallback line
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env, check=False)
+    if proc.returncode not in (0, 1):
+        raise PortingError(
+            f"the parity gate on {device} failed (exit {proc.returncode}, its error above); "
+            + ("--device cpu runs it on the CPU" if device != "cpu" else "nothing was written")
+        )
+    try:
+        data = json.loads(proc.stdout)
+    except ValueError as err:
+        raise PortingError(f"the parity gate on {device} printed no report ({err})") from err
+    known = {f.name for f in fields(ParityReport)}
+    report = ParityReport(**{k: v for k, v in data.items() if k in known})
+    for name in ("max_abs_diff", "mean_abs_diff", "kl_hf_mcore", "worst_excess"):
+        if getattr(report, name) is None:  # strict JSON wrote a non-finite value as null
+            setattr(report, name, math.nan)
     return report

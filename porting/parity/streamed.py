@@ -8,28 +8,48 @@ and each decoder layer is loaded just before it runs and released just after, by
 around the model's own forward. So each side runs its own code (masks, rotary, ALiBi) and nothing
 family-specific lives here:
 
-- HF side: layer ``i``'s tensors are read from the safetensors shards one at a time;
+- HF side: layer ``i``'s tensors are cast from the mapped safetensors shards;
 - Megatron side: layer ``i``'s slice of the stacked layer keys is read from the written checkpoint
-  with ``megatron.core.dist_checkpointing.load`` (what users get is what is checked).
+  through the layout ``megatron.core.dist_checkpointing`` gives (what users get is what is checked).
 
 All prompts run as one right-padded batch (causal attention: no valid position sees a pad), so
 each layer is read once per side. Each Megatron layer also runs on the HF layer's input, which
 tells a broken layer from error carried in from earlier ones. Peak memory: embeddings and output
-layer of both sides, one layer of each, and the per-layer hidden states.
+layer of both sides, two layers of each (the one computing, the next being read), and the
+per-layer hidden states.
+
+What makes it fast, none of it changing what is computed (docs/conversion.md, "What the gate
+costs"):
+
+- the linear layers of both sides (``nn.Linear``; Megatron's column and row parallel linears) run
+  on the prompts' real positions only: the padded batch's rows are gathered into one matrix, and
+  the output scattered back with zeros on the pads, which no real position attends to;
+- each layer's tensors are cast once, from views of the mapped files (the safetensors shards; the
+  torch_dist records, whose pickles torch's weights-only unpickler reads) straight into one of two
+  reused buffer sets (no fresh pages per layer), on a reader thread while the previous layer
+  computes;
+- the Megatron layer's "own" run on the HF input is skipped where the two inputs are equal
+  bit for bit (the first layer): it would compute the same thing again.
+
+On a device (``device="cuda"``) the layers stream host -> device one at a time and every tensor
+that the model computes with lives there; the comparison and its tolerances are those of fp32 with
+TF32 off, as on the CPU.
 """
 
 from __future__ import annotations
 
-import gc
 import logging
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from porting.errors import PortingError
+from porting.errors import PortingError, check_finite
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +79,24 @@ class LayerDivergence:
     def diverges(self) -> bool:
         """True when the layer's own error exceeds what fp32 reduction order explains."""
         return not self.own_max_rel <= LAYER_RTOL  # NaN counts as divergence
+
+
+@dataclass
+class GateCost:
+    """The matmul work of one side and this machine's rate for it: the gate's floor.
+
+    ``flop``: the HF side's linear layers and output head over the real positions (the Megatron
+    side does the same work). ``gflops``: fp32 ``F.linear`` on this device at the layers' shape
+    and the prompts' row count, timed in the same run. ``floor_s``: both sides at that rate.
+    """
+
+    flop: float
+    gflops: float
+
+    @property
+    def floor_s(self) -> float:
+        """Seconds both sides' matmuls take at the measured rate."""
+        return 2 * self.flop / (self.gflops * 1e9)
 
 
 def _set_param(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
@@ -115,6 +153,35 @@ def _output(out) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
+class _Buffers:
+    """Two sets of fp32 parameter buffers on ``device``, used in turn by consecutive layers.
+
+    Layer ``i`` computes in set ``i % 2`` while layer ``i + 1`` is read into the other. Reusing
+    them costs no fresh pages per layer: a new 800 MB buffer (a 7B layer in fp32) is 200,000 page
+    faults, and freeing it an unmap.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._sets: tuple[dict, dict] = ({}, {})
+
+    def take(self, layer: int, name: str, shape: torch.Size) -> torch.Tensor:
+        """The buffer for parameter ``name`` of ``layer`` (made on first use of that shape)."""
+        buffers = self._sets[layer % 2]
+        buf = buffers.get(name)
+        if buf is None or buf.shape != shape:
+            buf = buffers[name] = torch.empty(shape, dtype=torch.float32, device=self.device)
+        return buf
+
+
+def _cast_into(buf: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy ``value`` (any float dtype, on the host) into ``buf``, cast on ``buf``'s device."""
+    if buf.device.type == "cpu":
+        buf.copy_(value)
+    else:  # send the stored dtype (half the bytes of fp32), cast where it lands
+        buf.copy_(value.to(buf.device))
+
+
 @dataclass
 class _Side:
     """One model with streamed layers: hooks load layer ``i`` before it runs, release it after."""
@@ -125,29 +192,115 @@ class _Side:
 
     @torch.no_grad()
     def run(self, call: Callable[[], torch.Tensor], on_layer) -> torch.Tensor:
-        """``call()`` with every layer streamed; ``on_layer(i, layer, kwargs, output)`` after each."""
+        """``call()`` with every layer streamed; ``on_layer(i, layer, args, kwargs, output)``
+        after each. Layer ``i + 1`` is read on a thread while layer ``i`` computes."""
+        n = len(self.layers)
+        reader = ThreadPoolExecutor(1, thread_name_prefix="porting-parity-read")
+        pending: dict[int, Future] = {}
         handles = []
+
+        def pre(mod, args, kwargs, i):
+            future = pending.pop(i, None)
+            params = future.result() if future is not None else self.load_layer(i)
+            for name, value in params.items():
+                _set_param(mod, name, value)
+            if i + 1 < n:  # its buffers are those of layer i - 1, released already
+                pending[i + 1] = reader.submit(self.load_layer, i + 1)
+
+        def post(mod, args, kwargs, output, i):
+            on_layer(i, mod, args, kwargs, _output(output))
+            _release(mod)
+
         for i, layer in enumerate(self.layers):
-
-            def pre(mod, args, kwargs, i=i):
-                for name, value in self.load_layer(i).items():
-                    _set_param(mod, name, value)
-
-            def post(mod, args, kwargs, output, i=i):
-                on_layer(i, mod, args, kwargs, _output(output))
-                _release(mod)
-                gc.collect()
-
-            handles.append(layer.register_forward_pre_hook(pre, with_kwargs=True))
-            handles.append(layer.register_forward_hook(post, with_kwargs=True))
+            handles.append(
+                layer.register_forward_pre_hook(
+                    lambda m, a, k, i=i: pre(m, a, k, i), with_kwargs=True
+                )
+            )
+            handles.append(
+                layer.register_forward_hook(
+                    lambda m, a, k, o, i=i: post(m, a, k, o, i), with_kwargs=True
+                )
+            )
         try:
             return call()
         finally:
             for h in handles:
                 h.remove()
+            for future in pending.values():
+                future.cancel()
+            reader.shutdown(wait=True)
 
 
-def _hf_side(hf_dir: Path, family, allow_pickle: bool):
+def _megatron_linear_types() -> tuple[type, ...]:
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    return (ColumnParallelLinear, RowParallelLinear)
+
+
+@contextmanager
+def _real_rows_only(
+    model: torch.nn.Module, real: torch.Tensor, linear_types: tuple[type, ...], flop: list[float]
+) -> Iterator[None]:
+    """Run ``model``'s linear layers on the real (unpadded) positions only; count their FLOPs.
+
+    ``real``: the mask of real positions in the model's hidden-state layout (``[b, s]`` for HF,
+    ``[s, b]`` for Megatron). A linear layer is position-wise, so its output at a real position
+    depends on that position's input alone: gathering those rows into one matrix computes the
+    same values for them with none of the padding's rows. The pads get zeros, which stay finite
+    through norms and attention and are never attended to by a real position (causal mask,
+    right padding). An input of another layout (a mixture's routed tokens) runs as it is.
+    """
+    patched = []
+    rows = int(real.sum())
+    gather = not bool(real.all())
+    for module in model.modules():
+        if not isinstance(module, linear_types):
+            continue
+
+        def forward(x, *args, _orig=module.forward, **kwargs):
+            if x.dim() != 3 or tuple(x.shape[:2]) != tuple(real.shape):
+                out = _orig(x, *args, **kwargs)
+                first = out[0] if isinstance(out, tuple) else out
+                flop[0] += 2.0 * (x.numel() // x.shape[-1]) * x.shape[-1] * first.shape[-1]
+                return out
+            if not gather:
+                out = _orig(x, *args, **kwargs)
+                first = out[0] if isinstance(out, tuple) else out
+            else:
+                out = _orig(x[real].unsqueeze(1), *args, **kwargs)  # [rows, 1, h]: valid layout
+                first = out[0] if isinstance(out, tuple) else out
+                full = first.new_zeros(*real.shape, first.shape[-1])
+                full[real] = first.squeeze(1)
+                out = (full, *out[1:]) if isinstance(out, tuple) else full
+            flop[0] += 2.0 * rows * x.shape[-1] * first.shape[-1]
+            return out
+
+        module.forward = forward
+        patched.append(module)
+    try:
+        yield
+    finally:
+        for module in patched:
+            del module.forward
+
+
+def _to_device(model: torch.nn.Module, device: torch.device) -> None:
+    """Move what the model computes with besides its parameters (buffers, and tensors kept as
+    plain attributes: rotary frequencies, ALiBi slopes) to ``device``."""
+    if device.type == "cpu":
+        return  # built there
+    for module in model.modules():
+        for name, buf in list(module._buffers.items()):
+            if buf is not None and buf.device.type != "meta":
+                module._buffers[name] = buf.to(device)
+        for name, value in list(vars(module).items()):
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                if value.device.type != "meta":
+                    setattr(module, name, value.to(device))
+
+
+def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device):
     from accelerate import init_empty_weights
 
     from porting.convert.config_map import read_hf_config
@@ -162,16 +315,22 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool):
             config, dtype=torch.float32, attn_implementation=family.hf_attn_implementation
         )
     model.eval()
+    _to_device(model, device)
     prefix, layers = _layer_list(model, config.num_hidden_layers)
     source = SafetensorsSource(hf_dir, allow_pickle=allow_pickle)
     available = set(source.keys())
+    buffers = _Buffers(device)
 
-    def read(key: str, want: torch.Size) -> torch.Tensor:
+    def read(key: str, want: torch.Size, buf: torch.Tensor | None = None) -> torch.Tensor:
         if key not in available:
             raise PortingError(f"{hf_dir}: tensor {key!r} is missing")
-        t = source.get(key)
-        _check_shape(str(hf_dir), key, t.shape, want)
-        return t.to(torch.float32)
+        _check_shape(str(hf_dir), key, torch.Size(source.shape(key)[0]), want)
+        if buf is None:
+            buf = torch.empty(want, dtype=torch.float32, device=device)
+        with source.mapped(key) as stored:
+            _cast_into(buf, stored)
+        check_finite(buf, str(hf_dir), key)
+        return buf
 
     layer_params = {f"{prefix}.{i}.": layer for i, layer in enumerate(layers)}
     for name, p in model.named_parameters():
@@ -183,15 +342,16 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool):
 
     def load_layer(i: int) -> dict[str, torch.Tensor]:
         return {
-            name: read(f"{prefix}.{i}.{name}", p.shape) for name, p in layers[i].named_parameters()
+            name: read(f"{prefix}.{i}.{name}", p.shape, buffers.take(i, name, p.shape))
+            for name, p in layers[i].named_parameters()
         }
 
     return _Side(model, layers, load_layer), config
 
 
-def _megatron_side(ckpt: Path, family):
+def _megatron_side(ckpt: Path, family, device: torch.device):
     from accelerate import init_empty_weights
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
     from porting.convert.dist_reader import DistCheckpointReader
     from porting.convert.megatron import build_mcore_model, checkpoint_config
@@ -200,22 +360,36 @@ def _megatron_side(ckpt: Path, family):
     config = checkpoint_config(ckpt, family, torch.float32)  # the layers run in fp32
     with init_empty_weights():
         model = build_mcore_model(config)
+    _to_device(model, device)
     weights = Path(ckpt) / "weights"
     reader = DistCheckpointReader(weights)
     # Every key, offset and factory of the checkpoint's layout, without data.
     sharded = model.sharded_state_dict(prefix="module.")
     check_nemo_layout(sharded, reader, f"{ckpt}/context/porting.json")
+    buffers = _Buffers(device)
 
-    def params_of(module_prefix: str, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    def params_of(
+        module_prefix: str, module: torch.nn.Module, layer: int | None = None
+    ) -> dict[str, torch.Tensor]:
         out = {}
         for name, p in module.named_parameters():
             key = module_prefix + name
             item = sharded.get("module." + key)
             if item is None or isinstance(item, ShardedObject):
                 raise PortingError(f"{weights}: the model's layout has no tensor for {key!r}")
-            value = reader.read_sharded(item)
-            _check_shape(str(weights), key, value.shape, p.shape)
-            out[name] = value.to(torch.float32)
+            if isinstance(item, ShardedTensor):
+                _check_shape(str(weights), key, torch.Size(item.local_shape), p.shape)
+            if layer is None:
+                buf = torch.empty(p.shape, dtype=torch.float32, device=device)
+            else:
+                buf = buffers.take(layer, name, p.shape)
+            if device.type == "cpu" and isinstance(item, ShardedTensor):
+                reader.read_sharded(item, out=buf)
+            else:  # a factory (a GLU's two halves) merges first
+                value = reader.read_sharded(item)
+                _check_shape(str(weights), key, value.shape, p.shape)
+                _cast_into(buf, value)
+            out[name] = buf
         return out
 
     layers = model.decoder.layers
@@ -229,9 +403,31 @@ def _megatron_side(ckpt: Path, family):
                 _set_param(module, pname, value)
 
     def load_layer(i: int) -> dict[str, torch.Tensor]:
-        return params_of(f"decoder.layers.{i}.", layers[i])
+        return params_of(f"decoder.layers.{i}.", layers[i], i)
 
     return _Side(model, layers, load_layer), config
+
+
+def matmul_gflops(device: torch.device, rows: int, k: int, n: int) -> float:
+    """fp32 ``F.linear`` GFLOP/s on ``device`` for ``[rows, k] x [n, k]^T`` (the best of 3 after
+    a warm-up: a floor is what the machine can do, and the 2 shared cores vary by 20% run to run).
+
+    ``n`` is cut so that the weight stays under 256 MB (a 7B's 4096 x 11008 is 180 MB).
+    """
+    n = max(1, min(n, 2**26 // max(k, 1)))
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(max(rows, 1), k, generator=g, device=device)
+    w = torch.randn(n, k, generator=g, device=device)
+    times = []
+    for _ in range(4):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        torch.nn.functional.linear(x, w)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t)
+    return 2.0 * x.shape[0] * k * n / min(times[1:]) / 1e9
 
 
 def _relative(diff_max: float, ref: torch.Tensor) -> float:
@@ -248,37 +444,62 @@ def streamed_logits(
     show_progress: bool = False,
     allow_pickle: bool = False,
     scratch_dir: str | Path | None = None,
-) -> tuple[list[torch.Tensor], list[torch.Tensor], list[LayerDivergence]]:
-    """HF and Megatron logits (cut to the HF vocabulary) and the per-layer divergence.
+    device: str | torch.device = "cpu",
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[LayerDivergence], GateCost]:
+    """HF and Megatron logits (cut to the HF vocabulary, on the CPU), the per-layer divergence
+    and the matmul work with this device's rate for it (the gate's floor).
 
     The parallel state must be initialised (:func:`porting.convert.megatron.init_parallel`).
     ``allow_pickle``: the HF side may be ``pytorch_model*.bin`` (read with ``weights_only=True``).
     ``scratch_dir``: where the hidden states wait (default: the temp directory); an import or
-    export gives its partial output, so that a killed run leaves them with it.
+    export gives its partial output, so that a killed run leaves them with it. ``device``: where
+    the layers compute (``cuda``: fp32 with TF32 off; a device that runs out of memory raises
+    ``torch.OutOfMemoryError``, and the caller decides).
     """
+    return _streamed_logits(
+        hf_dir,
+        ckpt,
+        family,
+        prompts,
+        vocab_size,
+        show_progress,
+        allow_pickle,
+        scratch_dir,
+        torch.device(device),
+    )
+
+
+def _streamed_logits(
+    hf_dir, ckpt, family, prompts, vocab_size, show_progress, allow_pickle, scratch_dir, device
+):
     from tqdm import tqdm
 
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     ids, valid = pad_batch(prompts)
-    hf, _ = _hf_side(Path(hf_dir), family, allow_pickle)
+    ids, valid = ids.to(device), valid.to(device)
+    hf, hf_config = _hf_side(Path(hf_dir), family, allow_pickle, device)
     n = len(hf.layers)
     bar = tqdm(total=2 * n, desc="parity", unit="layer", leave=False, disable=not show_progress)
     # Each HF layer's input and output go to disk, not memory: the Megatron pass needs them one
     # layer at a time, and kept in RAM they would grow with the depth.
     scratch = tempfile.TemporaryDirectory(prefix=".porting-parity-", dir=scratch_dir)
     kept = Path(scratch.name)
+    flop = [0.0]
 
     def on_hf_layer(i, layer, args, kwargs, output):
         hidden = args[0] if args else kwargs["hidden_states"]
-        torch.save({"in": hidden.detach(), "out": output.detach()}, kept / f"{i}.pt")
+        torch.save({"in": hidden.detach().cpu(), "out": output.detach().cpu()}, kept / f"{i}.pt")
         bar.update()
 
     with scratch:
-        hf_logits = hf.run(lambda: hf.model(input_ids=ids, use_cache=False).logits, on_hf_layer)
-        hf_logits = hf_logits[..., :vocab_size].float()
+        with _real_rows_only(hf.model, valid, (torch.nn.Linear,), flop):
+            hf_logits = hf.run(lambda: hf.model(input_ids=ids, use_cache=False).logits, on_hf_layer)
+        hf_logits = hf_logits[..., :vocab_size].float().cpu()
         hf = None  # the HF model is released before the Megatron side is built
-        gc.collect()
 
-        mc, _ = _megatron_side(Path(ckpt), family)
+        mc, _ = _megatron_side(Path(ckpt), family, device)
         if len(mc.layers) != n:
             raise PortingError(
                 f"{ckpt}: {len(mc.layers)} Megatron layers against {n} in {hf_dir}/config.json"
@@ -288,11 +509,16 @@ def streamed_logits(
 
         def on_mc_layer(i, layer, args, kwargs, output):
             saved = torch.load(kept / f"{i}.pt", weights_only=True)
-            ref = saved["out"].transpose(0, 1)[mask]
+            ref = saved["out"].to(device).transpose(0, 1)[mask]
             got = output[mask]
             diff = (got - ref).abs()
-            own_kwargs = dict(kwargs, hidden_states=saved["in"].transpose(0, 1).contiguous())
-            own = _output(layer.forward(*args, **own_kwargs))[mask]
+            hf_in = saved["in"].to(device).transpose(0, 1).contiguous()
+            given = kwargs.get("hidden_states", args[0] if args else None)
+            if given is not None and torch.equal(given, hf_in):
+                own = got  # the same layer on the same input: the same computation
+            else:
+                own_kwargs = dict(kwargs, hidden_states=hf_in)
+                own = _output(layer.forward(*args, **own_kwargs))[mask]
             own_diff = (own - ref).abs().max().item()
             report.append(
                 LayerDivergence(
@@ -306,8 +532,22 @@ def streamed_logits(
             )
             bar.update()
 
-        positions = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
-        mc_logits = mc.run(lambda: mc.model(ids, positions, None), on_mc_layer)
+        positions = torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(ids)
+        with _real_rows_only(mc.model, mask, _megatron_linear_types(), [0.0]):
+            mc_logits = mc.run(lambda: mc.model(ids, positions, None), on_mc_layer)
+        mc = None
     bar.close()
-    mc_logits = mc_logits[..., :vocab_size].float()
-    return unpad(hf_logits, prompts), unpad(mc_logits, prompts), report
+    mc_logits = mc_logits[..., :vocab_size].float().cpu()
+    # The rate at the layers' own shape, after the run: timed alone, not beside the reader.
+    rate = matmul_gflops(
+        device,
+        int(valid.sum()),
+        hf_config.hidden_size,
+        getattr(hf_config, "intermediate_size", None) or 4 * hf_config.hidden_size,
+    )
+    return (
+        unpad(hf_logits, prompts),
+        unpad(mc_logits, prompts),
+        report,
+        GateCost(flop=flop[0], gflops=rate),
+    )
