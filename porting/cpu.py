@@ -41,17 +41,53 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+# CUDA_VISIBLE_DEVICES as the process found it, before hide_gpus() (None: unset; absent: not hidden)
+_FOUND_DEVICES: dict[str, str | None] = {}
+
+
+def gpu_visible() -> bool:
+    """Whether a CUDA device is visible to this process, asked through NVML, without initialising
+    CUDA: :func:`hide_gpus` can still hide it afterwards (a CUDA driver once initialised keeps
+    the devices it saw). False once :func:`hide_gpus` has run."""
+    if _FOUND_DEVICES or not torch.backends.cuda.is_built():
+        return False
+    previous = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    try:
+        return torch.cuda.is_available()
+    finally:
+        if previous is None:
+            del os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"]
+        else:
+            os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = previous
+
+
+def environment_with_gpus() -> dict[str, str]:
+    """This process's environment with ``CUDA_VISIBLE_DEVICES`` as it was before
+    :func:`hide_gpus`: for a child that runs the parity gate on the device."""
+    env = dict(os.environ)
+    if _FOUND_DEVICES:
+        found = _FOUND_DEVICES["CUDA_VISIBLE_DEVICES"]
+        if found is None:
+            env.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = found
+    return env
+
+
 def hide_gpus() -> None:
     """Let this process see no GPU: import, export, verify and the demo run on the CPU everywhere.
 
     Conversion is host-memory work, and the gate's tolerances are those of fp32 on the CPU. On a
     GPU node Megatron would build the buffers it computes itself (rotary frequencies) on the GPU,
     next to weights that the layer-streamed gate reads into host memory. Hiding the devices before
-    anything asks CUDA makes a GPU node run the same path as the CPU tests. (GPU parity is
-    ``scripts/gpu/check.sh``'s, through :mod:`porting.parity.harness` with a device.)
+    anything asks CUDA makes a GPU node run the same path as the CPU tests. The parity gate on
+    the device (``--device cuda``) runs in a process of its own, started with
+    :func:`environment_with_gpus`.
     """
     if torch.cuda.is_initialized():
         raise RuntimeError("hide_gpus() must run before CUDA is initialised")
+    _FOUND_DEVICES.setdefault("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES"))
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 

@@ -31,11 +31,13 @@ def import_hf(
     whole_model: bool = False,
     show_progress: bool = True,
     family: str | None = None,
+    device: str = "cpu",
 ):
     """Import an HF directory into a NeMo 2.0 checkpoint at ``out``; gate it on parity.
 
     ``family`` picks an installed family by name where more than one could read the checkpoint
-    (it must still claim the config's architecture or model type).
+    (it must still claim the config's architecture or model type). ``device``: where the
+    gate's layers compute (:func:`porting.parity.harness.verify`).
     Returns the parity report (``None`` with ``verify=False``). On a failed parity check the
     checkpoint is not left under ``out`` and :class:`PortingError` is raised with the report.
     """
@@ -59,6 +61,7 @@ def import_hf(
                 show_progress=show_progress,
                 allow_pickle=allow_pickle,
                 scratch_dir=tmp,
+                device=device,
             )
             if not report.passed:
                 raise ParityError(report)
@@ -74,10 +77,14 @@ def export_hf(
     max_shard_bytes: int = 5 * 2**30,
     whole_model: bool = False,
     show_progress: bool = False,
+    atol: float | None = None,
+    rtol: float | None = None,
+    device: str = "cpu",
 ):
     """Export our NeMo checkpoint to an HF directory at ``out``; gate it on parity.
 
-    Returns the parity report (``None`` with ``verify=False``).
+    Returns the parity report (``None`` with ``verify=False``). ``atol``, ``rtol``, ``device``:
+    the gate's (:func:`porting.parity.harness.verify`).
     """
     from porting.parity import harness as parity
 
@@ -88,7 +95,14 @@ def export_hf(
         export_into(Path(ckpt), tmp, family, max_shard_bytes)
         if verify:
             report = parity.verify(
-                tmp, ckpt, whole_model=whole_model, show_progress=show_progress, scratch_dir=tmp
+                tmp,
+                ckpt,
+                atol=parity.DEFAULT_ATOL if atol is None else atol,
+                rtol=parity.DEFAULT_RTOL if rtol is None else rtol,
+                whole_model=whole_model,
+                show_progress=show_progress,
+                scratch_dir=tmp,
+                device=device,
             )
             if not report.passed:
                 raise ParityError(report)

@@ -63,12 +63,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--no-verify", action="store_true", help="skip the parity gate")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size")
-    p.add_argument(
-        "--whole-model",
-        action="store_true",
-        help="gate with both models loaded whole instead of one layer at a time (small models)",
-    )
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the parity report as JSON")
+    add_gate_flags(p)
     p.set_defaults(func=_cmd_export)
 
 
@@ -79,8 +75,10 @@ def _cmd_import(args) -> int:
     # Taken before NeMo's import (seconds), so that a second run on this output fails at once.
     with guard.output_lock(args.out, "checkpoint"):
         from porting import cpu
+        from porting.parity.cli import resolve_device
 
-        cpu.hide_gpus()
+        device = resolve_device(args.device)
+        cpu.hide_gpus()  # conversion is host work; a device gate runs in a child that sees them
         from porting.convert.api import import_hf
 
         quiet.quiet_nemo()
@@ -97,6 +95,7 @@ def _cmd_import(args) -> int:
             whole_model=args.whole_model,
             show_progress=sys.stderr.isatty(),
             family=args.family,
+            device=device,
         )
     print_report(report, args.json)
     if not args.json:
@@ -110,8 +109,10 @@ def _cmd_export(args) -> int:
     guard.refuse_overlap(args.out, [("checkpoint", args.ckpt)])
     with guard.output_lock(args.out, "HF directory"):
         from porting import cpu
+        from porting.parity.cli import resolve_device
 
-        cpu.hide_gpus()
+        device = resolve_device(args.device)
+        cpu.hide_gpus()  # conversion is host work; a device gate runs in a child that sees them
         from porting.convert.api import export_hf
 
         quiet.quiet_nemo()
@@ -123,6 +124,9 @@ def _cmd_export(args) -> int:
             max_shard_bytes=int(args.max_shard_gb * 2**30),
             whole_model=args.whole_model,
             show_progress=sys.stderr.isatty(),
+            atol=args.atol,
+            rtol=args.rtol,
+            device=device,
         )
     print_report(report, args.json)
     if not args.json:

@@ -19,11 +19,35 @@ def add_gate_flags(p: argparse.ArgumentParser) -> None:
         "about 8 bytes per parameter of RAM)",
     )
     p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="where the gate's layers compute: fp32 on the CPU, or streamed one at a time to a "
+        "CUDA device (fp32, TF32 off; falls back to the CPU, saying so, if it runs out of "
+        "memory). auto: cuda when a device is visible",
+    )
+    p.add_argument(
         "--atol", type=float, default=None, help="parity: absolute logit tolerance (1e-4)"
     )
     p.add_argument(
         "--rtol", type=float, default=None, help="parity: relative logit tolerance (1e-4)"
     )
+
+
+def resolve_device(flag: str) -> str:
+    """``--device`` as ``cpu`` or ``cuda``; call before :func:`porting.cpu.hide_gpus`."""
+    from porting import cpu
+    from porting.errors import PortingError
+
+    if flag == "cpu":
+        return "cpu"
+    visible = cpu.gpu_visible()
+    if flag == "cuda" and not visible:
+        raise PortingError(
+            "--device cuda: no CUDA device is visible to this process (a CPU build of torch, "
+            "no driver, or CUDA_VISIBLE_DEVICES empty); use --device cpu"
+        )
+    return "cuda" if visible else "cpu"
 
 
 def print_report(report, as_json: bool) -> None:
@@ -54,6 +78,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--plot", type=Path, metavar="FILE.png", help="draw the divergence per layer (log scale)"
     )
+    p.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="read the HF side's pytorch_model*.bin when no safetensors exist "
+        "(torch.load weights_only=True)",
+    )
     add_gate_flags(p)
     p.set_defaults(func=_cmd_verify)
 
@@ -64,7 +94,9 @@ def _cmd_verify(args) -> int:
     from porting import cpu
     from porting.parity import harness
 
-    cpu.hide_gpus()
+    device = resolve_device(args.device)
+    if device == "cpu":
+        cpu.hide_gpus()
     quiet.quiet_nemo()
     kwargs = {
         k: v
@@ -76,6 +108,8 @@ def _cmd_verify(args) -> int:
         args.ckpt,
         whole_model=args.whole_model,
         show_progress=sys.stderr.isatty(),
+        allow_pickle=args.allow_pickle,
+        device=device,
         **kwargs,
     )
     print_report(report, args.json)
