@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS = ["models", "import", "data", "parity", "train stock", "train falcon", "plan", "export",
+STEPS = ["models", "import", "data", "parity", "gate", "train stock", "train falcon", "plan", "export",
          "train resume"]  # fmt: skip
 
 
@@ -58,6 +58,8 @@ def test_check_cut_short_by_its_budget_then_continued_passes_every_check(tmp_pat
         for side in ("megatron", "hf"):
             bf16 = row["bf16_vs_hf_fp32"][side]
             assert 0 < bf16["max_abs"] < 0.1 and bf16["top1"] > 0.9, (name, side, bf16)
+    gate = report["steps"]["gate"]["result"]["gate"]
+    assert set(gate) == {"cpu"} and gate["cpu"]["passed"] and gate["cpu"]["floor_ratio"] > 1
     stock = report["steps"]["train stock"]["result"]
     assert stock["loss_last"] < stock["loss_first"] and stock["tokens_per_s"] > 0
     assert report["steps"]["train resume"]["result"]["max_abs_dloss"] <= 1e-5

@@ -14,12 +14,15 @@ Run on a GPU machine through ``scripts/gpu/check.sh OUTDIR`` (which installs the
    1.1B's tokenizer).
 4. ``parity``: whole-model logits on the device, fp32 and bf16, HF and Megatron, against the same
    fp32 run on the CPU in a process that sees no GPU (the two processes run side by side).
-5. ``train stock`` and ``train falcon``: ``porting train`` of the 1.1B (bf16 on a GPU, distributed
+5. ``gate``: ``porting verify`` of a 7B-shaped 8-layer bf16 stack, layers streamed to the device
+   and on the host, each timed against its floor; then with the device's memory capped, which
+   must hand the verdict to the CPU with one line.
+6. ``train stock`` and ``train falcon``: ``porting train`` of the 1.1B (bf16 on a GPU, distributed
    optimizer, sequence 2048), then the Falcon at equal FLOPs per token, back to back.
-6. ``plan``: ``porting plan`` for the same model, batch and sequence on one H100, next to the
+7. ``plan``: ``porting plan`` for the same model, batch and sequence on one H100, next to the
    measured step time and memory; more than 15% apart, ``--measured-step`` fits the constants.
-7. ``export``: the trained checkpoint back to HF through ``porting export`` (gate on the CPU).
-8. ``train resume``: the stock run again, SIGKILLed at its first checkpoint and resumed.
+8. ``export``: the trained checkpoint back to HF through ``porting export`` (gate on the CPU).
+9. ``train resume``: the stock run again, SIGKILLed at its first checkpoint and resumed.
 
 ``OUTDIR/report.json`` is rewritten after every step (a run cut short still reports what it did),
 ``OUTDIR/report.md`` holds the tables, ``OUTDIR/check.log`` every command's output. The exit status
@@ -511,6 +514,66 @@ def parity(c: Check) -> dict:
     return {"device": device, "models": rows}
 
 
+GATE_FALLBACK = """
+import sys, torch
+torch.cuda.set_per_process_memory_fraction(0.002)  # ~150 MB of an H100: the first layer fails
+from porting.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _json_block(output: str) -> dict:
+    """The report that ``--json`` printed (an indented block from a line ``{`` to a line ``}``),
+    among the other lines of a command's output."""
+    lines = output.splitlines()
+    start = lines.index("{")
+    end = len(lines) - 1 - lines[::-1].index("}")
+    return json.loads("\n".join(lines[start : end + 1]))
+
+
+def gate(c: Check) -> dict:
+    """The layer-streamed gate of a 7B-shaped stack (4096 wide, 8 layers, bf16) on the device and
+    on the host, each against its floor (its report's ``floor_ratio``); then the same gate with the
+    device's memory capped so that it runs out: one line, and the CPU's verdict."""
+    import torch
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    from bench_scale import SIZES, write_checkpoint
+
+    hf, ckpt = c.work / "gate-hf", c.work / "gate-nemo"
+    shape = dict(SIZES["7b-8"])
+    if c.tiny:
+        shape.update(hidden=256, ffn=704, heads=8, kv=8, vocab=1000, layers=2)
+    write_checkpoint(hf, **shape)
+    c.porting("import", str(hf), "--out", str(ckpt), "--no-verify", what="gate: import")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = {}
+    for where in dict.fromkeys([device, "cpu"]):
+        out = c.porting(
+            "verify", str(hf), str(ckpt), "--json", "--device", where, what=f"gate on {where}"
+        )
+        report = _json_block(out)
+        rows[where] = {
+            k: report[k] for k in ("passed", "wall_s", "floor_s", "floor_ratio", "matmul_gflops")
+        }
+        c.passed(f"7B-shaped gate on {where} passes", report["passed"], json.dumps(rows[where]))
+    if device == "cuda":
+        argv = [sys.executable, "-c", GATE_FALLBACK, "verify", str(hf), str(ckpt), "--json"]
+        proc = subprocess.run(argv + ["--device", "cuda"], capture_output=True, text=True)
+        c._log("gate: device out of memory", argv, proc.stdout + proc.stderr)
+        fell_back = "ran out of memory" in proc.stderr and "on the CPU instead" in proc.stderr
+        report = _json_block(proc.stdout) if "{" in proc.stdout else {}
+        rows["out of memory"] = {"fell back": fell_back, "device": report.get("device")}
+        c.passed(
+            "a device out of memory falls back to the CPU's verdict",
+            proc.returncode == 0 and fell_back and report.get("device") == "cpu",
+            f"exit {proc.returncode}",
+        )
+    shutil.rmtree(hf, ignore_errors=True)
+    shutil.rmtree(ckpt, ignore_errors=True)
+    return {"device": device, "gate": rows}
+
+
 def _train_argv(c: Check, ckpt: Path, out: Path, save_every: int) -> list[str]:
     import torch
 
@@ -830,6 +893,7 @@ def main(argv: list[str] | None = None) -> int:
     c.step("import", lambda: import_models(c))
     c.step("data", lambda: make_data(c))
     c.step("parity", lambda: parity(c))
+    c.step("gate", lambda: gate(c))
     # The two measured runs back to back, on an idle host; then the planner, which needs only the
     # stock run; the costliest pass/fail steps last (the resume writes two 14 GiB checkpoints).
     c.step("train stock", lambda: train_stock(c))
