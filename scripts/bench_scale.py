@@ -5,6 +5,7 @@ weights, no model built in memory), then runs each command in a fresh process un
 ``/usr/bin/time -v`` and reports wall time, peak RSS and peak / weights on disk. Sizes:
 
     7b        hidden 4096, 32 layers, FFN 11008, 32 heads (MHA), vocab 32000 (6.7B, 13.5 GB)
+    7b-8      the same width, 8 layers (the parity gate's benchmark stack)       (1.9B, 3.6 GB)
     7b-deep   the same width, 64 layers                                         (13.0B, 26 GB)
     moe       Mixtral layout: hidden 2048, 4 layers, 8 experts of FFN 5632 (top-2), GQA 16/8,
               vocab 32000                                                        (1.3B, 2.6 GB)
@@ -14,6 +15,10 @@ weights, no model built in memory), then runs each command in a fresh process un
 checkpoint. Outputs are deleted as soon as the next step no longer needs them (disk).
 
     python scripts/bench_scale.py --sizes 7b 7b-deep --workdir /tmp/bench-scale
+
+The gate's columns (import, verify, export) come from the command's ``--json`` report: the
+gate's own wall (start-up excluded), its floor (both sides' matmuls at this machine's fp32 rate,
+measured in the same run) and their ratio.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from pathlib import Path
 
 SIZES = {
     "7b": dict(hidden=4096, layers=32, ffn=11008, heads=32, kv=32, vocab=32000),
+    "7b-8": dict(hidden=4096, layers=8, ffn=11008, heads=32, kv=32, vocab=32000),
     "7b-deep": dict(hidden=4096, layers=64, ffn=11008, heads=32, kv=32, vocab=32000),
     "1b": dict(hidden=2048, layers=16, ffn=5632, heads=16, kv=16, vocab=32000),
     "1b-deep": dict(hidden=2048, layers=32, ffn=5632, heads=16, kv=16, vocab=32000),
@@ -138,18 +144,31 @@ def write_checkpoint(out: Path, hidden, layers, ffn, heads, kv, vocab, experts=0
 
 
 def timed(cmd: list[str], log: Path) -> dict:
-    """Run ``cmd`` under /usr/bin/time -v; wall seconds, peak RSS bytes, exit code."""
+    """Run ``cmd`` under /usr/bin/time -v; wall seconds, peak RSS bytes, exit code, and the
+    parity gate's wall, floor and ratio when the command printed its report as JSON."""
     t = time.perf_counter()
     with open(log, "w") as f:
-        proc = subprocess.run(["/usr/bin/time", "-v", *cmd], stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.run(
+            ["/usr/bin/time", "-v", *cmd], stdout=subprocess.PIPE, stderr=f, text=True
+        )
     wall = time.perf_counter() - t
     text = log.read_text()
+    gate = {}
+    if "{" in proc.stdout:
+        try:
+            report, _ = json.JSONDecoder().raw_decode(proc.stdout[proc.stdout.index("{") :])
+            gate = {k: report.get(k) for k in ("wall_s", "floor_s", "floor_ratio")}
+        except ValueError:
+            pass
     m = re.search(r"Maximum resident set size \(kbytes\): (\d+)", text)
     row = {
         "wall_s": wall,
         "peak_rss": int(m.group(1)) * 1024 if m else None,
         "rc": proc.returncode,
         "oom": "Killed" in text or proc.returncode in (-9, 137),
+        "gate_s": gate.get("wall_s"),
+        "gate_floor_s": gate.get("floor_s"),
+        "gate_ratio": gate.get("floor_ratio"),
     }
     if proc.returncode != 0:
         # The exception's own line (the last one naming an error), for the table.
@@ -190,8 +209,9 @@ def main() -> int:
         "--steps",
         nargs="*",
         default=["import", "verify", "export"],
-        choices=["import", "verify", "export"],
-        help="our commands to run (none: only --nemo)",
+        choices=["import", "import-no-gate", "verify", "export"],
+        help="our commands to run (none: only --nemo); import-no-gate: import --no-verify, to "
+        "see what the gate adds",
     )
     p.add_argument("--json", type=Path, help="also write the rows as JSON")
     args = p.parse_args()
@@ -207,14 +227,18 @@ def main() -> int:
             f"{size}: wrote {weights / 1e9:.2f} GB in {time.perf_counter() - t:.0f} s", flush=True
         )
         steps = {
-            "import": porting + ["import", str(work / "hf"), "--out", str(work / "nemo")],
-            "verify": porting + ["verify", str(work / "hf"), str(work / "nemo")],
-            "export": porting + ["export", str(work / "nemo"), "--out", str(work / "hf-out")],
+            "import": porting + ["import", str(work / "hf"), "--out", str(work / "nemo"), "--json"],
+            "import-no-gate": porting
+            + ["import", str(work / "hf"), "--out", str(work / "nemo-no-gate"), "--no-verify"],
+            "verify": porting + ["verify", str(work / "hf"), str(work / "nemo"), "--json"],
+            "export": porting
+            + ["export", str(work / "nemo"), "--out", str(work / "hf-out"), "--json"],
         }
         for step in args.steps:
             if step == "export":
                 shutil.rmtree(work / "hf", ignore_errors=True)  # disk: export needs only nemo/
             r = timed(steps[step], work / f"{step}.log")
+            shutil.rmtree(work / "nemo-no-gate", ignore_errors=True)
             r.update(size=size, step=step, weights=weights)
             rows.append(r)
             print(json.dumps(r), flush=True)
@@ -244,15 +268,26 @@ def main() -> int:
             shutil.copy(log, args.workdir / f"{size}-{log.name}")
         shutil.rmtree(work, ignore_errors=True)
     print()
-    print(f"{'size':<9}{'step':<22}{'wall s':>8}{'peak RSS GiB':>14}{'peak/weights':>14}  result")
+    print(
+        f"{'size':<9}{'step':<22}{'wall s':>8}{'peak RSS GiB':>14}{'peak/weights':>14}"
+        f"{'gate s':>8}{'floor s':>9}{'gate/floor':>12}  result"
+    )
     for r in rows:
         peak = r["peak_rss"] or 0
         result = "ok" if r["rc"] == 0 else ("out of memory" if r["oom"] else f"exit {r['rc']}")
         if r.get("error"):
             result += f": {r['error']}"
+        gate = "".join(
+            f"{v:>{w}.1f}" if v is not None else f"{'-':>{w}}"
+            for v, w in (
+                (r.get("gate_s"), 8),
+                (r.get("gate_floor_s"), 9),
+                (r.get("gate_ratio"), 12),
+            )
+        )
         print(
             f"{r['size']:<9}{r['step']:<22}{r['wall_s']:>8.0f}{peak / 2**30:>14.2f}"
-            f"{peak / r['weights']:>14.2f}  {result}"
+            f"{peak / r['weights']:>14.2f}{gate}  {result}"
         )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
