@@ -58,9 +58,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "NeMo checkpoint made by `porting import` (or trained from one). Everything needed is in "
         "the checkpoint. The result is parity-checked against the checkpoint before it appears.",
     )
-    p.add_argument("ckpt", type=Path)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("ckpt", type=Path, help="checkpoint made by `porting import` (or trained)")
+    p.add_argument("--out", type=Path, required=True, help="HF directory to create")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument("--no-verify", action="store_true", help="skip the parity gate")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size")
     p.add_argument("--json", action="store_true", help="print the parity report as JSON")

@@ -67,9 +67,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="full-logit parity of an HF model against a NeMo checkpoint",
         description="Run fixed prompts (several lengths, every position) through the HF model and "
         "the Megatron model of the checkpoint and compare full logits: max and mean |dlogit|, "
-        "KL(HF || Megatron), top-1 agreement. By default one decoder layer of each side is in "
+        "KL(HF || Megatron), top-1 agreement. By default two decoder layers of one side are in "
         "memory at a time (any model size), and the report gives each layer's divergence and "
-        "names the first layer that diverges. Exits 1 when the gate fails.",
+        "names the first layer that diverges, then the gate's wall time against its floor (both "
+        "sides' matmuls at this machine's measured fp32 rate). Exits 1 when the gate fails.",
     )
     p.add_argument("hf_dir", type=Path)
     p.add_argument("ckpt", type=Path)

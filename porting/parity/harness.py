@@ -243,7 +243,7 @@ def verify(
 ) -> ParityReport:
     """Run the parity check of an HF directory against one of our NeMo checkpoints.
 
-    By default layer-streamed (:mod:`porting.parity.streamed`): one decoder layer of each side in
+    By default layer-streamed (:mod:`porting.parity.streamed`): two decoder layers of one side in
     memory at a time, per-layer divergence reported and the first diverging layer named. With
     ``whole_model`` both models are loaded whole (never together: Megatron first, then HF).
     ``scratch_dir``: see :func:`porting.parity.streamed.streamed_logits`. ``device``: ``cpu``,
