@@ -262,7 +262,7 @@ def assert_streamed_agrees(hf_dir, ckpt, family, prompts, hf, mc, atol: float = 
     from porting.parity.streamed import streamed_logits
 
     vocab = hf[0].shape[-1]
-    hf_s, mc_s, layers = streamed_logits(hf_dir, ckpt, family, prompts, vocab)
+    hf_s, mc_s, layers, _cost = streamed_logits(hf_dir, ckpt, family, prompts, vocab)
     for streamed, whole in zip(hf_s + mc_s, hf + mc, strict=True):
         torch.testing.assert_close(streamed, whole, atol=atol, rtol=0)
     assert compare(hf_s, mc_s).passed == compare(hf, mc).passed
