@@ -51,7 +51,8 @@ def test_table_lists_layouts_memory_comm_and_slowdown(capsys):
     assert "considered" in out and "feasible" in out
     assert "exposed s node/site/wan" in out and "vs 1 site" in out
     assert "chosen: TP" in out and "x the step time of the same GPUs in one site" in out
-    assert "default rank order" in out
+    assert "the best layout of each placement" in out and "note: placement:" in out
+    assert "data-parallel across sites" in out and "pipeline across sites a>b>c" in out
     assert "rejected (" in out and "does not divide" in out and "GiB" in out
 
 
@@ -250,7 +251,9 @@ def test_calibration_recovers_known_efficiencies_and_fits_the_step(tmp_path, cap
     lay = data["chosen"]["layout"]
     layout = (
         f"tp={lay['tp']},pp={lay['pp']},vp={lay['vp']},cp={lay['cp']},"
-        f"mb={lay['micro_batch']},recompute={lay['recompute']}"
+        f"mb={lay['micro_batch']},recompute={lay['recompute']},"
+        f"order={'default' if lay['order'] == 'tp-cp-ep-dp-pp' else 'tp-pp-dp'},"
+        f"sites={'>'.join(lay['sites'])}"
     )
     argv2 = ["plan", "--model", "llama-7b", "--cluster", str(path), "--global-batch", "64"]
     argv2 += ["--seq-length", "2048", "--constants", str(saved), "--json", "--layout", layout]

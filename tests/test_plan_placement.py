@@ -36,48 +36,72 @@ def three_site_plan():
     return plan(PRESETS["llama-70b"], cluster, 4096, 1024)
 
 
-def test_emitted_layouts_keep_tp_in_nodes_and_pp_in_sites(megatron_rank_generator, three_site_plan):
+def _check_groups(gen_cls, cluster, p):
+    """Megatron's own groups for a prediction's layout and placement: TP inside a node, each
+    distributed-optimizer instance inside a site, and (with the tp-cp-ep-pp-dp order) each
+    pipeline inside a site. Returns (pipelines, pipelines that cross sites)."""
+    lay = p.layout
+    topo = Topology(cluster.reordered(lay.sites))
+    gen = gen_cls(tp=lay.tp, ep=1, dp=lay.dp, pp=lay.pp, cp=lay.cp, order=lay.order)
+    for g in gen.get_ranks("tp"):
+        assert len({topo.node_of[r] for r in g}) == 1, (lay.label(), g)
+    # Megatron cuts each dp-cp group into equal contiguous instances
+    # (parallel_state.initialize_model_parallel); each must stay inside one site.
+    for g in gen.get_ranks("dp-cp"):
+        size = len(g) // lay.instances
+        for i in range(lay.instances):
+            chunk = g[i * size : (i + 1) * size]
+            assert len({topo.site_of[r] for r in chunk}) == 1, (lay.label(), chunk)
+    pipes = gen.get_ranks("pp")
+    crossing = [g for g in pipes if len({topo.site_of[r] for r in g}) > 1]
+    if lay.order == ORDER_TP_PP_DP:
+        assert not crossing, lay.label()
+    return pipes, crossing
+
+
+def test_emitted_layouts_keep_tp_in_nodes_and_instances_in_sites(
+    megatron_rank_generator, three_site_plan
+):
     cluster = three_site_plan.cluster
-    topo = Topology(cluster)
-    checked_tp = checked_pp = 0
-    for p in three_site_plan.ranked[:40]:
-        lay = p.layout
-        assert p.order == ORDER_TP_PP_DP
-        gen = megatron_rank_generator(
-            tp=lay.tp, ep=1, dp=lay.dp, pp=lay.pp, cp=lay.cp, order=ORDER_TP_PP_DP
-        )
-        for g in gen.get_ranks("tp"):
-            assert len({topo.node_of[r] for r in g}) == 1, (lay.label(), g)
-            checked_tp += lay.tp > 1
-        for g in gen.get_ranks("pp"):
-            assert len({topo.site_of[r] for r in g}) == 1, (lay.label(), g)
-            checked_pp += lay.pp > 1
-        # Megatron cuts each dp-cp group into equal contiguous instances
-        # (parallel_state.initialize_model_parallel); each must stay inside one site.
-        for g in gen.get_ranks("dp-cp"):
-            size = len(g) // lay.instances
-            for i in range(lay.instances):
-                chunk = g[i * size : (i + 1) * size]
-                assert len({topo.site_of[r] for r in chunk}) == 1, (lay.label(), chunk)
-    assert checked_tp and checked_pp
+    orders = set()
+    for p in three_site_plan.ranked[:40] + three_site_plan.placements:
+        assert p.order == p.layout.order
+        _check_groups(megatron_rank_generator, cluster, p)
+        orders.add(p.order)
+    assert orders == {ORDER_TP_PP_DP, ORDER_DEFAULT}
 
 
-def test_default_order_would_split_pipelines_across_sites(megatron_rank_generator, three_site_plan):
-    best = three_site_plan.best.layout
-    assert best.pp > 1
-    topo = Topology(three_site_plan.cluster)
-    gen = megatron_rank_generator(
-        tp=best.tp, ep=1, dp=best.dp, pp=best.pp, cp=best.cp, order=ORDER_DEFAULT
-    )
-    assert any(len({topo.site_of[r] for r in g}) > 1 for g in gen.get_ranks("pp"))
-    assert any("default rank order" in n for n in three_site_plan.notes)
+def test_the_chosen_pipeline_crosses_the_sites_over_the_fast_links(
+    megatron_rank_generator, three_site_plan
+):
+    """three-sites: a-b 2 x 400 Gb/s RDMA, b-c 2 x 200 Gb/s RDMA, c-a 4 x 100 Gb/s TCP. The
+    chosen placement runs the pipeline a > b > c, so no stage boundary is on the TCP link; with
+    its layout, Megatron's groups show pipelines that do cross sites."""
+    best = three_site_plan.best
+    assert best.order == ORDER_DEFAULT and best.layout.sites == ("a", "b", "c")
+    _, crossing = _check_groups(megatron_rank_generator, three_site_plan.cluster, best)
+    assert crossing
+    topo = Topology(three_site_plan.cluster.reordered(best.layout.sites))
+    names = [s.name for s in three_site_plan.cluster.reordered(best.layout.sites).sites]
+    hops = set()
+    for g in crossing:
+        for a, b in zip(g, g[1:], strict=False):
+            sa, sb = names[topo.site_of[a]], names[topo.site_of[b]]
+            if sa != sb:
+                hops.add(frozenset((sa, sb)))
+    assert hops and frozenset(("a", "c")) not in hops
+    labels = [p.layout.placement_label() for p in three_site_plan.placements]
+    assert "data-parallel across sites" in labels and len(labels) == len(set(labels)) == 4
+    assert any("placement:" in n for n in three_site_plan.notes)
 
 
 def test_instances_follow_the_sites():
     cluster = load_cluster(EXAMPLES / "three-sites.yaml")
-    # sites of 128, 128 and 256 GPUs: instances of 128 GPUs' worth of replicas, two in site c
-    for p in plan(PRESETS["llama-70b"], cluster, 4096, 1024).ranked[:10]:
-        assert p.layout.instances == 4
+    # sites of 128, 128 and 256 GPUs: with replicas inside the sites, instances of 128 GPUs'
+    # worth of replicas, two in site c; with stages across sites, as few as keep each inside one
+    result = plan(PRESETS["llama-70b"], cluster, 4096, 1024)
+    replicas = [p for p in result.ranked if p.order == ORDER_TP_PP_DP][:10]
+    assert replicas and all(p.layout.instances == 4 for p in replicas)
     one = load_cluster(EXAMPLES / "dgx-h100-one-site.yaml")
     for p in plan(PRESETS["llama-70b"], one, 4096, 512).ranked[:10]:
         assert p.layout.instances == 1

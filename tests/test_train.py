@@ -123,6 +123,12 @@ def _spec(tiny_nemo, train_corpus, **kw):
         (dict(tp=3, gpus_per_node=3), "--tp 3 does not divide the 4 attention heads"),
         (dict(tp=4, gpus_per_node=4), "exceeds the 2 KV groups"),
         (dict(pp=3, gpus_per_node=3), "--pp 3 does not divide the 2 layers"),
+        (dict(first_stage_layers=1), "--first-stage-layers / --last-stage-layers need --pp > 1"),
+        (dict(pp=2, gpus_per_node=2, first_stage_layers=2), "--first-stage-layers 2: must be"),
+        (
+            dict(pp=3, gpus_per_node=3, first_stage_layers=1, last_stage_layers=1),
+            "the 0 layers left for the 1 other pipeline stages do not divide",
+        ),
         (dict(global_batch=6, micro_batch=4), "--global-batch 6 is not divisible"),
         (dict(tp=2), "1 devices are not a multiple of TP x PP x CP = 2"),
         (dict(warmup=10, steps=10), "--warmup 10 must be below --steps 10"),

@@ -138,6 +138,15 @@ def test_a_plan_for_another_model_is_refused(tiny_nemo, train_corpus, tmp_path):
     spec.micro_batch, spec.use_tp_pp_dp_mapping = 2, False
     with pytest.raises(PortingError, match=r"layouts\[0\]\.rank_order"):
         _preflight(spec)
+    # a plan's pipeline split must be the flags' too
+    spec.use_tp_pp_dp_mapping = True
+    data = json.loads(spec.plan.read_text())
+    data["layouts"][0]["layout"] |= {"first_layers": 1, "middle_layers": 0, "last_layers": 1}
+    spec.plan.write_text(json.dumps(data))
+    with pytest.raises(PortingError, match=r"first_layers/last_layers are \(1, 1\)"):
+        _preflight(spec)
+    spec.first_stage_layers = spec.last_stage_layers = 1
+    _preflight(spec)
 
 
 def test_a_layout_change_from_a_dp_reshardable_checkpoint_is_refused(

@@ -212,3 +212,86 @@ def test_emitted_plan_runs_as_emitted_and_builds_the_planned_strategy(
     assert built["overlap_param_gather"] is settings["overlap_param_gather"] is True
     assert built["grad_reduce_in_fp32"] is settings["grad_reduce_in_fp32"]
     assert sorted(train_losses(out)) == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+def test_an_uneven_pipeline_across_two_sites_runs_as_emitted(train_corpus, tmp_path):
+    """A 3-layer model on two one-process "sites": the plan puts the pipeline across them with
+    Megatron's default order and an uneven split (2 layers, then 1); both emitted node commands
+    run here as two torchrun nodes, the first stage builds 2 layers, and the losses are those of
+    one process."""
+    from porting.cli import main
+    from porting.convert.api import import_hf
+    from porting.cpu import free_port
+    from porting.testing import make_llama
+
+    hf = make_llama(tmp_path / "hf3", num_layers=3, rope_theta=50000.0, intermediate_size=98)
+    ckpt = tmp_path / "ckpt3"
+    import_hf(hf, ckpt, show_progress=False)
+    cpu = {"name": "cpu", "peak_bf16_tflops": 1, "memory_gib": 16, "hbm_tbytes_s": 0.05}
+    cluster = tmp_path / "two-boxes.yaml"
+    cluster.write_text(
+        yaml.safe_dump(
+            {
+                "name": "two-boxes",
+                "gpu": cpu,
+                "node": {"bandwidth_gbytes_s": 10, "latency_us": 5},
+                "site": {"bandwidth_gbit_s": 10, "latency_us": 10},
+                "sites": [
+                    {"name": "a", "nodes": 1, "gpus_per_node": 1},
+                    {"name": "b", "nodes": 1, "gpus_per_node": 1},
+                ],
+                "links": [{"sites": ["a", "b"], "bandwidth_gbit_s": 1, "rtt_ms": 1}],
+            }
+        )
+    )
+    emit, out = tmp_path / "launch", tmp_path / "run"
+    argv = ["plan", "--model", str(ckpt), "--cluster", str(cluster), "--global-batch", "4"]
+    argv += ["--seq-length", "32", "--layout", "pp=2,mb=2,recompute=none,order=default"]
+    argv += ["--emit", str(emit), "--data", str(train_corpus), "--out", str(out)]
+    assert main(argv) == 0
+    plan = json.loads((emit / "plan.json").read_text())
+    lay = plan["layouts"][0]["layout"]
+    assert (lay["first_layers"], lay["last_layers"]) == (2, 1)
+    assert plan["layouts"][0]["rank_order"] == "tp-cp-ep-dp-pp"
+
+    bindir = str(Path(sys.executable).parent)
+    env = child_env(
+        PATH=bindir + os.pathsep + os.environ.get("PATH", ""),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )
+    more = ["--steps", "6", "--save-every", "0", "--lr", "1e-2", "--warmup", "2"]
+    nodes = [
+        subprocess.Popen(
+            ["bash", str(emit / "torchrun.sh"), str(rank), *more],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        logs = [n.communicate(timeout=TIMEOUT)[0] for n in nodes]
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                os.killpg(n.pid, 9)
+    assert [n.returncode for n in nodes] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    built = json.loads((out / "run.json").read_text())["built"]
+    assert built["pp"] == 2 and built["use_tp_pp_dp_mapping"] is False
+    assert built["num_layers_in_first_pipeline_stage"] == 2
+    assert built["num_layers_in_last_pipeline_stage"] == 1
+    assert built["layers_built"] == 2
+
+    ref = tmp_path / "one"
+    _run(
+        [
+            sys.executable, "-m", "porting.cli", "train", "--checkpoint", str(ckpt),
+            "--data", str(train_corpus), "--out", str(ref), "--seq-length", "32",
+            "--micro-batch", "2", "--global-batch", "4", *more,
+        ]
+    )  # fmt: skip
+    _assert_sametrain_losses(train_losses(out), train_losses(ref), range(6))

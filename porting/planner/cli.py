@@ -57,10 +57,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("training settings (defaults follow `porting train`)")
     g.add_argument(
         "--order",
-        choices=["tp-pp-dp", "default"],
-        default="tp-pp-dp",
-        help="rank order where PP > 1: Megatron's tp-cp-ep-pp-dp (pipelines inside a site; "
-        "default) or its default tp-cp-ep-dp-pp",
+        choices=["search", "tp-pp-dp", "default"],
+        default="search",
+        help="rank order where PP > 1: search both (default) and show the best of each "
+        "placement; tp-pp-dp: Megatron's tp-cp-ep-pp-dp only (model replicas inside a site, "
+        "data parallel across sites); default: Megatron's default tp-cp-ep-dp-pp only (pipeline "
+        "stages across sites, every order of the sites the links allow)",
+    )
+    g.add_argument(
+        "--no-uneven-pipeline",
+        action="store_true",
+        help="only PP sizes that divide the layers (by default others are tried with Megatron's "
+        "num_layers_in_first/last_pipeline_stage)",
     )
     g.add_argument("--no-distributed-optimizer", action="store_true")
     g.add_argument(
@@ -112,15 +120,28 @@ def _settings(args):
         flash_attention=not args.no_flash_attention,
         micro_batches=mbs,
         tune_nccl=not args.no_tune_nccl,
-        mapping=ORDER_DEFAULT if args.order == "default" else ORDER_TP_PP_DP,
+        orders={
+            "search": (ORDER_TP_PP_DP, ORDER_DEFAULT),
+            "tp-pp-dp": (ORDER_TP_PP_DP,),
+            "default": (ORDER_DEFAULT,),
+        }[args.order],
+        uneven_pipeline=not args.no_uneven_pipeline,
     )
 
 
 def parse_layout(text: str, ev) -> object:
-    """``tp=8,pp=4,vp=5,cp=1,mb=1,recompute=selective`` -> Layout (DP from the cluster)."""
-    from porting.planner.perf import RECOMPUTE, Layout
+    """``tp=8,pp=4,vp=5,cp=1,mb=1,recompute=selective[,order=default,sites=a>b>c]`` -> Layout.
 
-    fields = {"tp": 1, "pp": 1, "vp": 1, "cp": 1, "mb": 1, "recompute": "selective"}
+    DP comes from the cluster, the distributed-optimizer instances as the search sets them, and
+    the first/last stage layers from :func:`porting.planner.search.uneven_split` where PP does not
+    divide the layers.
+    """
+    from porting.planner.perf import RECOMPUTE, Layout
+    from porting.planner.placement import ORDER_DEFAULT, ORDER_TP_PP_DP
+    from porting.planner.search import uneven_split
+
+    fields: dict = {"tp": 1, "pp": 1, "vp": 1, "cp": 1, "mb": 1, "recompute": "selective"}
+    fields.update(order="tp-pp-dp", sites="")
     for item in text.replace(" ", ",").split(","):
         if not item:
             continue
@@ -133,6 +154,12 @@ def parse_layout(text: str, ev) -> object:
             if value not in RECOMPUTE:
                 raise PortingError(f"--layout: recompute must be one of {', '.join(RECOMPUTE)}")
             fields[key] = value
+        elif key == "order":
+            if value not in ("tp-pp-dp", "default"):
+                raise PortingError("--layout: order must be tp-pp-dp or default")
+            fields[key] = value
+        elif key == "sites":
+            fields[key] = value
         else:
             try:
                 fields[key] = int(value)
@@ -144,6 +171,24 @@ def parse_layout(text: str, ev) -> object:
     world = ev.cluster.world
     if world % (tp * pp * cp):
         raise PortingError(f"--layout: TP x PP x CP = {tp * pp * cp} does not divide {world} GPUs")
+    order = ORDER_DEFAULT if fields["order"] == "default" and pp > 1 else ORDER_TP_PP_DP
+    sites: tuple[str, ...] = ()
+    names = tuple(x.name for x in ev.cluster.sites)
+    if order == ORDER_DEFAULT and len(names) > 1:
+        sites = tuple(fields["sites"].split(">")) if fields["sites"] else names
+        ev.cluster.reordered(sites)  # names each site once, or says which
+        if sites not in ev.cluster.site_orders() and sites[::-1] in ev.cluster.site_orders():
+            sites = sites[::-1]
+    elif fields["sites"]:
+        raise PortingError(
+            "--layout: sites= only applies with order=default (pipeline across sites)"
+        )
+    first = middle = last = 0
+    if ev.model.layers % pp:
+        split = uneven_split(ev.model.layers, pp)
+        if split is None:
+            raise PortingError(f"--layout: PP {pp} cannot split {ev.model.layers} layers")
+        first, middle, last = split
     return Layout(
         tp=tp,
         cp=cp,
@@ -152,8 +197,13 @@ def parse_layout(text: str, ev) -> object:
         dp=world // (tp * pp * cp),
         micro_batch=fields["mb"],
         recompute=fields["recompute"],
-        instances=ev.instances_for(tp, cp, pp),
+        instances=ev.instances_for(tp, cp, pp, order, sites),
         sequence_parallel=ev.settings.sequence_parallel and tp > 1,
+        order=order,
+        sites=sites,
+        first_layers=first,
+        middle_layers=middle,
+        last_layers=last,
     )
 
 
@@ -271,7 +321,11 @@ def _cmd_plan(args) -> int:
     print()
     print(report.table(result, args.top))
     print()
-    print(f"chosen: {chosen.layout.label()} (rank order {chosen.order})")
+    if report.placements(result):
+        print(report.placements(result))
+        print()
+    where = f", {chosen.layout.placement_label()}" if len(cluster.sites) > 1 else ""
+    print(f"chosen: {chosen.layout.label()} (rank order {chosen.order}{where})")
     print(f"  {report.breakdown(chosen)}")
     if chosen.slowdown is not None:
         print(f"  {chosen.slowdown:.2f}x the step time of the same GPUs in one site")

@@ -153,6 +153,37 @@ class Cluster:
         merged = replace(first, name="one-site", nodes=self.world // gpn)
         return Cluster(name=f"{self.name} (one site)", sites=(merged,), nccl=self.nccl)
 
+    def reordered(self, names: tuple[str, ...]) -> Cluster:
+        """The same sites with ranks given out in the order ``names`` (a permutation of them)."""
+        if not names or tuple(names) == tuple(s.name for s in self.sites):
+            return self
+        by_name = {s.name: s for s in self.sites}
+        if sorted(names) != sorted(by_name):
+            raise PortingError(
+                f"site order {'>'.join(names)}: expected each of {', '.join(by_name)} once"
+            )
+        return replace(self, sites=tuple(by_name[n] for n in names))
+
+    def site_orders(self) -> list[tuple[str, ...]]:
+        """Orders of the sites a pipeline can run through: every permutation whose consecutive
+        sites (and, for three or more, the last and the first) are joined by a link, one of each
+        pair that reverses the other (a pipeline that runs backwards crosses the same links)."""
+        from itertools import permutations
+
+        names = [s.name for s in self.sites]
+        if len(names) < 2:
+            return [tuple(names)]
+        out = []
+        for perm in permutations(names):
+            if names.index(perm[0]) > names.index(perm[-1]):
+                continue
+            try:
+                self.reordered(perm).ring_links()
+            except PortingError:
+                continue
+            out.append(perm)
+        return out
+
     def with_links(self, **changes: object) -> Cluster:
         """Every link with the given fields replaced (for sweeps and property tests)."""
         return replace(self, links=tuple(replace(ln, **changes) for ln in self.links))

@@ -66,6 +66,9 @@ def train_argv(
     ]  # fmt: skip
     if p.order == ORDER_TP_PP_DP:
         argv.append("--use-tp-pp-dp-mapping")
+    if lay.first_layers:
+        argv += ["--first-stage-layers", str(lay.first_layers)]
+        argv += ["--last-stage-layers", str(lay.last_layers)]
     if not s.distributed_optimizer:
         argv.append("--no-distributed-optimizer")
     argv += ["--num-distributed-optimizer-instances", str(lay.instances)]
@@ -103,11 +106,18 @@ def strategy_snippet(p: Prediction, plan: Plan) -> str:
     lay, s = p.layout, plan.settings
     vp = lay.vp if lay.vp > 1 else None
     rc = {"none": None, "selective": "selective", "full": "full"}[lay.recompute]
+    split = ""
+    if lay.first_layers:
+        split = (
+            f" num_layers_in_first_pipeline_stage={lay.first_layers},"
+            f" num_layers_in_last_pipeline_stage={lay.last_layers}."
+        )
+    sites = ", ".join(x.name for x in rank_cluster(plan, p).sites)
     return f'''"""NeMo 2.0 strategy for {lay.label()} on {plan.cluster.name}, as planned by `porting plan`.
 
-Model config: recompute_granularity={rc!r}{", recompute_method='uniform', recompute_num_layers=1" if rc == "full" else ""}.
+Model config: recompute_granularity={rc!r}{", recompute_method='uniform', recompute_num_layers=1" if rc == "full" else ""}.{split}
 Data module: seq_length={plan.seq_length}, micro_batch_size={lay.micro_batch}, global_batch_size={plan.global_batch}.
-Trainer: num_nodes={plan.cluster.nodes}, devices={gpus_per_node(plan.cluster)}; ranks ordered site by site.
+Trainer: num_nodes={plan.cluster.nodes}, devices={gpus_per_node(plan.cluster)}; ranks ordered site by site ({sites}).
 """
 
 import torch
@@ -137,6 +147,11 @@ strategy = nl.MegatronStrategy(
 '''
 
 
+def rank_cluster(plan: Plan, p: Prediction) -> Cluster:
+    """The cluster with its sites in the order they take ranks for this placement."""
+    return plan.cluster.reordered(p.layout.sites)
+
+
 def _node_list(cluster: Cluster) -> list[tuple[str, int]]:
     """(site, index in site) for every node in rank order."""
     return [(s.name, i) for s in cluster.sites for i in range(s.nodes)]
@@ -144,7 +159,8 @@ def _node_list(cluster: Cluster) -> list[tuple[str, int]]:
 
 def hosts_example(cluster: Cluster) -> str:
     """A hostfile template in rank order: replace the names, keep the order (site by site)."""
-    lines = ["# one hostname per line, site by site in the order of the cluster file"]
+    order = " > ".join(s.name for s in cluster.sites)
+    lines = [f"# one hostname per line, site by site in this order: {order}"]
     lines += [f"{site}-node{i:03d}" for site, i in _node_list(cluster)]
     return "\n".join(lines) + "\n"
 
@@ -159,28 +175,32 @@ def _torchrun(plan: Plan, node_rank: str, cmd: str) -> str:
     )
 
 
-def torchrun_commands(plan: Plan, argv: list[str]) -> str:
-    """One torchrun command per node, nodes in rank order (site by site)."""
+def torchrun_commands(plan: Plan, argv: list[str], cluster: Cluster | None = None) -> str:
+    """One torchrun command per node, nodes in rank order (site by site, in ``cluster``'s order
+    of the sites: the placement's)."""
+    cluster = cluster or plan.cluster
     cmd = _shell_argv(argv)
+    order = " > ".join(s.name for s in cluster.sites)
     lines = [
-        f"# torchrun per node of {plan.cluster.name}, in node-rank order (site by site).",
+        f"# torchrun per node of {plan.cluster.name}, in node-rank order (site by site: {order}).",
         "# Run each line on the node named before it (names from hosts.example), after",
         "# `source nccl.env`, with MASTER_ADDR (node rank 0) and the variables the command uses set.",
     ]
-    for rank, (site, i) in enumerate(_node_list(plan.cluster)):
+    for rank, (site, i) in enumerate(_node_list(cluster)):
         lines.append(f"# {site}-node{i:03d} (site {site}, node {i})")
         lines.append(_torchrun(plan, str(rank), cmd))
     return "\n".join(lines) + "\n"
 
 
-def torchrun_script(plan: Plan, argv: list[str]) -> str:
-    """``bash torchrun.sh NODE_RANK [FLAGS]`` on every node; ranks are given out site by site.
+def torchrun_script(plan: Plan, argv: list[str], cluster: Cluster | None = None) -> str:
+    """``bash torchrun.sh NODE_RANK [FLAGS]`` on every node; ranks are given out site by site
+    (in ``cluster``'s order of the sites: the placement's).
 
     FLAGS (``--steps 1000 --lr 3e-5``) are added to the planned ``porting train`` flags.
     """
     cmd = _shell_argv(argv)
     ranges, first = [], 0
-    for s in plan.cluster.sites:
+    for s in (cluster or plan.cluster).sites:
         ranges.append(f"#   site {s.name}: node ranks {first}-{first + s.nodes - 1}")
         first += s.nodes
     n = plan.cluster.nodes
@@ -242,7 +262,9 @@ def nccl_settings(ev: Evaluator, p: Prediction) -> tuple[NcclSettings, list[str]
     """NCCL settings for the layout's inter-site flows, and how each value was derived."""
     base = ev.cluster.nccl
     lay = p.layout
-    place = ev.topology.placement(lay.tp, lay.cp, lay.pp, lay.dp, lay.instances, p.order)
+    place = ev.topology_for(lay.sites).placement(
+        lay.tp, lay.cp, lay.pp, lay.dp, lay.instances, p.order
+    )
     why: list[str] = []
     buff, qps, threads, socks = base.buffsize, base.qps_per_connection, 1, 1
     flows_by_link: dict[str, tuple[object, int, str]] = {}
@@ -396,6 +418,7 @@ def write_launch(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     argv = train_argv(p, plan, checkpoint, data, run_dir, str(out.resolve() / "plan.json"))
+    ranks = rank_cluster(plan, p)
     chosen = plan_dict(plan, top=0)
     chosen["layouts"] = [prediction_dict(p)]
     chosen["train_argv"] = argv
@@ -403,10 +426,10 @@ def write_launch(
         "plan.json": (json.dumps(chosen, indent=2, default=str) + "\n", 0o644),
         "train_flags.txt": (" ".join(argv) + "\n", 0o644),
         "strategy.py": (strategy_snippet(p, plan), 0o644),
-        "torchrun.sh": (torchrun_script(plan, argv), 0o755),
-        "torchrun_per_node.txt": (torchrun_commands(plan, argv), 0o644),
+        "torchrun.sh": (torchrun_script(plan, argv, ranks), 0o755),
+        "torchrun_per_node.txt": (torchrun_commands(plan, argv, ranks), 0o644),
         "train.sbatch": (slurm_script(plan, argv), 0o755),
-        "hosts.example": (hosts_example(plan.cluster), 0o644),
+        "hosts.example": (hosts_example(ranks), 0o644),
         "nccl.env": (nccl_env(ev, p), 0o644),
         "nccl_tests.sh": (nccl_tests_script(plan.cluster), 0o755),
     }

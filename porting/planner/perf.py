@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from porting.planner.cluster import GIB, Cluster
 from porting.planner.comm import Efficiency, Network, all_gather, allreduce, p2p, reduce_scatter
 from porting.planner.model import ModelShape
-from porting.planner.placement import LEVEL_NAMES, ORDER_DEFAULT, ORDER_TP_PP_DP, Topology
+from porting.planner.placement import LEVEL_NAMES, ORDER_DEFAULT, ORDER_TP_PP_DP, WAN, Topology
 
 RECOMPUTE = ("none", "selective", "full")
 # Adam step traffic per parameter of the local shard: read the gradient (4), read and write the
@@ -56,21 +56,26 @@ class Settings:
     grad_reduce_in_fp32: bool = True
     param_bytes: int = 2
     reserve_bytes: float = 3 * GIB  # CUDA context, NCCL buffers, cuBLAS workspace, fragmentation
-    mapping: str = ORDER_TP_PP_DP
+    # Megatron rank orders the search places layouts with (both by default: the plan shows why
+    # one wins); ``--order`` narrows it to one.
+    orders: tuple[str, ...] = (ORDER_TP_PP_DP, ORDER_DEFAULT)
+    uneven_pipeline: bool = True  # PP sizes that do not divide the layers, first/last stage set
     tune_nccl: bool = True
     micro_batches: tuple[int, ...] = (1, 2, 4, 8)
     recompute: tuple[str, ...] = RECOMPUTE
     context_parallel: tuple[int, ...] = (1, 2, 4, 8)
     max_vp: int = 8
 
-    def order_for(self, pp: int) -> str:
-        """Megatron's rank order for a layout (with PP = 1 both orders give the same groups)."""
-        return self.mapping
-
 
 @dataclass(frozen=True)
 class Layout:
-    """One way to split the model and the batch over the cluster."""
+    """One way to split the model and the batch over the cluster, and to place it.
+
+    ``order`` is Megatron's rank order; ``sites`` the order in which the sites' nodes take ranks
+    (empty: the cluster file's order), which decides the links a pipeline crosses under the
+    default order; ``first_layers`` / ``last_layers`` (0: even split) are Megatron's
+    ``num_layers_in_first/last_pipeline_stage`` for a PP size that does not divide the layers.
+    """
 
     tp: int
     cp: int
@@ -81,14 +86,40 @@ class Layout:
     recompute: str
     instances: int = 1
     sequence_parallel: bool = False
+    order: str = ORDER_TP_PP_DP
+    sites: tuple[str, ...] = ()
+    first_layers: int = 0
+    middle_layers: int = 0
+    last_layers: int = 0
 
     def label(self) -> str:
-        """Short form for tables: ``TP8 PP4 VP5 CP1 DP16 mb1 sel``."""
+        """Short form for tables: ``TP8 PP4 VP5 CP1 DP16 mb1 sel`` (``PP3 L26/27/27``: layers of
+        the first, each middle and the last stage where they differ)."""
         vp = f" VP{self.vp}" if self.vp > 1 else ""
+        pp = f"PP{self.pp}"
+        if self.first_layers:
+            mid = self.middle_layers
+            pp += (
+                f" L{self.first_layers}/{mid}/{self.last_layers}"
+                if self.pp > 2
+                else (f" L{self.first_layers}/{self.last_layers}")
+            )
         rc = {"none": "none", "selective": "sel", "full": "full"}[self.recompute]
-        return f"TP{self.tp} PP{self.pp}{vp} CP{self.cp} DP{self.dp} mb{self.micro_batch} {rc}" + (
+        return f"TP{self.tp} {pp}{vp} CP{self.cp} DP{self.dp} mb{self.micro_batch} {rc}" + (
             f" I{self.instances}" if self.instances > 1 else ""
         )
+
+    def stage_layers(self, layers: int) -> list[int]:
+        """Decoder layers of each pipeline stage, first to last."""
+        if not self.first_layers:
+            return [layers // self.pp] * self.pp
+        return [self.first_layers] + [self.middle_layers] * (self.pp - 2) + [self.last_layers]
+
+    def placement_label(self) -> str:
+        """Which parallel dimension crosses the sites, and the sites' order for a pipeline."""
+        if self.order == ORDER_TP_PP_DP or self.pp == 1:
+            return "data-parallel across sites"
+        return "pipeline across sites" + (f" {'>'.join(self.sites)}" if self.sites else "")
 
 
 @dataclass
@@ -178,9 +209,10 @@ def inflight_chunks(pp: int, vp: int, rank: int, microbatches: int) -> int:
     return min(microbatches * vp, 2 * (pp - rank - 1) + (vp - 1) * pp + 1)
 
 
-def stage_params(m: ModelShape, tp: int, pp: int, stage: int) -> float:
-    """Parameters one GPU of pipeline stage ``stage`` holds (TP-sharded where Megatron shards)."""
-    n = m.layers // pp * m.params_per_layer() / tp
+def stage_params(m: ModelShape, tp: int, pp: int, stage: int, layers: int | None = None) -> float:
+    """Parameters one GPU of pipeline stage ``stage`` holds (TP-sharded where Megatron shards);
+    ``layers``: the stage's decoder layers where the split is uneven."""
+    n = (m.layers // pp if layers is None else layers) * m.params_per_layer() / tp
     if stage == 0:
         n += m.padded_vocab(tp) * m.hidden / tp + m.learned_positions * m.hidden
     if stage == pp - 1:
@@ -202,7 +234,8 @@ def memory(
     """Memory per GPU of pipeline stage ``stage``."""
     tp, cp, pp, vp = layout.tp, layout.cp, layout.pp, layout.vp
     sp = layout.sequence_parallel
-    params = stage_params(m, tp, pp, stage)
+    here = layout.stage_layers(m.layers)[stage]
+    params = stage_params(m, tp, pp, stage, here)
     grad_bytes = 4 if settings.grad_reduce_in_fp32 else settings.param_bytes
     shard = 1
     if settings.distributed_optimizer:
@@ -211,7 +244,7 @@ def memory(
     scores = layout.recompute == "none" and not settings.flash_attention
     rep, sh = layer_activation_bytes(m, tokens, seq, tp, sp, scores=scores)
     per_layer = rep + sh
-    chunk_layers = m.layers // (pp * vp)
+    chunk_layers = here // vp
     chunks = inflight_chunks(pp, vp, stage, microbatches)
     if layout.recompute == "full":
         # Only each layer's input stays; one layer is rebuilt at a time during backward.
@@ -240,12 +273,13 @@ def memory(
 def peak_memory(
     m: ModelShape, layout: Layout, seq: int, microbatches: int, settings: Settings
 ) -> Memory:
-    """The most loaded stage: the first (most microbatches in flight) or the last (logits)."""
-    first = memory(m, layout, seq, microbatches, settings, 0)
-    if layout.pp == 1:
-        return first
-    last = memory(m, layout, seq, microbatches, settings, layout.pp - 1)
-    return first if first.total >= last.total else last
+    """The most loaded stage: the first (most microbatches in flight), the last (logits) or, where
+    the split is uneven, the second (more layers than the first, one microbatch fewer)."""
+    stages = {0, layout.pp - 1}
+    if layout.first_layers and layout.pp > 2:
+        stages.add(1)
+    parts = [memory(m, layout, seq, microbatches, settings, i) for i in sorted(stages)]
+    return max(parts, key=lambda x: x.total)
 
 
 class Evaluator:
@@ -268,15 +302,39 @@ class Evaluator:
         self.eff = eff or Efficiency()
         self.gpu = cluster.slowest_gpu()
         self.topology = Topology(cluster)
+        self._topologies: dict[tuple[str, ...], Topology] = {}
         self.net = Network(cluster, self.eff, tune=self.settings.tune_nccl)
         self.evaluated = 0
 
-    def instances_for(self, tp: int, cp: int, pp: int) -> int:
-        """Distributed-optimizer instances: one per site where the sites' shares allow.
+    def topology_for(self, sites: tuple[str, ...]) -> Topology:
+        """Where every rank sits when the sites take ranks in the order ``sites``."""
+        if (
+            len(self.cluster.sites) == 1
+            or not sites
+            or tuple(sites) == tuple(x.name for x in self.cluster.sites)
+        ):
+            return self.topology
+        hit = self._topologies.get(sites)
+        if hit is None:
+            hit = self._topologies[sites] = Topology(self.cluster.reordered(sites))
+        return hit
 
-        Megatron splits each data-parallel group into equal contiguous instances; with ranks
-        ordered site by site, an instance stays inside a site when its size divides every
-        site's number of model replicas. So: DP / gcd(replicas per site).
+    def instances_for(
+        self,
+        tp: int,
+        cp: int,
+        pp: int,
+        order: str = ORDER_TP_PP_DP,
+        sites: tuple[str, ...] = (),
+    ) -> int:
+        """Distributed-optimizer instances: the fewest that keep each instance inside a site.
+
+        Megatron splits each data-parallel group into equal contiguous instances. With the
+        tp-cp-ep-pp-dp order and ranks given out site by site, an instance stays inside a site
+        when its size divides every site's number of model replicas: DP / gcd(replicas per site)
+        (one per site for equal sites). Under the default order a data-parallel group is one
+        pipeline stage's block of ranks, which may span sites or not; the fewest instances
+        whose groups stay inside a site are found from the placement itself.
         """
         s = self.settings
         mp = tp * cp * pp
@@ -285,10 +343,17 @@ class Evaluator:
             return 1
         if s.instances is not None:
             return s.instances
-        per_site = [site.gpus // mp for site in self.cluster.sites]
-        if any(site.gpus % mp for site in self.cluster.sites):
-            return 1
-        return dp // math.gcd(*per_site)
+        if order == ORDER_TP_PP_DP or pp == 1:
+            per_site = [site.gpus // mp for site in self.cluster.sites]
+            if any(site.gpus % mp for site in self.cluster.sites):
+                return 1
+            return dp // math.gcd(*per_site)
+        topo = self.topology_for(sites)
+        d = dp * cp
+        for k in (k for k in range(1, d + 1) if d % k == 0):
+            if topo.placement(tp, cp, pp, dp, k, order).instance.level < WAN:
+                return k
+        return 1
 
     def predict(self, layout: Layout, order: str | None = None) -> Prediction:
         """Step time, throughput and memory of ``layout``; raises Infeasible with the reason."""
@@ -296,7 +361,7 @@ class Evaluator:
         m, s, eff, gpu = self.model, self.settings, self.eff, self.gpu
         tp, cp, pp, vp, dp = layout.tp, layout.cp, layout.pp, layout.vp, layout.dp
         b, seq = layout.micro_batch, self.seq
-        order = order or s.order_for(pp)
+        order = order or layout.order
         per_step = self.global_batch // (b * dp)
         mem = peak_memory(m, layout, seq, per_step, s)
         if mem.total > gpu.memory_bytes:
@@ -306,7 +371,7 @@ class Evaluator:
                 f"{mem.optimizer / GIB:.1f}, activations {mem.activations / GIB:.1f}, other "
                 f"{mem.other / GIB:.1f}) > {gpu.memory_bytes / GIB:.0f} GiB"
             )
-        place = self.topology.placement(tp, cp, pp, dp, layout.instances, order)
+        place = self.topology_for(layout.sites).placement(tp, cp, pp, dp, layout.instances, order)
         net = self.net
         peak = gpu.peak_flops * eff.compute
         hbm = gpu.hbm_bytes_s
@@ -348,12 +413,16 @@ class Evaluator:
             cp_comm = sends * p2p(kv, path)
             cp_exp = max(0.0, cp_comm - 3 * attn_f)
         layer = fwd + bwd + recompute + tp_exp + cp_exp
-        per_stage_layers = m.layers // pp
+        stage_split = layout.stage_layers(m.layers)
+        per_stage_layers = max(stage_split)
         stage_t = per_stage_layers * layer
         logits = 6 * tokens * m.hidden * m.padded_vocab(tp) / tp / peak
         logits += 3 * 4 * tokens * m.padded_vocab(tp) / tp / hbm
-        t_last = stage_t + logits
-        t_avg = stage_t + logits / pp
+        # The slowest stage sets the pace of the steady state; the bubble costs the average.
+        stage_times = [n * layer for n in stage_split]
+        stage_times[-1] += logits
+        t_last = max(stage_times)
+        t_avg = sum(stage_times) / pp
 
         # --- pipeline point-to-point
         p2p_max = p2p_avg = 0.0
@@ -387,7 +456,7 @@ class Evaluator:
             hidden[lv] += max(0.0, all_p2p - total_p2p)
 
         # --- data-parallel gradient reduction and parameter gather
-        params = max(stage_params(m, tp, pp, 0), stage_params(m, tp, pp, pp - 1))
+        params = max(stage_params(m, tp, pp, i, n) for i, n in enumerate(stage_split))
         grad_bytes = (4 if s.grad_reduce_in_fp32 else s.param_bytes) * params
         d = dp * cp
         buckets = max(1, _ceil_div(int(params), max(BUCKET_PARAMS, 1_000_000 * d)))
@@ -480,13 +549,3 @@ def _expose(
         exposed[level] += out * t / total
         hidden[level] += (total - out) * t / total
     return out
-
-
-def default_order_crosses_sites(ev: Evaluator, layout: Layout) -> bool:
-    """Whether Megatron's default rank order would put this layout's pipeline across sites."""
-    if layout.pp == 1 or len(ev.cluster.sites) == 1:
-        return False
-    place = ev.topology.placement(
-        layout.tp, layout.cp, layout.pp, layout.dp, layout.instances, ORDER_DEFAULT
-    )
-    return place.pp_crosses_sites

@@ -31,15 +31,14 @@ def header(plan: Plan) -> str:
     )
 
 
-def table(plan: Plan, top: int = 10) -> str:
-    """The ranked layouts: step time, throughput, MFU, memory by part, communication by level."""
+def _rows(rows: list[Prediction], multi: bool, first: str = "#") -> list[str]:
     cols = (
-        f"{'#':>3}  {'layout':<34} {'step s':>8} {'tokens/s':>10} {'MFU':>6}  "
+        f"{first:>3}  {'layout':<34} {'step s':>8} {'tokens/s':>10} {'MFU':>6}  "
         f"{'mem GiB w/g/o/act/other = total':<34} {'exposed s node/site/wan':<24} "
         f"{'hidden s node/site/wan':<24} {'vs 1 site':>9}"
     )
-    lines = [cols]
-    for i, p in enumerate(plan.ranked[:top], 1):
+    lines = [cols + ("  placement" if multi else "")]
+    for i, p in enumerate(rows, 1):
         mem = p.memory
         parts = "/".join(_gib(x) for x in (mem.weights, mem.grads, mem.optimizer))
         parts += f"/{_gib(mem.activations)}/{_gib(mem.other)} = {_gib(mem.total)}"
@@ -48,8 +47,23 @@ def table(plan: Plan, top: int = 10) -> str:
             f"{i:>3}  {p.layout.label():<34} {p.step:>8.2f} {p.tokens_per_s:>10,.0f} "
             f"{p.mfu * 100:>5.1f}%  {parts:<34} {_levels(p.exposed):<24} "
             f"{_levels(p.hidden):<24} {slow:>9}"
+            + (f"  {p.layout.placement_label()}" if multi else "")
         )
-    return "\n".join(lines)
+    return lines
+
+
+def table(plan: Plan, top: int = 10) -> str:
+    """The ranked layouts: step time, throughput, MFU, memory by part, communication by level,
+    and (across sites) the placement: which parallel dimension crosses the links."""
+    return "\n".join(_rows(plan.ranked[:top], len(plan.cluster.sites) > 1))
+
+
+def placements(plan: Plan) -> str:
+    """The fastest layout of each placement side by side (empty for one site)."""
+    if len(plan.cluster.sites) < 2 or not plan.placements:
+        return ""
+    head = "the best layout of each placement (rank order, and the order the sites take ranks):"
+    return "\n".join([head, *_rows(plan.placements, True)])
 
 
 def breakdown(p: Prediction) -> str:
@@ -72,6 +86,8 @@ def prediction_dict(p: Prediction) -> dict:
         "layout": asdict(p.layout),
         "label": p.layout.label(),
         "rank_order": p.order,
+        "placement": p.layout.placement_label(),
+        "site_order": list(p.layout.sites),
         "step_s": p.step,
         "tokens_per_s": p.tokens_per_s,
         "mfu": p.mfu,
@@ -113,6 +129,7 @@ def plan_dict(plan: Plan, top: int = 10, with_rejected: bool = False) -> dict:
         "feasible": len(plan.ranked),
         "seconds": plan.seconds,
         "layouts": [prediction_dict(p) for p in plan.ranked[:top]],
+        "placements": [prediction_dict(p) for p in plan.placements],
         "notes": plan.notes,
     }
     if with_rejected:

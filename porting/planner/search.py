@@ -18,9 +18,8 @@ from porting.planner.perf import (
     Layout,
     Prediction,
     Settings,
-    default_order_crosses_sites,
 )
-from porting.planner.placement import ORDER_DEFAULT, ORDER_TP_PP_DP, WAN
+from porting.planner.placement import ORDER_TP_PP_DP, WAN
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +47,8 @@ class Plan:
     considered: int
     seconds: float
     notes: list[str] = field(default_factory=list)
+    # the fastest layout of each placement (which dimension crosses the sites), fastest first
+    placements: list[Prediction] = field(default_factory=list)
 
     @property
     def best(self) -> Prediction:
@@ -77,10 +78,74 @@ def _tp_candidates(m: ModelShape, cluster: Cluster) -> Iterator[tuple[int, str |
         yield tp, None
 
 
+def uneven_split(layers: int, pp: int) -> tuple[int, int, int] | None:
+    """Megatron's first / middle / last stage layers for a PP size that does not divide them.
+
+    Middle stages take ``ceil(layers / pp)``; the first and the last share the rest, the last
+    (which also computes the logits) taking the smaller half. ``None`` where no split gives every
+    stage at least one layer.
+    """
+    if pp < 2 or layers % pp == 0 or layers < pp:
+        return None
+    if pp == 2:
+        return (layers - layers // 2, 0, layers // 2)
+    mid = -(-layers // pp)
+    rest = layers - mid * (pp - 2)
+    if rest < 2:
+        return None
+    return (rest - rest // 2, mid, rest // 2)
+
+
+def _pipeline_sizes(m: ModelShape, model_parallel: int, world: int, s: Settings):
+    """PP sizes to try, each with its uneven split (``None``: the layers divide evenly)."""
+    for pp in range(1, m.layers + 1):
+        if world % (model_parallel * pp):
+            continue
+        if m.layers % pp == 0:
+            yield pp, None
+        elif s.uneven_pipeline:
+            split = uneven_split(m.layers, pp)
+            if split is not None:
+                yield pp, split
+
+
+def _placements(
+    ev: Evaluator, tp: int, cp: int, pp: int
+) -> Iterator[tuple[str, tuple, str | None]]:
+    """(rank order, site order, reason it cannot be used or None) for a TP x CP x PP layout.
+
+    With PP = 1 both orders give the same groups. The tp-cp-ep-pp-dp order keeps each model
+    replica in a block of consecutive ranks, which must not straddle two sites. Under the default
+    order pipeline stages take consecutive blocks of ranks, so the order in which the sites take
+    ranks decides which links the pipeline crosses: each order the links allow is tried.
+    """
+    cluster, s = ev.cluster, ev.settings
+    mp = tp * cp * pp
+    multi = len(cluster.sites) > 1
+    if pp == 1:
+        yield ORDER_TP_PP_DP, (), None
+        return
+    for order in s.orders:
+        if order == ORDER_TP_PP_DP:
+            bad = [site for site in cluster.sites if site.gpus % mp]
+            why = None
+            if bad:
+                why = (
+                    f"TP x CP x PP = {mp} does not divide site {bad[0].name}'s {bad[0].gpus} GPUs "
+                    "(with the tp-cp-ep-pp-dp order a model replica would straddle two sites)"
+                )
+            yield order, (), why
+        elif multi:
+            for sites in cluster.site_orders():
+                yield order, sites, None
+        else:
+            yield order, (), None
+
+
 def enumerate_layouts(
     ev: Evaluator,
 ) -> Iterator[Layout | Rejected]:
-    """Every candidate layout, or a Rejected with the divisibility rule it breaks."""
+    """Every candidate layout and placement, or a Rejected with the rule it breaks."""
     m, cluster, s = ev.model, ev.cluster, ev.settings
     seq, gb = ev.seq, ev.global_batch
     world = cluster.world
@@ -95,62 +160,66 @@ def enumerate_layouts(
                     f"sequence length {seq} is not divisible by 2 x CP = {2 * cp}",
                 )
                 continue
-            for pp in divisors(m.layers):
-                mp = tp * cp * pp
+            if world % (tp * cp):
+                yield Rejected(
+                    f"TP{tp} CP{cp}", f"TP x CP = {tp * cp} does not divide {world} GPUs"
+                )
+                continue
+            for pp, split in _pipeline_sizes(m, tp * cp, world, s):
+                dp = world // (tp * cp * pp)
                 label = f"TP{tp} PP{pp} CP{cp}"
-                if mp > world or world % mp:
-                    yield Rejected(label, f"TP x CP x PP = {mp} does not divide {world} GPUs")
-                    continue
-                bad = [site for site in cluster.sites if site.gpus % mp]
-                if bad:
-                    yield Rejected(
-                        label,
-                        f"TP x CP x PP = {mp} does not divide site {bad[0].name}'s "
-                        f"{bad[0].gpus} GPUs (a model replica would straddle two sites)",
-                    )
-                    continue
-                dp = world // mp
-                instances = ev.instances_for(tp, cp, pp)
-                if (dp * cp) % instances:
-                    yield Rejected(
-                        label,
-                        f"{instances} distributed-optimizer instances do not divide DP x CP = "
-                        f"{dp * cp}",
-                    )
-                    continue
-                vps = [1]
-                if pp > 1:
-                    vps += [v for v in divisors(m.layers // pp) if 1 < v <= s.max_vp]
-                for vp in vps:
-                    for b in s.micro_batches:
-                        lab = f"TP{tp} PP{pp}" + (f" VP{vp}" if vp > 1 else "")
-                        lab += f" CP{cp} DP{dp} mb{b}"
-                        if gb % (b * dp):
-                            yield Rejected(
-                                lab,
-                                f"global batch {gb} is not divisible by micro-batch {b} x DP {dp}",
-                            )
-                            continue
-                        nmb = gb // (b * dp)
-                        if vp > 1 and nmb % pp:
-                            yield Rejected(
-                                lab,
-                                f"interleaved schedule needs the {nmb} microbatches to be a "
-                                f"multiple of PP {pp}",
-                            )
-                            continue
-                        for rc in s.recompute:
-                            yield Layout(
-                                tp=tp,
-                                cp=cp,
-                                pp=pp,
-                                vp=vp,
-                                dp=dp,
-                                micro_batch=b,
-                                recompute=rc,
-                                instances=instances,
-                                sequence_parallel=s.sequence_parallel and tp > 1,
-                            )
+                for order, sites, why in _placements(ev, tp, cp, pp):
+                    if why:
+                        yield Rejected(label, why)
+                        continue
+                    instances = ev.instances_for(tp, cp, pp, order, sites)
+                    if (dp * cp) % instances:
+                        yield Rejected(
+                            label,
+                            f"{instances} distributed-optimizer instances do not divide DP x CP = "
+                            f"{dp * cp}",
+                        )
+                        continue
+                    vps = [1]
+                    if pp > 1 and split is None:
+                        vps += [v for v in divisors(m.layers // pp) if 1 < v <= s.max_vp]
+                    for vp in vps:
+                        for b in s.micro_batches:
+                            lab = f"TP{tp} PP{pp}" + (f" VP{vp}" if vp > 1 else "")
+                            lab += f" CP{cp} DP{dp} mb{b}"
+                            if gb % (b * dp):
+                                yield Rejected(
+                                    lab,
+                                    f"global batch {gb} is not divisible by micro-batch {b} x "
+                                    f"DP {dp}",
+                                )
+                                continue
+                            nmb = gb // (b * dp)
+                            if vp > 1 and nmb % pp:
+                                yield Rejected(
+                                    lab,
+                                    f"interleaved schedule needs the {nmb} microbatches to be a "
+                                    f"multiple of PP {pp}",
+                                )
+                                continue
+                            first, middle, last = split or (0, 0, 0)
+                            for rc in s.recompute:
+                                yield Layout(
+                                    tp=tp,
+                                    cp=cp,
+                                    pp=pp,
+                                    vp=vp,
+                                    dp=dp,
+                                    micro_batch=b,
+                                    recompute=rc,
+                                    instances=instances,
+                                    sequence_parallel=s.sequence_parallel and tp > 1,
+                                    order=order,
+                                    sites=sites,
+                                    first_layers=first,
+                                    middle_layers=middle,
+                                    last_layers=last,
+                                )
 
 
 def plan(
@@ -209,28 +278,29 @@ def plan(
             except Infeasible:
                 p.slowdown = None
     best = ranked[0]
-    if default_order_crosses_sites(ev, best.layout):
-        other = ORDER_TP_PP_DP if best.order == ORDER_DEFAULT else ORDER_DEFAULT
-        try:
-            alt = f"{ev.predict(best.layout, order=other).step:.2f} s"
-        except Infeasible as err:
-            alt = f"infeasible ({err})"
-        if best.order == ORDER_DEFAULT:
+    seen: dict[str, Prediction] = {}
+    for p in ranked:
+        seen.setdefault(p.layout.placement_label(), p)
+    result.placements = list(seen.values())
+    if len(cluster.sites) > 1:
+        for p in result.placements:
+            if p.slowdown is None:
+                try:
+                    p.slowdown = p.step / one.predict(p.layout).step
+                except Infeasible:
+                    p.slowdown = None
+        others = [p for p in result.placements if p is not best]
+        if others:
+            runner = others[0]
             result.notes.append(
-                "Under Megatron's default rank order (tp-cp-ep-dp-pp, chosen with --order "
-                "default) this layout's pipeline stages are in different sites; with the "
-                f"tp-cp-ep-pp-dp order (--use-tp-pp-dp-mapping) it is predicted at {alt} per step."
-            )
-        else:
-            result.notes.append(
-                "Megatron's default rank order (tp-cp-ep-dp-pp) would put this layout's pipeline "
-                f"stages in different sites (predicted {alt} per step that way, against "
-                f"{best.step:.2f} s). The emitted settings use the tp-cp-ep-pp-dp order "
-                "(--use-tp-pp-dp-mapping / use_tp_pp_dp_mapping=True); rank layouts under the "
-                "default order with --order default."
+                f"placement: {best.layout.placement_label()} ({best.step:.2f} s per step) beats "
+                f"the best with {runner.layout.placement_label()} ({runner.step:.2f} s, "
+                f"{runner.step / best.step:.2f}x); the best of each placement is listed above"
             )
     lay = best.layout
-    place = ev.topology.placement(lay.tp, lay.cp, lay.pp, lay.dp, lay.instances, best.order)
+    place = ev.topology_for(lay.sites).placement(
+        lay.tp, lay.cp, lay.pp, lay.dp, lay.instances, best.order
+    )
     if lay.instances > 1 and place.instance.level < WAN:
         result.notes.append(
             f"{best.layout.instances} distributed-optimizer instances: gradients are "

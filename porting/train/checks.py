@@ -64,6 +64,8 @@ class TrainSpec:
     distributed_optimizer: bool = True
     optim_fully_reshardable: bool = False
     use_tp_pp_dp_mapping: bool = False
+    first_stage_layers: int | None = None  # Megatron's num_layers_in_first_pipeline_stage
+    last_stage_layers: int | None = None  # num_layers_in_last_pipeline_stage
     num_distributed_optimizer_instances: int = 1
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
@@ -158,14 +160,7 @@ def validate(spec: TrainSpec, model_config, vocab_size: int) -> list[str]:
             f"(num_key_value_heads of the model in {manifest})"
         )
     layers = model_config.num_layers
-    if layers % spec.pp:
-        raise PortingError(
-            f"--pp {spec.pp} does not divide the {layers} layers (of the model in {manifest})"
-        )
-    if spec.vp is not None and (layers // spec.pp) % spec.vp:
-        raise PortingError(
-            f"--vp {spec.vp} does not divide the {layers // spec.pp} layers per stage"
-        )
+    check_stage_layers(spec, layers, manifest)
     if spec.vp is not None and spec.pp == 1:
         raise PortingError("--vp needs --pp > 1 (virtual stages interleave pipeline stages)")
     if spec.world_size % (spec.tp * spec.pp * spec.cp):
@@ -543,6 +538,14 @@ def check_plan(spec: TrainSpec, manifest, config) -> None:
                 f"{path}: {where} is {planned!r}, but {flag} gives {flag_value!r}: the flags do "
                 "not follow the plan (drop --plan to run another layout)"
             )
+    planned_split = (chosen.get("first_layers") or None, chosen.get("last_layers") or None)
+    given_split = (spec.first_stage_layers, spec.last_stage_layers)
+    if "first_layers" in chosen and planned_split != given_split:
+        raise PortingError(
+            f"{path}: layouts[0].layout first_layers/last_layers are {planned_split}, but "
+            f"--first-stage-layers / --last-stage-layers give {given_split}: the flags do not "
+            "follow the plan"
+        )
     order = layouts[0].get("rank_order")
     pp_order = "tp-cp-ep-pp-dp"
     if order is not None and spec.pp > 1 and (order == pp_order) != spec.use_tp_pp_dp_mapping:
@@ -550,6 +553,57 @@ def check_plan(spec: TrainSpec, manifest, config) -> None:
             f"{path}: layouts[0].rank_order is {order!r}, but --use-tp-pp-dp-mapping is "
             f"{'on' if spec.use_tp_pp_dp_mapping else 'off'}: the flags do not follow the plan"
         )
+
+
+def stage_layers(spec: TrainSpec, layers: int) -> list[int]:
+    """Decoder layers of each pipeline stage, as Megatron-Core splits them for these flags."""
+    first, last = spec.first_stage_layers, spec.last_stage_layers
+    stages, rest = spec.pp, layers
+    if first is not None:
+        stages, rest = stages - 1, rest - first
+    if last is not None:
+        stages, rest = stages - 1, rest - last
+    middle = rest // stages if stages > 0 else 0
+    out = [middle] * spec.pp
+    if first is not None:
+        out[0] = first
+    if last is not None:
+        out[-1] = last
+    return out
+
+
+def check_stage_layers(spec: TrainSpec, layers: int, manifest: object) -> None:
+    """The rules Megatron-Core's TransformerConfig applies to a pipeline's layer split, checked
+    before anything is built, naming the flag."""
+    first, last = spec.first_stage_layers, spec.last_stage_layers
+    if (first is not None or last is not None) and spec.pp < 2:
+        raise PortingError("--first-stage-layers / --last-stage-layers need --pp > 1")
+    for flag, value in (("--first-stage-layers", first), ("--last-stage-layers", last)):
+        if value is not None and not 0 < value < layers:
+            raise PortingError(f"{flag} {value}: must be between 1 and {layers - 1}")
+        if value is not None and spec.vp is not None and value % spec.vp:
+            raise PortingError(f"{flag} {value} is not divisible by --vp {spec.vp}")
+    stages, rest = spec.pp, layers
+    for value in (first, last):
+        if value is not None:
+            stages, rest = stages - 1, rest - value
+    if first is None and last is None and layers % spec.pp:
+        raise PortingError(
+            f"--pp {spec.pp} does not divide the {layers} layers (of the model in {manifest}); "
+            "give --first-stage-layers / --last-stage-layers for an uneven split"
+        )
+    if stages == 0 and rest != 0:
+        raise PortingError(
+            f"--first-stage-layers and --last-stage-layers add up to {layers - rest}, not the "
+            f"model's {layers} layers"
+        )
+    if stages > 0 and (rest <= 0 or rest % stages):
+        raise PortingError(
+            f"the {rest} layers left for the {stages} other pipeline stages do not divide "
+            "evenly (Megatron-Core's rule for --first-stage-layers / --last-stage-layers)"
+        )
+    if spec.vp is not None and stages > 0 and (rest // stages) % spec.vp:
+        raise PortingError(f"--vp {spec.vp} does not divide the {rest // stages} layers per stage")
 
 
 @dataclass

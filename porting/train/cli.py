@@ -96,6 +96,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="Megatron's tp-cp-ep-pp-dp rank order (keeps PP inside a site; see `porting plan`)",
     )
+    p.add_argument(
+        "--first-stage-layers",
+        type=int,
+        default=None,
+        help="decoder layers of the first pipeline stage where --pp does not divide the layers "
+        "(Megatron's num_layers_in_first_pipeline_stage; `porting plan` emits it)",
+    )
+    p.add_argument(
+        "--last-stage-layers",
+        type=int,
+        default=None,
+        help="decoder layers of the last pipeline stage (num_layers_in_last_pipeline_stage)",
+    )
     p.add_argument("--num-distributed-optimizer-instances", type=int, default=1)
     p.add_argument("--overlap-grad-reduce", action="store_true")
     p.add_argument("--overlap-param-gather", action="store_true")
@@ -161,6 +174,8 @@ def _spec(args):
         distributed_optimizer=not args.no_distributed_optimizer,
         optim_fully_reshardable=args.optim_fully_reshardable,
         use_tp_pp_dp_mapping=args.use_tp_pp_dp_mapping,
+        first_stage_layers=args.first_stage_layers,
+        last_stage_layers=args.last_stage_layers,
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,

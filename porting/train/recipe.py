@@ -145,6 +145,9 @@ def recipe(spec: TrainSpec) -> Recipe:
         tensor_model_parallel_size=spec.tp,
         pipeline_model_parallel_size=spec.pp,
         virtual_pipeline_model_parallel_size=spec.vp,
+        # NeMo's strategy copies its own values of these into the model config (None unset).
+        num_layers_in_first_pipeline_stage=spec.first_stage_layers,
+        num_layers_in_last_pipeline_stage=spec.last_stage_layers,
         context_parallel_size=spec.cp,
         expert_model_parallel_size=spec.ep,
         sequence_parallel=spec.sequence_parallel,
@@ -301,6 +304,7 @@ class BuiltLayout(Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         from megatron.core import parallel_state as ps
+        from megatron.core.transformer.transformer_layer import TransformerLayer
 
         strategy = trainer.strategy
         ddp = strategy.ddp_config
@@ -318,6 +322,10 @@ class BuiltLayout(Callback):
             "dp": ps.get_data_parallel_world_size(),
             "sequence_parallel": bool(config.sequence_parallel),
             "use_tp_pp_dp_mapping": bool(strategy.use_tp_pp_dp_mapping),
+            "num_layers_in_first_pipeline_stage": config.num_layers_in_first_pipeline_stage,
+            "num_layers_in_last_pipeline_stage": config.num_layers_in_last_pipeline_stage,
+            # on this rank: the first stage's share where rank 0 reports
+            "layers_built": sum(isinstance(m, TransformerLayer) for m in pl_module.modules()),
             "use_distributed_optimizer": bool(ddp.use_distributed_optimizer),
             "num_distributed_optimizer_instances": ddp.num_distributed_optimizer_instances,
             "overlap_grad_reduce": bool(ddp.overlap_grad_reduce),
