@@ -293,7 +293,7 @@ OWN_OUTPUT_PATTERNS = (
     r"(INFO|WARNING|ERROR) (porting|data_prep|converters|models)[.:]",
     r"porting [a-z-]+: error: ",
     r"parity (PASS|FAIL): \d+ prompts",
-    r"  (max \|dlogit\||mean \|dlogit\||KL\(HF\|\|Mcore\)|top-1 agree|layers|first divergence) ",
+    r"  (max \|dlogit\||mean \|dlogit\||KL\(HF\|\|Mcore\)|top-1 agree|layers|first divergence|gate) ",
     r"wrote \S",
     r"done: checkpoints in ",
     r"porting demo: |              tiny |step +seconds$|check +result$|(OK|FAILED): outputs in ",
