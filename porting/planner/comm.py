@@ -44,8 +44,8 @@ class Efficiency:
     bus bandwidths over nominal. ``porting plan --calibrate`` refits them from measurements.
     """
 
-    compute: float = 0.677
-    memory_passes: float = 7.24
+    compute: float = 0.674
+    memory_passes: float = 7.18
     node_bw: float = 0.80
     site_bw: float = 0.85
     wan_rdma: float = 0.90

@@ -438,7 +438,11 @@ class Evaluator:
                 path = net.link_path(link, flows) if link is not None else net.level_path(level)
                 t = p2p(act, path)
                 times.append((level, t))
-            per_mb = 2 * vp  # activation forward and gradient backward, per model chunk
+            # An activation forward and a gradient backward per microbatch and model chunk; in
+            # the 1F1B steady state Megatron sends one while receiving the other in one batched
+            # call (send_forward_recv_backward), opposite directions of a full-duplex link, so
+            # one transfer time is exposed, not two (measured on shaped links: bench_sites.py).
+            per_mb = vp
             chunk_compute = stage_t / vp / 2
             exp_list = []
             for level, t in times:

@@ -291,11 +291,13 @@ def plan(
                     p.slowdown = None
         others = [p for p in result.placements if p is not best]
         if others:
-            runner = others[0]
+            beaten = ", ".join(
+                f"{p.layout.placement_label()} ({p.step:.2f} s, {p.step / best.step:.2f}x)"
+                for p in others
+            )
             result.notes.append(
                 f"placement: {best.layout.placement_label()} ({best.step:.2f} s per step) beats "
-                f"the best with {runner.layout.placement_label()} ({runner.step:.2f} s, "
-                f"{runner.step / best.step:.2f}x); the best of each placement is listed above"
+                f"the best with {beaten}"
             )
     lay = best.layout
     place = ev.topology_for(lay.sites).placement(
