@@ -117,13 +117,18 @@ def _placements(
     With PP = 1 both orders give the same groups. The tp-cp-ep-pp-dp order keeps each model
     replica in a block of consecutive ranks, which must not straddle two sites. Under the default
     order pipeline stages take consecutive blocks of ranks, so the order in which the sites take
-    ranks decides which links the pipeline crosses: each order the links allow is tried.
+    ranks decides which links the pipeline crosses: each order the links allow is tried. Inside
+    one site only the first of the orders searched is used.
     """
     cluster, s = ev.cluster, ev.settings
     mp = tp * cp * pp
     multi = len(cluster.sites) > 1
     if pp == 1:
         yield ORDER_TP_PP_DP, (), None
+        return
+    if not multi:
+        # inside one site both orders see the same levels: one of them, not every layout twice
+        yield s.orders[0], (), None
         return
     for order in s.orders:
         if order == ORDER_TP_PP_DP:
@@ -135,11 +140,9 @@ def _placements(
                     "(with the tp-cp-ep-pp-dp order a model replica would straddle two sites)"
                 )
             yield order, (), why
-        elif multi:
+        else:
             for sites in cluster.site_orders():
                 yield order, sites, None
-        else:
-            yield order, (), None
 
 
 def enumerate_layouts(
