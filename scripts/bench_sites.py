@@ -582,4 +582,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        # the with-block in main() has already killed the ranks and deleted the namespaces
+        print("bench_sites: stopped; its processes and namespaces are gone", file=sys.stderr)
+        sys.exit(130)

@@ -65,3 +65,33 @@ def test_without_the_privilege_it_says_so(tmp_path):
     assert r.returncode == 3, r.stderr[-2000:]
     assert "cannot create network namespace" in r.stderr and "needs root" in r.stderr
     assert _namespaces() == before
+
+
+def test_sigterm_mid_run_removes_the_namespaces(tmp_path):
+    """Stopped while its ranks run, the bed kills them and deletes its namespaces."""
+    import os
+    import signal
+    import time
+
+    before = _namespaces()
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path / "bed")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (_namespaces() - before) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        made = _namespaces() - before
+        assert made, "the bed made no namespace"
+        time.sleep(1.0)  # its ranks are up and measuring
+        proc.send_signal(signal.SIGTERM)
+        err = proc.communicate(timeout=60)[1]
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130
+    assert "stopped; its processes and namespaces are gone" in err
+    assert _namespaces() == before
+    left = subprocess.run(["pgrep", "-f", f"{SCRIPT} --worker"], capture_output=True, text=True)
+    assert left.stdout.strip() == "", left.stdout

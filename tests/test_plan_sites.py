@@ -180,3 +180,18 @@ def test_emitted_files_follow_the_placement(tmp_path, capsys):
     bad["sites"] = [bad["sites"][0], bad["sites"][2], bad["sites"][1]]
     with pytest.raises(PortingError, match="no link between sites"):
         cluster_from_dict(bad)
+
+
+@pytest.mark.parametrize(
+    "layout, needle",
+    [
+        ("pp=8,order=default,sites=a>q>c", "expected each of a, b, c once"),
+        ("pp=8,sites=a>b>c", "sites= only applies with order=default"),
+        ("pp=8,order=sideways", "order must be tp-pp-dp or default"),
+    ],
+)
+def test_a_bad_placement_in_layout_is_refused_by_name(layout, needle, capsys):
+    argv = ["plan", "--model", "llama-70b", "--cluster", str(EXAMPLES / "three-sites.yaml")]
+    argv += ["--global-batch", "1024", "--seq-length", "4096", "--layout", layout]
+    assert main(argv) == 2
+    assert needle in capsys.readouterr().err

@@ -15,7 +15,7 @@ def add_gate_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--whole-model",
         action="store_true",
-        help="load both models whole instead of one decoder layer at a time (small models; "
+        help="load both models whole instead of streaming them layer by layer (small models; "
         "about 8 bytes per parameter of RAM)",
     )
     p.add_argument(
