@@ -356,14 +356,19 @@ def _tiny_checkpoint(workdir: Path) -> tuple[Path, Path]:
     sys.path.insert(0, str(ROOT))
     from transformers import AutoTokenizer
 
-    from porting.convert.api import import_hf
     from porting.testing import TRAIN_TEXT, make_indexed_dataset, make_llama
 
     hf = make_llama(workdir / "hf", num_layers=4, hidden_size=128, intermediate_size=256,
                     num_heads=4, num_kv_heads=4, vocab_size=512, tokenizer_vocab=500)  # fmt: skip
     ckpt = workdir / "ckpt"
     if not (ckpt / "context" / "porting.json").is_file():
-        import_hf(hf, ckpt, show_progress=False)
+        # the CLI, not the library call: its output stays ours (NeMo's start-up lines filtered)
+        r = subprocess.run(
+            [sys.executable, "-m", "porting.cli", "import", str(hf), "--out", str(ckpt)],
+            capture_output=True, text=True, timeout=RUN_TIMEOUT,
+        )  # fmt: skip
+        if r.returncode:
+            raise RuntimeError(f"porting import failed:\n{r.stderr[-3000:]}")
     tok = AutoTokenizer.from_pretrained(str(hf))
     data = make_indexed_dataset(workdir / "data" / "corpus_text_document", tok, [TRAIN_TEXT] * 400)
     return ckpt, data
