@@ -198,14 +198,19 @@ class _Runs:
         return (os.system, (f"touch {self.marker}",))
 
 
+def _copied_record(tiny_nemo, tmp_path):
+    """A copy of the tiny checkpoint's weights, its metadata, and its largest tensor's record."""
+    weights = tmp_path / "ck" / "weights"
+    shutil.copytree(tiny_nemo, weights.parent)
+    md, storage = _records(weights)
+    index, info = _largest_tensor_record(md, storage)
+    return weights, md, index, info
+
+
 def test_a_torch_dist_record_whose_pickle_names_a_global_is_refused(tiny_nemo, tmp_path):
     from porting.convert.dist_reader import DistCheckpointReader
 
-    ckpt = tmp_path / "ck"
-    shutil.copytree(tiny_nemo, ckpt)
-    weights = ckpt / "weights"
-    md, storage = _records(weights)
-    index, info = _largest_tensor_record(md, storage)
+    weights, md, index, info = _copied_record(tiny_nemo, tmp_path)
     marker = tmp_path / "ran"
     _planted(
         weights / info.relative_path,
@@ -223,11 +228,7 @@ def test_a_torch_dist_record_whose_pickle_names_a_global_is_refused(tiny_nemo, t
 def test_a_torch_dist_record_overwritten_is_refused(tiny_nemo, tmp_path):
     from porting.convert.dist_reader import DistCheckpointReader
 
-    ckpt = tmp_path / "ck"
-    shutil.copytree(tiny_nemo, ckpt)
-    weights = ckpt / "weights"
-    md, storage = _records(weights)
-    index, info = _largest_tensor_record(md, storage)
+    weights, md, index, info = _copied_record(tiny_nemo, tmp_path)
     path = weights / info.relative_path
     data = bytearray(path.read_bytes())
     data[info.offset : info.offset + info.length] = b"\0" * info.length
