@@ -12,6 +12,7 @@ from pathlib import Path
 
 from porting.convert.checkpoint import claimed_output, read_manifest
 from porting.convert.connectors import export_into
+from porting.convert.layouts import FORMATS, to_megatron_layout
 from porting.errors import PortingError
 from porting.guard import refuse_overlap
 from porting.registry import family_by_name, family_for_hf_dir
@@ -32,10 +33,12 @@ def import_hf(
     show_progress: bool = True,
     family: str | None = None,
     device: str = "cpu",
+    fmt: str = "nemo2",
 ):
-    """Import an HF directory into a NeMo 2.0 checkpoint at ``out``; gate it on parity.
+    """Import an HF directory into a checkpoint at ``out``; gate it on parity.
 
-    ``family`` picks an installed family by name where more than one could read the checkpoint
+    ``fmt``: the layout written, one of :data:`porting.convert.layouts.FORMATS` (NeMo 2 by
+    default; Megatron-LM's or Megatron-Bridge's ``iter_0000000/``). ``family`` picks an installed family by name where more than one could read the checkpoint
     (it must still claim the config's architecture or model type). ``device``: where the
     gate's layers compute (:func:`porting.parity.harness.verify`).
     Returns the parity report (``None`` with ``verify=False``). On a failed parity check the
@@ -44,13 +47,17 @@ def import_hf(
     from porting.parity import harness as parity
 
     refuse_overlap(out, [("HF directory", hf_dir)])
+    if fmt not in FORMATS:
+        raise PortingError(f"unknown checkpoint format {fmt!r}; one of {', '.join(FORMATS)}")
     family, _ = family_for_hf_dir(hf_dir, family)
     importer = family.model_cls.importer(f"hf://{Path(hf_dir).resolve()}")
     importer.dtype, importer.allow_pickle = dtype, allow_pickle
     importer.vocab_divisor, importer.show_progress = vocab_divisor, show_progress
     report = None
     with claimed_output(out, overwrite, "checkpoint") as tmp:
-        importer.convert_into(tmp)
+        manifest = importer.convert_into(tmp)
+        if fmt != "nemo2":
+            to_megatron_layout(tmp, fmt, family, manifest, vocab_divisor)
         if verify:
             report = parity.verify(
                 hf_dir,

@@ -51,9 +51,11 @@ def context_dir(ckpt: str | os.PathLike) -> Path:
     return Path(ckpt) / "context"
 
 
-def write_manifest(ckpt: str | os.PathLike, manifest: Manifest) -> None:
-    """Write ``context/porting.json`` (atomically)."""
-    path = context_dir(ckpt) / MANIFEST
+def write_manifest(
+    ckpt: str | os.PathLike, manifest: Manifest, meta: str | os.PathLike | None = None
+) -> None:
+    """Write ``porting.json`` (atomically) into ``meta``: by default the NeMo 2 ``context/``."""
+    path = Path(meta if meta is not None else context_dir(ckpt)) / MANIFEST
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(asdict(manifest), indent=2, sort_keys=True) + "\n")
     tmp.replace(path)
@@ -102,20 +104,64 @@ def _check_manifest(data, path: Path) -> Manifest:
     return Manifest(**data)
 
 
+@dataclass(frozen=True)
+class Adopted:
+    """A manifest the user's flags stand in for (a checkpoint trained elsewhere has none)."""
+
+    manifest: Manifest
+    tokenizer_dir: Path | None
+    source: str  # what stands in for porting.json, for errors
+
+
+_ADOPTED: dict[Path, Adopted] = {}
+
+
+@contextlib.contextmanager
+def adopt(ckpt: str | os.PathLike, stand_in: Adopted):
+    """For the block, read ``stand_in`` as the manifest (and tokenizer) of the checkpoint at
+    ``ckpt``, which has none of its own. Nothing is written into it."""
+    from porting.convert.layouts import locate
+
+    root = locate(ckpt).root.resolve()
+    _ADOPTED[root] = stand_in
+    try:
+        yield
+    finally:
+        _ADOPTED.pop(root, None)
+
+
+def adopted(ckpt: str | os.PathLike) -> Adopted | None:
+    """The stand-in manifest registered for ``ckpt`` by :func:`adopt`, if any."""
+    from porting.convert.layouts import locate
+
+    return _ADOPTED.get(locate(ckpt).root.resolve()) if _ADOPTED else None
+
+
 def read_manifest(ckpt: str | os.PathLike) -> Manifest:
-    """Read and check ``context/porting.json``, or say clearly why this is not one of ours."""
+    """Read and check our ``porting.json`` of a checkpoint in any of our layouts, or say clearly
+    why this is not one of ours."""
+    from porting.convert.layouts import locate
+
     ckpt = Path(ckpt)
     if not ckpt.is_dir():
         raise PortingError(f"{ckpt}: not a directory")
-    if not (ckpt / "weights").is_dir() or not context_dir(ckpt).is_dir():
-        raise PortingError(f"{ckpt}: not a NeMo 2.0 checkpoint (needs context/ and weights/)")
-    path = context_dir(ckpt) / MANIFEST
+    loc = locate(ckpt)
+    stand_in = adopted(ckpt)
+    if stand_in is not None:
+        return stand_in.manifest
+    path = loc.manifest_path
     if not path.exists():
+        if loc.format == "nemo2":
+            raise PortingError(
+                f"{path}: missing; this checkpoint was not written by `porting import`, so the "
+                "HF config and vocabulary padding needed for export are unknown"
+            )
         raise PortingError(
-            f"{path}: missing; this checkpoint was not written by `porting import`, so the HF "
-            "config and vocabulary padding needed for export are unknown"
+            f"{path}: missing; this {loc.format} checkpoint was not written by `porting`: give the "
+            "HF config.json of its architecture with --hf-config (and its tokenizer with "
+            "--tokenizer)"
         )
-    regular_file(path, inside=ckpt)
+    regular_file(path, inside=loc.root)
     try:
         data = json.loads(path.read_bytes())
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -150,23 +196,47 @@ def regular_file(path: Path, inside: str | os.PathLike | None = None) -> Path:
 
 
 def tokenizer_files(ckpt: str | os.PathLike, manifest: Manifest) -> list[Path]:
-    """The tokenizer files recorded in the manifest: regular files inside ``ckpt/context``.
+    """The tokenizer files recorded in the manifest: regular files in the checkpoint's own
+    metadata directory (``context/``, or ``porting/`` in the Megatron layouts).
 
-    A symlink, a subdirectory or a path that leaves the checkpoint is refused, so a crafted
-    manifest can neither read files elsewhere nor make export copy them.
+    A symlink, a subdirectory or a path that leaves that directory is refused, so a crafted
+    manifest can neither read files elsewhere nor make export copy them. A checkpoint adopted with
+    a tokenizer directory (:func:`adopt`) gives that directory's files.
     """
+    from porting.convert.layouts import locate
+
+    stand_in = adopted(ckpt)
+    if stand_in is not None:
+        return _regular_files(stand_in.tokenizer_dir) if stand_in.tokenizer_dir else []
     if not manifest.tokenizer:
         return []
-    where = f"{context_dir(ckpt) / MANIFEST}: tokenizer path"
-    tok_dir = inside(ckpt, manifest.tokenizer["path"], where)
-    if not tok_dir.is_relative_to(context_dir(ckpt).resolve()) or not tok_dir.is_dir():
-        raise PortingError(f"{where} {manifest.tokenizer['path']!r} is not a directory in context/")
+    loc = locate(ckpt)
+    where = f"{loc.manifest_path}: tokenizer path"
+    tok_dir = inside(loc.root, manifest.tokenizer["path"], where)
+    if not tok_dir.is_relative_to(loc.meta.resolve()) or not tok_dir.is_dir():
+        raise PortingError(
+            f"{where} {manifest.tokenizer['path']!r} is not a directory in {loc.meta.name}/"
+        )
+    return _regular_files(tok_dir)
+
+
+def _regular_files(tok_dir: Path) -> list[Path]:
+    if not tok_dir.is_dir():
+        raise PortingError(f"{tok_dir}: not a tokenizer directory")
     files = []
     for f in sorted(tok_dir.iterdir()):
         if f.is_symlink() or not f.is_file():
             raise PortingError(f"{f}: the tokenizer directory may hold only regular files")
         files.append(f)
     return files
+
+
+def extra_file(ckpt: str | os.PathLike, name: str) -> Path:
+    """The HF extra file ``name`` (``generation_config.json``) kept in the checkpoint."""
+    from porting.convert.layouts import locate
+
+    loc = locate(ckpt)
+    return regular_file(loc.meta / "hf_extra" / name, inside=loc.root)
 
 
 def prepare_output(out: str | os.PathLike, overwrite: bool) -> Path:

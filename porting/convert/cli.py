@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from porting import guard, quiet
+from porting.convert.layouts import FORMATS, add_source_flags
 from porting.parity.cli import add_gate_flags, print_report
 
 
@@ -22,7 +23,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         "failed check exits non-zero and leaves nothing there.",
     )
     p.add_argument("hf_dir", type=Path, help="Hugging Face model directory")
-    p.add_argument("--out", type=Path, required=True, help="NeMo checkpoint directory to create")
+    p.add_argument("--out", type=Path, required=True, help="checkpoint directory to create")
+    p.add_argument(
+        "--format",
+        dest="fmt",
+        choices=FORMATS,
+        default="nemo2",
+        help="layout to write (docs/formats.md): nemo2 (context/ + weights/, for NeMo 2.0), "
+        "megatron-lm (iter_0000000/ with the model's arguments in common.pt, for Megatron-LM's "
+        "--load), megatron-bridge (the same plus run_config.yaml, for Megatron-Bridge). "
+        "Default: nemo2",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument("--no-verify", action="store_true", help="skip the parity gate")
     p.add_argument(
@@ -53,16 +64,21 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser(
         "export",
-        help="convert a checkpoint made by `porting import` back to a Hugging Face directory",
+        help="convert a NeMo 2, Megatron-LM or Megatron-Bridge checkpoint to a Hugging Face "
+        "directory",
         description="Write an HF directory (config.json, safetensors shards, tokenizer) from a "
-        "NeMo checkpoint made by `porting import` (or trained from one). Everything needed is in "
-        "the checkpoint. The result is parity-checked against the checkpoint before it appears.",
+        "checkpoint in any of the three layouts (docs/formats.md), found from the directory. "
+        "Everything needed is in a checkpoint made by `porting import` (or trained from one); "
+        "for a Megatron-LM or Megatron-Bridge checkpoint trained elsewhere, give the HF config "
+        "of its architecture with --hf-config. The result is parity-checked against the "
+        "checkpoint before it appears.",
     )
-    p.add_argument("ckpt", type=Path, help="checkpoint made by `porting import` (or trained)")
+    p.add_argument("ckpt", type=Path, help="checkpoint root (or one iter_NNNNNNN directory)")
     p.add_argument("--out", type=Path, required=True, help="HF directory to create")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument("--no-verify", action="store_true", help="skip the parity gate")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size")
+    add_source_flags(p)
     p.add_argument("--json", action="store_true", help="print the parity report as JSON")
     add_gate_flags(p)
     p.set_defaults(func=_cmd_export)
@@ -96,6 +112,7 @@ def _cmd_import(args) -> int:
             show_progress=sys.stderr.isatty(),
             family=args.family,
             device=device,
+            fmt=args.fmt,
         )
     print_report(report, args.json)
     if not args.json:
@@ -114,20 +131,22 @@ def _cmd_export(args) -> int:
         device = resolve_device(args.device)
         cpu.hide_gpus()  # conversion is host work; a device gate runs in a child that sees them
         from porting.convert.api import export_hf
+        from porting.convert.layouts import reading
 
         quiet.quiet_nemo()
-        report = export_hf(
-            args.ckpt,
-            args.out,
-            overwrite=args.overwrite,
-            verify=not args.no_verify,
-            max_shard_bytes=int(args.max_shard_gb * 2**30),
-            whole_model=args.whole_model,
-            show_progress=sys.stderr.isatty(),
-            atol=args.atol,
-            rtol=args.rtol,
-            device=device,
-        )
+        with reading(args.ckpt, args.src_format, args.hf_config, args.tokenizer):
+            report = export_hf(
+                args.ckpt,
+                args.out,
+                overwrite=args.overwrite,
+                verify=not args.no_verify,
+                max_shard_bytes=int(args.max_shard_gb * 2**30),
+                whole_model=args.whole_model,
+                show_progress=sys.stderr.isatty(),
+                atol=args.atol,
+                rtol=args.rtol,
+                device=device,
+            )
     print_report(report, args.json)
     if not args.json:
         print(f"wrote {args.out}")

@@ -27,14 +27,14 @@ from porting.convert.checkpoint import (
     EXTRA_HF_FILES,
     Manifest,
     atomic_dir,
+    extra_file,
     read_manifest,
-    regular_file,
     tokenizer_files,
     write_manifest,
 )
 from porting.convert.config_map import read_hf_config
-from porting.convert.context import check_io_json
 from porting.convert.dist_reader import CheckpointParameters, DistCheckpointReader
+from porting.convert.layouts import check_saved_metadata, locate
 from porting.convert.mapping import WeightProducer, export_weights, import_weights
 from porting.convert.megatron import (
     DTYPES,
@@ -321,8 +321,8 @@ def export_into(
     from accelerate import init_empty_weights
 
     manifest = read_manifest(ckpt)
-    # Not read here, but a checkpoint whose NeMo context would run code on load is hostile.
-    check_io_json(ckpt, family)
+    # Not read here, but a checkpoint whose metadata would run code on load is hostile.
+    check_saved_metadata(ckpt, family)
     if manifest.family != family.name:
         raise PortingError(
             f"{ckpt}: a {manifest.family!r} checkpoint, not one of family {family.name!r}"
@@ -349,10 +349,11 @@ def export_into(
         for key, t in export_weights(meta, family.weights, ctx, ctx.num_layers)
     ]
     writer = StreamingShardWriter(out, specs, max_shard_bytes)
-    reader = DistCheckpointReader(Path(ckpt) / "weights")
-    sharded = model.sharded_state_dict(prefix="module.")
-    check_nemo_layout(sharded, reader, f"{ckpt}/context/porting.json")
-    params = CheckpointParameters(reader, sharded, meta)
+    loc = locate(ckpt)
+    reader = DistCheckpointReader(loc.weights)
+    sharded = model.sharded_state_dict(prefix=loc.prefix)
+    check_nemo_layout(sharded, reader, str(loc.manifest_path))
+    params = CheckpointParameters(reader, sharded, meta, loc.prefix)
     for key, tensor in export_weights(params, family.weights, ctx, ctx.num_layers):
         writer.write(key, tensor.to(dtype))
         del tensor
@@ -364,6 +365,5 @@ def export_into(
     for f in tokenizer_files(ckpt, manifest):
         shutil.copyfile(f, out / f.name)
     for name in manifest.extra_files:
-        src = regular_file(Path(ckpt) / "context" / "hf_extra" / name, inside=ckpt)
-        shutil.copyfile(src, out / name)
+        shutil.copyfile(extra_file(ckpt, name), out / name)
     return manifest

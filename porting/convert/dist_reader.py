@@ -120,19 +120,95 @@ def _mapped_record(path: Path, offset: int, length: int) -> torch.Tensor:
     return tensor
 
 
+def _metadata_globals() -> dict[tuple[str, str], object]:
+    """The classes a ``.metadata`` may name: torch's checkpoint metadata and Megatron's two
+    subclasses of it, each a plain data holder (``torch/distributed/checkpoint/{metadata,planner,
+    filesystem}.py``, ``megatron/core/dist_checkpointing/strategies/torch.py``)."""
+    from torch.distributed.checkpoint import filesystem, metadata, planner
+
+    allowed: dict[tuple[str, str], object] = {("torch", "Size"): torch.Size}
+    for module, names in (
+        (
+            metadata,
+            (
+                "Metadata",
+                "TensorStorageMetadata",
+                "BytesStorageMetadata",
+                "ChunkStorageMetadata",
+                "MetadataIndex",
+                "TensorProperties",
+                "StorageMeta",
+                "_MEM_FORMAT_ENCODING",
+            ),
+        ),
+        (planner, ("WriteItem", "WriteItemType", "TensorWriteData", "SavePlan")),
+        (filesystem, ("_StorageInfo",)),
+    ):
+        for name in names:
+            if hasattr(module, name):
+                allowed[(module.__name__, name)] = getattr(module, name)
+    for name in ("MCoreMetadata", "MCoreSavePlan"):
+        # Stand-ins where this Megatron-Core lacks one: the loaded object only carries fields.
+        allowed[("megatron.core.dist_checkpointing.strategies.torch", name)] = (
+            _mcore_class(name)
+        )
+    return allowed
+
+
+def _mcore_class(name: str):
+    from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
+
+    return getattr(mcore_torch, name, None) or type(name, (), {})
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """``pickle`` for a ``.metadata`` file, with every global checked against an allow-list.
+
+    torch's ``FileSystemReader.read_metadata`` is a plain ``pickle.load``: a crafted
+    ``.metadata`` would run whatever it names. Here it may name only the checkpoint's own data
+    classes, torch dtypes and layouts; anything else is refused by its name before it is looked up.
+    """
+
+    def __init__(self, f) -> None:
+        super().__init__(f)
+        self._allowed = _metadata_globals()
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self._allowed:
+            return self._allowed[(module, name)]
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if (module, name) == ("torch.serialization", "_get_layout"):
+            return torch.serialization._get_layout
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a .metadata file")
+
+
+def read_metadata(weights: str | Path):
+    """torch's ``Metadata`` of the ``torch_dist`` directory ``weights``, unpickled with only the
+    checkpoint's own data classes allowed (nothing in it can run code)."""
+    path = Path(weights) / ".metadata"
+    if path.is_symlink() or not path.is_file():
+        raise PortingError(f"{path}: missing or not a regular file; not a torch_dist checkpoint")
+    try:
+        with open(path, "rb") as f:
+            md = _MetadataUnpickler(f).load()
+    except Exception as err:  # pickle raises many types for a corrupt file
+        raise PortingError(f"{path}: unreadable ({err})") from err
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
+        raise PortingError(f"{path}: holds a {type(md).__name__}, not torch checkpoint metadata")
+    return md
+
+
 class DistCheckpointReader:
     """Region reads from the ``weights/`` directory of a NeMo 2.0 / Megatron checkpoint."""
 
     def __init__(self, weights: str | Path) -> None:
-        from torch.distributed.checkpoint import FileSystemReader
-
         self.dir = Path(weights)
         if not (self.dir / ".metadata").is_file():
             raise PortingError(f"{self.dir}: no .metadata; not a torch_dist checkpoint")
-        try:
-            md = FileSystemReader(str(self.dir)).read_metadata()
-        except Exception as err:  # torch raises several types for a corrupt file
-            raise PortingError(f"{self.dir}/.metadata: unreadable ({err})") from err
+        md = read_metadata(self.dir)
         self._tensors = {k: v for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks")}
         self._storage = md.storage_data
 
@@ -264,20 +340,23 @@ def _map_sharded(tree, fn):
 class CheckpointParameters(Mapping):
     """A Megatron model's parameters (name -> tensor), each read from the checkpoint on access.
 
-    ``sharded`` is the model's data-free ``sharded_state_dict(prefix="module.")`` (built on the
-    meta device): it says where each parameter lives in the checkpoint. Nothing is cached, so a
-    consumer that takes one parameter at a time holds one at a time.
+    ``sharded`` is the model's data-free ``sharded_state_dict(prefix=prefix)`` (built on the
+    meta device; ``prefix`` is the layout's, ``module.`` for NeMo 2): it says where each parameter
+    lives in the checkpoint. Nothing is cached, so a consumer that takes one parameter at a time
+    holds one at a time.
     """
 
-    def __init__(self, reader: DistCheckpointReader, sharded: dict, names) -> None:
-        self.reader, self.sharded = reader, sharded
+    def __init__(
+        self, reader: DistCheckpointReader, sharded: dict, names, prefix: str = "module."
+    ) -> None:
+        self.reader, self.sharded, self.prefix = reader, sharded, prefix
         self.names = list(names)
         self._known = set(self.names)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._known:
             raise KeyError(name)
-        item = self.sharded.get("module." + name)
+        item = self.sharded.get(self.prefix + name)
         if item is None:
             raise PortingError(f"{self.reader.dir}: the model's layout has no tensor for {name!r}")
         return self.reader.read_sharded(item)

@@ -2,9 +2,9 @@
 without Lightning.
 
 Verification and export only need the Megatron model and its weights; building it from our
-manifest (the HF config through the family's config map, never NeMo's ``io.json``) and loading
-``weights/`` with Megatron's own ``dist_checkpointing`` (the reader of that format) avoids a
-Lightning trainer and works at any tensor-parallel size.
+manifest (the HF config through the family's config map, never NeMo's ``io.json``) and reading
+its tensors region by region (:mod:`porting.convert.dist_reader`) avoids a Lightning trainer and
+works at any tensor-parallel size and in each of our layouts (:mod:`porting.convert.layouts`).
 """
 
 from __future__ import annotations
@@ -162,23 +162,30 @@ def build_mcore_model(config) -> torch.nn.Module:
 
 
 def load_weights(model: torch.nn.Module, ckpt: str | Path) -> None:
-    """Load ``weights/`` into ``model`` with Megatron's ``dist_checkpointing`` (resharding as needed).
+    """Load the checkpoint's tensors into ``model``, whatever our layout (NeMo 2 saves the model
+    under the ``module.`` prefix, ``nemo/lightning/megatron_parallel.py``; Megatron-LM and
+    Megatron-Bridge without one).
 
-    NeMo saves the model under the ``module.`` prefix (``nemo/lightning/megatron_parallel.py``).
+    Read through :class:`~porting.convert.dist_reader.DistCheckpointReader`, not Megatron's
+    ``dist_checkpointing.load``: that one unpickles ``.metadata`` and the common state with plain
+    ``pickle``, and a checkpoint trained elsewhere is not trusted code.
     """
-    from megatron.core import dist_checkpointing
+    from porting.convert.dist_reader import CheckpointParameters, DistCheckpointReader
+    from porting.convert.layouts import locate
 
-    weights = Path(ckpt) / "weights"
-    sharded = model.sharded_state_dict(prefix="module.")
-    try:
-        loaded = dist_checkpointing.load(sharded, str(weights), strict="assume_ok_unexpected")
-    except Exception as err:  # Megatron raises many types; name the checkpoint either way
-        raise PortingError(f"{weights}: cannot load Megatron weights ({err})") from err
-    state = {k.removeprefix("module."): v for k, v in loaded.items()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    if missing:
-        raise PortingError(f"{weights}: checkpoint lacks parameter(s): {', '.join(missing[:10])}")
+    loc = locate(ckpt)
+    reader = DistCheckpointReader(loc.weights)
+    sharded = model.sharded_state_dict(prefix=loc.prefix)
+    params = dict(model.named_parameters())
+    stored = CheckpointParameters(reader, sharded, params, loc.prefix)
+    with torch.no_grad():
+        for name, p in params.items():
+            value = stored[name]
+            if value.shape != p.shape:
+                raise PortingError(
+                    f"{loc.weights}: {name!r} is {tuple(value.shape)}, the model's {tuple(p.shape)}"
+                )
+            p.copy_(value)
 
 
 def load_mcore_from_checkpoint(

@@ -165,8 +165,13 @@ def check_nemo_counts(ckpt: Path, manifest, config) -> None:
     with each other and with the embedding's rows, and every stacked layer tensor holds the
     config's layer count. Reads ``.metadata`` only."""
     from porting.convert.dist_reader import DistCheckpointReader
+    from porting.convert.layouts import locate
 
-    where = Path(ckpt) / "context" / "porting.json"
+    from porting.convert.checkpoint import adopted
+
+    loc = locate(ckpt)
+    stand_in = adopted(ckpt)
+    where = stand_in.source if stand_in else loc.manifest_path
     hf_vocab = manifest.hf_config.get("vocab_size")
     if hf_vocab != manifest.vocab_size:
         raise PortingError(
@@ -178,16 +183,16 @@ def check_nemo_counts(ckpt: Path, manifest, config) -> None:
             f"{where}: padded_vocab_size {manifest.padded_vocab_size} is smaller than "
             f"vocab_size {manifest.vocab_size}"
         )
-    reader = DistCheckpointReader(Path(ckpt) / "weights")
+    reader = DistCheckpointReader(loc.weights)
     for key in reader.keys():
         shape = reader.global_shape(key)
-        if key.startswith("module.decoder.layers.") and shape[:1] != (config.num_layers,):
+        if key.startswith(loc.prefix + "decoder.layers.") and shape[:1] != (config.num_layers,):
             field = _field(manifest.hf_config, _LAYER_FIELDS, config.num_layers, "layers")
             raise PortingError(
                 f"{where}: hf_config's {field}, but {reader.dir} holds {shape[0]} layers "
                 f"({key!r} is {shape})"
             )
-        if key == "module.embedding.word_embeddings.weight" and (
+        if key == loc.prefix + "embedding.word_embeddings.weight" and (
             shape[0] != manifest.padded_vocab_size
         ):
             raise PortingError(

@@ -64,7 +64,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     """Add the ``verify`` subcommand."""
     p = sub.add_parser(
         "verify",
-        help="full-logit parity of an HF model against a NeMo checkpoint",
+        help="full-logit parity of an HF model against a NeMo 2, Megatron-LM or Megatron-Bridge "
+        "checkpoint",
         description="Run fixed prompts (several lengths, every position) through the HF model and "
         "the Megatron model of the checkpoint and compare full logits: max and mean |dlogit|, "
         "KL(HF || Megatron), top-1 agreement. By default two decoder layers of one side are in "
@@ -73,7 +74,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "sides' matmuls at this machine's measured fp32 rate). Exits 1 when the gate fails.",
     )
     p.add_argument("hf_dir", type=Path)
-    p.add_argument("ckpt", type=Path)
+    p.add_argument("ckpt", type=Path, help="checkpoint root (any layout; docs/formats.md)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--min-top1", type=float, default=None, help="minimum top-1 agreement (0.999)")
     p.add_argument(
@@ -86,6 +87,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(torch.load weights_only=True)",
     )
     add_gate_flags(p)
+    from porting.convert.layouts import add_source_flags
+
+    add_source_flags(p)
     p.set_defaults(func=_cmd_verify)
 
 
@@ -104,15 +108,18 @@ def _cmd_verify(args) -> int:
         for k, v in (("atol", args.atol), ("rtol", args.rtol), ("min_top1", args.min_top1))
         if v is not None
     }
-    report = harness.verify(
-        args.hf_dir,
-        args.ckpt,
-        whole_model=args.whole_model,
-        show_progress=sys.stderr.isatty(),
-        allow_pickle=args.allow_pickle,
-        device=device,
-        **kwargs,
-    )
+    from porting.convert.layouts import reading
+
+    with reading(args.ckpt, args.src_format, args.hf_config, args.tokenizer):
+        report = harness.verify(
+            args.hf_dir,
+            args.ckpt,
+            whole_model=args.whole_model,
+            show_progress=sys.stderr.isatty(),
+            allow_pickle=args.allow_pickle,
+            device=device,
+            **kwargs,
+        )
     print_report(report, args.json)
     if args.plot:
         from porting.parity.plot import write_plot

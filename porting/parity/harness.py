@@ -255,7 +255,7 @@ def verify(
 
     from porting.convert.checkpoint import read_manifest, tokenizer_files
     from porting.convert.config_map import read_hf_config
-    from porting.convert.context import check_io_json
+    from porting.convert.layouts import check_saved_metadata
     from porting.convert.megatron import build_config
     from porting.convert.preflight import check_float_dtypes, check_hf_checkpoint
     from porting.convert.safetensors_io import SafetensorsSource
@@ -269,8 +269,8 @@ def verify(
     manifest = read_manifest(ckpt)
     family = family_by_name(manifest.family)  # imports NeMo: start-up, not the gate
     started = time.perf_counter()
-    # Not read here, but a checkpoint whose NeMo context would run code on load is hostile.
-    check_io_json(ckpt, family)
+    # Not read here, but a checkpoint whose metadata would run code on load is hostile.
+    check_saved_metadata(ckpt, family)
     # The HF side's config against its headers before either model is built (the Megatron
     # side's is checked as its config is rebuilt, checkpoint_config).
     hf_config = read_hf_config(hf_dir)

@@ -354,6 +354,7 @@ def _megatron_side(ckpt: Path, family, device: torch.device):
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
     from porting.convert.dist_reader import DistCheckpointReader
+    from porting.convert.layouts import locate
     from porting.convert.megatron import build_mcore_model, checkpoint_config
     from porting.convert.preflight import check_nemo_layout
 
@@ -361,11 +362,12 @@ def _megatron_side(ckpt: Path, family, device: torch.device):
     with init_empty_weights():
         model = build_mcore_model(config)
     _to_device(model, device)
-    weights = Path(ckpt) / "weights"
+    loc = locate(ckpt)
+    weights = loc.weights
     reader = DistCheckpointReader(weights)
     # Every key, offset and factory of the checkpoint's layout, without data.
-    sharded = model.sharded_state_dict(prefix="module.")
-    check_nemo_layout(sharded, reader, f"{ckpt}/context/porting.json")
+    sharded = model.sharded_state_dict(prefix=loc.prefix)
+    check_nemo_layout(sharded, reader, str(loc.manifest_path))
     buffers = _Buffers(device)
 
     def params_of(
@@ -374,7 +376,7 @@ def _megatron_side(ckpt: Path, family, device: torch.device):
         out = {}
         for name, p in module.named_parameters():
             key = module_prefix + name
-            item = sharded.get("module." + key)
+            item = sharded.get(loc.prefix + key)
             if item is None or isinstance(item, ShardedObject):
                 raise PortingError(f"{weights}: the model's layout has no tensor for {key!r}")
             if isinstance(item, ShardedTensor):
