@@ -30,6 +30,7 @@ import os
 import pickle
 import re
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -569,5 +570,23 @@ def reading(ckpt, fmt: str | None = None, hf_config=None, tokenizer=None):
     if loc.format == "nemo2":
         raise PortingError(f"{ckpt}: a NeMo 2 checkpoint is read from its manifest only")
     stand_in = foreign_manifest(loc, hf_config, tokenizer)
-    with adopt(ckpt, stand_in):
-        yield loc
+    with tempfile.TemporaryDirectory(prefix="porting-tokenizer-") as staging:
+        if stand_in.tokenizer_dir is not None:
+            stand_in = dataclasses.replace(
+                stand_in, tokenizer_dir=_tokenizer_files_of(stand_in.tokenizer_dir, Path(staging))
+            )
+        with adopt(ckpt, stand_in):
+            yield loc
+
+
+def _tokenizer_files_of(src: Path, staging: Path) -> Path:
+    """The tokenizer of the HF directory ``src``, as ``transformers`` saves it into ``staging``:
+    only its own files (never the weights or the config beside them)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(src), local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise PortingError(f"{src}: no usable tokenizer ({err})") from err
+    tok.save_pretrained(str(staging))
+    return staging

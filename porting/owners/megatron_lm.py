@@ -42,6 +42,7 @@ CPU_ARGS = (
 def _init(argv: list[str]):
     """Megatron-LM's own argument parsing and validation, on one gloo process."""
     from porting import cpu
+    from porting.owners import shims
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(cpu.free_port()))
@@ -49,9 +50,7 @@ def _init(argv: list[str]):
         os.environ.setdefault(key, value)
     cpu.enable()
     cpu.enable_training()
-    # megatron/training/checkpointing.py (get_rng_state) saves the CUDA generator's state beside
-    # the CPU one on every save; on the CPU the CPU generator is all there is.
-    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    shims.install()
     from megatron.core import parallel_state
     from megatron.training.arguments import parse_args, validate_args
     from megatron.training.global_vars import set_global_variables

@@ -1,0 +1,209 @@
+"""Megatron-Bridge's metadata beside a ``torch_dist`` iteration: ``run_config.yaml`` and the
+train state, written from a family's Megatron config and read back as data only.
+
+Megatron-Bridge rebuilds a model from ``iter_NNNNNNN/run_config.yaml``'s ``model:`` section by
+instantiating its ``_target_`` (a model provider) and every nested ``_target_``
+(``megatron/bridge/training/model_load_save.py``: ``load_model_config``). We write that section
+from the family's config; we read one only with ``yaml.safe_load`` and check every ``_target_``
+against an allow-list, never instantiating anything.
+
+``bridge_fields.json`` lists the fields of ``megatron.bridge.models.gpt_provider.GPTModelProvider``
+in megatron-bridge 0.6.2 (a test in the owners' environment checks it against the class).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+from porting.errors import PortingError
+
+PROVIDER = "megatron.bridge.models.gpt_provider.GPTModelProvider"
+_FIELDS = frozenset(json.loads((Path(__file__).with_name("bridge_fields.json")).read_text()))
+# Fields of a NeMo GPT config that describe a training run, not the model: never written.
+_RUNTIME = frozenset(
+    {
+        "forward_step_fn",
+        "data_step_fn",
+        "generation_config",
+        "async_tensor_model_parallel_allreduce",
+        "moe_extended_tp",
+        "moe_use_legacy_grouped_gemm",
+        "init_method",
+        "output_layer_init_method",
+        "embedding_init_method",
+        "attention_backend",
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "virtual_pipeline_model_parallel_size",
+        "context_parallel_size",
+        "sequence_parallel",
+        "expert_model_parallel_size",
+        "perform_initialization",
+        "use_cpu_initialization",
+    }
+)
+_DTYPES = ("params_dtype", "pipeline_dtype", "autocast_dtype")
+# Spec functions NeMo's GPT configs name, and Bridge's own function of the same meaning.
+_SPECS = {
+    "nemo.collections.llm.gpt.model.base.default_layer_spec": (
+        "megatron.bridge.models.gpt_provider.default_layer_spec"
+    ),
+    "nemo.collections.llm.gpt.model.base.local_layer_spec": (
+        "megatron.bridge.models.gpt_provider.local_layer_spec"
+    ),
+}
+_PLAIN = (int, float, str, bool, type(None))
+MAX_RUN_CONFIG_BYTES = 4 << 20
+
+
+def _qualified(fn) -> str:
+    return f"{fn.__module__}.{fn.__qualname__}"
+
+
+def run_config_for(config, family) -> dict:
+    """The ``run_config.yaml`` content for a checkpoint of ``config`` (the family's Megatron
+    config): the ``model:`` section as a ``GPTModelProvider`` and the checkpoint facts Bridge's
+    loader reads on resume (no optimizer, no RNG state saved).
+
+    A field the provider does not have, set away from its no-op value, is an error naming it:
+    Bridge would build a different model.
+    """
+    import dataclasses
+
+    import torch
+
+    model: dict = {"_target_": PROVIDER}
+    for f in dataclasses.fields(config):
+        name, value = f.name, getattr(config, f.name)
+        if name in _RUNTIME or name.startswith("_"):
+            continue
+        if name not in _FIELDS:
+            if value in (None, False, 0, (), []) or name.startswith("rope_scaling") and not getattr(
+                config, "rope_scaling_type", None
+            ):
+                continue
+            raise PortingError(
+                f"family {family.name}: config field {name}={value!r} has no counterpart in "
+                f"Megatron-Bridge's GPTModelProvider; the megatron-bridge layout cannot describe "
+                "this model (use --format megatron-lm or nemo2)"
+            )
+        if name in _DTYPES:
+            model[name] = {"_target_": f"torch.{str(value).removeprefix('torch.')}", "_call_": False}
+        elif name == "activation_func":
+            model[name] = {"_target_": _qualified(value), "_call_": False}
+        elif name == "transformer_layer_spec":
+            target = _qualified(value) if callable(value) else None
+            model[name] = {"_target_": _SPECS.get(target, target), "_call_": False}
+        elif isinstance(value, _PLAIN):
+            model[name] = value
+        elif isinstance(value, list | tuple) and all(isinstance(v, _PLAIN) for v in value):
+            model[name] = list(value)
+        elif isinstance(value, torch.dtype):
+            model[name] = {"_target_": f"torch.{str(value).removeprefix('torch.')}", "_call_": False}
+        else:
+            raise PortingError(
+                f"family {family.name}: config field {name} holds a {type(value).__name__}, which "
+                "run_config.yaml cannot carry as data"
+            )
+    # Our embedding is already padded: Bridge must take vocab_size as it is.
+    model["should_pad_vocab"] = False
+    # How the checkpoint was saved, which Bridge's loader reads on resume: one unsharded copy
+    # (torch_dist reshards to any layout on load).
+    model.update(
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        virtual_pipeline_model_parallel_size=None,
+        context_parallel_size=1,
+        expert_model_parallel_size=1,
+        sequence_parallel=False,
+    )
+    return {
+        "model": model,
+        "checkpoint": {"ckpt_format": "torch_dist", "save_optim": False, "save_rng": False},
+    }
+
+
+def write_bridge_files(root: Path, weights: Path, iteration: int, run_config: dict) -> None:
+    """``run_config.yaml`` and ``train_state.pt`` in the iteration, ``latest_train_state.pt``
+    beside it (``megatron/bridge/training/checkpointing.py``: ``save_checkpoint``)."""
+    import shutil
+
+    import torch
+    import yaml
+
+    (weights / "run_config.yaml").write_text(yaml.safe_dump(run_config, sort_keys=False))
+    zero = torch.tensor(0)
+    state = {
+        "step": torch.tensor(iteration),
+        "consumed_train_samples": zero,
+        "skipped_train_samples": zero,
+        "consumed_valid_samples": zero,
+        "floating_point_operations_so_far": torch.tensor(0.0),
+        "do_train": torch.tensor(False),
+        "do_valid": torch.tensor(False),
+        "do_test": torch.tensor(False),
+    }
+    torch.save(state, weights / "train_state.pt")
+    shutil.copyfile(weights / "train_state.pt", root / "latest_train_state.pt")
+
+
+# Where a _target_ may point: torch's functions and dtypes, Megatron-Core's, Megatron-LM's training
+# package's (Bridge's config classes live there) and Bridge's own modules.
+_ALLOWED_TARGET = re.compile(
+    r"(torch\.(nn\.functional|nn\.init)\.[A-Za-z0-9_]+"
+    r"|torch\.(float32|float16|bfloat16|float64|int64|int32)|signal\.Signals"
+    r"|megatron\.(core|bridge|training)\.[A-Za-z0-9_.]+)"
+)
+_PROVIDER = re.compile(r"megatron\.bridge\.models\.[a-z0-9_.]+\.[A-Za-z0-9_]*Provider[A-Za-z0-9_]*")
+
+
+def _check_targets(node, where: str, path: Path, family) -> None:
+    if isinstance(node, dict):
+        target = node.get("_target_")
+        if target is not None:
+            ok = isinstance(target, str) and (
+                _ALLOWED_TARGET.fullmatch(target)
+                or (
+                    family is not None
+                    and target in {_qualified(o) for o in family.context_symbols if callable(o)}
+                )
+            )
+            if not ok:
+                raise PortingError(f"{path}: {where}._target_ {target!r} is not allowed")
+        for k, v in node.items():
+            _check_targets(v, f"{where}.{k}", path, family)
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            _check_targets(v, f"{where}[{i}]", path, family)
+
+
+def check_run_config(path: str | os.PathLike, family=None) -> dict:
+    """Read ``run_config.yaml`` as data and return its ``model:`` section.
+
+    Refused: a file too large or not YAML data, a ``model:`` whose ``_target_`` is not a
+    Megatron-Bridge model provider, and any ``_target_`` anywhere outside torch's functions and
+    dtypes, Megatron-Core, Megatron-Bridge and the functions ``family`` declares
+    (``Family.context_symbols``).
+    """
+    import yaml
+
+    from porting.convert.checkpoint import regular_file
+
+    path = Path(path)
+    regular_file(path)
+    if path.stat().st_size > MAX_RUN_CONFIG_BYTES:
+        raise PortingError(f"{path}: larger than {MAX_RUN_CONFIG_BYTES} bytes")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise PortingError(f"{path}: not YAML data ({err})") from err
+    if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
+        raise PortingError(f"{path}: no model: section")
+    provider = data["model"].get("_target_")
+    if not isinstance(provider, str) or not _PROVIDER.fullmatch(provider):
+        raise PortingError(f"{path}: model._target_ {provider!r} is not a Megatron-Bridge provider")
+    _check_targets(data, "<root>", path, family)
+    return data["model"]
