@@ -122,3 +122,64 @@ class ParityError(PortingError):
     def __init__(self, report) -> None:
         super().__init__("parity check failed; no output written\n" + report.summary())
         self.report = report
+
+
+def is_hf_dir(path: str | Path) -> bool:
+    """Whether ``path`` is an HF model directory rather than one of our checkpoint layouts."""
+    path = Path(path)
+    return (path / "config.json").is_file() and not (
+        (path / "weights").is_dir() or (path / "latest_checkpointed_iteration.txt").exists()
+    )
+
+
+def convert(
+    src: str | Path,
+    out: str | Path,
+    to: str,
+    *,
+    overwrite: bool = False,
+    verify: bool = True,
+    show_progress: bool = False,
+    device: str = "cpu",
+    atol: float | None = None,
+    rtol: float | None = None,
+):
+    """Convert ``src`` (an HF directory or a checkpoint in any of our layouts) into the layout
+    ``to`` at ``out``; returns the parity reports (one per gated step).
+
+    From an HF directory this is :func:`import_hf`. Between checkpoints it is the export of
+    ``src`` to an HF directory in a private sibling of ``out``, then the import of that into
+    ``to``: each step streamed and gated as on its own, so memory stays that of one tensor and one
+    layer, and the HF round trip is exact. A checkpoint trained elsewhere is read as the caller
+    adopted it (:func:`porting.convert.layouts.reading`). Optimizer and train state are not
+    carried (docs/formats.md).
+    """
+    import shutil
+    import tempfile
+
+    from porting.convert.megatron import padded_vocab
+
+    if to not in FORMATS:
+        raise PortingError(f"unknown checkpoint format {to!r}; one of {', '.join(FORMATS)}")
+    gate = dict(verify=verify, show_progress=show_progress, device=device, atol=atol, rtol=rtol)
+    if is_hf_dir(src):
+        return [import_hf(src, out, overwrite=overwrite, fmt=to, **gate)]
+    refuse_overlap(out, [("checkpoint", src)])
+    manifest = read_manifest(src)
+    # Keep the source's vocabulary padding: Megatron's default divisor where it gives it, else
+    # the padded size itself (a run with TP > 1 pads to 128 * TP).
+    divisor = 128
+    if padded_vocab(manifest.vocab_size, divisor) != manifest.padded_vocab_size:
+        divisor = manifest.padded_vocab_size
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{Path(out).name}.hf-", dir=Path(out).parent))
+    try:
+        hf = staging / "hf"
+        first = export_hf(src, hf, **gate)
+        second = import_hf(
+            hf, out, overwrite=overwrite, fmt=to, dtype=manifest.dtype, vocab_divisor=divisor,
+            **gate,
+        )
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return [r for r in (first, second) if r is not None]

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
 from porting import guard, quiet
+from porting.errors import PortingError
 from porting.convert.layouts import FORMATS, add_source_flags
 from porting.parity.cli import add_gate_flags, print_report
 
@@ -83,6 +85,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_gate_flags(p)
     p.set_defaults(func=_cmd_export)
 
+    p = sub.add_parser(
+        "convert",
+        help="convert between NeMo 2, Megatron-LM and Megatron-Bridge checkpoints (or from HF)",
+        description="Write SRC (an HF model directory, or a checkpoint in any of the three "
+        "layouts, found from the directory) as a checkpoint in the layout --to. Between "
+        "checkpoints, SRC is exported to an HF directory beside --out and that is imported: both "
+        "steps streamed (memory of one tensor and one layer) and parity-gated, the round trip "
+        "exact. Model weights, tokenizer and our manifest are carried; optimizer and train state "
+        "are not (docs/formats.md). Nothing appears under --out unless every step passes.",
+    )
+    p.add_argument("src", type=Path, help="HF directory or checkpoint root")
+    p.add_argument("--to", required=True, choices=FORMATS, help="layout to write")
+    p.add_argument("--out", type=Path, required=True, help="checkpoint directory to create")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    p.add_argument("--no-verify", action="store_true", help="skip the parity gates")
+    p.add_argument("--json", action="store_true", help="print the parity reports as JSON")
+    add_gate_flags(p)
+    add_source_flags(p)
+    p.set_defaults(func=_cmd_convert)
+
 
 def _cmd_import(args) -> int:
     quiet.offline()
@@ -148,6 +170,46 @@ def _cmd_export(args) -> int:
                 device=device,
             )
     print_report(report, args.json)
+    if not args.json:
+        print(f"wrote {args.out}")
+    return 0
+
+
+def _cmd_convert(args) -> int:
+    quiet.offline()
+    guard.return_freed_memory()
+    guard.refuse_overlap(args.out, [("source", args.src)])
+    with guard.output_lock(args.out, "checkpoint"):
+        from porting import cpu
+        from porting.parity.cli import resolve_device
+
+        device = resolve_device(args.device)
+        cpu.hide_gpus()
+        from porting.convert.api import convert, is_hf_dir
+        from porting.convert.layouts import reading
+
+        quiet.quiet_nemo()
+        if is_hf_dir(args.src):
+            if args.hf_config or args.tokenizer or args.src_format:
+                raise PortingError(f"{args.src}: an HF directory; --format, --hf-config and "
+                                   "--tokenizer are for checkpoints")
+            context = contextlib.nullcontext()
+        else:
+            context = reading(args.src, args.src_format, args.hf_config, args.tokenizer)
+        with context:
+            reports = convert(
+                args.src,
+                args.out,
+                args.to,
+                overwrite=args.overwrite,
+                verify=not args.no_verify,
+                show_progress=sys.stderr.isatty(),
+                device=device,
+                atol=args.atol,
+                rtol=args.rtol,
+            )
+    for report in reports:
+        print_report(report, args.json)
     if not args.json:
         print(f"wrote {args.out}")
     return 0
