@@ -9,6 +9,8 @@ our checkpoints imported from it, and asserts what its name says:
 - :func:`prove_tp2`: two gloo ranks at tensor parallel 2 give the TP=1 logits (1e-5);
 - :func:`prove_round_trip`: export gives back every tensor bit for bit, the same ``config.json``
   and tokenizer, and ``transformers``' own class loads it to the same logits;
+- :func:`prove_formats`: the same, through the Megatron-LM and Megatron-Bridge layouts (each
+  import parity-gated);
 - :func:`prove_routing` (mixture-of-experts families): every layer sends every token to the same
   experts on both sides, with no near-tie that rounding could flip;
 - :func:`prove_fault_named`: the negative control. One layer's entry of the table is broken, the
@@ -335,6 +337,47 @@ def prove_round_trip(hf_dir: str | Path, ckpt: str | Path, out: str | Path) -> N
         a = cls.from_pretrained(str(hf_dir)).eval()(ids).logits
         b = cls.from_pretrained(str(out)).eval()(ids).logits
     assert torch.equal(a, b)
+
+
+def prove_formats(
+    hf_dir: str | Path, work: str | Path, formats=("megatron-lm", "megatron-bridge")
+) -> None:
+    """HF -> each Megatron layout in ``formats`` (gated) -> HF is exact
+    (:func:`prove_round_trip`), and the layout is the one its owner reads
+    (``latest_checkpointed_iteration.txt``, ``iter_0000000/``, Megatron-Bridge's
+    ``run_config.yaml``, our files in ``porting/``)."""
+    from porting.convert.api import import_hf
+    from porting.convert.layouts import locate
+
+    work = Path(work)
+    for fmt in formats:
+        ckpt = work / fmt
+        import_hf(hf_dir, ckpt, fmt=fmt, show_progress=False)
+        loc = locate(ckpt)
+        assert (loc.format, loc.weights.name, loc.prefix) == (fmt, "iter_0000000", "")
+        assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "0"
+        assert (loc.weights / "common.pt").is_file() and loc.manifest_path.is_file()
+        assert not (ckpt / "context").exists() and not (ckpt / "weights").exists()
+        if fmt == "megatron-bridge":
+            assert (loc.weights / "run_config.yaml").is_file()
+        prove_round_trip(hf_dir, ckpt, work / f"{fmt}-hf")
+
+
+def prove_bridge_refused(hf_dir: str | Path, work: str | Path, fields: list[str]) -> None:
+    """A family whose config has ``fields`` that Megatron-Bridge's ``GPTModelProvider`` lacks is
+    refused in the megatron-bridge layout, the first such field named, and nothing is written."""
+    from porting.convert.api import import_hf
+    from porting.errors import PortingError
+
+    out = Path(work) / "bridge"
+    try:
+        import_hf(hf_dir, out, fmt="megatron-bridge", show_progress=False)
+    except PortingError as err:
+        assert any(f"config field {f}=" in str(err) for f in fields), err
+        assert "GPTModelProvider" in str(err)
+    else:
+        raise AssertionError("the megatron-bridge layout was written")
+    assert not out.exists() and not list(Path(work).glob(".bridge.partial-*"))
 
 
 # Every checkpoint in one launch of two ranks: starting NeMo twice per checkpoint would cost more

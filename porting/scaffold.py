@@ -382,6 +382,10 @@ def test_round_trip_is_exact(converted, tmp_path):
     proof.prove_round_trip(*converted, tmp_path / "hf-back")
 
 
+def test_every_layout_round_trips_exactly(converted, tmp_path):
+    proof.prove_formats(converted[0], tmp_path)
+
+
 def test_planted_fault_is_named(converted, tmp_path):
     family = registry.family_by_name({name!r})
     proof.prove_fault_named(converted[0], tmp_path / "ck", family, 1, TINY["num_hidden_layers"])

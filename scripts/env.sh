@@ -3,8 +3,35 @@
 #   scripts/env.sh demo   - the end-to-end demo (`porting demo`)
 #   scripts/env.sh test   - the whole test suite
 #   scripts/env.sh -- CMD - any command inside the environment
+# `test` also builds or reuses .venv-owners (Python 3.12, Megatron-LM's and Megatron-Bridge's own
+# packages pinned in scripts/owners.lock), where the tests load our checkpoints with the owners'
+# loaders (docs/formats.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+owners_env() {
+  local lock=scripts/owners.lock stamp=.venv-owners/.porting-installed want
+  want=$(sha256sum "$lock" | cut -d' ' -f1)
+  if [ -x .venv-owners/bin/python ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then return; fi
+  local py="" candidate
+  # A pyenv shim answers `command -v` for a version it does not select; ask each to run.
+  for candidate in python3.12 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python; do
+    if "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+      py=$candidate
+      break
+    fi
+  done
+  if [ -z "$py" ]; then
+    echo "[env] Python 3.12 not found (needed for .venv-owners: Megatron-Core 0.19, Megatron-Bridge)" >&2
+    exit 1
+  fi
+  echo "[env] installing the owners' environment into .venv-owners (first run takes a few minutes)" >&2
+  rm -rf .venv-owners
+  "$py" -m venv .venv-owners
+  .venv-owners/bin/python -m pip install -q --upgrade pip
+  .venv-owners/bin/python -m pip install -q --no-deps -r "$lock"
+  echo "$want" > "$stamp"
+}
 
 stamp=.venv/.porting-installed
 want=$(cat pyproject.toml | sha256sum | cut -d' ' -f1)
@@ -22,7 +49,8 @@ job=${1:-}
 shift || true
 case "$job" in
   demo) exec .venv/bin/porting demo "$@" ;;
-  test) exec .venv/bin/python -m pytest -q "$@" ;;
+  test) owners_env; exec .venv/bin/python -m pytest -q "$@" ;;
+  owners) owners_env ;;
   --) exec "$@" ;;
-  *) echo "usage: scripts/env.sh demo|test|-- CMD" >&2; exit 2 ;;
+  *) echo "usage: scripts/env.sh demo|test|owners|-- CMD" >&2; exit 2 ;;
 esac

@@ -147,6 +147,11 @@ def test_round_trip_is_exact(variant, converted, tmp_path):
     proof.prove_round_trip(*converted(variant), tmp_path / "hf-back")
 
 
+def test_every_layout_round_trips_exactly(converted, tmp_path):
+    proof.prove_formats(converted("gemma2")[0], tmp_path, formats=("megatron-lm",))
+    proof.prove_bridge_refused(converted("gemma2")[0], tmp_path, ["sandwich_norms"])
+
+
 @pytest.mark.parametrize(
     "variant,pattern",
     [

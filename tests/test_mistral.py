@@ -82,6 +82,10 @@ def test_round_trip_is_exact(variant, converted, tmp_path):
     proof.prove_round_trip(*converted(variant), tmp_path / "hf-back")
 
 
+def test_every_layout_round_trips_exactly(converted, tmp_path):
+    proof.prove_formats(converted("window")[0], tmp_path)
+
+
 def test_planted_fault_is_named(converted, tmp_path):
     hf, _ = converted("window")
     proof.prove_fault_named(hf, tmp_path / "ck", mistral.FAMILY, 2, 3, "mlp.linear_fc2.weight")

@@ -126,6 +126,11 @@ def test_round_trip_is_exact(variant, converted, tmp_path):
     proof.prove_round_trip(*converted(variant), tmp_path / "hf-back")
 
 
+def test_every_layout_round_trips_exactly(converted, tmp_path):
+    proof.prove_formats(converted("qwen2_moe")[0], tmp_path, formats=("megatron-lm",))
+    proof.prove_bridge_refused(converted("qwen2_moe")[0], tmp_path, ["hf_mlp_layout"])
+
+
 def _damaged(converted, tmp_path, variant, change):
     hf = tmp_path / "hf"
     shutil.copytree(converted(variant)[0], hf)

@@ -66,6 +66,10 @@ def test_round_trip_is_exact(variant, converted, tmp_path):
     proof.prove_round_trip(*converted(variant), tmp_path / "hf-back")
 
 
+def test_every_layout_round_trips_exactly(converted, tmp_path):
+    proof.prove_formats(converted("qwen3_untied")[0], tmp_path)
+
+
 @pytest.mark.parametrize(
     "variant,pattern",
     [("qwen2_untied", "linear_qkv.bias"), ("qwen3_tied", "k_layernorm.weight")],
