@@ -189,8 +189,11 @@ def load_common(raw: bytes, where: str) -> dict:
         with torch.serialization.safe_globals(allowed):
             state = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        first = str(err).split("\n\n")[0].split("Check the recommended steps")[0].strip()
-        raise PortingError(f"{where}: refused ({first})") from err
+        # torch's message is paragraphs of advice; the reason is the line naming the global.
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        why = next((line for line in lines if "GLOBAL " in line), lines[-1] if lines else "")
+        why = why.removeprefix("WeightsUnpickler error: ").split(" was not an allowed")[0]
+        raise PortingError(f"{where}: refused ({why.rstrip('.')})") from err
     except Exception as err:  # a corrupt zip or pickle
         raise PortingError(f"{where}: unreadable ({err})") from err
     if isinstance(state, list) and len(state) == 1:  # the common_state record wraps it
