@@ -27,10 +27,11 @@ def _setup() -> None:
     from porting import cpu
     from porting.owners import shims
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(cpu.free_port()))
-    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
-        os.environ.setdefault(key, value)
+    # One process: its own rendezvous, whatever the caller's environment says.
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cpu.free_port()), RANK="0", WORLD_SIZE="1",
+        LOCAL_RANK="0",
+    )
     cpu.enable()
     cpu.enable_training()
     shims.install()

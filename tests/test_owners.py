@@ -1,0 +1,184 @@
+"""Our Megatron-LM and Megatron-Bridge checkpoints, loaded by their owners' own code, and theirs
+by ours: each in the owners' environment (.venv-owners: Python 3.12, megatron-core 0.19.2,
+megatron-bridge 0.6.2; built by scripts/env.sh test), through porting/owners/.
+
+Tolerance: the parity gate's (atol = rtol = 1e-4, porting.parity.harness) on every logit of the
+HF vocabulary, fp32.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from porting.convert.api import export_hf, import_hf
+from porting.convert.layouts import reading
+from porting.parity.harness import DEFAULT_ATOL, DEFAULT_RTOL
+
+REPO = Path(__file__).resolve().parents[1]
+OWNERS_PYTHON = REPO / ".venv-owners" / "bin" / "python"
+
+
+def _owners(module: str, *args: str, timeout: float = 600) -> str:
+    """Run ``python -m porting.owners.MODULE ARGS`` in the owners' environment; its output."""
+    if not OWNERS_PYTHON.exists():
+        pytest.fail(f"{OWNERS_PYTHON} missing: `scripts/env.sh test` builds the owners' environment")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env |= {"PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run(
+        [str(OWNERS_PYTHON), "-m", f"porting.owners.{module}", *args],
+        capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO,
+    )
+    assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
+    return run.stdout + run.stderr
+
+
+def _owners_code(code: str) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env |= {"PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""}
+    if not OWNERS_PYTHON.exists():
+        pytest.fail(f"{OWNERS_PYTHON} missing: `scripts/env.sh test` builds the owners' environment")
+    run = subprocess.run(
+        [str(OWNERS_PYTHON), "-c", code], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
+    return run.stdout
+
+
+def _tokens(path: Path, vocab: int) -> Path:
+    g = torch.Generator().manual_seed(7)
+    torch.save([torch.randint(0, vocab, (n,), generator=g) for n in (13, 5, 32)], path)
+    return path
+
+
+@torch.no_grad()
+def _hf_logits(hf_dir: Path, tokens: Path) -> list[torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir)).eval()
+    return [model(t.view(1, -1)).logits.float() for t in torch.load(tokens)]
+
+
+def _assert_logits(hf: list[torch.Tensor], owner: Path) -> None:
+    theirs = torch.load(owner)
+    assert len(theirs) == len(hf)
+    for a, b in zip(hf, theirs, strict=True):
+        torch.testing.assert_close(b[..., : a.shape[-1]], a, atol=DEFAULT_ATOL, rtol=DEFAULT_RTOL)
+
+
+@pytest.fixture(scope="module")
+def ours(tiny_llama, tmp_path_factory):
+    """``tiny_llama`` imported (gated) as Megatron-LM and Megatron-Bridge checkpoints, the token
+    ids every test runs and HF's logits of them."""
+    root = tmp_path_factory.mktemp("owners")
+    out = {}
+    for fmt in ("megatron-lm", "megatron-bridge"):
+        out[fmt] = root / fmt
+        import_hf(tiny_llama, out[fmt], fmt=fmt, show_progress=False)
+    out["tokens"] = _tokens(root / "tokens.pt", 130)
+    out["hf"] = _hf_logits(tiny_llama, out["tokens"])
+    return out
+
+
+def test_megatron_lm_load_checkpoint_reads_ours(ours, tmp_path):
+    """megatron.training.checkpointing.load_checkpoint, the model's shape from our saved args
+    (--use-checkpoint-args), logits equal HF's."""
+    log = _owners(
+        "megatron_lm", "load", str(ours["megatron-lm"]), "--tokens", str(ours["tokens"]),
+        "--out", str(tmp_path / "logits.pt"),
+    )
+    assert "successfully loaded checkpoint" in log and "at iteration 0" in log
+    _assert_logits(ours["hf"], tmp_path / "logits.pt")
+
+
+def test_megatron_bridge_loader_reads_ours(ours, tmp_path):
+    """megatron.bridge.training.model_load_save.load_megatron_model builds the model from our
+    run_config.yaml and loads it; logits equal HF's."""
+    log = _owners(
+        "bridge", "load", str(ours["megatron-bridge"]), "--tokens", str(ours["tokens"]),
+        "--out", str(tmp_path / "logits.pt"),
+    )
+    assert "megatron-bridge loaded" in log and "as GPTModel" in log
+    _assert_logits(ours["hf"], tmp_path / "logits.pt")
+
+
+def test_bridge_trains_from_ours_and_the_result_exports_through_the_gate(ours, tiny_llama, tmp_path):
+    """Three steps of Bridge's own pretrain loop from our weights; its checkpoint (no porting/,
+    Bridge's own run_config.yaml and common state) exports, gated, to an HF model whose logits
+    are Bridge's."""
+    trained = tmp_path / "trained"
+    log = _owners("bridge", "train", str(ours["megatron-bridge"]), "--steps", "3", "--save", str(trained))
+    assert "successfully loaded checkpoint" in log
+    losses = [float(x.split("lm loss:")[1].split("|")[0]) for x in log.splitlines() if "lm loss:" in x]
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+    assert (trained / "iter_0000003" / "run_config.yaml").is_file()
+    _owners("bridge", "load", str(trained), "--tokens", str(ours["tokens"]), "--out", str(tmp_path / "b.pt"))
+    with reading(trained, hf_config=tiny_llama):
+        export_hf(trained, tmp_path / "hf")  # gated
+    hf = _hf_logits(tmp_path / "hf", ours["tokens"])
+    _assert_logits(hf, tmp_path / "b.pt")
+    # trained: not the weights we started from
+    assert not torch.allclose(hf[0], ours["hf"][0], atol=1e-3)
+
+
+def test_a_megatron_lm_checkpoint_we_did_not_write_exports_through_the_gate(tmp_path):
+    """Megatron-LM's own save_checkpoint (common state inside the torch_dist files, as 0.19
+    writes it) -> porting export --hf-config -> transformers gives Megatron-LM's logits."""
+    tokens = _tokens(tmp_path / "tokens.pt", 128)
+    ckpt = tmp_path / "mlm"
+    _owners("megatron_lm", "save", str(ckpt), "--tokens", str(tokens), "--out", str(tmp_path / "m.pt"))
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    assert not (ckpt / "iter_0000001" / "common.pt").exists()
+    cfg = tmp_path / "cfg"
+    cfg.mkdir()
+    # The HF facts of the model porting.owners.megatron_lm.SAVE_ARGS describes.
+    (cfg / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128,
+        "max_position_embeddings": 32, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,
+        "mlp_bias": False, "torch_dtype": "float32",
+    }))
+    with reading(ckpt, hf_config=cfg):
+        export_hf(ckpt, tmp_path / "hf")  # gated
+    _assert_logits(_hf_logits(tmp_path / "hf", tokens), tmp_path / "m.pt")
+
+
+def test_transformer_engine_stays_absent_for_megatron_core():
+    """The shim serves Bridge's one unguarded import and nothing else (porting.owners.shims)."""
+    out = _owners_code(
+        "import sys\n"
+        "from porting.owners import shims\n"
+        "shims.install()\n"
+        "import megatron.bridge.training.model_load_save\n"
+        "from megatron.bridge.peft import lora_layers\n"
+        "import megatron.core.fp8_utils as fp8\n"
+        "from megatron.core.models.gpt import gpt_layer_specs as specs\n"
+        "assert 'transformer_engine' not in sys.modules\n"
+        "assert not fp8.HAVE_TE and not specs.HAVE_TE\n"
+        "assert not isinstance(object(), lora_layers.te.Linear)\n"
+        "try:\n"
+        "    lora_layers.te.Linear(1, 1)\n"
+        "except RuntimeError as err:\n"
+        "    print(err)\n"
+    )
+    assert "Transformer Engine is not installed" in out
+
+
+def test_our_provider_field_list_is_bridges():
+    """porting/convert/bridge_fields.json is GPTModelProvider's init fields."""
+    out = _owners_code(
+        "import dataclasses, json\n"
+        "from porting.owners import shims\n"
+        "shims.install()\n"
+        "from megatron.bridge.models.gpt_provider import GPTModelProvider\n"
+        "print(json.dumps(sorted(f.name for f in dataclasses.fields(GPTModelProvider) if f.init)))\n"
+    )
+    ours = json.loads((REPO / "porting" / "convert" / "bridge_fields.json").read_text())
+    assert json.loads(out.strip().splitlines()[-1]) == ours
