@@ -42,6 +42,12 @@ SIZES = {
     "moe-deep": dict(hidden=2048, layers=16, ffn=5632, heads=16, kv=8, vocab=32000, experts=8),
 }
 SHARD_BYTES = 4 * 2**30
+LAYOUT_STEPS = (
+    "import-megatron-lm",
+    "import-megatron-bridge",
+    "export-megatron-lm",
+    "convert-megatron-bridge",
+)
 
 
 def write_checkpoint(out: Path, hidden, layers, ffn, heads, kv, vocab, experts=0) -> int:
@@ -209,9 +215,11 @@ def main() -> int:
         "--steps",
         nargs="*",
         default=["import", "verify", "export"],
-        choices=["import", "import-no-gate", "verify", "export"],
+        choices=["import", "import-no-gate", "verify", "export", *LAYOUT_STEPS],
         help="our commands to run (none: only --nemo); import-no-gate: import --no-verify, to "
-        "see what the gate adds",
+        "see what the gate adds; import-megatron-lm / import-megatron-bridge: import --format; "
+        "export-megatron-lm: export of the Megatron-LM checkpoint (after import-megatron-lm); "
+        "convert-megatron-bridge: convert of the NeMo checkpoint (after import)",
     )
     p.add_argument("--json", type=Path, help="also write the rows as JSON")
     args = p.parse_args()
@@ -233,12 +241,48 @@ def main() -> int:
             "verify": porting + ["verify", str(work / "hf"), str(work / "nemo"), "--json"],
             "export": porting
             + ["export", str(work / "nemo"), "--out", str(work / "hf-out"), "--json"],
+            "import-megatron-lm": porting
+            + [
+                "import",
+                str(work / "hf"),
+                "--format",
+                "megatron-lm",
+                "--out",
+                str(work / "mlm"),
+                "--json",
+            ],
+            "import-megatron-bridge": porting
+            + [
+                "import",
+                str(work / "hf"),
+                "--format",
+                "megatron-bridge",
+                "--out",
+                str(work / "bridge"),
+                "--json",
+            ],
+            "export-megatron-lm": porting
+            + ["export", str(work / "mlm"), "--out", str(work / "hf-out"), "--json"],
+            "convert-megatron-bridge": porting
+            + [
+                "convert",
+                str(work / "nemo"),
+                "--to",
+                "megatron-bridge",
+                "--out",
+                str(work / "converted"),
+                "--json",
+            ],
         }
         for step in args.steps:
             if step == "export":
                 shutil.rmtree(work / "hf", ignore_errors=True)  # disk: export needs only nemo/
             r = timed(steps[step], work / f"{step}.log")
-            shutil.rmtree(work / "nemo-no-gate", ignore_errors=True)
+            # disk: what no later step reads
+            for done in ("nemo-no-gate", "bridge", "converted", "hf-out"):
+                shutil.rmtree(work / done, ignore_errors=True)
+            if step == "export-megatron-lm":
+                shutil.rmtree(work / "mlm", ignore_errors=True)
             r.update(size=size, step=step, weights=weights)
             rows.append(r)
             print(json.dumps(r), flush=True)

@@ -76,9 +76,20 @@ def test_each_layout_is_found_and_a_wrong_format_is_named(layouts):
 def test_the_cli_names_a_wrong_format_and_writes_nothing(layouts, tmp_path):
     out = tmp_path / "hf"
     run = subprocess.run(
-        [sys.executable, "-m", "porting.cli", "export", str(layouts["megatron-lm"]),
-         "--format", "nemo2", "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "porting.cli",
+            "export",
+            str(layouts["megatron-lm"]),
+            "--format",
+            "nemo2",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 2, run.stderr  # bad input (porting.cli)
     assert "a megatron-lm checkpoint, not nemo2" in run.stderr
@@ -104,10 +115,13 @@ def test_our_megatron_lm_arguments_describe_the_model(layouts, tiny_llama):
         assert common["checkpoint_version"] == 3.0 and common["iteration"] == 0
         assert isinstance(args, argparse.Namespace)
         assert (args.num_layers, args.hidden_size, args.ffn_hidden_size) == (
-            cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"]
+            cfg["num_hidden_layers"],
+            cfg["hidden_size"],
+            cfg["intermediate_size"],
         )
         assert (args.num_attention_heads, args.num_query_groups) == (
-            cfg["num_attention_heads"], cfg["num_key_value_heads"]
+            cfg["num_attention_heads"],
+            cfg["num_key_value_heads"],
         )
         assert args.swiglu and args.normalization == "RMSNorm" and args.rotary_base == 50000
         assert args.untie_embeddings_and_output_weights and args.padded_vocab_size == 256
@@ -125,7 +139,9 @@ def test_conversion_between_layouts_is_exact(layouts, tiny_llama, tmp_path):
 
 
 @pytest.mark.parametrize("fmt", ["megatron-lm", "megatron-bridge"])
-def test_a_checkpoint_trained_elsewhere_exports_with_the_hf_config(layouts, tiny_llama, tmp_path, fmt):
+def test_a_checkpoint_trained_elsewhere_exports_with_the_hf_config(
+    layouts, tiny_llama, tmp_path, fmt
+):
     ckpt = _foreign(layouts, fmt, tmp_path)
     with pytest.raises(PortingError, match="--hf-config"):
         export_hf(ckpt, tmp_path / "no")
@@ -137,7 +153,9 @@ def test_a_checkpoint_trained_elsewhere_exports_with_the_hf_config(layouts, tiny
     assert not (tmp_path / "hf" / "generation_config.json").exists()
 
 
-def test_saved_arguments_that_disagree_with_the_hf_config_are_located(layouts, tiny_llama, tmp_path):
+def test_saved_arguments_that_disagree_with_the_hf_config_are_located(
+    layouts, tiny_llama, tmp_path
+):
     ckpt = _foreign(layouts, "megatron-lm", tmp_path)
     cfg_dir = tmp_path / "cfg"
     cfg_dir.mkdir()
@@ -171,12 +189,19 @@ def test_a_common_pt_naming_any_other_global_is_refused_unrun(layouts, tmp_path,
 
 
 def test_saved_enums_are_read_as_data():
-    from megatron.core.transformer.enums import AttnBackend
-
     import io
 
+    from megatron.core.transformer.enums import AttnBackend
+
     buf = io.BytesIO()
-    torch.save({"args": argparse.Namespace(attention_backend=AttnBackend.auto, params_dtype=torch.bfloat16)}, buf)
+    torch.save(
+        {
+            "args": argparse.Namespace(
+                attention_backend=AttnBackend.auto, params_dtype=torch.bfloat16
+            )
+        },
+        buf,
+    )
     args = load_common(buf.getvalue(), "here")["args"]
     # torch rebuilds an enum whose class this process already imported; otherwise our stand-in
     # holds its name and value. Either way no module is imported and nothing else runs.
@@ -189,7 +214,9 @@ def test_a_hostile_dot_metadata_is_refused_unrun(layouts, tmp_path, monkeypatch)
     monkeypatch.chdir(tmp_path)
     ckpt = _copy(layouts["megatron-lm"], tmp_path / "ck")
     (ckpt / "iter_0000000" / ".metadata").write_bytes(pickle.dumps(_RunsCode()))
-    with pytest.raises(PortingError, match=r"\.metadata: unreadable .*(posix|os)\.system is not allowed"):
+    with pytest.raises(
+        PortingError, match=r"\.metadata: unreadable .*(posix|os)\.system is not allowed"
+    ):
         export_hf(ckpt, tmp_path / "hf")
     assert not (tmp_path / "HACKED").exists()
 
@@ -197,8 +224,10 @@ def test_a_hostile_dot_metadata_is_refused_unrun(layouts, tmp_path, monkeypatch)
 @pytest.mark.parametrize(
     "edit,needle",
     [
-        (lambda m: m["activation_func"].update(_target_="os.system"),
-         "<root>.model.activation_func._target_ 'os.system' is not allowed"),
+        (
+            lambda m: m["activation_func"].update(_target_="os.system"),
+            "<root>.model.activation_func._target_ 'os.system' is not allowed",
+        ),
         (lambda m: m.update(_target_="mypkg.Provider"), "is not a Megatron-Bridge provider"),
     ],
 )
@@ -223,7 +252,9 @@ def test_run_config_describes_the_model(layouts, tiny_llama):
     model = yaml.safe_load(path.read_text())["model"]
     assert model["_target_"] == "megatron.bridge.models.gpt_provider.GPTModelProvider"
     assert (model["num_layers"], model["hidden_size"], model["num_query_groups"]) == (
-        cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_key_value_heads"]
+        cfg["num_hidden_layers"],
+        cfg["hidden_size"],
+        cfg["num_key_value_heads"],
     )
     assert model["vocab_size"] == 256 and model["should_pad_vocab"] is False
     assert model["activation_func"] == {"_target_": "torch.nn.functional.silu", "_call_": False}

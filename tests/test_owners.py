@@ -27,12 +27,18 @@ OWNERS_PYTHON = REPO / ".venv-owners" / "bin" / "python"
 def _owners(module: str, *args: str, timeout: float = 600) -> str:
     """Run ``python -m porting.owners.MODULE ARGS`` in the owners' environment; its output."""
     if not OWNERS_PYTHON.exists():
-        pytest.fail(f"{OWNERS_PYTHON} missing: `scripts/env.sh test` builds the owners' environment")
+        pytest.fail(
+            f"{OWNERS_PYTHON} missing: `scripts/env.sh test` builds the owners' environment"
+        )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     env |= {"PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""}
     run = subprocess.run(
         [str(OWNERS_PYTHON), "-m", f"porting.owners.{module}", *args],
-        capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=REPO,
     )
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
     return run.stdout + run.stderr
@@ -42,7 +48,9 @@ def _owners_code(code: str) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     env |= {"PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""}
     if not OWNERS_PYTHON.exists():
-        pytest.fail(f"{OWNERS_PYTHON} missing: `scripts/env.sh test` builds the owners' environment")
+        pytest.fail(
+            f"{OWNERS_PYTHON} missing: `scripts/env.sh test` builds the owners' environment"
+        )
     run = subprocess.run(
         [str(OWNERS_PYTHON), "-c", code], capture_output=True, text=True, timeout=600, env=env
     )
@@ -89,8 +97,13 @@ def test_megatron_lm_load_checkpoint_reads_ours(ours, tmp_path):
     """megatron.training.checkpointing.load_checkpoint, the model's shape from our saved args
     (--use-checkpoint-args), logits equal HF's."""
     log = _owners(
-        "megatron_lm", "load", str(ours["megatron-lm"]), "--tokens", str(ours["tokens"]),
-        "--out", str(tmp_path / "logits.pt"),
+        "megatron_lm",
+        "load",
+        str(ours["megatron-lm"]),
+        "--tokens",
+        str(ours["tokens"]),
+        "--out",
+        str(tmp_path / "logits.pt"),
     )
     assert "successfully loaded checkpoint" in log and "at iteration 0" in log
     _assert_logits(ours["hf"], tmp_path / "logits.pt")
@@ -100,24 +113,43 @@ def test_megatron_bridge_loader_reads_ours(ours, tmp_path):
     """megatron.bridge.training.model_load_save.load_megatron_model builds the model from our
     run_config.yaml and loads it; logits equal HF's."""
     log = _owners(
-        "bridge", "load", str(ours["megatron-bridge"]), "--tokens", str(ours["tokens"]),
-        "--out", str(tmp_path / "logits.pt"),
+        "bridge",
+        "load",
+        str(ours["megatron-bridge"]),
+        "--tokens",
+        str(ours["tokens"]),
+        "--out",
+        str(tmp_path / "logits.pt"),
     )
     assert "megatron-bridge loaded" in log and "as GPTModel" in log
     _assert_logits(ours["hf"], tmp_path / "logits.pt")
 
 
-def test_bridge_trains_from_ours_and_the_result_exports_through_the_gate(ours, tiny_llama, tmp_path):
+def test_bridge_trains_from_ours_and_the_result_exports_through_the_gate(
+    ours, tiny_llama, tmp_path
+):
     """Three steps of Bridge's own pretrain loop from our weights; its checkpoint (no porting/,
     Bridge's own run_config.yaml and common state) exports, gated, to an HF model whose logits
     are Bridge's."""
     trained = tmp_path / "trained"
-    log = _owners("bridge", "train", str(ours["megatron-bridge"]), "--steps", "3", "--save", str(trained))
+    log = _owners(
+        "bridge", "train", str(ours["megatron-bridge"]), "--steps", "3", "--save", str(trained)
+    )
     assert "successfully loaded checkpoint" in log
-    losses = [float(x.split("lm loss:")[1].split("|")[0]) for x in log.splitlines() if "lm loss:" in x]
+    losses = [
+        float(x.split("lm loss:")[1].split("|")[0]) for x in log.splitlines() if "lm loss:" in x
+    ]
     assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
     assert (trained / "iter_0000003" / "run_config.yaml").is_file()
-    _owners("bridge", "load", str(trained), "--tokens", str(ours["tokens"]), "--out", str(tmp_path / "b.pt"))
+    _owners(
+        "bridge",
+        "load",
+        str(trained),
+        "--tokens",
+        str(ours["tokens"]),
+        "--out",
+        str(tmp_path / "b.pt"),
+    )
     with reading(trained, hf_config=tiny_llama):
         export_hf(trained, tmp_path / "hf")  # gated
     hf = _hf_logits(tmp_path / "hf", ours["tokens"])
@@ -131,20 +163,37 @@ def test_a_megatron_lm_checkpoint_we_did_not_write_exports_through_the_gate(tmp_
     writes it) -> porting export --hf-config -> transformers gives Megatron-LM's logits."""
     tokens = _tokens(tmp_path / "tokens.pt", 128)
     ckpt = tmp_path / "mlm"
-    _owners("megatron_lm", "save", str(ckpt), "--tokens", str(tokens), "--out", str(tmp_path / "m.pt"))
+    _owners(
+        "megatron_lm", "save", str(ckpt), "--tokens", str(tokens), "--out", str(tmp_path / "m.pt")
+    )
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
     assert not (ckpt / "iter_0000001" / "common.pt").exists()
     cfg = tmp_path / "cfg"
     cfg.mkdir()
     # The HF facts of the model porting.owners.megatron_lm.SAVE_ARGS describes.
-    (cfg / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-        "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128,
-        "max_position_embeddings": 32, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,
-        "mlp_bias": False, "torch_dtype": "float32",
-    }))
+    (cfg / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": 64,
+                "intermediate_size": 96,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 16,
+                "vocab_size": 128,
+                "max_position_embeddings": 32,
+                "rms_norm_eps": 1e-5,
+                "rope_theta": 10000.0,
+                "tie_word_embeddings": False,
+                "hidden_act": "silu",
+                "attention_bias": False,
+                "mlp_bias": False,
+                "torch_dtype": "float32",
+            }
+        )
+    )
     with reading(ckpt, hf_config=cfg):
         export_hf(ckpt, tmp_path / "hf")  # gated
     _assert_logits(_hf_logits(tmp_path / "hf", tokens), tmp_path / "m.pt")

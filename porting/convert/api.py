@@ -177,7 +177,12 @@ def convert(
         hf = staging / "hf"
         first = export_hf(src, hf, **gate)
         second = import_hf(
-            hf, out, overwrite=overwrite, fmt=to, dtype=manifest.dtype, vocab_divisor=divisor,
+            hf,
+            out,
+            overwrite=overwrite,
+            fmt=to,
+            dtype=manifest.dtype,
+            vocab_divisor=divisor,
             **gate,
         )
     finally:

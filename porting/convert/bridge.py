@@ -81,8 +81,10 @@ def run_config_for(config, family) -> dict:
         if name in _RUNTIME or name.startswith("_"):
             continue
         if name not in _FIELDS:
-            if value in (None, False, 0, (), []) or name.startswith("rope_scaling") and not getattr(
-                config, "rope_scaling_type", None
+            if (
+                value in (None, False, 0, (), [])
+                or name.startswith("rope_scaling")
+                and not getattr(config, "rope_scaling_type", None)
             ):
                 continue
             raise PortingError(
@@ -91,7 +93,10 @@ def run_config_for(config, family) -> dict:
                 "this model (use --format megatron-lm or nemo2)"
             )
         if name in _DTYPES:
-            model[name] = {"_target_": f"torch.{str(value).removeprefix('torch.')}", "_call_": False}
+            model[name] = {
+                "_target_": f"torch.{str(value).removeprefix('torch.')}",
+                "_call_": False,
+            }
         elif name == "activation_func":
             model[name] = {"_target_": _qualified(value), "_call_": False}
         elif name == "transformer_layer_spec":
@@ -102,7 +107,10 @@ def run_config_for(config, family) -> dict:
         elif isinstance(value, list | tuple) and all(isinstance(v, _PLAIN) for v in value):
             model[name] = list(value)
         elif isinstance(value, torch.dtype):
-            model[name] = {"_target_": f"torch.{str(value).removeprefix('torch.')}", "_call_": False}
+            model[name] = {
+                "_target_": f"torch.{str(value).removeprefix('torch.')}",
+                "_call_": False,
+            }
         else:
             raise PortingError(
                 f"family {family.name}: config field {name} holds a {type(value).__name__}, which "

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 from porting import guard, quiet
-from porting.errors import PortingError
 from porting.convert.layouts import FORMATS, add_source_flags
+from porting.errors import PortingError
 from porting.parity.cli import add_gate_flags, print_report
 
 
@@ -191,8 +191,10 @@ def _cmd_convert(args) -> int:
         quiet.quiet_nemo()
         if is_hf_dir(args.src):
             if args.hf_config or args.tokenizer or args.src_format:
-                raise PortingError(f"{args.src}: an HF directory; --format, --hf-config and "
-                                   "--tokenizer are for checkpoints")
+                raise PortingError(
+                    f"{args.src}: an HF directory; --format, --hf-config and "
+                    "--tokenizer are for checkpoints"
+                )
             context = contextlib.nullcontext()
         else:
             context = reading(args.src, args.src_format, args.hf_config, args.tokenizer)

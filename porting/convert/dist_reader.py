@@ -149,9 +149,7 @@ def _metadata_globals() -> dict[tuple[str, str], object]:
                 allowed[(module.__name__, name)] = getattr(module, name)
     for name in ("MCoreMetadata", "MCoreSavePlan"):
         # Stand-ins where this Megatron-Core lacks one: the loaded object only carries fields.
-        allowed[("megatron.core.dist_checkpointing.strategies.torch", name)] = (
-            _mcore_class(name)
-        )
+        allowed[("megatron.core.dist_checkpointing.strategies.torch", name)] = _mcore_class(name)
     return allowed
 
 

@@ -397,7 +397,9 @@ def nemo_to_megatron(tmp: Path, fmt: str, config, manifest, run_config: dict | N
         shutil.move(str(ctx / "hf_extra"), ours / "hf_extra")
     shutil.rmtree(ctx)  # NeMo's io.json and model.yaml describe a NeMo run, not this layout
     if tok:
-        manifest = dataclasses.replace(manifest, tokenizer={"kind": "hf", "path": f"{OURS}/tokenizer"})
+        manifest = dataclasses.replace(
+            manifest, tokenizer={"kind": "hf", "path": f"{OURS}/tokenizer"}
+        )
     write_manifest(tmp, manifest, ours)
     if fmt == "megatron-bridge":
         from porting.convert.bridge import write_bridge_files

@@ -29,7 +29,10 @@ def _setup() -> None:
 
     # One process: its own rendezvous, whatever the caller's environment says.
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cpu.free_port()), RANK="0", WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(cpu.free_port()),
+        RANK="0",
+        WORLD_SIZE="1",
         LOCAL_RANK="0",
     )
     cpu.enable()
@@ -114,27 +117,47 @@ def train(ckpt: str, steps: int, save: str) -> None:
         train=TrainingConfig(train_iters=steps, global_batch_size=2, micro_batch_size=1),
         validation=ValidationConfig(eval_interval=1000, eval_iters=0),
         optimizer=OptimizerConfig(
-            optimizer="adam", lr=1e-3, min_lr=1e-4, use_distributed_optimizer=False,
-            bf16=False, fp16=False, clip_grad=1.0,
+            optimizer="adam",
+            lr=1e-3,
+            min_lr=1e-4,
+            use_distributed_optimizer=False,
+            bf16=False,
+            fp16=False,
+            clip_grad=1.0,
         ),
         scheduler=SchedulerConfig(
-            lr_decay_style="constant", lr_warmup_iters=0, start_weight_decay=0.01,
-            end_weight_decay=0.01, weight_decay_incr_style="constant",
+            lr_decay_style="constant",
+            lr_warmup_iters=0,
+            start_weight_decay=0.01,
+            end_weight_decay=0.01,
+            weight_decay_incr_style="constant",
         ),
         ddp=DistributedDataParallelConfig(
             use_distributed_optimizer=False, overlap_grad_reduce=False, overlap_param_gather=False
         ),
         dataset=MockGPTDatasetConfig(
-            seq_length=seq, random_seed=1234, reset_attention_mask=False,
-            reset_position_ids=False, eod_mask_loss=False, num_dataset_builder_threads=1,
-            split="9999,8,2", dataloader_type="single", num_workers=0,
+            seq_length=seq,
+            random_seed=1234,
+            reset_attention_mask=False,
+            reset_position_ids=False,
+            eod_mask_loss=False,
+            num_dataset_builder_threads=1,
+            split="9999,8,2",
+            dataloader_type="single",
+            num_workers=0,
             skip_getting_attention_mask_from_dataset=True,
         ),
         logger=LoggerConfig(log_interval=1),
         tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=model.vocab_size),
         checkpoint=CheckpointConfig(
-            pretrained_checkpoint=ckpt, save=save, save_interval=steps, ckpt_format="torch_dist",
-            save_optim=False, save_rng=False, async_save=False, fully_parallel_save=False,
+            pretrained_checkpoint=ckpt,
+            save=save,
+            save_interval=steps,
+            ckpt_format="torch_dist",
+            save_optim=False,
+            save_rng=False,
+            async_save=False,
+            fully_parallel_save=False,
         ),
         rng=RNGConfig(seed=1234),
         dist=DistributedInitConfig(distributed_backend="gloo"),

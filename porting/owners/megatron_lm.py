@@ -46,7 +46,10 @@ def _init(argv: list[str]):
 
     # One process: its own rendezvous, whatever the caller's environment says.
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(cpu.free_port()), RANK="0", WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(cpu.free_port()),
+        RANK="0",
+        WORLD_SIZE="1",
         LOCAL_RANK="0",
     )
     cpu.enable()
@@ -117,8 +120,15 @@ def main(argv: list[str] | None = None) -> int:
     tokens = torch.load(a.tokens, weights_only=True)
     if a.action == "load":
         args = _init(
-            ["--load", a.ckpt, "--use-checkpoint-args", "--no-load-optim", "--no-load-rng",
-             "--exit-on-missing-checkpoint", *CPU_ARGS]
+            [
+                "--load",
+                a.ckpt,
+                "--use-checkpoint-args",
+                "--no-load-optim",
+                "--no-load-rng",
+                "--exit-on-missing-checkpoint",
+                *CPU_ARGS,
+            ]
         )
         from megatron.training.checkpointing import load_checkpoint
 
