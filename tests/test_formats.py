@@ -262,3 +262,39 @@ def test_run_config_describes_the_model(layouts, tiny_llama):
         "megatron.bridge.models.gpt_provider.default_layer_spec"
     )
     assert model["rotary_base"] == 50000 and model["share_embeddings_and_output_weights"] is False
+
+
+def test_a_gate_in_its_own_process_reads_an_adopted_checkpoint(layouts, tiny_llama, tmp_path):
+    """The device gate and the OOM fallback run verify in a child: it gets the --hf-config."""
+    from porting.parity.harness import (
+        DEFAULT_ATOL,
+        DEFAULT_MIN_TOP1,
+        DEFAULT_RTOL,
+        _verify_in_child,
+    )
+
+    ckpt = _foreign(layouts, "megatron-lm", tmp_path)
+    given = dict(
+        atol=DEFAULT_ATOL,
+        rtol=DEFAULT_RTOL,
+        min_top1=DEFAULT_MIN_TOP1,
+        whole_model=False,
+        allow_pickle=False,
+        scratch_dir=None,
+    )
+    with reading(ckpt, hf_config=tiny_llama):
+        report = _verify_in_child(tiny_llama, ckpt, "cpu", given)
+    assert report.passed and report.max_abs_diff < 1e-5
+
+
+def test_our_checkpoint_whose_saved_arguments_were_edited_is_refused(layouts, tmp_path):
+    """Megatron-LM would build its model from the args; they must still describe the weights."""
+    ckpt = _copy(layouts["megatron-lm"], tmp_path / "ck")
+    common = read_common(locate(ckpt))
+    common["args"].num_layers = 3
+    torch.save(common, ckpt / "iter_0000000" / "common.pt")
+    with pytest.raises(PortingError) as err:
+        export_hf(ckpt, tmp_path / "hf")
+    assert "common state (args): num_layers is 3, but" in str(err.value)
+    assert "porting/porting.json makes it 2" in str(err.value)
+    assert not (tmp_path / "hf").exists()

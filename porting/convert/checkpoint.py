@@ -111,6 +111,7 @@ class Adopted:
     manifest: Manifest
     tokenizer_dir: Path | None
     source: str  # what stands in for porting.json, for errors
+    hf_config: Path | None = None  # the directory given as --hf-config, for a child process
 
 
 _ADOPTED: dict[Path, Adopted] = {}

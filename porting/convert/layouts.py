@@ -412,7 +412,9 @@ def check_saved_metadata(ckpt: str | os.PathLike, family=None) -> None:
     """Refuse a checkpoint whose own metadata would run code when its owner loads it: NeMo 2's
     ``io.json`` (:func:`porting.convert.context.check_io_json`), Megatron-LM's common state
     (:func:`read_common`), Megatron-Bridge's ``run_config.yaml``
-    (:func:`porting.convert.bridge.check_run_config`)."""
+    (:func:`porting.convert.bridge.check_run_config`); and, in the Megatron layouts, one whose
+    saved architecture disagrees with the manifest we read it by (its owner would build another
+    model from it)."""
     loc = locate(ckpt)
     if loc.format == "nemo2":
         from porting.convert.context import check_io_json
@@ -424,6 +426,35 @@ def check_saved_metadata(ckpt: str | os.PathLike, family=None) -> None:
         from porting.convert.bridge import check_run_config
 
         check_run_config(loc.weights / RUN_CONFIG, family)
+    if family is not None:
+        from porting.convert.checkpoint import adopted, read_manifest
+        from porting.convert.megatron import DTYPES, build_config
+
+        manifest = read_manifest(ckpt)
+        config, _ = build_config(
+            family,
+            manifest.hf_config,
+            DTYPES[manifest.dtype],
+            1,
+            padded_vocab_size=manifest.padded_vocab_size,
+        )
+        stand_in = adopted(ckpt)
+        check_saved_shape(loc, config, stand_in.source if stand_in else str(loc.manifest_path))
+
+
+def check_saved_shape(loc: Located, config, where: str) -> None:
+    """What the checkpoint saved about its architecture (:func:`saved_shape`) against ``config``
+    (from ``where``): the first disagreement is one line naming both files, the field and both
+    values."""
+    saved, source = saved_shape(loc)
+    for name, attr in _SAVED_SHAPE:
+        ours, theirs = getattr(config, attr, None), saved.get(name)
+        if name == "num_query_groups" and theirs is None:
+            theirs = saved.get("num_attention_heads")
+        if attr == "num_query_groups" and ours is None:
+            ours = config.num_attention_heads
+        if theirs is not None and ours is not None and theirs != ours:
+            raise PortingError(f"{source}: {name} is {theirs!r}, but {where} makes it {ours!r}")
 
 
 def to_megatron_layout(tmp: Path, fmt: str, family, manifest, vocab_divisor: int) -> None:
@@ -501,17 +532,7 @@ def foreign_manifest(loc: Located, hf_config: Path, tokenizer: Path | None):
     padded = reader.global_shape(emb)[0]
     dtype = reader.dtype(emb)
     config, _ = build_config(family, cfg, dtype, 1, padded_vocab_size=padded)
-    saved, source = saved_shape(loc)
-    for name, attr in _SAVED_SHAPE:
-        ours, theirs = getattr(config, attr, None), saved.get(name)
-        if name == "num_query_groups" and theirs is None:
-            theirs = saved.get("num_attention_heads")
-        if attr == "num_query_groups" and ours is None:
-            ours = config.num_attention_heads
-        if theirs is not None and ours is not None and theirs != ours:
-            raise PortingError(
-                f"{source}: {name} is {theirs!r}, but {where} ({family.name}) makes it {ours!r}"
-            )
+    check_saved_shape(loc, config, f"{where} ({family.name})")
     vocab = cfg.get("vocab_size")
     if not isinstance(vocab, int) or vocab > padded:
         raise PortingError(
@@ -527,7 +548,9 @@ def foreign_manifest(loc: Located, hf_config: Path, tokenizer: Path | None):
     )
     if tokenizer is None and any(hf_config.glob("tokenizer*")):
         tokenizer = hf_config  # the HF directory the config came from carries its tokenizer
-    return Adopted(manifest, Path(tokenizer) if tokenizer else None, f"{where} (--hf-config)")
+    return Adopted(
+        manifest, Path(tokenizer) if tokenizer else None, f"{where} (--hf-config)", hf_config
+    )
 
 
 def add_source_flags(p) -> None:

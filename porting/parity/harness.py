@@ -349,6 +349,7 @@ def _verify_in_child(hf_dir, ckpt, device: str, given: dict) -> ParityReport:
     import subprocess
 
     from porting import cpu
+    from porting.convert.checkpoint import adopted
     from porting.errors import PortingError
 
     cmd = [sys.executable, "-m", "porting.cli", "verify", str(hf_dir), str(ckpt), "--json"]
@@ -356,6 +357,10 @@ def _verify_in_child(hf_dir, ckpt, device: str, given: dict) -> ParityReport:
     cmd += ["--min-top1", repr(given["min_top1"])]
     cmd += ["--whole-model"] * bool(given["whole_model"])
     cmd += ["--allow-pickle"] * bool(given["allow_pickle"])
+    stand_in = adopted(ckpt)
+    if stand_in is not None:  # a checkpoint trained elsewhere, as this process reads it
+        cmd += ["--hf-config", str(stand_in.hf_config)]
+        cmd += ["--tokenizer", str(stand_in.tokenizer_dir)] * bool(stand_in.tokenizer_dir)
     env = cpu.environment_with_gpus() if device != "cpu" else dict(os.environ)
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
