@@ -24,8 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 OWNERS_PYTHON = REPO / ".venv-owners" / "bin" / "python"
 
 
-def _owners(module: str, *args: str, timeout: float = 600) -> str:
-    """Run ``python -m porting.owners.MODULE ARGS`` in the owners' environment; its output."""
+def _run_owners(argv: list[str], timeout: float = 600) -> str:
+    """``python ARGV`` in the owners' environment (the repo on its path, no GPU); its output."""
     if not OWNERS_PYTHON.exists():
         pytest.fail(
             f"{OWNERS_PYTHON} missing: `scripts/env.sh test` builds the owners' environment"
@@ -33,7 +33,7 @@ def _owners(module: str, *args: str, timeout: float = 600) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     env |= {"PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""}
     run = subprocess.run(
-        [str(OWNERS_PYTHON), "-m", f"porting.owners.{module}", *args],
+        [str(OWNERS_PYTHON), *argv],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -44,18 +44,14 @@ def _owners(module: str, *args: str, timeout: float = 600) -> str:
     return run.stdout + run.stderr
 
 
+def _owners(module: str, *args: str) -> str:
+    """``python -m porting.owners.MODULE ARGS`` in the owners' environment; its output."""
+    return _run_owners(["-m", f"porting.owners.{module}", *args])
+
+
 def _owners_code(code: str) -> str:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
-    env |= {"PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""}
-    if not OWNERS_PYTHON.exists():
-        pytest.fail(
-            f"{OWNERS_PYTHON} missing: `scripts/env.sh test` builds the owners' environment"
-        )
-    run = subprocess.run(
-        [str(OWNERS_PYTHON), "-c", code], capture_output=True, text=True, timeout=600, env=env
-    )
-    assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
-    return run.stdout
+    """``python -c CODE`` in the owners' environment; the last line it printed."""
+    return _run_owners(["-c", code]).strip().splitlines()[-1]
 
 
 def _tokens(path: Path, vocab: int) -> Path:
@@ -230,4 +226,4 @@ def test_our_provider_field_list_is_bridges():
         "print(json.dumps(sorted(f.name for f in dataclasses.fields(GPTModelProvider) if f.init)))\n"
     )
     ours = json.loads((REPO / "porting" / "convert" / "bridge_fields.json").read_text())
-    assert json.loads(out.strip().splitlines()[-1]) == ours
+    assert json.loads(out) == ours

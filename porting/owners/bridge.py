@@ -16,7 +16,6 @@ through the loader's own ``mp_overrides``: the same parameters under the same ch
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -24,20 +23,9 @@ import torch
 
 
 def _setup() -> None:
-    from porting import cpu
     from porting.owners import shims
 
-    # One process: its own rendezvous, whatever the caller's environment says.
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(cpu.free_port()),
-        RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_RANK="0",
-    )
-    cpu.enable()
-    cpu.enable_training()
-    shims.install()
+    shims.one_cpu_process()
     torch.distributed.init_process_group("gloo")
 
 

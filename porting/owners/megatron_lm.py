@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 
 import torch
@@ -41,20 +40,9 @@ CPU_ARGS = (
 
 def _init(argv: list[str]):
     """Megatron-LM's own argument parsing and validation, on one gloo process."""
-    from porting import cpu
     from porting.owners import shims
 
-    # One process: its own rendezvous, whatever the caller's environment says.
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(cpu.free_port()),
-        RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_RANK="0",
-    )
-    cpu.enable()
-    cpu.enable_training()
-    shims.install()
+    shims.one_cpu_process()
     from megatron.core import parallel_state
     from megatron.training.arguments import parse_args, validate_args
     from megatron.training.global_vars import set_global_variables

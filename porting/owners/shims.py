@@ -133,6 +133,26 @@ def install() -> None:
         torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
 
 
+def one_cpu_process() -> None:
+    """Ready this process to be the whole of a run: its own rendezvous, whatever the caller's
+    environment says (a test's own gloo store may hold MASTER_PORT), Megatron-Core's CPU layer
+    (:mod:`porting.cpu`, which serves Megatron-Core 0.19 unchanged) and :func:`install`."""
+    import os
+
+    from porting import cpu
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(cpu.free_port()),
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+    )
+    cpu.enable()
+    cpu.enable_training()
+    install()
+
+
 def bridge_training() -> None:
     """Let Megatron-Bridge's ``pretrain`` start without CUDA (see the module docstring)."""
     install()
