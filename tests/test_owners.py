@@ -24,8 +24,8 @@ REPO = Path(__file__).resolve().parents[1]
 OWNERS_PYTHON = REPO / ".venv-owners" / "bin" / "python"
 
 
-def _run_owners(argv: list[str], timeout: float = 600) -> str:
-    """``python ARGV`` in the owners' environment (the repo on its path, no GPU); its output."""
+def _run_owners(argv: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python ARGV`` in the owners' environment (the repo on its path, no GPU), succeeded."""
     if not OWNERS_PYTHON.exists():
         pytest.fail(
             f"{OWNERS_PYTHON} missing: `scripts/env.sh test` builds the owners' environment"
@@ -41,17 +41,18 @@ def _run_owners(argv: list[str], timeout: float = 600) -> str:
         cwd=REPO,
     )
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
-    return run.stdout + run.stderr
+    return run
 
 
 def _owners(module: str, *args: str) -> str:
     """``python -m porting.owners.MODULE ARGS`` in the owners' environment; its output."""
-    return _run_owners(["-m", f"porting.owners.{module}", *args])
+    run = _run_owners(["-m", f"porting.owners.{module}", *args])
+    return run.stdout + run.stderr
 
 
 def _owners_code(code: str) -> str:
     """``python -c CODE`` in the owners' environment; the last line it printed."""
-    return _run_owners(["-c", code]).strip().splitlines()[-1]
+    return _run_owners(["-c", code]).stdout.strip().splitlines()[-1]
 
 
 def _tokens(path: Path, vocab: int) -> Path:
