@@ -69,7 +69,7 @@ def test_the_scaffold_for_plain_llama_passes_its_own_test_unmodified(tmp_path):
         timeout=900,
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert "5 passed" in run.stdout, run.stdout[-2000:]
+    assert "6 passed" in run.stdout, run.stdout[-2000:]
 
 
 def test_an_auto_map_family_goes_end_to_end_through_the_cli_once_decided(tmp_path, capsys):
