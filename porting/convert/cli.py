@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import sys
 from pathlib import Path
 
@@ -100,7 +101,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, required=True, help="checkpoint directory to create")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument("--no-verify", action="store_true", help="skip the parity gates")
-    p.add_argument("--json", action="store_true", help="print the parity reports as JSON")
+    p.add_argument("--json", action="store_true", help="print the parity reports as one JSON list")
     add_gate_flags(p)
     add_source_flags(p)
     p.set_defaults(func=_cmd_convert)
@@ -210,8 +211,10 @@ def _cmd_convert(args) -> int:
                 atol=args.atol,
                 rtol=args.rtol,
             )
+    if args.json:  # one document: the export's report, then the import's
+        print(json.dumps([r.as_dict() for r in reports], indent=2, allow_nan=False))
+        return 0
     for report in reports:
-        print_report(report, args.json)
-    if not args.json:
-        print(f"wrote {args.out}")
+        print_report(report, False)
+    print(f"wrote {args.out}")
     return 0
