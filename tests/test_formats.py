@@ -298,3 +298,39 @@ def test_our_checkpoint_whose_saved_arguments_were_edited_is_refused(layouts, tm
     assert "common state (args): num_layers is 3, but" in str(err.value)
     assert "porting/porting.json makes it 2" in str(err.value)
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_failed_conversion_leaves_nothing(layouts, tmp_path):
+    """A gate that fails (zero tolerance: fp32 sums differ in the last bits) stops the conversion:
+    neither the output nor the private HF staging directory is left."""
+    from porting.convert.api import ParityError
+
+    out = tmp_path / "out"
+    with pytest.raises(ParityError):
+        convert(layouts["nemo2"], out, "megatron-lm", atol=0.0, rtol=0.0)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_convert_prints_one_json_list(layouts, tmp_path):
+    out = tmp_path / "mlm"
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "porting.cli",
+            "convert",
+            str(layouts["nemo2"]),
+            "--to",
+            "megatron-lm",
+            "--out",
+            str(out),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    reports = json.loads(run.stdout)
+    assert [r["passed"] for r in reports] == [True, True]
+    assert locate(out).format == "megatron-lm"
