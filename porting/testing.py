@@ -295,6 +295,7 @@ OWN_OUTPUT_PATTERNS = (
     r"parity (PASS|FAIL): \d+ prompts",
     r"  (max \|dlogit\||mean \|dlogit\||KL\(HF\|\|Mcore\)|top-1 agree|layers|first divergence|gate) ",
     r"wrote \S",
+    r"(export|import) \(\S+ -> \S+\):$",
     r"done: checkpoints in ",
     r"porting demo: |              tiny |step +seconds$|check +result$|(OK|FAILED): outputs in ",
     r"[a-z][\w :+()|%-]*? {2,}[-+\d.e%/]+$",

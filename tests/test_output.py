@@ -48,6 +48,19 @@ def test_import_verify_export_print_only_our_lines(workdir, tiny_llama):
     _assert_ours(_porting("export", "ckpt", "--out", "hf-back", cwd=workdir))
 
 
+def test_the_megatron_layouts_print_only_our_lines(workdir, tiny_llama):
+    """import --format, convert between layouts (two labelled reports), verify and export."""
+    _assert_ours(
+        _porting("import", str(tiny_llama), "--out", "mlm", "--format", "megatron-lm", cwd=workdir)
+    )
+    convert = _porting("convert", "mlm", "--to", "megatron-bridge", "--out", "bridge", cwd=workdir)
+    _assert_ours(convert)
+    assert "export (mlm -> HF):" in convert.stdout
+    assert "import (HF -> megatron-bridge):" in convert.stdout
+    _assert_ours(_porting("verify", str(tiny_llama), "bridge", cwd=workdir))
+    _assert_ours(_porting("export", "bridge", "--out", "bridge-hf", cwd=workdir))
+
+
 def test_demo_prints_only_our_lines(workdir):
     proc = _porting("demo", "--workdir", "demo", cwd=workdir)
     _assert_ours(proc)

@@ -214,7 +214,11 @@ def _cmd_convert(args) -> int:
     if args.json:  # one document: the export's report, then the import's
         print(json.dumps([r.as_dict() for r in reports], indent=2, allow_nan=False))
         return 0
-    for report in reports:
+    steps = [f"import ({args.src} -> {args.to})"]
+    if len(reports) == 2:
+        steps = [f"export ({args.src} -> HF)", f"import (HF -> {args.to})"]
+    for step, report in zip(steps, reports, strict=False):
+        print(f"{step}:")
         print_report(report, False)
     print(f"wrote {args.out}")
     return 0
