@@ -9,9 +9,9 @@ differ in where that directory lies, the prefix of its keys and the metadata bes
   (keys ``decoder...``, ``megatron/training/checkpointing.py``: ``generate_state_dict`` saves
   ``model.sharded_state_dict()`` unprefixed), its saved arguments in ``common.pt`` (or, as
   Megatron-Core 0.19 writes it, a ``common_state`` record inside the ``torch_dist`` files);
-- ``megatron-bridge``: the Megatron-LM layout plus ``iter_NNNNNNN/run_config.yaml`` (the model
-  provider's fields) and ``train_state.pt``, with ``latest_train_state.pt`` beside the iterations
-  (``megatron/bridge/training/checkpointing.py``).
+- ``megatron-bridge``: the Megatron-LM layout (Bridge writes the same tracker) plus
+  ``iter_NNNNNNN/run_config.yaml`` (the model provider's fields) and ``train_state.pt``, with
+  ``latest_train_state.pt`` beside the iterations (``megatron/bridge/training/checkpointing.py``).
 
 In the two Megatron layouts our own files (``porting.json``, the tokenizer, HF extras) live in
 ``<root>/porting/``, beside the iterations, so a run that trains on in the same directory keeps
@@ -38,7 +38,6 @@ from porting.errors import PortingError
 
 FORMATS = ("nemo2", "megatron-lm", "megatron-bridge")
 TRACKER = "latest_checkpointed_iteration.txt"
-BRIDGE_TRACKER = "latest_train_state.pt"
 RUN_CONFIG = "run_config.yaml"
 OURS = "porting"  # our directory in the Megatron layouts
 _ITER = re.compile(r"iter_(\d{7,})")
@@ -77,18 +76,6 @@ def _tracked_iteration(root: Path) -> tuple[int | None, Path]:
     return int(text), root / f"iter_{int(text):07d}"
 
 
-def _bridge_iteration(root: Path) -> tuple[int | None, Path]:
-    """The newest ``iter_NNNNNNN`` of a Megatron-Bridge root without a text tracker."""
-    iters = sorted(
-        (int(m.group(1)), p)
-        for p in root.iterdir()
-        if (m := _ITER.fullmatch(p.name)) and p.is_dir() and not p.is_symlink()
-    )
-    if not iters:
-        raise PortingError(f"{root}: {BRIDGE_TRACKER} but no iter_NNNNNNN directory")
-    return iters[-1]
-
-
 def locate(ckpt: str | os.PathLike, fmt: str | None = None) -> Located:
     """Find the layout of the checkpoint at ``ckpt`` (its root, or one iteration directory).
 
@@ -106,9 +93,6 @@ def locate(ckpt: str | os.PathLike, fmt: str | None = None) -> Located:
     else:
         if (path / TRACKER).exists():
             iteration, weights = _tracked_iteration(path)
-            root = path
-        elif (path / BRIDGE_TRACKER).exists():
-            iteration, weights = _bridge_iteration(path)
             root = path
         elif (path / ".metadata").is_file() and (
             _ITER.fullmatch(path.name) or path.name == "release"
