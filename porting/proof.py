@@ -347,7 +347,7 @@ def prove_formats(
     (``latest_checkpointed_iteration.txt``, ``iter_0000000/``, Megatron-Bridge's
     ``run_config.yaml``, our files in ``porting/``)."""
     from porting.convert.api import import_hf
-    from porting.convert.layouts import locate
+    from porting.convert.checkpoint import locate
 
     work = Path(work)
     for fmt in formats:

@@ -21,7 +21,9 @@ import torch
 
 from porting import proof
 from porting.convert.api import convert, export_hf, import_hf
-from porting.convert.layouts import SavedEnum, load_common, locate, read_common, reading
+from porting.convert.checkpoint import locate
+from porting.convert.foreign import reading
+from porting.convert.layouts import SavedEnum, load_common, read_common
 from porting.demo import compare_hf_dirs
 from porting.errors import PortingError
 

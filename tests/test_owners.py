@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from porting.convert.api import export_hf, import_hf
-from porting.convert.layouts import reading
+from porting.convert.foreign import reading
 from porting.parity.harness import DEFAULT_ATOL, DEFAULT_RTOL
 
 REPO = Path(__file__).resolve().parents[1]

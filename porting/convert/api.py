@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from porting.convert.checkpoint import claimed_output, read_manifest
+from porting.convert.checkpoint import FORMATS, claimed_output, read_manifest
 from porting.convert.connectors import export_into
-from porting.convert.layouts import FORMATS, to_megatron_layout
+from porting.convert.layouts import to_megatron_layout
 from porting.errors import PortingError
 from porting.guard import refuse_overlap
 from porting.registry import family_by_name, family_for_hf_dir
@@ -151,7 +151,7 @@ def convert(
     ``src`` to an HF directory in a private sibling of ``out``, then the import of that into
     ``to``: each step streamed and gated as on its own, so memory stays that of one tensor and one
     layer, and the HF round trip is exact. A checkpoint trained elsewhere is read as the caller
-    adopted it (:func:`porting.convert.layouts.reading`). Optimizer and train state are not
+    adopted it (:func:`porting.convert.foreign.reading`). Optimizer and train state are not
     carried (docs/formats.md).
     """
     import shutil

@@ -1,9 +1,10 @@
-"""Our additions to a NeMo 2.0 checkpoint directory, and atomic output directories.
+"""Where a checkpoint's parts are, our additions to it, and atomic output directories.
 
 A checkpoint written by ``porting import`` is a plain NeMo 2.0 checkpoint (``context/`` +
-``weights/``) that ``nemo.collections.llm`` loads, plus ``context/porting.json``: the family, the
-original HF ``config.json``, the vocabulary padding, the weight dtype and where the tokenizer lives.
-With it, export needs no HF model and no hub.
+``weights/``) that ``nemo.collections.llm`` loads, or a Megatron-LM / Megatron-Bridge one
+(:mod:`porting.convert.layouts`), plus our ``porting.json``: the family, the original HF
+``config.json``, the vocabulary padding, the weight dtype and where the tokenizer lives. With it,
+export needs no HF model and no hub. :func:`locate` finds which layout a directory holds.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import errno
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -28,6 +30,83 @@ FORMAT = "porting-nemo2"
 VERSION = 1
 # HF files other than weights, config and tokenizer that export should hand back unchanged.
 EXTRA_HF_FILES = ("generation_config.json",)
+
+FORMATS = ("nemo2", "megatron-lm", "megatron-bridge")
+TRACKER = "latest_checkpointed_iteration.txt"
+RUN_CONFIG = "run_config.yaml"
+OURS = "porting"  # our directory in the Megatron layouts
+_ITER = re.compile(r"iter_(\d{7,})")
+_PREFIX = {"nemo2": "module.", "megatron-lm": "", "megatron-bridge": ""}
+
+
+@dataclass(frozen=True)
+class Located:
+    """Where one checkpoint's parts are."""
+
+    format: str
+    root: Path
+    weights: Path  # the torch_dist directory
+    prefix: str  # of every model tensor key in it
+    meta: Path  # our porting.json, tokenizer/ and hf_extra/ (context/ for NeMo 2)
+    iteration: int | None = None
+
+    @property
+    def manifest_path(self) -> Path:
+        """Where ``porting.json`` is (or would be)."""
+        return self.meta / "porting.json"
+
+
+def _tracked_iteration(root: Path) -> tuple[int | None, Path]:
+    """The iteration directory ``latest_checkpointed_iteration.txt`` names, checked to be one."""
+    tracker = root / TRACKER
+    if tracker.is_symlink() or not tracker.is_file():
+        raise PortingError(f"{tracker}: not a regular file")
+    text = tracker.read_text(errors="replace").strip()
+    if text == "release":
+        return None, root / "release"
+    if not text.isdigit():
+        raise PortingError(f"{tracker}: holds {text[:40]!r}, not an iteration number or 'release'")
+    return int(text), root / f"iter_{int(text):07d}"
+
+
+def locate(ckpt: str | os.PathLike, fmt: str | None = None) -> Located:
+    """Find the layout of the checkpoint at ``ckpt`` (its root, or one iteration directory).
+
+    ``fmt`` (one of :data:`FORMATS`) is checked against what the directory holds; a mismatch is
+    an error that names both, never a guess.
+    """
+    path = Path(ckpt)
+    if fmt is not None and fmt not in FORMATS:
+        raise PortingError(f"unknown checkpoint format {fmt!r}; one of {', '.join(FORMATS)}")
+    if not path.is_dir():
+        raise PortingError(f"{path}: not a directory")
+    iteration: int | None
+    if (path / "weights").is_dir() and (path / "context").is_dir():
+        found = Located("nemo2", path, path / "weights", "module.", path / "context")
+    else:
+        if (path / TRACKER).exists():
+            iteration, weights = _tracked_iteration(path)
+            root = path
+        elif (path / ".metadata").is_file() and (
+            _ITER.fullmatch(path.name) or path.name == "release"
+        ):
+            m = _ITER.fullmatch(path.name)
+            iteration, weights, root = (int(m.group(1)) if m else None), path, path.parent
+        else:
+            raise PortingError(
+                f"{path}: not a checkpoint we know: a NeMo 2 checkpoint has context/ and weights/, "
+                f"a Megatron-LM one {TRACKER} and iter_NNNNNNN/, a Megatron-Bridge one also "
+                f"{RUN_CONFIG} in its iteration"
+            )
+        if weights.is_symlink() or not weights.is_dir():
+            raise PortingError(f"{weights}: the iteration the checkpoint names is missing")
+        if not weights.resolve().is_relative_to(root.resolve()):
+            raise PortingError(f"{weights}: lies outside {root}")
+        kind = "megatron-bridge" if (weights / RUN_CONFIG).exists() else "megatron-lm"
+        found = Located(kind, root, weights, _PREFIX[kind], root / OURS, iteration)
+    if fmt is not None and fmt != found.format:
+        raise PortingError(f"{path}: a {found.format} checkpoint, not {fmt}")
+    return found
 
 
 @dataclass
@@ -121,8 +200,6 @@ _ADOPTED: dict[Path, Adopted] = {}
 def adopt(ckpt: str | os.PathLike, stand_in: Adopted):
     """For the block, read ``stand_in`` as the manifest (and tokenizer) of the checkpoint at
     ``ckpt``, which has none of its own. Nothing is written into it."""
-    from porting.convert.layouts import locate
-
     root = locate(ckpt).root.resolve()
     _ADOPTED[root] = stand_in
     try:
@@ -133,16 +210,12 @@ def adopt(ckpt: str | os.PathLike, stand_in: Adopted):
 
 def adopted(ckpt: str | os.PathLike) -> Adopted | None:
     """The stand-in manifest registered for ``ckpt`` by :func:`adopt`, if any."""
-    from porting.convert.layouts import locate
-
     return _ADOPTED.get(locate(ckpt).root.resolve()) if _ADOPTED else None
 
 
 def read_manifest(ckpt: str | os.PathLike) -> Manifest:
     """Read and check our ``porting.json`` of a checkpoint in any of our layouts, or say clearly
     why this is not one of ours."""
-    from porting.convert.layouts import locate
-
     ckpt = Path(ckpt)
     if not ckpt.is_dir():
         raise PortingError(f"{ckpt}: not a directory")
@@ -204,8 +277,6 @@ def tokenizer_files(ckpt: str | os.PathLike, manifest: Manifest) -> list[Path]:
     manifest can neither read files elsewhere nor make export copy them. A checkpoint adopted with
     a tokenizer directory (:func:`adopt`) gives that directory's files.
     """
-    from porting.convert.layouts import locate
-
     stand_in = adopted(ckpt)
     if stand_in is not None:
         return _regular_files(stand_in.tokenizer_dir) if stand_in.tokenizer_dir else []
@@ -234,8 +305,6 @@ def _regular_files(tok_dir: Path) -> list[Path]:
 
 def extra_file(ckpt: str | os.PathLike, name: str) -> Path:
     """The HF extra file ``name`` (``generation_config.json``) kept in the checkpoint."""
-    from porting.convert.layouts import locate
-
     loc = locate(ckpt)
     return regular_file(loc.meta / "hf_extra" / name, inside=loc.root)
 

@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 from porting import guard, quiet
-from porting.convert.layouts import FORMATS, add_source_flags
+from porting.convert.checkpoint import FORMATS
+from porting.convert.foreign import add_source_flags
 from porting.errors import PortingError
 from porting.parity.cli import add_gate_flags, print_report
 
@@ -154,7 +155,7 @@ def _cmd_export(args) -> int:
         device = resolve_device(args.device)
         cpu.hide_gpus()  # conversion is host work; a device gate runs in a child that sees them
         from porting.convert.api import export_hf
-        from porting.convert.layouts import reading
+        from porting.convert.foreign import reading
 
         quiet.quiet_nemo()
         with reading(args.ckpt, args.src_format, args.hf_config, args.tokenizer):
@@ -187,7 +188,7 @@ def _cmd_convert(args) -> int:
         device = resolve_device(args.device)
         cpu.hide_gpus()
         from porting.convert.api import convert, is_hf_dir
-        from porting.convert.layouts import reading
+        from porting.convert.foreign import reading
 
         quiet.quiet_nemo()
         if is_hf_dir(args.src):

@@ -28,13 +28,14 @@ from porting.convert.checkpoint import (
     Manifest,
     atomic_dir,
     extra_file,
+    locate,
     read_manifest,
     tokenizer_files,
     write_manifest,
 )
 from porting.convert.config_map import read_hf_config
 from porting.convert.dist_reader import CheckpointParameters, DistCheckpointReader
-from porting.convert.layouts import check_saved_metadata, locate
+from porting.convert.layouts import check_saved_metadata
 from porting.convert.mapping import WeightProducer, export_weights, import_weights
 from porting.convert.megatron import (
     DTYPES,

@@ -16,105 +16,25 @@ differ in where that directory lies, the prefix of its keys and the metadata bes
 In the two Megatron layouts our own files (``porting.json``, the tokenizer, HF extras) live in
 ``<root>/porting/``, beside the iterations, so a run that trains on in the same directory keeps
 them. A checkpoint without them (trained elsewhere) is read with the HF config given by the user
-(:func:`adopt`).
+(:mod:`porting.convert.foreign`). Finding a layout is :func:`porting.convert.checkpoint.locate`.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import io
 import json
 import os
 import pickle
-import re
 import shutil
-import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
+from porting.convert.checkpoint import OURS, RUN_CONFIG, TRACKER, Located, locate
 from porting.errors import PortingError
 
-FORMATS = ("nemo2", "megatron-lm", "megatron-bridge")
-TRACKER = "latest_checkpointed_iteration.txt"
-RUN_CONFIG = "run_config.yaml"
-OURS = "porting"  # our directory in the Megatron layouts
-_ITER = re.compile(r"iter_(\d{7,})")
-_PREFIX = {"nemo2": "module.", "megatron-lm": "", "megatron-bridge": ""}
 # Megatron-LM's checkpoint_version for torch_dist checkpoints (generate_state_dict).
 CHECKPOINT_VERSION = 3.0
-
-
-@dataclass(frozen=True)
-class Located:
-    """Where one checkpoint's parts are."""
-
-    format: str
-    root: Path
-    weights: Path  # the torch_dist directory
-    prefix: str  # of every model tensor key in it
-    meta: Path  # our porting.json, tokenizer/ and hf_extra/ (context/ for NeMo 2)
-    iteration: int | None = None
-
-    @property
-    def manifest_path(self) -> Path:
-        """Where ``porting.json`` is (or would be)."""
-        return self.meta / "porting.json"
-
-
-def _tracked_iteration(root: Path) -> tuple[int | None, Path]:
-    """The iteration directory ``latest_checkpointed_iteration.txt`` names, checked to be one."""
-    tracker = root / TRACKER
-    if tracker.is_symlink() or not tracker.is_file():
-        raise PortingError(f"{tracker}: not a regular file")
-    text = tracker.read_text(errors="replace").strip()
-    if text == "release":
-        return None, root / "release"
-    if not text.isdigit():
-        raise PortingError(f"{tracker}: holds {text[:40]!r}, not an iteration number or 'release'")
-    return int(text), root / f"iter_{int(text):07d}"
-
-
-def locate(ckpt: str | os.PathLike, fmt: str | None = None) -> Located:
-    """Find the layout of the checkpoint at ``ckpt`` (its root, or one iteration directory).
-
-    ``fmt`` (one of :data:`FORMATS`) is checked against what the directory holds; a mismatch is
-    an error that names both, never a guess.
-    """
-    path = Path(ckpt)
-    if fmt is not None and fmt not in FORMATS:
-        raise PortingError(f"unknown checkpoint format {fmt!r}; one of {', '.join(FORMATS)}")
-    if not path.is_dir():
-        raise PortingError(f"{path}: not a directory")
-    iteration: int | None
-    if (path / "weights").is_dir() and (path / "context").is_dir():
-        found = Located("nemo2", path, path / "weights", "module.", path / "context")
-    else:
-        if (path / TRACKER).exists():
-            iteration, weights = _tracked_iteration(path)
-            root = path
-        elif (path / ".metadata").is_file() and (
-            _ITER.fullmatch(path.name) or path.name == "release"
-        ):
-            m = _ITER.fullmatch(path.name)
-            iteration, weights, root = (int(m.group(1)) if m else None), path, path.parent
-        else:
-            raise PortingError(
-                f"{path}: not a checkpoint we know: a NeMo 2 checkpoint has context/ and weights/, "
-                f"a Megatron-LM one {TRACKER} and iter_NNNNNNN/, a Megatron-Bridge one also "
-                f"{RUN_CONFIG} in its iteration"
-            )
-        if weights.is_symlink() or not weights.is_dir():
-            raise PortingError(f"{weights}: the iteration the checkpoint names is missing")
-        if not weights.resolve().is_relative_to(root.resolve()):
-            raise PortingError(f"{weights}: lies outside {root}")
-        kind = "megatron-bridge" if (weights / RUN_CONFIG).exists() else "megatron-lm"
-        found = Located(kind, root, weights, _PREFIX[kind], root / OURS, iteration)
-    if fmt is not None and fmt != found.format:
-        raise PortingError(f"{path}: a {found.format} checkpoint, not {fmt}")
-    return found
-
 
 # --- reading what a Megatron checkpoint saved ---------------------------------------------------
 
@@ -460,8 +380,6 @@ def to_megatron_layout(tmp: Path, fmt: str, family, manifest, vocab_divisor: int
     nemo_to_megatron(tmp, fmt, config, manifest, run_config)
 
 
-# --- checkpoints trained elsewhere ---------------------------------------------------------------
-
 # Saved architecture facts checked against the HF config's: (Megatron-LM argument or
 # Megatron-Bridge provider field, the family config's attribute).
 _SAVED_SHAPE = (
@@ -487,118 +405,3 @@ def saved_shape(loc: Located) -> tuple[dict, str]:
     if not isinstance(args, argparse.Namespace):
         return {}, str(loc.weights)
     return vars(args), f"{loc.weights}/common state (args)"
-
-
-def foreign_manifest(loc: Located, hf_config: Path, tokenizer: Path | None):
-    """A manifest for a Megatron checkpoint we did not write, from the HF ``config.json`` of its
-    architecture (``hf_config``: the file or the directory holding it).
-
-    The family is the one claiming that config; its Megatron config is checked against what the
-    checkpoint saved (layers, widths, heads, norm) and against its tensors before anything is
-    built. The padded vocabulary is the embedding's rows, the dtype the embedding's.
-    """
-    from porting.convert.checkpoint import Adopted, Manifest
-    from porting.convert.dist_reader import DistCheckpointReader
-    from porting.convert.megatron import build_config, dtype_name
-    from porting.registry import family_for_hf_dir
-
-    hf_config = Path(hf_config)
-    if hf_config.is_file():
-        if hf_config.name != "config.json":
-            raise PortingError(f"{hf_config}: give an HF config.json (or the directory holding it)")
-        hf_config = hf_config.parent
-    family, cfg = family_for_hf_dir(hf_config)
-    where = hf_config / "config.json"
-    reader = DistCheckpointReader(loc.weights)
-    emb = loc.prefix + "embedding.word_embeddings.weight"
-    if emb not in reader.keys():
-        raise PortingError(f"{loc.weights}: no {emb!r}; not a GPT checkpoint")
-    padded = reader.global_shape(emb)[0]
-    dtype = reader.dtype(emb)
-    config, _ = build_config(family, cfg, dtype, 1, padded_vocab_size=padded)
-    check_saved_shape(loc, config, f"{where} ({family.name})")
-    vocab = cfg.get("vocab_size")
-    if not isinstance(vocab, int) or vocab > padded:
-        raise PortingError(
-            f"{where}: vocab_size {vocab!r} does not fit the checkpoint's {padded} embedding rows"
-        )
-    manifest = Manifest(
-        family=family.name,
-        hf_architecture=cfg["architectures"][0],
-        hf_config=cfg,
-        vocab_size=vocab,
-        padded_vocab_size=padded,
-        dtype=dtype_name(dtype),
-    )
-    if tokenizer is None and any(hf_config.glob("tokenizer*")):
-        tokenizer = hf_config  # the HF directory the config came from carries its tokenizer
-    return Adopted(
-        manifest, Path(tokenizer) if tokenizer else None, f"{where} (--hf-config)", hf_config
-    )
-
-
-def add_source_flags(p) -> None:
-    """``--format``, ``--hf-config`` and ``--tokenizer``: how a command reads its checkpoint."""
-    p.add_argument(
-        "--format",
-        dest="src_format",
-        choices=FORMATS,
-        help="the checkpoint's layout (default: found from the directory; docs/formats.md)",
-    )
-    p.add_argument(
-        "--hf-config",
-        type=Path,
-        metavar="PATH",
-        help="for a Megatron-LM or Megatron-Bridge checkpoint not written by porting: the HF "
-        "config.json of its architecture (or the directory holding it); checked against the "
-        "checkpoint's saved arguments and tensors. Nothing is fetched",
-    )
-    p.add_argument(
-        "--tokenizer",
-        type=Path,
-        metavar="DIR",
-        help="with --hf-config: the HF tokenizer directory to carry (default: the --hf-config "
-        "directory's tokenizer files, if any)",
-    )
-
-
-@contextlib.contextmanager
-def reading(ckpt, fmt: str | None = None, hf_config=None, tokenizer=None):
-    """Read the checkpoint ``ckpt`` for the block: its layout checked against ``fmt``, and a
-    checkpoint trained elsewhere adopted with ``hf_config`` (:func:`foreign_manifest`)."""
-    from porting.convert.checkpoint import adopt
-
-    loc = locate(ckpt, fmt)
-    if hf_config is None:
-        if tokenizer is not None:
-            raise PortingError("--tokenizer goes with --hf-config (a checkpoint trained elsewhere)")
-        yield loc
-        return
-    if loc.manifest_path.exists():
-        raise PortingError(
-            f"{ckpt}: carries its own {loc.manifest_path.name}; --hf-config is for checkpoints "
-            "trained elsewhere"
-        )
-    if loc.format == "nemo2":
-        raise PortingError(f"{ckpt}: a NeMo 2 checkpoint is read from its manifest only")
-    stand_in = foreign_manifest(loc, hf_config, tokenizer)
-    with tempfile.TemporaryDirectory(prefix="porting-tokenizer-") as staging:
-        if stand_in.tokenizer_dir is not None:
-            stand_in = dataclasses.replace(
-                stand_in, tokenizer_dir=_tokenizer_files_of(stand_in.tokenizer_dir, Path(staging))
-            )
-        with adopt(ckpt, stand_in):
-            yield loc
-
-
-def _tokenizer_files_of(src: Path, staging: Path) -> Path:
-    """The tokenizer of the HF directory ``src``, as ``transformers`` saves it into ``staging``:
-    only its own files (never the weights or the config beside them)."""
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(str(src), local_files_only=True)
-    except (OSError, ValueError) as err:
-        raise PortingError(f"{src}: no usable tokenizer ({err})") from err
-    tok.save_pretrained(str(staging))
-    return staging

@@ -170,8 +170,8 @@ def load_weights(model: torch.nn.Module, ckpt: str | Path) -> None:
     ``dist_checkpointing.load``: that one unpickles ``.metadata`` and the common state with plain
     ``pickle``, and a checkpoint trained elsewhere is not trusted code.
     """
+    from porting.convert.checkpoint import locate
     from porting.convert.dist_reader import CheckpointParameters, DistCheckpointReader
-    from porting.convert.layouts import locate
 
     loc = locate(ckpt)
     reader = DistCheckpointReader(loc.weights)

@@ -164,9 +164,8 @@ def check_nemo_counts(ckpt: Path, manifest, config) -> None:
     """Our checkpoint's manifest against its ``weights/`` metadata: the vocabulary sizes agree
     with each other and with the embedding's rows, and every stacked layer tensor holds the
     config's layer count. Reads ``.metadata`` only."""
-    from porting.convert.checkpoint import adopted
+    from porting.convert.checkpoint import adopted, locate
     from porting.convert.dist_reader import DistCheckpointReader
-    from porting.convert.layouts import locate
 
     loc = locate(ckpt)
     stand_in = adopted(ckpt)

@@ -87,7 +87,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(torch.load weights_only=True)",
     )
     add_gate_flags(p)
-    from porting.convert.layouts import add_source_flags
+    from porting.convert.foreign import add_source_flags
 
     add_source_flags(p)
     p.set_defaults(func=_cmd_verify)
@@ -108,7 +108,7 @@ def _cmd_verify(args) -> int:
         for k, v in (("atol", args.atol), ("rtol", args.rtol), ("min_top1", args.min_top1))
         if v is not None
     }
-    from porting.convert.layouts import reading
+    from porting.convert.foreign import reading
 
     with reading(args.ckpt, args.src_format, args.hf_config, args.tokenizer):
         report = harness.verify(

@@ -353,8 +353,8 @@ def _megatron_side(ckpt: Path, family, device: torch.device):
     from accelerate import init_empty_weights
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
+    from porting.convert.checkpoint import locate
     from porting.convert.dist_reader import DistCheckpointReader
-    from porting.convert.layouts import locate
     from porting.convert.megatron import build_mcore_model, checkpoint_config
     from porting.convert.preflight import check_nemo_layout
 
