@@ -2,6 +2,7 @@
 # Creates or reuses the project virtualenv at .venv, installs what it needs, then runs one job:
 #   scripts/env.sh demo   - the end-to-end demo (`porting demo`)
 #   scripts/env.sh test   - the whole test suite
+#   scripts/env.sh owners - only build or refresh .venv-owners (below)
 #   scripts/env.sh -- CMD - any command inside the environment
 # `test` also builds or reuses .venv-owners (Python 3.12, Megatron-LM's and Megatron-Bridge's own
 # packages pinned in scripts/owners.lock), where the tests load our checkpoints with the owners'
