@@ -336,3 +336,58 @@ def test_convert_prints_one_json_list(layouts, tmp_path):
     reports = json.loads(run.stdout)
     assert [r["passed"] for r in reports] == [True, True]
     assert locate(out).format == "megatron-lm"
+
+
+def test_convert_refuses_an_existing_output_and_keeps_it(layouts, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "mine").write_text("keep")
+    with pytest.raises(PortingError, match="exists; pass --overwrite"):
+        convert(layouts["nemo2"], out, "megatron-lm")
+    assert (out / "mine").read_text() == "keep"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_sigterm_between_the_steps_of_a_conversion_leaves_nothing(layouts, tmp_path):
+    """Stopped once the HF staging copy is complete (the import step under way): exit non-zero,
+    no output, no staging directory, no partial checkpoint."""
+    import signal
+    import time
+
+    from porting.testing import child_env
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "porting.cli",
+            "convert",
+            str(layouts["nemo2"]),
+            "--to",
+            "megatron-lm",
+            "--out",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env=child_env(),
+    )
+    deadline = time.time() + 300
+    try:
+        while time.time() < deadline and proc.poll() is None:
+            if any(tmp_path.glob(".out.hf-*/hf/config.json")):
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the conversion ended before it could be stopped"
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode != 0, err[-2000:]
+    assert "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
