@@ -35,6 +35,10 @@ _WARNINGS = (
     # without Transformer Engine, Apex or CUDA (the launcher of `porting train --executor torchrun`)
     ("Transformer Engine and Apex are not installed", UserWarning),
     ("Failed to create unified memory mempool", UserWarning),
+    # lightning/fabric/plugins/environments/slurm.py, on any host with `srun` on the PATH (a Slurm
+    # login node): NeMo's connectors build a Lightning trainer for one local process, which is
+    # what we want there; `porting train --executor slurm` launches with srun itself.
+    ("The `srun` command is available on your system but is not used", UserWarning),
 )
 
 # Log records silenced by default: (logger name, message prefix); an empty prefix means the logger

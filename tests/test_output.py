@@ -7,6 +7,7 @@ stdout and stderr must be one of ours (``porting.testing.OWN_OUTPUT_PATTERNS``).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -20,13 +21,26 @@ CORPUS = [
 ]
 
 
-def _porting(*args: str, cwd) -> subprocess.CompletedProcess:
+@pytest.fixture(scope="module")
+def slurm_host(tmp_path_factory) -> dict:
+    """The environment of a Slurm login node: ``srun`` on the PATH (Lightning's cue to print its
+    "`srun` is available but not used" hint). Every command here runs in it: a line that shows
+    on such a host is shown to every Slurm user."""
+    bin_dir = tmp_path_factory.mktemp("slurm-bin")
+    for tool in ("srun", "sbatch", "squeue"):
+        (bin_dir / tool).write_text("#!/bin/sh\nexit 0\n")
+        (bin_dir / tool).chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+
+
+def _porting(*args: str, cwd, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "porting.cli", *args],
         capture_output=True,
         text=True,
         cwd=cwd,
         timeout=600,
+        env=env,
     )
 
 
@@ -36,38 +50,49 @@ def _assert_ours(proc: subprocess.CompletedProcess) -> None:
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory, tiny_llama, tiny_nemo):
+def workdir(tmp_path_factory, tiny_llama, tiny_nemo, slurm_host):
     d = tmp_path_factory.mktemp("quiet")
     (d / "corpus.jsonl").write_text("".join(json.dumps(r) + "\n" for r in CORPUS))
     return d
 
 
-def test_import_verify_export_print_only_our_lines(workdir, tiny_llama):
-    _assert_ours(_porting("import", str(tiny_llama), "--out", "ckpt", cwd=workdir))
-    _assert_ours(_porting("verify", str(tiny_llama), "ckpt", cwd=workdir))
-    _assert_ours(_porting("export", "ckpt", "--out", "hf-back", cwd=workdir))
+def test_import_verify_export_print_only_our_lines(workdir, tiny_llama, slurm_host):
+    _assert_ours(_porting("import", str(tiny_llama), "--out", "ckpt", cwd=workdir, env=slurm_host))
+    _assert_ours(_porting("verify", str(tiny_llama), "ckpt", cwd=workdir, env=slurm_host))
+    _assert_ours(_porting("export", "ckpt", "--out", "hf-back", cwd=workdir, env=slurm_host))
 
 
-def test_the_megatron_layouts_print_only_our_lines(workdir, tiny_llama):
+def test_the_megatron_layouts_print_only_our_lines(workdir, tiny_llama, slurm_host):
     """import --format, convert between layouts (two labelled reports), verify and export."""
     _assert_ours(
-        _porting("import", str(tiny_llama), "--out", "mlm", "--format", "megatron-lm", cwd=workdir)
+        _porting(
+            "import",
+            str(tiny_llama),
+            "--out",
+            "mlm",
+            "--format",
+            "megatron-lm",
+            cwd=workdir,
+            env=slurm_host,
+        )
     )
-    convert = _porting("convert", "mlm", "--to", "megatron-bridge", "--out", "bridge", cwd=workdir)
+    convert = _porting(
+        "convert", "mlm", "--to", "megatron-bridge", "--out", "bridge", cwd=workdir, env=slurm_host
+    )
     _assert_ours(convert)
     assert "export (mlm -> HF):" in convert.stdout
     assert "import (HF -> megatron-bridge):" in convert.stdout
-    _assert_ours(_porting("verify", str(tiny_llama), "bridge", cwd=workdir))
-    _assert_ours(_porting("export", "bridge", "--out", "bridge-hf", cwd=workdir))
+    _assert_ours(_porting("verify", str(tiny_llama), "bridge", cwd=workdir, env=slurm_host))
+    _assert_ours(_porting("export", "bridge", "--out", "bridge-hf", cwd=workdir, env=slurm_host))
 
 
-def test_demo_prints_only_our_lines(workdir):
-    proc = _porting("demo", "--workdir", "demo", cwd=workdir)
+def test_demo_prints_only_our_lines(workdir, slurm_host):
+    proc = _porting("demo", "--workdir", "demo", cwd=workdir, env=slurm_host)
     _assert_ours(proc)
     assert "OK: outputs in" in proc.stdout
 
 
-def test_prep_data_and_train_print_only_our_lines(workdir, tiny_nemo):
+def test_prep_data_and_train_print_only_our_lines(workdir, tiny_nemo, slurm_host):
     prep = _porting(
         "prep-data",
         "--input",
@@ -82,6 +107,7 @@ def test_prep_data_and_train_print_only_our_lines(workdir, tiny_nemo):
         "--workers",
         "1",
         cwd=workdir,
+        env=slurm_host,
     )
     _assert_ours(prep)
     train = _porting(
@@ -102,15 +128,38 @@ def test_prep_data_and_train_print_only_our_lines(workdir, tiny_nemo):
         "2",
         "--no-distributed-optimizer",
         cwd=workdir,
+        env=slurm_host,
     )
     _assert_ours(train)
     assert "step 3/3" in train.stderr
 
 
-def test_verbose_brings_the_hidden_lines_back(workdir, tiny_llama):
-    proc = _porting("-v", "verify", str(tiny_llama), "ckpt", cwd=workdir)
+def test_verbose_brings_the_hidden_lines_back(workdir, tiny_llama, slurm_host):
+    proc = _porting("-v", "import", str(tiny_llama), "--out", "ckpt-v", cwd=workdir, env=slurm_host)
     assert proc.returncode == 0
-    assert foreign_lines(proc.stdout + proc.stderr) != []
+    hidden = foreign_lines(proc.stdout + proc.stderr)
+    assert any("`srun` command is available" in line for line in hidden), hidden
+
+
+def test_import_inside_a_slurm_allocation_is_one_local_process(workdir, tiny_llama, slurm_host):
+    """`sbatch --ntasks=4` running `porting import` in its script: Lightning would take the
+    allocation's four tasks as the world (or refuse `--ntasks`); a conversion is one process."""
+    allocation = {
+        "SLURM_JOB_ID": "77",
+        "SLURM_JOB_NAME": "convert",
+        "SLURM_NTASKS": "4",
+        "SLURM_NODELIST": "node[1-2]",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+    }
+    env = slurm_host | allocation
+    _assert_ours(_porting("import", str(tiny_llama), "--out", "in-job", cwd=workdir, env=env))
+    convert = _porting(
+        "convert", "in-job", "--to", "megatron-lm", "--out", "in-job-mlm", cwd=workdir, env=env
+    )
+    _assert_ours(convert)
+    assert (workdir / "in-job-mlm" / "latest_checkpointed_iteration.txt").is_file()
 
 
 def test_the_foreign_line_finder_is_not_blind():

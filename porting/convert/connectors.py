@@ -10,9 +10,11 @@ serves every family.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -100,6 +102,22 @@ def _nemo_tokenizer(hf_dir: Path, staging: Path):
         raise PortingError(f"{hf_dir}: no usable tokenizer ({err})") from err
     tok.save_pretrained(str(staging))
     return AutoTokenizer(str(staging))
+
+
+@contextlib.contextmanager
+def _one_local_process():
+    """Lightning takes its cluster environment from the shell's variables: inside a Slurm
+    allocation (``sbatch`` running ``porting import``) ``SLURM_NTASKS`` makes it a Slurm world of
+    that many ranks, or refuses ``--ntasks`` outright (``lightning/fabric/plugins/environments/
+    slurm.py``). A conversion is one local process whatever the allocation; hiding the variable
+    while the trainer is built is Lightning's own opt-out (``SLURMEnvironment.detect``), without a
+    plugin object that NeMo would record in the checkpoint's context."""
+    saved = os.environ.pop("SLURM_NTASKS", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["SLURM_NTASKS"] = saved
 
 
 class PortingImporter(io.ModelConnector):
@@ -193,9 +211,10 @@ class PortingImporter(io.ModelConnector):
         # allocated and never touched, so they cost address space, not memory. Synchronous,
         # single-writer saving lets the streaming strategy below replace the stock one.
         stock = {} if self.streaming else {"ckpt_async_save": True}
-        trainer = self.nemo_setup(
-            model, **({"ckpt_async_save": False, "ckpt_parallel_save": False} | stock)
-        )
+        with _one_local_process():
+            trainer = self.nemo_setup(
+                model, **({"ckpt_async_save": False, "ckpt_parallel_save": False} | stock)
+            )
         # The local spec builds norms in fp32 whatever params_dtype says (torch.nn norms); NeMo's
         # bf16 training wraps the whole module in half precision, so store every tensor in the
         # checkpoint's dtype, as the source has it (NeMo's own importer fails exactly here).
