@@ -13,22 +13,36 @@ read, no code of the checkpoint is run) it writes an installable package:
 
 A family with undecided fields or unmapped tensors is refused when used, with everything left
 listed at once, so the author sees what is left rather than one failure at a time.
+
+The checkpoint is untrusted, and whoever installs the package imports what was generated from it:
+nothing read from the checkpoint (a field, its value, the architecture, the model type, a tensor
+name) may become code. Every such value reaches the files through one writer, :func:`_literal`
+(the printable-ASCII Python literal of plain data, which can close no string, comment or line),
+and every generated module is parsed back and compared with the same templates rendered with a
+numbered placeholder for each value: the trees must be the same but for each placeholder's place,
+which must hold exactly its value. The family name is checked before any path is made from it,
+and ``--out`` may not overlap the input (:func:`porting.guard.refuse_overlap`).
 """
 
 from __future__ import annotations
 
+import ast
+import errno
+import importlib.util
 import keyword
-import pprint
+import math
 import re
-import shutil
-import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from porting.errors import PortingError
+from porting.guard import refuse_overlap
 
 # Fields the Llama layout places (converters.tsuzumi.LLAMA_LAYOUT) and the entries for the rest
-# that the scaffold knows how to place for the values it sees.
+# that the scaffold knows how to place for the values it sees. The value picks the entry; none of
+# it is written into the entry's text.
 _LLAMA_LAYOUT = {
     "num_hidden_layers",
     "hidden_size",
@@ -78,6 +92,12 @@ _KNOWN = {
     ),
 }
 
+# The family name becomes a directory, the package porting_family_NAME, class names and an entry
+# point; the bound keeps every file name made from it far below the file systems' 255 bytes.
+NAME_MAX = 64
+# CPython's parser stops at 200 nested brackets; no published config nests a field this deep.
+_DEPTH_MAX = 32
+
 
 @dataclass
 class Scaffold:
@@ -92,26 +112,172 @@ class Scaffold:
 
     def summary(self) -> str:
         """Lines for the terminal: what was written, what is left."""
+
+        def names(items: list[str]) -> str:
+            return ", ".join(map(_shown, items)) or "none"
+
         lines = [
             f"wrote {self.root}",
             f"  claims: {self.claims}",
             f"  config fields mapped or carried: {len(self.mapped)}",
-            f"  config fields required to keep their value: {', '.join(self.required) or 'none'}",
-            f"  config fields still to decide: {', '.join(self.undecided) or 'none'}",
-            "  tensor names the Llama table does not cover: "
-            + (", ".join(self.uncovered_tensors) or "none"),
+            f"  config fields required to keep their value: {names(self.required)}",
+            f"  config fields still to decide: {names(self.undecided)}",
+            f"  tensor names the Llama table does not cover: {names(self.uncovered_tensors)}",
             f"next: pip install -e {self.root} && pytest {self.root / 'tests'}",
         ]
         return "\n".join(lines)
 
 
-def _identifier(name: str) -> str:
+def _quoted(text: str) -> str:
+    """``text`` for a message: quoted, escaped to printable ASCII and cut, so it stays one line."""
+    return ascii(text[:80]) + (f"... ({len(text)} characters)" if len(text) > 80 else "")
+
+
+def _shown(text: str) -> str:
+    """``text`` as it is where it is short and printable (no terminal control), else quoted."""
+    return text if len(text) <= 80 and text.isprintable() else _quoted(text)
+
+
+def check_name(name: str) -> str:
+    """Return ``name`` if it can name a family package, else raise :class:`PortingError`.
+
+    Called before any path is made from it. Only its form is checked here; :func:`new_family`
+    also refuses a name that an installed family or an importable package already has.
+    """
+    if len(name) > NAME_MAX:
+        raise PortingError(
+            f"family name {_quoted(name)} is {len(name)} characters long; at most {NAME_MAX}"
+        )
     if not re.fullmatch(r"[a-z][a-z0-9_]*", name) or keyword.iskeyword(name):
         raise PortingError(
-            f"family name {name!r} must be lower case letters, digits and underscores, starting "
-            "with a letter (it names the package and the entry point)"
+            f"family name {_quoted(name)} must be lower case letters, digits and underscores, "
+            "starting with a letter, and not a Python keyword (it names the package and the "
+            "entry point)"
         )
     return name
+
+
+def _refuse_taken(name: str) -> None:
+    from porting import registry
+
+    for fam in registry.families():
+        if fam.name == name:
+            raise PortingError(f"a family called {name!r} is already installed ({fam.source})")
+    package = f"porting_family_{name}"
+    try:
+        found = importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # a broken package of that name is there all the same
+        found = True
+    if found:
+        raise PortingError(
+            f"a package called {package} is already importable here; the new family's package "
+            "would shadow it or be shadowed by it: choose another name"
+        )
+
+
+def _literal(value: Any, depth: int = 0) -> str:
+    """The Python literal of ``value``, plain data only (None, bool, int, float, str, list,
+    tuple, dict), in printable ASCII: ``ascii()`` escapes quotes, backslashes, newlines, ``\\r``,
+    U+2028, U+0085, NUL and every other character that could end a string, comment or line.
+
+    Raises ``ValueError`` naming what has no literal: NaN, other types, nesting deeper than the
+    parser takes. An infinity is written ``1e999``, which reads back as one with no name lookup.
+    """
+    if depth > _DEPTH_MAX:
+        raise ValueError(f"nested deeper than {_DEPTH_MAX} levels")
+    kind = type(value)
+    # Exact types: a subclass could override __repr__.
+    if value is None or kind in (bool, int, str):
+        return ascii(value)
+    if kind is float:
+        if math.isnan(value):
+            raise ValueError("NaN has no Python literal (and equals nothing, itself included)")
+        if math.isinf(value):
+            return "1e999" if value > 0 else "-1e999"
+        return repr(value)
+    if kind in (list, tuple):
+        items = [_literal(v, depth + 1) for v in value]
+        if kind is list:
+            return "[" + ", ".join(items) + "]"
+        return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+    if kind is dict:
+        pairs = (f"{_literal(k, depth + 1)}: {_literal(v, depth + 1)}" for k, v in value.items())
+        return "{" + ", ".join(pairs) + "}"
+    raise ValueError(f"a {kind.__name__} is not plain data")
+
+
+class _Values:
+    """The one way a value read from the input enters a generated file: as its :func:`_literal`,
+    or (``placeholders``) as a numbered placeholder that :func:`_check_generated` matches against
+    that literal."""
+
+    def __init__(self, placeholders: bool) -> None:
+        self.placeholders = placeholders
+        self.seen: list[Any] = []
+
+    def __call__(self, value: Any) -> str:
+        self.seen.append(value)
+        if self.placeholders:
+            return repr(f"__value_{len(self.seen) - 1}__")
+        return _literal(value)
+
+
+_PLACEHOLDER = re.compile(r"__value_(\d+)__")
+
+
+def _same_tree(got: Any, want: Any, values: list[Any]) -> bool:
+    """Whether ``got`` (parsed from the real render) is ``want`` (parsed from the placeholder
+    render) with each placeholder replaced by exactly its value."""
+    if isinstance(want, ast.Constant) and isinstance(want.value, str):
+        slot = _PLACEHOLDER.fullmatch(want.value)
+        if slot:
+            try:
+                return _literal(ast.literal_eval(got)) == _literal(values[int(slot[1])])
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                return False
+    if type(got) is not type(want):
+        return False
+    if isinstance(want, ast.AST):
+        return all(_same_tree(getattr(got, f), getattr(want, f), values) for f in want._fields)
+    if isinstance(want, list):
+        return len(got) == len(want) and all(
+            _same_tree(g, w, values) for g, w in zip(got, want, strict=True)
+        )
+    return got == want
+
+
+def _check_generated(files: dict[str, str], template: dict[str, str], values: list[Any]) -> None:
+    """Refuse unless every generated file is its template with only the values filled in."""
+    for rel, text in files.items():
+        if rel.endswith(".py"):
+            try:
+                same = _same_tree(ast.parse(text), ast.parse(template[rel]), values)
+            except (SyntaxError, ValueError, MemoryError, RecursionError):
+                same = False
+        else:
+            same = text == template[rel]
+        if not same:
+            raise PortingError(
+                f"the generated {rel} is not its template with the checkpoint's values as data "
+                "(the scaffold's literal writer let a value through; please report it); nothing "
+                "was written"
+            )
+
+
+@dataclass
+class _Plan:
+    """What the files are rendered from. Only ``name`` (checked) is written as text; every other
+    field is written through :class:`_Values`."""
+
+    name: str
+    hf_class: str
+    architectures: tuple[str, ...]
+    model_types: tuple[str, ...]
+    entries: list[Callable[[_Values], str]]
+    imports: set[str]
+    uncovered: list[str]
+    tiny: dict[str, Any]
+    summary: str
 
 
 def _patterns(keys) -> list[str]:
@@ -150,11 +316,106 @@ def _tiny(cfg: dict) -> dict:
         num_key_value_heads=4 if kv == heads else (1 if kv == 1 else 2),
         max_position_embeddings=256,
     )
-    if cfg.get("head_dim") is not None:
-        tiny["head_dim"] = 16 if cfg["head_dim"] * heads == cfg.get("hidden_size") else 32
+    head_dim = cfg.get("head_dim")
+    if head_dim is not None:
+        # Only integers multiply: a string times a huge head count would fill the memory.
+        whole = type(head_dim) is int and type(heads) is int
+        tiny["head_dim"] = 16 if whole and head_dim * heads == cfg.get("hidden_size") else 32
     if "layer_types" in tiny and isinstance(tiny["layer_types"], list):
         tiny["layer_types"] = (tiny["layer_types"] * 3)[:3]
     return tiny
+
+
+def _hf_model_class(hf_class: str, arch: str, config: Path) -> str:
+    import transformers
+
+    found = None
+    if hf_class.isidentifier() and not hf_class.startswith("_"):
+        try:
+            found = getattr(transformers, hf_class, None)
+        except Exception:  # a class whose module fails to import is as good as none
+            found = None
+    if not (isinstance(found, type) and issubclass(found, transformers.PreTrainedModel)):
+        raise PortingError(
+            f"transformers has no model class {_quoted(hf_class)} for {config}'s architecture "
+            f"{_quoted(arch)}; the HF reference side of a family is a transformers class: pass "
+            "--hf-class with one that computes what the checkpoint's own code does"
+        )
+    return hf_class
+
+
+def _plan(name: str, hf_dir: Path, hf_class: str | None, result: Scaffold) -> _Plan:
+    from porting import registry
+    from porting.convert.config_map import read_hf_config
+    from porting.convert.safetensors_io import SafetensorsSource
+
+    config = hf_dir / "config.json"
+    cfg = read_hf_config(hf_dir)
+    for key, value in cfg.items():
+        try:
+            _literal(value)
+        except ValueError as err:
+            raise PortingError(f"{config}: field {_quoted(key)}: {err}") from None
+    arch, mtype = cfg["architectures"][0], cfg.get("model_type")
+    if mtype is not None and not isinstance(mtype, str):
+        raise PortingError(f"{config}: model_type must be a string, not {_literal(mtype)[:80]}")
+    hf_class = _hf_model_class(arch if hf_class is None else hf_class, arch, config)
+    taken = {k: f.name for f in registry.families() for k in f.keys}
+    if arch not in taken:
+        architectures, model_types = (arch,), ()
+        result.claims = f"{_shown(arch)} (its architecture)"
+    elif mtype and mtype not in taken:
+        # The architecture is another family's: claim the model type, chosen with --family.
+        architectures, model_types = (), (mtype,)
+        result.claims = (
+            f"model_type {_quoted(mtype)}; {arch} is family {taken[arch]}'s, so import with "
+            f"--family {name}"
+        )
+    else:
+        raise PortingError(
+            f"{_quoted(arch)} and model_type {_quoted(str(mtype))} are both claimed (by "
+            f"{taken.get(arch)}, {taken.get(mtype)}); give the checkpoint its own architecture name"
+        )
+    entries: list[Callable[[_Values], str]] = [lambda lit: "*LLAMA_LAYOUT"]
+    imports = {"LLAMA_LAYOUT"}
+    for key in sorted(cfg):
+        value = cfg[key]
+        known = _KNOWN[key](value) if key in _KNOWN else None
+        if key in _LLAMA_LAYOUT:
+            result.mapped.append(key)
+        elif key == "model_type":
+            entries.append(
+                lambda lit, v=value: (
+                    f"Require('model_type', lambda v: v == {lit(v)}, {lit(f'the {v} layout')})"
+                )
+            )
+            imports.add("Require")
+            result.required.append(key)
+        elif known is not None:
+            entries.append(lambda lit, code=known: code)
+            imports.update(n for n in ("HEAD_DIM_OR_NULL", "ROPE_SCALING", "Require") if n in known)
+            (result.required if known.startswith("Require") else result.mapped).append(key)
+        else:
+            entries.append(lambda lit, k=key, v=value: f"Undecided({lit(k)}, {lit(v)})")
+            imports.add("Undecided")
+            result.undecided.append(key)
+    source = SafetensorsSource(hf_dir, allow_pickle=False)
+    try:
+        covered = _llama_hf_names()
+        result.uncovered_tensors = [p for p in _patterns(source.keys()) if p not in covered]
+    finally:
+        source.close()
+    return _Plan(
+        name=name,
+        hf_class=hf_class,
+        architectures=architectures,
+        model_types=model_types,
+        entries=entries,
+        imports=imports,
+        uncovered=result.uncovered_tensors,
+        tiny=_tiny(cfg),
+        summary=f"started by porting new-family from a {mtype or arch} checkpoint",
+    )
 
 
 def new_family(
@@ -169,84 +430,49 @@ def new_family(
     ``hf_class``: the ``transformers`` class for the HF reference side, where the checkpoint's
     architecture is not one (an ``auto_map`` checkpoint whose own code we never run).
     """
-    from porting import registry
-    from porting.convert.config_map import read_hf_config
-    from porting.convert.safetensors_io import SafetensorsSource
+    from porting.convert.checkpoint import claimed_output
 
-    name = _identifier(name)
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise PortingError(f"{out} exists; pass --overwrite to replace it")
-    cfg = read_hf_config(hf_dir)
-    arch, mtype = cfg["architectures"][0], cfg.get("model_type")
-    import transformers
-
-    hf_class = hf_class or arch
-    if not isinstance(getattr(transformers, hf_class, None), type):
-        raise PortingError(
-            f"transformers has no class {hf_class!r} for {Path(hf_dir) / 'config.json'}'s "
-            f"architecture {arch!r}; the HF reference side of a family is a transformers class: "
-            "pass --hf-class with one that computes what the checkpoint's own code does"
-        )
-    for fam in registry.families():
-        if fam.name == name:
-            raise PortingError(f"a family called {name!r} is already installed ({fam.source})")
-    taken = {k: f.name for f in registry.families() for k in f.keys}
-    if arch not in taken:
-        architectures, model_types = (arch,), ()
-        claims = f"{arch} (its architecture)"
-    elif mtype and mtype not in taken:
-        # The architecture is another family's: claim the model type, chosen with --family.
-        architectures, model_types = (), (mtype,)
-        claims = (
-            f"model_type {mtype!r}; {arch} is family {taken[arch]}'s, so import with "
-            f"--family {name}"
-        )
-    else:
-        raise PortingError(
-            f"{arch} and model_type {mtype!r} are both claimed (by {taken.get(arch)}, "
-            f"{taken.get(mtype)}); give the checkpoint its own architecture name"
-        )
-    result = Scaffold(out, claims=claims)
-    entries = ["*LLAMA_LAYOUT"]
-    for key in sorted(cfg):
-        value = cfg[key]
-        if key in _LLAMA_LAYOUT:
-            result.mapped.append(key)
-        elif key == "model_type":
-            entries.append(f'Require("model_type", lambda v: v == {value!r}, "the {mtype} layout")')
-            result.required.append(key)
-        elif key in _KNOWN and _KNOWN[key](value) is not None:
-            entries.append(_KNOWN[key](value))
-            (result.required if entries[-1].startswith("Require") else result.mapped).append(key)
-        else:
-            entries.append(f"Undecided({key!r}, {value!r})")
-            result.undecided.append(key)
-    source = SafetensorsSource(hf_dir, allow_pickle=False)
-    covered = _llama_hf_names()
-    result.uncovered_tensors = [p for p in _patterns(source.keys()) if p not in covered]
-    source.close()
-    tmp = Path(
-        tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent if out.parent.exists() else None)
-    )
+    name = check_name(name)
+    out, hf_dir = Path(out), Path(hf_dir)
+    refuse_overlap(out, [("HF directory", hf_dir)])
     try:
-        _write(tmp, name, hf_class, architectures, model_types, entries, result, _tiny(cfg), mtype)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        # Replacing moves the old output aside and removes it: a link would be followed or left
+        # behind, a file left behind.
+        if out.is_symlink() or (out.exists() and not out.is_dir()):
+            raise PortingError(
+                f"--out {out}: a file or a symbolic link, not a directory; give another --out "
+                "(nothing was written)"
+            )
+        if out.exists() and not overwrite:
+            raise PortingError(f"{out} exists; pass --overwrite to replace it")
+    except OSError as err:  # a name too long, a loop of links
+        raise PortingError(f"cannot write {out}: {err.strerror or err}; nothing written") from err
+    _refuse_taken(name)
+    result = Scaffold(out)
+    plan = _plan(name, hf_dir, hf_class, result)
+    placeholders = _Values(placeholders=True)
+    files = _render(plan, _Values(placeholders=False))
+    _check_generated(files, _render(plan, placeholders), placeholders.seen)
+    try:
+        with claimed_output(out, overwrite, "family package") as tmp:
+            for rel, text in files.items():
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                (tmp / rel).write_text(text, encoding="utf-8")
+    except OSError as err:
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):  # the CLI has its own line for a full disk
+            raise
+        raise PortingError(f"cannot write {out}: {err.strerror or err}; nothing written") from err
     return result
 
 
-def _write(root, name, hf_class, architectures, model_types, entries, result, tiny, mtype) -> None:
+def _render(plan: _Plan, lit: _Values) -> dict[str, str]:
+    """The package's files by relative path; every value of the plan but ``name`` through
+    ``lit``, never into a comment's or a docstring's text."""
+    name = plan.name
     pkg = f"porting_family_{name}"
     cls = "".join(part.capitalize() for part in name.split("_"))
-    (root / pkg).mkdir(parents=True)
-    (root / "tests").mkdir()
-    (root / "pyproject.toml").write_text(
-        f"""[build-system]
+    files = {}
+    files["pyproject.toml"] = f"""[build-system]
 requires = ["setuptools>=64"]
 build-backend = "setuptools.build_meta"
 
@@ -263,10 +489,10 @@ dependencies = ["porting"]
 [tool.setuptools]
 packages = ["{pkg}"]
 """
-    )
-    (root / pkg / "__init__.py").write_text(f'"""The {name} family for porting."""\n')
-    (root / pkg / "model.py").write_text(
-        f'''"""The {name} decoder as a NeMo 2.0 model: the Llama layout on the stock GPT spec, to start
+    files[f"{pkg}/__init__.py"] = f'"""The {name} family for porting."""\n'
+    files[
+        f"{pkg}/model.py"
+    ] = f'''"""The {name} decoder as a NeMo 2.0 model: the Llama layout on the stock GPT spec, to start
 from. Change the config's fields here, or give ``transformer_layer_spec`` a spec of your own
 where the maths differs (docs/families.md: "A family with a custom layer")."""
 
@@ -292,11 +518,11 @@ class {cls}Model(GPTModel):
             config or {cls}Config(), optim=optim, tokenizer=tokenizer, model_transform=model_transform
         )
 '''
+    config_lines = "\n".join(f"    {entry(lit)}," for entry in plan.entries)
+    ours = ", ".join(
+        n for n in ("HEAD_DIM_OR_NULL", "LLAMA_LAYOUT", "ROPE_SCALING") if n in plan.imports
     )
-    config_lines = "\n".join(f"    {e}," for e in entries)
-    body = "\n".join(entries)
-    ours = ", ".join(n for n in ("HEAD_DIM_OR_NULL", "LLAMA_LAYOUT", "ROPE_SCALING") if n in body)
-    kinds = ", ".join(k for k in ("Require", "Undecided") if f"{k}(" in body)
+    kinds = ", ".join(k for k in ("Require", "Undecided") if k in plan.imports)
     imports = (
         f"from converters.tsuzumi import {ours}, shape_context\n"
         "from converters.tsuzumi import WEIGHTS as LLAMA_WEIGHTS\n"
@@ -305,12 +531,14 @@ class {cls}Model(GPTModel):
         "from porting.family import Family\n"
         f"from {pkg}.model import {cls}Config, {cls}Model\n"
     )
-    uncovered = "".join(f"#   {p}\n" for p in result.uncovered_tensors) or "#   none\n"
-    (root / pkg / "converter.py").write_text(
-        f'''"""{name} <-> HF ``{hf_class}``: config entries, weight table, family, NeMo connectors.
+    # Each name as its literal, which holds no line break, so it cannot end the comment.
+    uncovered = "".join(f"#   {lit(p)}\n" for p in plan.uncovered) or "#   none\n"
+    files[
+        f"{pkg}/converter.py"
+    ] = f'''"""The {name} family: config entries, weight table, family object, NeMo connectors.
 
-Written by ``porting new-family`` from a {mtype} checkpoint. Every config field is placed: the
-Llama layout's, ``Require`` for values kept as seen, ``Undecided`` for what is left to decide (the
+Written by ``porting new-family`` from an HF checkpoint. Every config field is placed: the Llama
+layout's, ``Require`` for values kept as seen, ``Undecided`` for what is left to decide (the
 family is refused, all of them listed, until none is left). See docs/families.md.
 """
 
@@ -327,23 +555,24 @@ CONFIG = (
 
 FAMILY = Family(
     name={name!r},
-    architectures={architectures!r},
-    model_types={model_types!r},
+    architectures={lit(plan.architectures)},
+    model_types={lit(plan.model_types)},
     config_entries=CONFIG,
     weights=WEIGHTS,
     config_cls={cls}Config,
     model_cls={cls}Model,
     shape_context=shape_context,
-    hf_model_class={hf_class!r},
-    summary="started by porting new-family from a {mtype} checkpoint",
+    hf_model_class={lit(plan.hf_class)},
+    summary={lit(plan.summary)},
 )
 
 
 HF{cls}Importer, HF{cls}Exporter = register_connectors(FAMILY)
 '''
-    )
-    (root / "tests" / f"test_{name}.py").write_text(
-        f'''"""The full proof of the {name} family (porting.proof) on a tiny random model of its config,
+    tiny = "".join(f"    {lit(k)}: {lit(v)},\n" for k, v in sorted(plan.tiny.items()))
+    files[
+        f"tests/test_{name}.py"
+    ] = f'''"""The full proof of the {name} family (porting.proof) on a tiny random model of its config,
 built here (no hub): fp32 full-logit parity (atol=rtol=1e-5, 100% top-1), the streamed gate,
 tensor parallel 2, an exact round trip, and a planted fault named by layer."""
 
@@ -354,8 +583,9 @@ import pytest
 from porting import proof, registry
 from porting.convert.api import import_hf
 
-ARCHITECTURE = {hf_class!r}
-TINY = {pprint.pformat(tiny, sort_dicts=True)}
+ARCHITECTURE = {lit(plan.hf_class)}
+TINY = {{
+{tiny}}}
 
 
 @pytest.fixture(scope="module")
@@ -390,4 +620,4 @@ def test_planted_fault_is_named(converted, tmp_path):
     family = registry.family_by_name({name!r})
     proof.prove_fault_named(converted[0], tmp_path / "ck", family, 1, TINY["num_hidden_layers"])
 '''
-    )
+    return files

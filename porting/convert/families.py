@@ -31,12 +31,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         "model of the config and runs the full proof. The family claims HF_DIR's architecture, "
         "or its model_type when another family has the architecture. See docs/families.md.",
     )
-    p.add_argument("name", help="family name: lower case, digits and underscores")
+    p.add_argument(
+        "name",
+        help="family name: lower case letters, digits and underscores, starting with a letter, "
+        "not a Python keyword, at most 64 characters",
+    )
     p.add_argument("--from", dest="hf_dir", type=Path, required=True, help="HF model directory")
     p.add_argument(
         "--out",
         type=Path,
-        help="where to write the package (default: ./porting-family-NAME)",
+        help="where to write the package (default: ./porting-family-NAME); it may not be, lie "
+        "inside or contain HF_DIR",
     )
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument(
@@ -97,13 +102,14 @@ def _cmd_families(args) -> int:
 
 def _cmd_new_family(args) -> int:
     from porting import cpu, quiet
+    from porting.scaffold import check_name, new_family
 
+    # The name makes the default --out: checked before any path is made from it.
+    name = check_name(args.name)
     quiet.offline()
     cpu.hide_gpus()
     quiet.quiet_nemo()
-    from porting.scaffold import new_family
-
-    out = args.out or Path(f"porting-family-{args.name.replace('_', '-')}")
-    done = new_family(args.name, args.hf_dir, out, overwrite=args.overwrite, hf_class=args.hf_class)
+    out = args.out or Path(f"porting-family-{name.replace('_', '-')}")
+    done = new_family(name, args.hf_dir, out, overwrite=args.overwrite, hf_class=args.hf_class)
     print(done.summary())
     return 0
