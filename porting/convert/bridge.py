@@ -4,8 +4,9 @@ train state, written from a family's Megatron config and read back as data only.
 Megatron-Bridge rebuilds a model from ``iter_NNNNNNN/run_config.yaml``'s ``model:`` section by
 instantiating its ``_target_`` (a model provider) and every nested ``_target_``
 (``megatron/bridge/training/model_load_save.py``: ``load_model_config``). We write that section
-from the family's config; we read one only with ``yaml.safe_load`` and check every ``_target_``
-against an allow-list, never instantiating anything.
+from the family's config; we read one only as bounded YAML data
+(:func:`porting.convert.untrusted.read_yaml`) and check every ``_target_`` against an allow-list,
+never instantiating anything.
 
 ``bridge_fields.json`` lists the fields of ``megatron.bridge.models.gpt_provider.GPTModelProvider``
 in megatron-bridge 0.6.2 (a test in the owners' environment checks it against the class).
@@ -168,50 +169,47 @@ _ALLOWED_TARGET = re.compile(
 _PROVIDER = re.compile(r"megatron\.bridge\.models\.[a-z0-9_.]+\.[A-Za-z0-9_]*Provider[A-Za-z0-9_]*")
 
 
-def _check_targets(node, where: str, path: Path, family) -> None:
-    if isinstance(node, dict):
+def _check_targets(data, path: Path, family) -> None:
+    """Every ``_target_`` in ``data``, in document order. Each dict or list is checked once: an
+    alias repeats the same object, and walking it once per repetition is what made a 1 KB alias
+    bomb run for minutes."""
+    declared = {_qualified(o) for o in family.context_symbols if callable(o)} if family else set()
+    seen: set[int] = set()
+    todo = [(data, "<root>")]
+    while todo:
+        node, where = todo.pop()
+        if not isinstance(node, dict | list) or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, list):
+            todo.extend((v, f"{where}[{i}]") for i, v in reversed(list(enumerate(node))))
+            continue
         target = node.get("_target_")
-        if target is not None:
-            ok = isinstance(target, str) and (
-                _ALLOWED_TARGET.fullmatch(target)
-                or (
-                    family is not None
-                    and target in {_qualified(o) for o in family.context_symbols if callable(o)}
-                )
-            )
-            if not ok:
-                raise PortingError(f"{path}: {where}._target_ {target!r} is not allowed")
-        for k, v in node.items():
-            _check_targets(v, f"{where}.{k}", path, family)
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            _check_targets(v, f"{where}[{i}]", path, family)
+        if target is not None and not (
+            isinstance(target, str) and (_ALLOWED_TARGET.fullmatch(target) or target in declared)
+        ):
+            raise PortingError(f"{path}: {where}._target_ {target!r} is not allowed")
+        todo.extend((v, f"{where}.{k}") for k, v in reversed(node.items()))
 
 
-def check_run_config(path: str | os.PathLike, family=None) -> dict:
-    """Read ``run_config.yaml`` as data and return its ``model:`` section.
+def check_run_config(path: str | os.PathLike, root: str | os.PathLike, family=None) -> dict:
+    """Read ``run_config.yaml`` (a file of the checkpoint at ``root``) as data and return its
+    ``model:`` section.
 
-    Refused: a file too large or not YAML data, a ``model:`` whose ``_target_`` is not a
+    Refused: a file that is not plain YAML data within :func:`porting.convert.untrusted.read_yaml`'s
+    bounds (size, depth, aliases expanded, numbers), a ``model:`` whose ``_target_`` is not a
     Megatron-Bridge model provider, and any ``_target_`` anywhere outside torch's functions and
     dtypes, Megatron-Core, Megatron-Bridge and the functions ``family`` declares
     (``Family.context_symbols``).
     """
-    import yaml
-
-    from porting.convert.checkpoint import regular_file
+    from porting.convert.untrusted import read_yaml
 
     path = Path(path)
-    regular_file(path)
-    if path.stat().st_size > MAX_RUN_CONFIG_BYTES:
-        raise PortingError(f"{path}: larger than {MAX_RUN_CONFIG_BYTES} bytes")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise PortingError(f"{path}: not YAML data ({err})") from err
+    data = read_yaml(path, root, MAX_RUN_CONFIG_BYTES)
     if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
         raise PortingError(f"{path}: no model: section")
     provider = data["model"].get("_target_")
     if not isinstance(provider, str) or not _PROVIDER.fullmatch(provider):
         raise PortingError(f"{path}: model._target_ {provider!r} is not a Megatron-Bridge provider")
-    _check_targets(data, "<root>", path, family)
+    _check_targets(data, path, family)
     return data["model"]

@@ -15,13 +15,14 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from porting.convert.untrusted import checkpoint_dir, read_int, read_json
 from porting.errors import PortingError
-from porting.guard import Terminated
+from porting.guard import Terminated, raise_if_stopped, signals_deferred
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,8 @@ RUN_CONFIG = "run_config.yaml"
 OURS = "porting"  # our directory in the Megatron layouts
 _ITER = re.compile(r"iter_(\d{7,})")
 _PREFIX = {"nemo2": "module.", "megatron-lm": "", "megatron-bridge": ""}
+# A tokenizer.json holds the whole vocabulary and merges: Gemma's is 34 MB.
+MAX_TOKENIZER_JSON_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -58,15 +61,10 @@ class Located:
 
 def _tracked_iteration(root: Path) -> tuple[int | None, Path]:
     """The iteration directory ``latest_checkpointed_iteration.txt`` names, checked to be one."""
-    tracker = root / TRACKER
-    if tracker.is_symlink() or not tracker.is_file():
-        raise PortingError(f"{tracker}: not a regular file")
-    text = tracker.read_text(errors="replace").strip()
-    if text == "release":
+    tracked = read_int(root / TRACKER, root, "an iteration number", ("release",))
+    if tracked == "release":
         return None, root / "release"
-    if not text.isdigit():
-        raise PortingError(f"{tracker}: holds {text[:40]!r}, not an iteration number or 'release'")
-    return int(text), root / f"iter_{int(text):07d}"
+    return tracked, root / f"iter_{tracked:07d}"
 
 
 def locate(ckpt: str | os.PathLike, fmt: str | None = None) -> Located:
@@ -81,10 +79,14 @@ def locate(ckpt: str | os.PathLike, fmt: str | None = None) -> Located:
     if not path.is_dir():
         raise PortingError(f"{path}: not a directory")
     iteration: int | None
-    if (path / "weights").is_dir() and (path / "context").is_dir():
-        found = Located("nemo2", path, path / "weights", "module.", path / "context")
+    if os.path.lexists(path / "weights") and os.path.lexists(path / "context"):
+        weights, context = (
+            checkpoint_dir(path / "weights", path),
+            checkpoint_dir(path / "context", path),
+        )
+        found = Located("nemo2", path, weights, "module.", context)
     else:
-        if (path / TRACKER).exists():
+        if os.path.lexists(path / TRACKER):
             iteration, weights = _tracked_iteration(path)
             root = path
         elif (path / ".metadata").is_file() and (
@@ -98,11 +100,14 @@ def locate(ckpt: str | os.PathLike, fmt: str | None = None) -> Located:
                 f"a Megatron-LM one {TRACKER} and iter_NNNNNNN/, a Megatron-Bridge one also "
                 f"{RUN_CONFIG} in its iteration"
             )
-        if weights.is_symlink() or not weights.is_dir():
+        if not os.path.lexists(weights):
             raise PortingError(f"{weights}: the iteration the checkpoint names is missing")
-        if not weights.resolve().is_relative_to(root.resolve()):
-            raise PortingError(f"{weights}: lies outside {root}")
-        kind = "megatron-bridge" if (weights / RUN_CONFIG).exists() else "megatron-lm"
+        checkpoint_dir(weights, root)
+        # A run_config.yaml that is a link still makes the layout Bridge's, so that it is refused
+        # when read rather than skipped.
+        kind = "megatron-bridge" if os.path.lexists(weights / RUN_CONFIG) else "megatron-lm"
+        if os.path.lexists(root / OURS):
+            checkpoint_dir(root / OURS, root)
         found = Located(kind, root, weights, _PREFIX[kind], root / OURS, iteration)
     if fmt is not None and fmt != found.format:
         raise PortingError(f"{path}: a {found.format} checkpoint, not {fmt}")
@@ -224,7 +229,7 @@ def read_manifest(ckpt: str | os.PathLike) -> Manifest:
     if stand_in is not None:
         return stand_in.manifest
     path = loc.manifest_path
-    if not path.exists():
+    if not os.path.lexists(path):
         if loc.format == "nemo2":
             raise PortingError(
                 f"{path}: missing; this checkpoint was not written by `porting import`, so the "
@@ -235,12 +240,7 @@ def read_manifest(ckpt: str | os.PathLike) -> Manifest:
             "HF config.json of its architecture with --hf-config (and its tokenizer with "
             "--tokenizer)"
         )
-    regular_file(path, inside=loc.root)
-    try:
-        data = json.loads(path.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise PortingError(f"{path}: corrupt manifest ({err})") from err
-    return _check_manifest(data, path)
+    return _check_manifest(read_json(path, loc.root), path)
 
 
 def inside(base: str | os.PathLike, relative: str, what: str) -> Path:
@@ -258,24 +258,14 @@ def inside(base: str | os.PathLike, relative: str, what: str) -> Path:
     return target
 
 
-def regular_file(path: Path, inside: str | os.PathLike | None = None) -> Path:
-    """``path`` if it is a regular file and not a symlink (nor, with ``inside``, outside it)."""
-    if path.is_symlink():
-        raise PortingError(f"{path}: is a symbolic link; refusing to follow it")
-    if not path.is_file():
-        raise PortingError(f"{path}: not a regular file")
-    if inside is not None and not path.resolve().is_relative_to(Path(inside).resolve()):
-        raise PortingError(f"{path}: lies outside {inside}")
-    return path
-
-
 def tokenizer_files(ckpt: str | os.PathLike, manifest: Manifest) -> list[Path]:
     """The tokenizer files recorded in the manifest: regular files in the checkpoint's own
     metadata directory (``context/``, or ``porting/`` in the Megatron layouts).
 
     A symlink, a subdirectory or a path that leaves that directory is refused, so a crafted
-    manifest can neither read files elsewhere nor make export copy them. A checkpoint adopted with
-    a tokenizer directory (:func:`adopt`) gives that directory's files.
+    manifest can neither read files elsewhere nor make export copy them; each JSON file must parse
+    within :mod:`porting.convert.untrusted`'s bounds before ``transformers`` reads it. A checkpoint
+    adopted with a tokenizer directory (:func:`adopt`) gives that directory's files.
     """
     stand_in = adopted(ckpt)
     if stand_in is not None:
@@ -289,7 +279,11 @@ def tokenizer_files(ckpt: str | os.PathLike, manifest: Manifest) -> list[Path]:
         raise PortingError(
             f"{where} {manifest.tokenizer['path']!r} is not a directory in {loc.meta.name}/"
         )
-    return _regular_files(tok_dir)
+    files = _regular_files(tok_dir)
+    for f in files:
+        if f.suffix == ".json":
+            read_json(f, loc.root, max_bytes=MAX_TOKENIZER_JSON_BYTES)
+    return files
 
 
 def _regular_files(tok_dir: Path) -> list[Path]:
@@ -304,9 +298,13 @@ def _regular_files(tok_dir: Path) -> list[Path]:
 
 
 def extra_file(ckpt: str | os.PathLike, name: str) -> Path:
-    """The HF extra file ``name`` (``generation_config.json``) kept in the checkpoint."""
+    """The HF extra file ``name`` (``generation_config.json``) kept in the checkpoint, a JSON
+    object within :mod:`porting.convert.untrusted`'s bounds."""
     loc = locate(ckpt)
-    return regular_file(loc.meta / "hf_extra" / name, inside=loc.root)
+    path = loc.meta / "hf_extra" / name
+    if not isinstance(read_json(path, loc.root), dict):
+        raise PortingError(f"{path}: not a JSON object")
+    return path
 
 
 def prepare_output(out: str | os.PathLike, overwrite: bool) -> Path:
@@ -323,8 +321,8 @@ def claimed_output(out: str | os.PathLike, overwrite: bool, what: str):
     """Own ``out`` for the block and yield a temporary directory that becomes it on success.
 
     Holds ``out``'s lock (:func:`porting.guard.output_lock`: a second run fails at once), refuses
-    an existing ``out`` without ``overwrite``, and removes ``.NAME.partial-*`` directories that a
-    killed earlier run left (nobody else can be writing them while the lock is held).
+    an existing ``out`` without ``overwrite``, and removes what a killed earlier run left beside
+    it (:func:`remove_stale`; nobody else can be writing it while the lock is held).
     """
     from porting.guard import output_lock
 
@@ -332,11 +330,65 @@ def claimed_output(out: str | os.PathLike, overwrite: bool, what: str):
     out.parent.mkdir(parents=True, exist_ok=True)
     with output_lock(out, what):
         prepare_output(out, overwrite)
-        for stale in out.parent.glob(f".{out.name}.partial-*"):
-            log.warning("removing %s, left by an earlier run that did not finish", stale)
-            shutil.rmtree(stale, ignore_errors=True)
+        remove_stale(out)
         with atomic_dir(out) as tmp:
             yield tmp
+
+
+# What a run writing OUT keeps beside it while it works, each named ``.OUT.KIND-SUFFIX``: the
+# output being written (``partial``, atomic_dir), the one being replaced (``old``), and convert's
+# HF copy between its two steps (``hf``, porting.convert.api.convert).
+STAGING_KINDS = ("partial", "old", "hf")
+
+
+def staging_path(out: str | os.PathLike, kind: str) -> Path:
+    """A new ``.OUT.KIND-XXXXXXXXXXXXXXXX`` beside ``out``, not yet created: a caller that names it
+    before making it can remove it on every exit path, however early a signal comes."""
+    if kind not in STAGING_KINDS:
+        raise ValueError(f"staging kind {kind!r}: one of {', '.join(STAGING_KINDS)}")
+    out = Path(out)
+    return out.with_name(f".{out.name}.{kind}-{secrets.token_hex(8)}")
+
+
+# Staging directories of this process's runs in progress (staged()): convert's HF copy stays
+# while its import step, under the same lock, clears what earlier runs left.
+_LIVE: set[Path] = set()
+
+
+@contextlib.contextmanager
+def staged(out: str | os.PathLike, kind: str, mode: int = 0o700):
+    """A new staging directory of ``out`` (``kind``: one of :data:`STAGING_KINDS`) for the block,
+    removed however the block ends; a signal during the removal waits for it to finish."""
+    path = staging_path(out, kind)
+    _LIVE.add(path.absolute())
+    try:
+        path.mkdir(mode=mode)
+        yield path
+    finally:
+        with signals_deferred():
+            shutil.rmtree(path, ignore_errors=True)
+        _LIVE.discard(path.absolute())
+
+
+def remove_stale(out: str | os.PathLike) -> None:
+    """Remove every staging entry of ``out`` (:data:`STAGING_KINDS`) that a killed earlier run
+    left. Only with ``out``'s lock held: a live run on ``out`` would hold it, so none is its but
+    this process's own (:func:`staged`)."""
+    out = Path(out)
+    # The suffix has no dot or dash: the staging of an output named "OUT.partial-x" is not OUT's.
+    mine = re.compile(rf"\.{re.escape(out.name)}\.(?:{'|'.join(STAGING_KINDS)})-[a-z0-9_]+")
+    try:
+        entries = [
+            e for e in out.parent.iterdir() if mine.fullmatch(e.name) and e.absolute() not in _LIVE
+        ]
+    except FileNotFoundError:
+        return
+    for entry in entries:
+        log.warning("removing %s, left by an earlier run that did not finish", entry)
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
 
 
 # Below this much free space a failed write is taken for a full disk: writers that lose the
@@ -381,19 +433,20 @@ def disk_full_error(
 def atomic_dir(out: str | os.PathLike):
     """Yield a temporary sibling directory that becomes ``out`` only if the block succeeds.
 
-    On any error the temporary directory is removed, so a failed run never leaves something that
-    looks like a complete output under the final name. An existing ``out`` is replaced only at the
-    very end.
+    On any error or signal the temporary directory is removed, so a failed run never leaves
+    something that looks like a complete output under the final name. An existing ``out`` is
+    replaced only at the very end, by renames that a signal does not cut in half; a signal that
+    arrived before them stops the replacement even where library code dropped its exception.
     """
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    # mkdtemp makes the directory 0700; a finished output follows the user's umask like any other.
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)
+    tmp = staging_path(out, "partial")
     try:
+        tmp.mkdir()  # with the user's umask, as any finished output
         yield tmp
+        raise_if_stopped()
+        with signals_deferred():
+            _put_in_place(tmp, out)
     except BaseException as err:
         # Judged before the partial output is removed: its bytes are what filled the disk.
         full = disk_full_error(err, tmp, out)
@@ -401,10 +454,16 @@ def atomic_dir(out: str | os.PathLike):
         if full is not None:
             raise full from err
         raise
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+
+
+def _put_in_place(tmp: Path, out: Path) -> None:
+    if out.exists() or out.is_symlink():
+        old = staging_path(out, "old")
         out.rename(old)
         tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink()
     else:
         tmp.rename(out)

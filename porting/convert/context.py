@@ -12,10 +12,10 @@ nothing it names, and refuses every symbol outside an allow-list, naming the ent
 from __future__ import annotations
 
 import importlib
-import json
 import sys
 from pathlib import Path
 
+from porting.convert.untrusted import read_json
 from porting.errors import PortingError
 
 # Exactly what NeMo 2.7.3 writes for a model, tokenizer, trainer and optimizer, beyond the classes
@@ -121,14 +121,7 @@ def check_io_json(ckpt: str | Path, family=None) -> None:
     e.g. ``<root>.model.optim.config.optimizer``).
     """
     path = Path(ckpt) / "context" / "io.json"
-    if not path.is_file() or path.is_symlink():
-        raise PortingError(f"{path}: missing or not a regular file; not a NeMo 2.0 checkpoint")
-    if path.stat().st_size > MAX_IO_JSON_BYTES:
-        raise PortingError(f"{path}: larger than {MAX_IO_JSON_BYTES} bytes; not a NeMo context")
-    try:
-        data = json.loads(path.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise PortingError(f"{path}: not valid JSON ({err})") from err
+    data = read_json(path, ckpt, MAX_IO_JSON_BYTES)
     if not isinstance(data, dict) or not isinstance(data.get("objects", {}), dict):
         raise PortingError(f"{path}: not a NeMo context (no object table)")
     objects = data.get("objects", {})

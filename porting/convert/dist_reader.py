@@ -16,7 +16,9 @@ torch's own weights-only unpickler, each record's bytes mapped rather than copie
 from __future__ import annotations
 
 import io
+import math
 import mmap
+import os
 import pickle
 import struct
 import sys
@@ -26,7 +28,13 @@ from pathlib import Path
 
 import torch
 
+from porting.convert.untrusted import open_file, read_bytes, read_json, regular_file
 from porting.errors import PortingError, check_finite
+
+# A 405B model's .metadata with its optimizer state, saved by a thousand ranks, is some 100 MB.
+MAX_METADATA_BYTES = 1 << 30
+# Megatron's deepest tensors: (layers, experts, rows, columns), with room for prepended axes.
+MAX_RANK = 16
 
 
 class _Window(io.RawIOBase):
@@ -57,7 +65,7 @@ class _Window(io.RawIOBase):
         return got
 
 
-def _mapped_record(path: Path, offset: int, length: int) -> torch.Tensor:
+def _mapped_record(path: Path, offset: int, length: int, weights: Path) -> torch.Tensor:
     """The tensor of the ``torch.save`` record at ``[offset, offset + length)`` of ``path``, as a
     view of the mapped file.
 
@@ -69,8 +77,13 @@ def _mapped_record(path: Path, offset: int, length: int) -> torch.Tensor:
     """
     from torch import _weights_only_unpickler
 
-    with open(path, "rb") as f:
+    with open_file(path, weights) as f:
         with zipfile.ZipFile(_Window(f, offset, length)) as zf:
+            for member in zf.infolist():
+                # torch.save stores every member as is; a compressed one could inflate a small
+                # record into any size when read
+                if member.compress_type != zipfile.ZIP_STORED or member.file_size > length:
+                    raise ValueError(f"{member.filename} is compressed or larger than its record")
             pkl = [n for n in zf.namelist() if n.endswith("/data.pkl") or n == "data.pkl"]
             if len(pkl) != 1:
                 raise ValueError(f"{len(pkl)} pickles in the record")
@@ -83,8 +96,6 @@ def _mapped_record(path: Path, offset: int, length: int) -> torch.Tensor:
             for member in zf.infolist():
                 if not member.filename.startswith(f"{prefix}data/"):
                     continue
-                if member.compress_type != zipfile.ZIP_STORED:
-                    raise ValueError(f"{member.filename} is compressed")
                 f.seek(offset + member.header_offset)
                 local = f.read(30)
                 if len(local) != 30 or local[:4] != b"PK\x03\x04":
@@ -183,20 +194,133 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def read_metadata(weights: str | Path):
     """torch's ``Metadata`` of the ``torch_dist`` directory ``weights``, unpickled with only the
-    checkpoint's own data classes allowed (nothing in it can run code)."""
-    path = Path(weights) / ".metadata"
-    if path.is_symlink() or not path.is_file():
-        raise PortingError(f"{path}: missing or not a regular file; not a torch_dist checkpoint")
+    checkpoint's own data classes allowed (nothing in it can run code), every tensor it records
+    checked against the bytes stored for it (:func:`_check_records`) before anyone sizes a buffer
+    by it, and Megatron's ``metadata.json`` beside it, where there is one, naming this format."""
+    weights = Path(weights)
+    path = weights / ".metadata"
+    if not os.path.lexists(path):
+        raise PortingError(f"{path}: missing; not a torch_dist checkpoint")
+    raw = read_bytes(path, weights, MAX_METADATA_BYTES)
     try:
-        with open(path, "rb") as f:
-            md = _MetadataUnpickler(f).load()
+        md = _MetadataUnpickler(io.BytesIO(raw)).load()
     except Exception as err:  # pickle raises many types for a corrupt file
-        raise PortingError(f"{path}: unreadable ({err})") from err
+        raise PortingError(f"{path}: unreadable ({type(err).__name__}: {err})") from err
     from torch.distributed.checkpoint.metadata import Metadata
 
-    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
+    if (
+        not isinstance(md, Metadata)
+        or not isinstance(md.state_dict_metadata, dict)
+        or not isinstance(md.storage_data, dict)
+    ):
         raise PortingError(f"{path}: holds a {type(md).__name__}, not torch checkpoint metadata")
+    _check_records(md, weights, path)
+    backend = weights / "metadata.json"
+    if os.path.lexists(backend):
+        # Megatron-Core's dist_checkpointing writes it and picks its loader by it.
+        info = read_json(backend, weights)
+        if not isinstance(info, dict) or info.get("sharded_backend", "torch_dist") != "torch_dist":
+            raise PortingError(
+                f"{backend}: not a torch_dist checkpoint's (sharded_backend "
+                f"{info.get('sharded_backend') if isinstance(info, dict) else info!r})"
+            )
     return md
+
+
+def _dims(value, what: str, path: Path) -> tuple[int, ...]:
+    ok = isinstance(value, tuple | list) and len(value) <= MAX_RANK
+    if not ok or not all(type(d) is int and 0 <= d < 2**63 for d in value):
+        raise PortingError(
+            f"{path}: {what} is {value!r}; a shape is at most {MAX_RANK} integers >= 0"
+        )
+    return tuple(value)
+
+
+def _record(weights: Path, info, key: str, path: Path, sizes: dict[str, int]) -> None:
+    """``info`` (a record's place) names a regular file of ``weights`` that holds its bytes."""
+    name = getattr(info, "relative_path", None)
+    if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):
+        raise PortingError(f"{path}: {key!r} is stored in {name!r}, not a file of {weights}")
+    offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+    if not (type(offset) is int and type(length) is int and offset >= 0 and length >= 0):
+        raise PortingError(f"{path}: {key!r} is stored at offset {offset!r}, length {length!r}")
+    transforms = getattr(info, "transform_descriptors", None)
+    if transforms:  # torch's stream extensions (zstd): the record is no torch.save zip
+        raise PortingError(f"{path}: {key!r} is stored through {transforms!r}; not read here")
+    if name not in sizes:
+        sizes[name] = regular_file(weights / name, weights).stat().st_size
+    if offset + length > sizes[name]:
+        raise PortingError(
+            f"{weights / name}: truncated; {key!r} needs bytes {offset}..{offset + length}, the "
+            f"file has {sizes[name]}"
+        )
+
+
+def _check_records(md, weights: Path, path: Path) -> None:
+    """Every tensor ``md`` records is one the stored bytes can hold, so that no shape read from it
+    can size an allocation beyond the checkpoint's own size: its shape and every chunk's are
+    non-negative integers of one rank, the chunks lie inside the tensor and add up to it (as
+    torch's planner saves them, ``_validate_global_plan``), and each chunk's record, a file of
+    ``weights`` at least as long as the chunk's bytes, exists. Every record is checked the same way
+    (the ``common_state`` one included): a plain file name of ``weights``, inside it."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    sizes: dict[str, int] = {}
+    for idx, info in md.storage_data.items():
+        _record(weights, info, getattr(idx, "fqn", repr(idx)), path, sizes)
+    for key, meta in md.state_dict_metadata.items():
+        if not hasattr(meta, "chunks"):
+            continue  # bytes (a ShardedObject, the common state): read as their record's length
+        shape = _dims(getattr(meta, "size", None), f"the shape of {key!r}", path)
+        dtype = getattr(getattr(meta, "properties", None), "dtype", None)
+        if not isinstance(dtype, torch.dtype):
+            raise PortingError(f"{path}: {key!r} has dtype {dtype!r}, not a torch dtype")
+        if not isinstance(meta.chunks, list):
+            raise PortingError(f"{path}: {key!r} lists its chunks as {type(meta.chunks).__name__}")
+        volume = 0
+        for chunk in meta.chunks:
+            where = f"a chunk of {key!r} {shape}"
+            offsets = _dims(getattr(chunk, "offsets", None), f"{where}: its offsets", path)
+            sizes_ = _dims(getattr(chunk, "sizes", None), f"{where}: its shape", path)
+            if len(offsets) != len(shape) or len(sizes_) != len(shape):
+                raise PortingError(
+                    f"{path}: {where} is at {offsets} of shape {sizes_}, not of rank {len(shape)}"
+                )
+            if any(o + n > d for o, n, d in zip(offsets, sizes_, shape, strict=True)):
+                raise PortingError(
+                    f"{path}: {where} at {offsets} of shape {sizes_} lies outside it"
+                )
+            numel = math.prod(sizes_)
+            volume += numel
+            info = md.storage_data.get(MetadataIndex(key, torch.Size(offsets)))
+            if info is None:
+                raise PortingError(f"{path}: {where} at {offsets} has no stored bytes")
+            need = numel * dtype.itemsize
+            if need > info.length:
+                raise PortingError(
+                    f"{path}: tensor {key!r} is recorded as {shape} {dtype}, but its chunk at "
+                    f"{offsets} of shape {sizes_} needs {need} bytes and its record in "
+                    f"{info.relative_path} holds {info.length}"
+                )
+        if volume != math.prod(shape):
+            raise PortingError(
+                f"{path}: tensor {key!r} is recorded as {shape} ({math.prod(shape)} elements), but "
+                f"its chunks hold {volume}"
+            )
+
+
+def read_record(weights: Path, info) -> bytes:
+    """The bytes of the record ``info`` (a ``.metadata`` storage entry) in ``weights``, which
+    :func:`read_metadata` has checked to lie inside a file of it."""
+    path = weights / info.relative_path
+    with open_file(path, weights) as f:
+        if info.offset + info.length > os.fstat(f.fileno()).st_size:
+            raise PortingError(f"{path}: truncated; a record needs bytes past its end")
+        f.seek(info.offset)
+        raw = f.read(info.length)
+    if len(raw) != info.length:
+        raise PortingError(f"{path}: truncated; a record needs bytes past its end")
+    return raw
 
 
 class DistCheckpointReader:
@@ -204,8 +328,6 @@ class DistCheckpointReader:
 
     def __init__(self, weights: str | Path) -> None:
         self.dir = Path(weights)
-        if not (self.dir / ".metadata").is_file():
-            raise PortingError(f"{self.dir}: no .metadata; not a torch_dist checkpoint")
         md = read_metadata(self.dir)
         self._tensors = {k: v for k, v in md.state_dict_metadata.items() if hasattr(v, "chunks")}
         self._storage = md.storage_data
@@ -232,12 +354,10 @@ class DistCheckpointReader:
         if info is None:
             raise PortingError(f"{self.dir}: no stored bytes for {key!r} at {tuple(offsets)}")
         path = self.dir / info.relative_path
-        if Path(info.relative_path).name != info.relative_path or not path.is_file():
-            raise PortingError(f"{self.dir}: {key!r} points at {info.relative_path!r}")
-        if info.offset + info.length > path.stat().st_size:
+        if info.offset + info.length > regular_file(path, self.dir).stat().st_size:
             raise PortingError(f"{path}: truncated; {key!r} needs bytes past its end")
         try:
-            return _mapped_record(path, info.offset, info.length)
+            return _mapped_record(path, info.offset, info.length, self.dir)
         except (zipfile.BadZipFile, pickle.UnpicklingError, ValueError, KeyError) as err:
             raise PortingError(f"{path}: the record of {key!r} is unreadable ({err})") from err
 
@@ -266,6 +386,7 @@ class DistCheckpointReader:
                 f"{tuple(out.shape)}"
             )
         covered = 0
+        boxes: list[tuple[list[int], list[int]]] = []
         for chunk in self._tensors[key].chunks:
             lo = [max(o, c) for o, c in zip(offsets, chunk.offsets, strict=True)]
             hi = [
@@ -274,6 +395,11 @@ class DistCheckpointReader:
             ]
             if any(a >= b for a, b in zip(lo, hi, strict=True)):
                 continue
+            # Overlapping chunks would count twice and leave a hole of the buffer unwritten.
+            for blo, bhi in boxes:
+                if all(max(a, c) < min(b, d) for a, b, c, d in zip(lo, hi, blo, bhi, strict=True)):
+                    raise PortingError(f"{self.dir}: stored chunks of {key!r} overlap at {lo}")
+            boxes.append((lo, hi))
             data = self._chunk(key, chunk.offsets)  # a view of the mapped file
             if tuple(data.shape) != tuple(chunk.sizes):
                 raise PortingError(

@@ -28,13 +28,17 @@ import json
 import os
 import pickle
 import shutil
+import zipfile
 from pathlib import Path
 
 from porting.convert.checkpoint import OURS, RUN_CONFIG, TRACKER, Located, locate
+from porting.convert.untrusted import read_bytes
 from porting.errors import PortingError
 
 # Megatron-LM's checkpoint_version for torch_dist checkpoints (generate_state_dict).
 CHECKPOINT_VERSION = 3.0
+# Megatron-LM's saved arguments and counters are a few KB.
+MAX_COMMON_BYTES = 64 << 20
 
 # --- reading what a Megatron checkpoint saved ---------------------------------------------------
 
@@ -88,6 +92,16 @@ def load_common(raw: bytes, where: str) -> dict:
     """
     import torch
 
+    try:
+        zipped = zipfile.is_zipfile(io.BytesIO(raw))
+        members = zipfile.ZipFile(io.BytesIO(raw)).infolist() if zipped else []
+    except Exception as err:  # zipfile raises many types for a corrupt archive
+        raise PortingError(f"{where}: unreadable ({err})") from err
+    for member in members:
+        # torch.save stores every member as is; a compressed one could inflate a small file into
+        # any size when read
+        if member.compress_type != zipfile.ZIP_STORED or member.file_size > len(raw):
+            raise PortingError(f"{where}: {member.filename} is compressed; torch.save stores all")
     allowed = [argparse.Namespace] + [(_enum_standin(q), q) for q in SAVED_ENUMS]
     try:
         with torch.serialization.safe_globals(allowed):
@@ -110,24 +124,21 @@ def load_common(raw: bytes, where: str) -> dict:
 def read_common(loc: Located) -> dict:
     """The common state of a Megatron-layout checkpoint: ``common.pt`` where there is one, else
     the ``common_state`` record in its ``torch_dist`` files."""
-    from porting.convert.checkpoint import regular_file
-    from porting.convert.dist_reader import read_metadata
+    from porting.convert.dist_reader import read_metadata, read_record
 
     legacy = loc.weights / "common.pt"
-    if legacy.exists():
-        return load_common(regular_file(legacy, inside=loc.root).read_bytes(), str(legacy))
+    if os.path.lexists(legacy):
+        return load_common(read_bytes(legacy, loc.root, MAX_COMMON_BYTES), str(legacy))
     md = read_metadata(loc.weights)
     for idx, info in md.storage_data.items():
         if idx.fqn.startswith("common_state/"):
-            if Path(info.relative_path).name != info.relative_path:
-                raise PortingError(f"{loc.weights}: common_state points at {info.relative_path!r}")
-            path = regular_file(loc.weights / info.relative_path, inside=loc.weights)
-            with open(path, "rb") as f:
-                f.seek(info.offset)
-                raw = f.read(info.length)
-            if len(raw) != info.length:
-                raise PortingError(f"{path}: truncated; common_state needs bytes past its end")
-            return load_common(raw, f"{path} (common_state)")
+            if info.length > MAX_COMMON_BYTES:
+                raise PortingError(
+                    f"{loc.weights}: the common_state record is {info.length} bytes, more than "
+                    f"the {MAX_COMMON_BYTES} it may hold"
+                )
+            raw = read_record(loc.weights, info)
+            return load_common(raw, f"{loc.weights / info.relative_path} (common_state)")
     raise PortingError(f"{loc.weights}: neither common.pt nor a common_state record")
 
 
@@ -316,34 +327,72 @@ def check_saved_metadata(ckpt: str | os.PathLike, family=None) -> None:
     """Refuse a checkpoint whose own metadata would run code when its owner loads it: NeMo 2's
     ``io.json`` (:func:`porting.convert.context.check_io_json`), Megatron-LM's common state
     (:func:`read_common`), Megatron-Bridge's ``run_config.yaml``
-    (:func:`porting.convert.bridge.check_run_config`); and, in the Megatron layouts, one whose
-    saved architecture disagrees with the manifest we read it by (its owner would build another
-    model from it)."""
+    (:func:`porting.convert.bridge.check_run_config`). With ``family``, refuse one whose saved
+    architecture (Megatron layouts) or recorded tensor shapes (every layout,
+    :func:`check_recorded_shapes`) disagree with the manifest we read it by, before any model or
+    buffer is sized by either, and one whose tokenizer or HF extra files do not parse: every
+    command that reads the checkpoint refuses what any of them would."""
     loc = locate(ckpt)
     if loc.format == "nemo2":
         from porting.convert.context import check_io_json
 
         check_io_json(loc.root, family)
-        return
-    read_common(loc)
+    else:
+        read_common(loc)
     if loc.format == "megatron-bridge":
         from porting.convert.bridge import check_run_config
 
-        check_run_config(loc.weights / RUN_CONFIG, family)
-    if family is not None:
-        from porting.convert.checkpoint import adopted, read_manifest
-        from porting.convert.megatron import DTYPES, build_config
+        check_run_config(loc.weights / RUN_CONFIG, loc.root, family)
+    if family is None:
+        return
+    from porting.convert.checkpoint import adopted, extra_file, read_manifest, tokenizer_files
+    from porting.convert.megatron import DTYPES, build_config
 
-        manifest = read_manifest(ckpt)
-        config, _ = build_config(
-            family,
-            manifest.hf_config,
-            DTYPES[manifest.dtype],
-            1,
-            padded_vocab_size=manifest.padded_vocab_size,
-        )
-        stand_in = adopted(ckpt)
-        check_saved_shape(loc, config, stand_in.source if stand_in else str(loc.manifest_path))
+    manifest = read_manifest(ckpt)
+    tokenizer_files(ckpt, manifest)
+    for name in manifest.extra_files:
+        extra_file(ckpt, name)
+    config, _ = build_config(
+        family,
+        manifest.hf_config,
+        DTYPES[manifest.dtype],
+        1,
+        padded_vocab_size=manifest.padded_vocab_size,
+    )
+    stand_in = adopted(ckpt)
+    where = stand_in.source if stand_in else str(loc.manifest_path)
+    if loc.format != "nemo2":
+        check_saved_shape(loc, config, where)
+    # The layer count and vocabulary first: named by the manifest's field, and a manifest claiming
+    # 10**5 layers is refused before even a meta model of that size is built.
+    from porting.convert.preflight import check_nemo_counts
+
+    check_nemo_counts(ckpt, manifest, config)
+    check_recorded_shapes(loc, config, where)
+
+
+def check_recorded_shapes(loc: Located, config, where: str) -> None:
+    """Every tensor of the model ``config`` (from ``where``) describes against the global shape
+    the checkpoint's ``.metadata`` records for it: one line naming the tensor and both shapes.
+
+    The model is built on the meta device, so a config claiming 2**40 rows costs nothing, and
+    ``.metadata`` has been checked against the bytes stored for each tensor
+    (:func:`porting.convert.dist_reader.read_metadata`), so either side that lies is caught here,
+    before a model is built for real or a tensor is read.
+    """
+    import torch
+
+    from porting.convert.dist_reader import DistCheckpointReader
+    from porting.convert.megatron import build_mcore_model, init_parallel
+    from porting.convert.preflight import check_nemo_layout
+
+    reader = DistCheckpointReader(loc.weights)
+    init_parallel()
+    # Megatron passes no device to torch.empty under CPU initialisation (on a GPU it names one).
+    config.use_cpu_initialization = True
+    with torch.device("meta"):
+        model = build_mcore_model(config)
+    check_nemo_layout(model.sharded_state_dict(prefix=loc.prefix), reader, where)
 
 
 def check_saved_shape(loc: Located, config, where: str) -> None:
@@ -399,7 +448,7 @@ def saved_shape(loc: Located) -> tuple[dict, str]:
     if loc.format == "megatron-bridge":
         from porting.convert.bridge import check_run_config
 
-        model = check_run_config(loc.weights / RUN_CONFIG)
+        model = check_run_config(loc.weights / RUN_CONFIG, loc.root)
         return model, f"{loc.weights / RUN_CONFIG} (model)"
     args = read_common(loc).get("args")
     if not isinstance(args, argparse.Namespace):

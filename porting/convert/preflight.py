@@ -195,7 +195,7 @@ def check_nemo_counts(ckpt: Path, manifest, config) -> None:
         ):
             raise PortingError(
                 f"{where}: padded_vocab_size is {manifest.padded_vocab_size}, but {reader.dir} "
-                f"holds {shape[0]} embedding rows"
+                f"holds {shape[0]} embedding rows ({key!r} is {shape})"
             )
 
 
