@@ -15,7 +15,7 @@ import numpy as np
 
 from data_prep.writer import index_header, read_index, write_index
 from porting.errors import PortingError
-from porting.guard import output_lock, refuse_overlap
+from porting.guard import check_outputs, output_lock
 
 
 def prefixes_in(directory: str | Path) -> list[str]:
@@ -43,10 +43,13 @@ def merge(prefixes: list[str], output_prefix: str | Path, overwrite: bool = Fals
     """
     if not prefixes:
         raise PortingError("nothing to merge")
-    refuse_overlap(
-        [Path(f"{output_prefix}{ext}") for ext in (".bin", ".idx")],
+    check_outputs(
         [("dataset", Path(f"{p}{ext}")) for p in prefixes for ext in (".bin", ".idx")],
-        "--output-prefix",
+        # the temporary files too: one that is a link to an input would be written through
+        writes=[
+            ("--output-prefix", Path(f"{output_prefix}{ext}"))
+            for ext in (".bin", ".idx", ".bin.tmp", ".idx.tmp")
+        ],
     )
     with output_lock(output_prefix, "dataset"):
         return _merge(prefixes, output_prefix, overwrite)

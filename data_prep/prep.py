@@ -58,7 +58,7 @@ from data_prep.tokenizer import (
 )
 from data_prep.writer import WorkDir, total_tokens, write_index_from_doc_lengths
 from porting.errors import PortingError
-from porting.guard import Terminated, output_lock, refuse_overlap, signals_deferred
+from porting.guard import Terminated, check_outputs, output_lock, signals_deferred
 
 log = logging.getLogger(__name__)
 
@@ -621,6 +621,11 @@ def _wind_down(work: WorkDir, opened: bool) -> str:
     return "partial outputs removed"
 
 
+def staging_path(output_prefix: str | Path) -> Path:
+    """Where the units of a ray or slurm job are staged."""
+    return Path(f"{output_prefix}.prep-data.units")
+
+
 def checked_inputs(cfg: PrepConfig) -> tuple[list[Source], str]:
     """Check the flags every executor shares; return the inputs and the tokenizer's fingerprint."""
     keys = tuple(cfg.json_keys)
@@ -638,14 +643,17 @@ def checked_inputs(cfg: PrepConfig) -> tuple[list[Source], str]:
     finals = [output_prefix_for(cfg.output_prefix, k) for k in keys]
     outputs = [Path(f"{f}{ext}") for f in finals for ext in (".bin", ".idx")]
     outputs += [report_path(cfg.output_prefix), work_path(cfg.output_prefix)]
-    refuse_overlap(
-        outputs,
+    if cfg.executor != "local":
+        outputs.append(staging_path(cfg.output_prefix))
+    contract = cfg.tokenizer.contract
+    check_outputs(
         # the directories given as inputs too: an output among their files would be read as
         # input by the next run
         [("input", p) for p in map(Path, cfg.inputs) if p.is_dir()]
         + [("input", s.path) for s in sources]
-        + [("tokenizer", cfg.tokenizer.path)],
-        "--output-prefix",
+        + [("tokenizer", cfg.tokenizer.path)]
+        + [("tokenizer", contract.checkpoint if contract else None)],
+        writes=[("--output-prefix", o) for o in outputs] + [("--emit", cfg.emit)],
     )
     tok_fp = fingerprint(cfg.tokenizer, cfg.include_special_tokens, cfg.use_fast)
     return sources, tok_fp

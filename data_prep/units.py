@@ -47,6 +47,7 @@ from data_prep.prep import (
     output_prefix_for,
     report_counts,
     report_static,
+    staging_path,
     tokenizer_setup,
 )
 from data_prep.records import PROBLEM_KINDS, PROBLEMS_LISTED, listed, refuse_empty
@@ -93,11 +94,6 @@ class Job:
     overwrite: bool
     report: dict
     allow_empty: bool = False
-
-
-def staging_path(output_prefix: str | Path) -> Path:
-    """Where the units of a ray or slurm job are staged."""
-    return Path(f"{output_prefix}.prep-data.units")
 
 
 def plan_units(sources: list[Source], unit_bytes: int) -> list[Unit]:

@@ -13,6 +13,7 @@ import errno
 import importlib
 import logging
 import sys
+import traceback
 
 from porting import guard, quiet
 from porting.errors import PortingError
@@ -65,9 +66,29 @@ def main(argv: list[str] | None = None) -> int:
     before = guard.child_pids()
     try:
         with guard.signals_as_exceptions():
-            return int(args.func(args) or 0)
+            try:
+                code = int(args.func(args) or 0)
+            except BaseException as err:
+                stop = guard.stopped_by(err)
+                if stop is None or stop is err:
+                    raise
+                # wrapped by a library (torch's CheckpointException) or ended otherwise after the
+                # signal: still the signal's stop, not a crash
+                raise stop from err
+            guard.raise_if_stopped()  # the signal's exception lost in a finalizer: not a success
+            return code
     except PortingError as err:
         print(f"porting {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except SystemExit as exit_:
+        # Our commands return their exit code and never exit; a SystemExit from inside one was
+        # raised by a library or a family plugin mid-way, before the command's output was made.
+        # Its code is no verdict on the command: exit 0 here would claim output that is not there.
+        print(
+            f"porting {args.command}: error: {_exit_source(exit_)} called sys.exit"
+            f"({exit_.code!r}) before the command finished; it did not complete",
+            file=sys.stderr,
+        )
         return 2
     except OSError as err:
         if err.errno != errno.ENOSPC:
@@ -90,6 +111,12 @@ def main(argv: list[str] | None = None) -> int:
         kept = getattr(stop, "kept", None) or "partial outputs removed"
         print(f"porting {args.command}: stopped by {name}; {kept}", file=sys.stderr)
         return code
+
+
+def _exit_source(exit_: SystemExit) -> str:
+    """Where ``exit_`` was raised: the innermost frame's ``file:line``."""
+    frames = traceback.extract_tb(exit_.__traceback__)
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "a library"
 
 
 if __name__ == "__main__":

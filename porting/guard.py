@@ -10,6 +10,8 @@
   as the block ends, and the block can ask whether one is pending.
 - :func:`refuse_overlap`: an output that is, lies inside or contains an input is refused before
   anything is written, ``--overwrite`` or not (replacing it would destroy the input).
+  :func:`check_outputs` is what a command calls: every path it writes against every path it
+  reads, and a file output's directory checked, before any work.
 - :func:`stop_new_children`: terminates every process started since a snapshot (our workers,
   multiprocessing managers and resource trackers that Megatron's checkpoint writer starts).
 """
@@ -49,12 +51,49 @@ class Terminated(BaseException):
 
 _SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
+# The signal that stopped this process's command, once one has arrived. Kept apart from the
+# exception: a handler that runs inside a finalizer (``__del__``, ``weakref.finalize``) has its
+# exception printed and dropped, and library code that catches ``BaseException`` may wrap it
+# (torch's ``CheckpointException``) or drop it; the command must stop all the same.
+_stopped: list[int] = []
+
 
 def _raise_terminated(signum: int, frame) -> None:
     # Further signals during the clean-up would interrupt it half-way; the first one decides.
     for sig in (*_SIGNALS, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
+    _stopped.append(signum)
     raise Terminated(signum)
+
+
+def raise_if_stopped() -> None:
+    """Raise :class:`Terminated` again if a termination signal arrived and its exception was lost
+    on the way (see ``_stopped``): called before an output is put in place and as a command ends,
+    so that a stopped run never reports success."""
+    if _stopped:
+        raise Terminated(_stopped[0])
+
+
+def stopped_by(err: BaseException) -> BaseException | None:
+    """The stop (:class:`Terminated`, ``KeyboardInterrupt``) behind ``err``: itself, one in its
+    causes or contexts, or the signal recorded while it propagated; None when there is none."""
+    seen: set[int] = set()
+    todo = [err]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, Terminated | KeyboardInterrupt):
+            return e
+        todo += [x for x in (e.__cause__, e.__context__) if x is not None]
+        # torch.distributed.checkpoint's CheckpointException: {rank: (exception, traceback)}
+        failures = getattr(e, "failures", None)
+        for failure in failures.values() if isinstance(failures, dict) else ():
+            failure = failure[0] if isinstance(failure, tuple) and failure else failure
+            if isinstance(failure, BaseException):
+                todo.append(failure)
+    return Terminated(_stopped[0]) if _stopped else None
 
 
 @contextlib.contextmanager
@@ -78,7 +117,9 @@ def interrupts_as_terminated() -> Iterator[None]:
 @contextlib.contextmanager
 def signals_as_exceptions() -> Iterator[None]:
     """Within the block, SIGTERM and SIGHUP raise :class:`Terminated`; handlers restored after."""
-    previous = {sig: signal.getsignal(sig) for sig in _SIGNALS}
+    _stopped.clear()
+    # SIGINT too: the first stop ignores it for the clean-up, and this block ends that
+    previous = {sig: signal.getsignal(sig) for sig in (*_SIGNALS, signal.SIGINT)}
     for sig in _SIGNALS:
         signal.signal(sig, _raise_terminated)
     try:
@@ -86,31 +127,88 @@ def signals_as_exceptions() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        _stopped.clear()  # the stop was this block's; a later one in this process starts afresh
 
 
 def refuse_overlap(outputs, inputs, flag: str = "--out") -> None:
     """Raise :class:`PortingError` when any of ``outputs`` (paths this run will write or replace)
-    is, lies inside, or contains any of ``inputs`` (``(what, path)`` pairs), compared after
-    resolving symlinks: with ``--overwrite`` the input would be destroyed, without it a later run
-    would read its own output as input."""
+    is, lies inside, or contains any of ``inputs`` (``(what, path)`` pairs; a path of None is
+    skipped): with ``--overwrite`` the input would be destroyed, without it a later run would read
+    its own output as input.
+
+    Compared after resolving symlinks, and by file identity (device and inode) along both paths,
+    which also sees a bind mount or a second spelling on a case-insensitive file system."""
     if isinstance(outputs, str | os.PathLike):
         outputs = [outputs]
+    seen = [
+        (what, given, _Place(Path(os.path.realpath(given))))
+        for what, given in inputs
+        if given is not None
+    ]
     for out in outputs:
-        o = Path(os.path.realpath(out))
-        for what, given in inputs:
-            i = Path(os.path.realpath(given))
-            if o == i:
-                how = "is"
-            elif o.is_relative_to(i):
-                how = "lies inside"
-            elif i.is_relative_to(o):
-                how = "contains"
-            else:
+        o = _Place(Path(os.path.realpath(out)))
+        for what, given, i in seen:
+            how = o.against(i)
+            if how is None:
                 continue
-            via = f" ({o} after symlinks)" if Path(out).absolute() != o else ""
+            via = f" ({o.path} after symlinks)" if Path(out).absolute() != o.path else ""
             raise PortingError(
                 f"{flag} {out}{via} {how} the {what} {given}; choose an output outside every "
                 "input (nothing was written)"
+            )
+
+
+class _Place:
+    """A resolved path with the identities (``st_dev``, ``st_ino``) of itself, if it exists, and
+    of each existing directory above it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.own: tuple[int, int] | None = None
+        self.above: set[tuple[int, int]] = set()
+        for depth, p in enumerate([path, *path.parents]):
+            try:
+                st = os.stat(p)
+            except OSError:
+                continue
+            if depth:
+                self.above.add((st.st_dev, st.st_ino))
+            else:
+                self.own = (st.st_dev, st.st_ino)
+
+    def against(self, i: _Place) -> str | None:
+        """How this output stands to the input ``i``: "is", "lies inside", "contains" or None."""
+        if self.path == i.path or (self.own is not None and self.own == i.own):
+            return "is"
+        if self.path.is_relative_to(i.path) or (i.own is not None and i.own in self.above):
+            return "lies inside"
+        if i.path.is_relative_to(self.path) or (self.own is not None and self.own in i.above):
+            return "contains"
+        return None
+
+
+def check_outputs(reads, writes=(), files=()) -> None:
+    """Refuse, before any work, a command whose outputs would touch its inputs.
+
+    ``reads``: ``(what, path)`` for every path the command reads (a flag or a name: ``--hf-config``,
+    ``HF directory``). ``writes``: ``(flag, path)`` for every directory or prefix it creates or
+    replaces (its parents made as needed). ``files``: ``(flag, path)`` for every single file it
+    writes at the end (a plot, a YAML): its directory must exist and the path must not be a
+    directory, so that a long run does not fail only when it is done. A path of None is skipped.
+    """
+    for flag, path in [*writes, *files]:
+        if path is not None:
+            refuse_overlap(path, reads, flag)
+    for flag, path in files:
+        if path is None:
+            continue
+        path = Path(path)
+        if path.is_dir():
+            raise PortingError(f"{flag} {path}: a directory; give a file name (nothing was run)")
+        if not path.absolute().parent.is_dir():
+            raise PortingError(
+                f"{flag} {path}: no directory {path.absolute().parent} to write it in; create it "
+                "first (nothing was run)"
             )
 
 

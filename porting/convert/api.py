@@ -10,11 +10,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from porting.convert.checkpoint import FORMATS, claimed_output, read_manifest
+from porting.convert.checkpoint import (
+    FORMATS,
+    claimed_output,
+    prepare_output,
+    read_manifest,
+    remove_stale,
+    staged,
+)
 from porting.convert.connectors import export_into
 from porting.convert.layouts import to_megatron_layout
 from porting.errors import PortingError
-from porting.guard import refuse_overlap
+from porting.guard import output_lock, refuse_overlap
 from porting.registry import family_by_name, family_for_hf_dir
 
 
@@ -154,9 +161,6 @@ def convert(
     adopted it (:func:`porting.convert.foreign.reading`). Optimizer and train state are not
     carried (docs/formats.md).
     """
-    import shutil
-    import tempfile
-
     from porting.convert.megatron import padded_vocab
 
     if to not in FORMATS:
@@ -171,20 +175,21 @@ def convert(
     divisor = 128
     if padded_vocab(manifest.vocab_size, divisor) != manifest.padded_vocab_size:
         divisor = manifest.padded_vocab_size
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{Path(out).name}.hf-", dir=Path(out).parent))
-    try:
-        hf = staging / "hf"
-        first = export_hf(src, hf, **gate)
-        second = import_hf(
-            hf,
-            out,
-            overwrite=overwrite,
-            fmt=to,
-            dtype=manifest.dtype,
-            vocab_divisor=divisor,
-            **gate,
-        )
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    # Both steps under the output's lock: the HF copy between them is then this run's alone, and
+    # what a killed run left (that copy included) is removed before another is made.
+    with output_lock(out, "checkpoint"):
+        prepare_output(out, overwrite)
+        remove_stale(out)
+        with staged(out, "hf") as staging:
+            hf = staging / "hf"
+            first = export_hf(src, hf, **gate)
+            second = import_hf(
+                hf,
+                out,
+                overwrite=overwrite,
+                fmt=to,
+                dtype=manifest.dtype,
+                vocab_divisor=divisor,
+                **gate,
+            )
     return [r for r in (first, second) if r is not None]

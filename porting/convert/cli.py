@@ -10,7 +10,7 @@ from pathlib import Path
 
 from porting import guard, quiet
 from porting.convert.checkpoint import FORMATS
-from porting.convert.foreign import add_source_flags
+from porting.convert.foreign import add_source_flags, source_inputs
 from porting.errors import PortingError
 from porting.parity.cli import add_gate_flags, print_report
 
@@ -111,7 +111,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _cmd_import(args) -> int:
     quiet.offline()
     guard.return_freed_memory()
-    guard.refuse_overlap(args.out, [("HF directory", args.hf_dir)])
+    guard.check_outputs([("HF directory", args.hf_dir)], writes=[("--out", args.out)])
     # Taken before NeMo's import (seconds), so that a second run on this output fails at once.
     with guard.output_lock(args.out, "checkpoint"):
         from porting import cpu
@@ -147,7 +147,8 @@ def _cmd_import(args) -> int:
 def _cmd_export(args) -> int:
     quiet.offline()
     guard.return_freed_memory()
-    guard.refuse_overlap(args.out, [("checkpoint", args.ckpt)])
+    reads = source_inputs("checkpoint", args.ckpt, args)
+    guard.check_outputs(reads, writes=[("--out", args.out)])
     with guard.output_lock(args.out, "HF directory"):
         from porting import cpu
         from porting.parity.cli import resolve_device
@@ -180,7 +181,8 @@ def _cmd_export(args) -> int:
 def _cmd_convert(args) -> int:
     quiet.offline()
     guard.return_freed_memory()
-    guard.refuse_overlap(args.out, [("source", args.src)])
+    reads = source_inputs("source", args.src, args)
+    guard.check_outputs(reads, writes=[("--out", args.out)])
     with guard.output_lock(args.out, "checkpoint"):
         from porting import cpu
         from porting.parity.cli import resolve_device

@@ -94,6 +94,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_verify(args) -> int:
+    from porting.convert.foreign import source_inputs
+    from porting.errors import PortingError
+
+    reads = [("HF directory", args.hf_dir), *source_inputs("checkpoint", args.ckpt, args)]
+    guard.check_outputs(reads, files=[("--plot", args.plot)])
+    if args.plot and args.whole_model:
+        raise PortingError("--plot needs the layer-streamed check (drop --whole-model)")
     quiet.offline()
     guard.return_freed_memory()
     from porting import cpu

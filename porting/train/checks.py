@@ -10,13 +10,13 @@ in the launching process, so a bad run fails before a rank starts.
 
 from __future__ import annotations
 
-import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from porting.errors import PortingError
-from porting.guard import refuse_overlap
+from porting.guard import check_outputs
 
 RECOMPUTE = ("none", "selective", "full")
 # Written by SelfDescribingCheckpoint into every checkpoint's context/: the layout it was saved at.
@@ -112,13 +112,13 @@ def _prefixes(items: list[str], flag: str = "--data") -> list[str]:
 
 
 def refuse_input_overlap(spec: TrainSpec) -> None:
-    """``--out`` must not be, lie inside or contain ``--checkpoint`` or any data file: a run
-    directory is written into and may be replaced, and its inputs must survive it."""
-    inputs = [("--checkpoint", spec.checkpoint)]
+    """``--out`` must not be, lie inside or contain ``--checkpoint``, ``--plan`` or any data
+    file: a run directory is written into and may be replaced, and its inputs must survive it."""
+    inputs = [("--checkpoint", spec.checkpoint), ("--plan", spec.plan)]
     for flag, items in (("--data", spec.data), ("--valid-data", spec.valid_data or [])):
         for prefix in _prefixes(items, flag):
             inputs += [(f"{flag} file", f"{prefix}{ext}") for ext in (".bin", ".idx")]
-    refuse_overlap(spec.out, inputs)
+    check_outputs(inputs, writes=[("--out", spec.out)])
 
 
 def megatron_paths(items: list[str], flag: str) -> list:
@@ -329,12 +329,16 @@ _SHAPE = (
 )
 
 
-def read_json(path: Path) -> dict:
-    """A JSON object from ``path``; anything else is an error naming the file."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise PortingError(f"{path}: cannot read JSON ({err})") from err
+def read_json(path: Path, inside: Path | None = None) -> dict:
+    """A JSON object from ``path``, read within the bounds every checkpoint file is read with
+    (``porting.convert.untrusted``); ``inside`` is the checkpoint it belongs to, if any, else the
+    file given by the user is taken where its links lead. Anything else is an error naming it."""
+    from porting.convert import untrusted
+
+    if inside is None:
+        path = Path(os.path.realpath(path))
+        inside = path.parent
+    data = untrusted.read_json(path, inside)
     if not isinstance(data, dict):
         raise PortingError(f"{path}: expected a JSON object")
     return data
@@ -360,7 +364,7 @@ def check_run_dir(spec: TrainSpec, manifest, config) -> None:
     :class:`SelfDescribingCheckpoint`) and ``context/model.yaml`` (NeMo's) are compared with
     ``--checkpoint``'s manifest and model.
     """
-    import yaml
+    from porting.convert import untrusted
 
     source = Path(spec.checkpoint) / "context" / "porting.json"
     facts = _model_facts(manifest, config)
@@ -369,7 +373,7 @@ def check_run_dir(spec: TrainSpec, manifest, config) -> None:
             continue
         ours = ctx / "porting.json"
         if ours.is_file():
-            theirs = read_json(ours)
+            theirs = read_json(ours, ctx.parent)
             for key in ("family", "hf_architecture"):
                 if theirs.get(key) != getattr(manifest, key):
                     raise PortingError(
@@ -388,10 +392,8 @@ def check_run_dir(spec: TrainSpec, manifest, config) -> None:
                     )
         model_yaml = ctx / "model.yaml"
         if model_yaml.is_file():
-            try:
-                cfg = (yaml.safe_load(model_yaml.read_text()) or {}).get("config") or {}
-            except yaml.YAMLError as err:
-                raise PortingError(f"{model_yaml}: cannot read YAML ({err})") from err
+            cfg = untrusted.read_yaml(model_yaml, ctx.parent) or {}
+            cfg = (cfg.get("config") if isinstance(cfg, dict) else None) or {}
             for _, key, _ in _SHAPE:
                 if key is None or key not in cfg:
                     continue
@@ -437,7 +439,7 @@ def check_layout_change(spec: TrainSpec) -> str | None:
     path = ckpt / "context" / LAYOUT_FILE
     if not path.is_file():
         return None
-    saved = read_json(path)
+    saved = read_json(path, ckpt)
     now = {"tp": spec.tp, "pp": spec.pp, "vp": spec.vp, "cp": spec.cp, "dp": spec.data_parallel}
     changed = [k for k in now if saved.get(k, now[k]) != now[k]]
     if not changed:
