@@ -20,15 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from models.falcon import FalconBlock, FalconConfig, FalconModel, falcon_block, falcon_layer_spec
-from porting.convert.config_map import (
-    BOOL,
-    POSITIVE_FLOAT,
-    POSITIVE_INT,
-    Carry,
-    Derived,
-    Field,
-    Require,
-)
+from porting.convert.config_map import Carry, Derived, Field, Require
 from porting.convert.connectors import register_connectors
 from porting.convert.mapping import Fused, Ignore, Rename
 from porting.convert.transforms import VOCAB_PAD
@@ -38,11 +30,8 @@ from porting.family import Family, ShapeContext, Variant
 
 def _query_groups_to_mcore(hf: dict) -> dict:
     """Megatron's query-group count for the HF attention layout; validates the switches together."""
-    heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
-    if not isinstance(heads, int) or heads <= 0 or hidden % heads:
-        raise PortingError(
-            f"config.json: hidden_size={hidden} is not a multiple of num_attention_heads={heads}"
-        )
+    # that the heads divide hidden_size is the shared rule's (config_map.RELATIONS)
+    heads = hf["num_attention_heads"]
     try:
         falcon_block(
             new_decoder_architecture=hf.get("new_decoder_architecture", False),
@@ -54,7 +43,8 @@ def _query_groups_to_mcore(hf: dict) -> dict:
     kv = hf.get("num_kv_heads")
     if hf.get("new_decoder_architecture", False):
         kv = heads if kv is None else kv
-        if not isinstance(kv, int) or kv <= 0 or heads % kv:
+        # not the shared rule: num_kv_heads means KV heads only in the new architecture
+        if heads % kv:
             raise PortingError(
                 f"config.json: num_kv_heads={kv!r} does not divide num_attention_heads={heads}"
             )
@@ -93,32 +83,27 @@ def _zero(v) -> bool:
     return not isinstance(v, bool) and v == 0.0
 
 
+# Each value's type and range is the rule every family shares for that field
+# (config_map.FIELD_RULES).
 CONFIG = (
-    Field("num_hidden_layers", "num_layers", check=POSITIVE_INT),
-    Field("hidden_size", "hidden_size", check=POSITIVE_INT),
-    Field("num_attention_heads", "num_attention_heads", check=POSITIVE_INT),
+    Field("num_hidden_layers", "num_layers"),
+    Field("hidden_size", "hidden_size"),
+    Field("num_attention_heads", "num_attention_heads"),
     # null: one KV head per query head (new architecture) or ignored (classic layouts)
-    Derived(
-        ("num_kv_heads",), _query_groups_to_mcore, _query_groups_to_hf, check=POSITIVE_INT.or_null()
-    ),
+    Derived(("num_kv_heads",), _query_groups_to_mcore, _query_groups_to_hf),
     # null: 4 * hidden_size
-    Derived(("ffn_hidden_size",), _ffn_to_mcore, _ffn_to_hf, check=POSITIVE_INT.or_null()),
-    Field("new_decoder_architecture", "new_decoder_architecture", default=False, check=BOOL),
-    Field("multi_query", "multi_query", default=True, check=BOOL),
-    Field("parallel_attn", "parallel_attn", default=True, check=BOOL),
-    Field(
-        "num_ln_in_parallel_attn",
-        "num_ln_in_parallel_attn",
-        default=None,
-        check=POSITIVE_INT.or_null(),
-    ),
-    Field("alibi", "alibi", default=False, check=BOOL),
-    Field("bias", "add_bias_linear", default=False, check=BOOL),
-    Field("layer_norm_epsilon", "layernorm_epsilon", default=1e-5, check=POSITIVE_FLOAT),
-    Field("rope_theta", "rotary_base", default=10000.0, check=POSITIVE_FLOAT),
-    Field("max_position_embeddings", "seq_length", default=2048, check=POSITIVE_INT),
-    Field("tie_word_embeddings", "share_embeddings_and_output_weights", default=True, check=BOOL),
-    Field("initializer_range", "init_method_std", default=0.02, check=POSITIVE_FLOAT),
+    Derived(("ffn_hidden_size",), _ffn_to_mcore, _ffn_to_hf),
+    Field("new_decoder_architecture", "new_decoder_architecture", default=False),
+    Field("multi_query", "multi_query", default=True),
+    Field("parallel_attn", "parallel_attn", default=True),
+    Field("num_ln_in_parallel_attn", "num_ln_in_parallel_attn", default=None),
+    Field("alibi", "alibi", default=False),
+    Field("bias", "add_bias_linear", default=False),
+    Field("layer_norm_epsilon", "layernorm_epsilon", default=1e-5),
+    Field("rope_theta", "rotary_base", default=10000.0),
+    Field("max_position_embeddings", "seq_length", default=2048),
+    Field("tie_word_embeddings", "share_embeddings_and_output_weights", default=True),
+    Field("initializer_range", "init_method_std", default=0.02),
     Require("activation", lambda v: v == "gelu", "the family's MLP is exact (erf) GELU"),
     Require("rope_scaling", lambda v: v is None, "only unscaled rotary (rope_theta) is supported"),
     Require(
@@ -141,7 +126,7 @@ CONFIG = (
     Require("model_type", lambda v: v == "falcon", "the HF side is transformers' Falcon layout"),
     Carry("architectures"),
     # padded on the Megatron side by the engine, restored exactly on export
-    Carry("vocab_size", check=POSITIVE_INT),
+    Carry("vocab_size"),
     Carry("bos_token_id"),
     Carry("eos_token_id"),
     Carry("pad_token_id"),

@@ -15,13 +15,7 @@ from dataclasses import dataclass
 from converters.tsuzumi import LLAMA_LAYOUT
 from converters.tsuzumi import WEIGHTS as LLAMA_WEIGHTS
 from models.gemma import GemmaConfig, GemmaModel, gelu_erf, gelu_tanh, gemma_block_spec
-from porting.convert.config_map import (
-    BOOL,
-    POSITIVE_INT,
-    Carry,
-    Derived,
-    Field,
-)
+from porting.convert.config_map import POSITIVE_INT, Carry, Derived, Field
 from porting.convert.connectors import register_connectors
 from porting.convert.mapping import Rename
 from porting.errors import PortingError
@@ -76,11 +70,12 @@ def _layout_to_mcore(hf: dict) -> dict:
         if present:
             raise PortingError(f"config.json: {', '.join(present)} are Gemma 2 fields, not Gemma's")
         return out
+    # types, ranges and the layer count are the shared rules' (config_map.FIELD_RULES, RELATIONS)
     n = hf["num_hidden_layers"]
     types = hf.get("layer_types") or [
         "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)
     ]
-    if len(types) != n or set(types) - {"sliding_attention", "full_attention"}:
+    if set(types) - {"sliding_attention", "full_attention"}:
         raise PortingError(
             f"config.json: layer_types={types!r} must name full_attention or sliding_attention "
             f"for each of the {n} layers"
@@ -89,10 +84,6 @@ def _layout_to_mcore(hf: dict) -> dict:
     if "sliding_attention" in types and window is None:
         raise PortingError("config.json: layer_types has sliding layers but sliding_window is null")
     scalar = hf.get("query_pre_attn_scalar", 256)
-    for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
-        value = hf.get(name)
-        if value is not None and (isinstance(value, bool) or not value > 0):
-            raise PortingError(f"config.json: {name}={value!r} must be a positive number or null")
     return out | {
         "softmax_scale": float(scalar) ** -0.5,
         "attn_logit_softcapping": hf.get("attn_logit_softcapping", 50.0),
@@ -109,8 +100,9 @@ _GEMMA_OWN = ("hidden_act", "tie_word_embeddings")
 
 CONFIG = (
     *(e for e in LLAMA_LAYOUT if getattr(e, "hf", None) not in _GEMMA_OWN),
+    # narrower than the shared rule: transformers' Gemma reads config.head_dim, null included
     Field("head_dim", "kv_channels", check=POSITIVE_INT),
-    Field("tie_word_embeddings", "share_embeddings_and_output_weights", default=True, check=BOOL),
+    Field("tie_word_embeddings", "share_embeddings_and_output_weights", default=True),
     # every value is carried verbatim in the original config; export rewrites none of them
     Derived(
         (

@@ -11,7 +11,7 @@ from converters.tsuzumi import HEAD_DIM_OR_NULL, LLAMA_LAYOUT
 from converters.tsuzumi import WEIGHTS as LLAMA_WEIGHTS
 from converters.tsuzumi import shape_context as llama_shape_context
 from models.mistral import MistralConfig, MistralModel
-from porting.convert.config_map import POSITIVE_INT, Field, Require
+from porting.convert.config_map import Field, Require
 from porting.convert.connectors import register_connectors
 from porting.family import Family, Variant
 
@@ -23,8 +23,7 @@ CONFIG = (
         "window_size",
         to_mcore=lambda w: None if w is None else (w - 1, 0),
         to_hf=lambda ws: None if ws is None else ws[0] + 1,
-        default=None,
-        check=POSITIVE_INT.or_null(),
+        default=None,  # null: full attention; 0 is refused in every family (config_map.WINDOW)
     ),
     Require("model_type", lambda v: v == "mistral", "the HF side is the Mistral layout"),
 )

@@ -51,11 +51,11 @@ _FIELDS = (
 )
 
 
-def _positive_int(hf: dict, name: str) -> int:
-    v = hf.get(name)
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise PortingError(f"config.json: {name}={v!r} is invalid: it must be a positive integer")
-    return v
+def _required(hf: dict, name: str):
+    # its type and range are the shared rule's (config_map.FIELD_RULES), checked before this runs
+    if name not in hf:
+        raise PortingError(f"config.json: required field {name!r} is missing")
+    return hf[name]
 
 
 def _not_here(hf: dict, names, which: str) -> None:
@@ -71,31 +71,24 @@ def _moe_to_mcore(hf: dict) -> dict:
             f"config.json: model_type={mtype!r} does not match architecture {arch!r} "
             f"(expected {_MODEL_TYPES.get(arch)!r})"
         )
-    topk = _positive_int(hf, "num_experts_per_tok")
-    aux = hf.get("router_aux_loss_coef", 0.001)
-    if isinstance(aux, bool) or not isinstance(aux, int | float) or aux < 0:
-        raise PortingError(f"config.json: router_aux_loss_coef={aux!r} must be a number >= 0")
-    out = {"moe_router_topk": topk, "moe_aux_loss_coeff": float(aux)}
+    out = {
+        "moe_router_topk": _required(hf, "num_experts_per_tok"),
+        "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.001)),
+    }
     if mtype == "mixtral":
         _not_here(
             hf,
             (*_QWEN_ONLY, "shared_expert_intermediate_size", "qkv_bias", "attention_bias"),
             "Mixtral",
         )
-        experts = _positive_int(hf, "num_local_experts")
-        jitter = hf.get("router_jitter_noise", 0.0)
-        if isinstance(jitter, bool) or not isinstance(jitter, int | float) or not 0 <= jitter < 1:
-            raise PortingError(f"config.json: router_jitter_noise={jitter!r} must be in [0, 1)")
         window = hf.get("sliding_window")
-        if window is not None:
-            _positive_int(hf, "sliding_window")
         return out | {
-            "num_moe_experts": experts,
-            "moe_ffn_hidden_size": _positive_int(hf, "intermediate_size"),
+            "num_moe_experts": _required(hf, "num_local_experts"),
+            "moe_ffn_hidden_size": hf["intermediate_size"],
             # HF renormalises the top-k of the softmax: the softmax of the top-k logits
             "moe_router_pre_softmax": False,
             # the same training-time noise: inputs times U(1 - eps, 1 + eps)
-            "moe_input_jitter_eps": float(jitter) or None,
+            "moe_input_jitter_eps": float(hf.get("router_jitter_noise", 0.0)) or None,
             "window_size": None if window is None else (window - 1, 0),
             "add_qkv_bias": False,
             "qk_layernorm": False,
@@ -110,27 +103,27 @@ def _moe_to_mcore(hf: dict) -> dict:
             "all-sparse models (step 1, no mlp_only_layers) are supported"
         )
     norm = hf.get("norm_topk_prob", False)
-    if not isinstance(norm, bool):
-        raise PortingError(f"config.json: norm_topk_prob={norm!r} must be true or false")
     out |= {
-        "num_moe_experts": _positive_int(hf, "num_experts"),
-        "moe_ffn_hidden_size": _positive_int(hf, "moe_intermediate_size"),
+        "num_moe_experts": _required(hf, "num_experts"),
+        "moe_ffn_hidden_size": _required(hf, "moe_intermediate_size"),
         # without renormalisation HF takes the top-k of the full softmax
         "moe_router_pre_softmax": not norm,
         "hf_mlp_layout": "qwen",
     }
     if mtype == "qwen2_moe":
         _not_here(hf, ("attention_bias",), "Qwen2-MoE")
+        heads, hidden, head_dim = hf["num_attention_heads"], hf["hidden_size"], hf.get("head_dim")
+        if (head_dim or hidden // heads) * heads != hidden:
+            # Qwen2MoeAttention (transformers 4.57) raises unless heads x head_dim is hidden_size
+            raise PortingError(
+                f"config.json: head_dim={head_dim!r} with num_attention_heads={heads} must make "
+                f"hidden_size={hidden}: Qwen2-MoE's attention is exactly hidden_size wide"
+            )
         shared = hf.get("shared_expert_intermediate_size")
-        qkv_bias = hf.get("qkv_bias", True)
-        if not isinstance(qkv_bias, bool):
-            raise PortingError(f"config.json: qkv_bias={qkv_bias!r} must be true or false")
-        if shared is not None and shared != 0:
-            _positive_int(hf, "shared_expert_intermediate_size")
         return out | {
             "moe_shared_expert_intermediate_size": shared or None,
             "moe_shared_expert_gate": bool(shared),
-            "add_qkv_bias": qkv_bias,
+            "add_qkv_bias": hf.get("qkv_bias", True),
             "qk_layernorm": False,
         }
     _not_here(hf, ("shared_expert_intermediate_size", "qkv_bias"), "Qwen3-MoE")

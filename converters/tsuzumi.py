@@ -13,16 +13,7 @@ The HF side uses the Llama checkpoint layout, so parity is checked against the t
 from __future__ import annotations
 
 from models.tsuzumi import TsuzumiConfig, TsuzumiModel
-from porting.convert.config_map import (
-    BOOL,
-    POSITIVE_FLOAT,
-    POSITIVE_INT,
-    PROBABILITY,
-    Carry,
-    Derived,
-    Field,
-    Require,
-)
+from porting.convert.config_map import Carry, Derived, Field, Require
 from porting.convert.connectors import register_connectors
 from porting.convert.mapping import Fused, Ignore, Rename
 from porting.convert.transforms import GATED_MLP, QKV, VOCAB_PAD
@@ -31,13 +22,8 @@ from porting.family import Family, ShapeContext, Variant
 
 
 def _query_groups_to_mcore(hf: dict) -> dict:
-    heads = hf["num_attention_heads"]
-    kv = hf.get("num_key_value_heads") or heads
-    if heads % kv:
-        raise PortingError(
-            f"config.json: num_key_value_heads={kv} does not divide num_attention_heads={heads}"
-        )
-    return {"num_query_groups": kv}
+    # that the KV heads divide the heads is the shared rule's (config_map.RELATIONS)
+    return {"num_query_groups": hf.get("num_key_value_heads") or hf["num_attention_heads"]}
 
 
 def _biases_to_mcore(hf: dict) -> dict:
@@ -101,39 +87,36 @@ def _rope_to_hf(c) -> dict:
 
 
 QUERY_GROUPS = Derived(
-    ("num_key_value_heads",),
+    ("num_key_value_heads",),  # null: transformers uses num_attention_heads
     _query_groups_to_mcore,
     lambda c: {"num_key_value_heads": c.num_query_groups},
-    check=POSITIVE_INT.or_null(),  # null: transformers uses num_attention_heads
 )
 ROPE_SCALING = Derived(("rope_scaling",), _rope_to_mcore, _rope_to_hf)
 # For configs that may leave head_dim out or null (hidden/heads then): the original value is
 # carried back on export as it was, never replaced by the derived one.
 HEAD_DIM_OR_NULL = Derived(
-    ("head_dim",),
-    lambda hf: {"kv_channels": hf.get("head_dim")},
-    lambda c: {},
-    check=POSITIVE_INT.or_null(),
+    ("head_dim",), lambda hf: {"kv_channels": hf.get("head_dim")}, lambda c: {}
 )
 
 # The fields every Llama-layout config shares (Llama, Mistral, Qwen2/3): families built on this
-# layout start from these and add their own.
+# layout start from these and add their own. Each value's type and range is the rule every family
+# shares for that field (config_map.FIELD_RULES).
 LLAMA_LAYOUT = (
-    Field("num_hidden_layers", "num_layers", check=POSITIVE_INT),
-    Field("hidden_size", "hidden_size", check=POSITIVE_INT),
-    Field("intermediate_size", "ffn_hidden_size", check=POSITIVE_INT),
-    Field("num_attention_heads", "num_attention_heads", check=POSITIVE_INT),
+    Field("num_hidden_layers", "num_layers"),
+    Field("hidden_size", "hidden_size"),
+    Field("intermediate_size", "ffn_hidden_size"),
+    Field("num_attention_heads", "num_attention_heads"),
     QUERY_GROUPS,
-    Field("rms_norm_eps", "layernorm_epsilon", check=POSITIVE_FLOAT),
-    Field("rope_theta", "rotary_base", default=10000.0, check=POSITIVE_FLOAT),
-    Field("tie_word_embeddings", "share_embeddings_and_output_weights", default=False, check=BOOL),
-    Field("max_position_embeddings", "seq_length", check=POSITIVE_INT),
-    Field("initializer_range", "init_method_std", default=0.02, check=POSITIVE_FLOAT),
-    Field("attention_dropout", "attention_dropout", default=0.0, check=PROBABILITY),
+    Field("rms_norm_eps", "layernorm_epsilon"),
+    Field("rope_theta", "rotary_base", default=10000.0),
+    Field("tie_word_embeddings", "share_embeddings_and_output_weights", default=False),
+    Field("max_position_embeddings", "seq_length"),
+    Field("initializer_range", "init_method_std", default=0.02),
+    Field("attention_dropout", "attention_dropout", default=0.0),
     Require("hidden_act", lambda v: v == "silu", "the family's MLP is SwiGLU (silu-gated)"),
     Carry("architectures"),
     # padded on the Megatron side by the engine, restored exactly on export
-    Carry("vocab_size", check=POSITIVE_INT),
+    Carry("vocab_size"),
     Carry("bos_token_id"),
     Carry("eos_token_id"),
     Carry("pad_token_id"),
@@ -145,8 +128,8 @@ LLAMA_LAYOUT = (
 
 CONFIG = (
     *LLAMA_LAYOUT,
-    Field("head_dim", "kv_channels", default=None, check=POSITIVE_INT.or_null()),
-    Derived(("attention_bias", "mlp_bias"), _biases_to_mcore, _biases_to_hf, check=BOOL),
+    Field("head_dim", "kv_channels", default=None),
+    Derived(("attention_bias", "mlp_bias"), _biases_to_mcore, _biases_to_hf),
     ROPE_SCALING,
     Require(
         "pretraining_tp",

@@ -102,6 +102,41 @@ class Family:
     summary: str = ""
     context_symbols: tuple[Any, ...] = ()
 
+    def check(self) -> None:
+        """Raise :class:`PortingError` naming the first attribute of the wrong kind.
+
+        A plugin's ``Family`` is built by code we did not write; the registry checks it once, when
+        it loads, so that a malformed one is reported as that plugin's error instead of failing
+        later inside every command that lists the families.
+        """
+
+        def tuple_of(kinds) -> Callable[[Any], bool]:
+            return lambda v: isinstance(v, tuple) and all(isinstance(x, kinds) for x in v)
+
+        rules = (
+            ("name", lambda v: isinstance(v, str) and v != "", "a non-empty string"),
+            ("architectures", tuple_of(str), "a tuple of strings"),
+            ("model_types", tuple_of(str), "a tuple of strings"),
+            ("config_entries", tuple_of(ConfigEntry), "a tuple of config_map entries"),
+            ("weights", tuple_of(Entry), "a tuple of Rename, Fused, Ignore"),
+            ("config_cls", lambda v: isinstance(v, type), "a class"),
+            ("model_cls", lambda v: isinstance(v, type), "a class"),
+            ("shape_context", callable, "a function"),
+            ("hf_model_class", lambda v: v is None or isinstance(v, str | type), "a class name"),
+            ("hf_attn_implementation", lambda v: isinstance(v, str), "a string"),
+            ("variants", tuple_of(Variant), "a tuple of Variant"),
+            ("summary", lambda v: isinstance(v, str), "a string"),
+            ("context_symbols", lambda v: isinstance(v, tuple), "a tuple"),
+        )
+        for attr, ok, what in rules:
+            value = getattr(self, attr)
+            if not ok(value):
+                raise PortingError(
+                    f"Family.{attr} must be {what}, not {type(value).__name__} {value!r:.80}"
+                )
+        if not self.keys:
+            raise PortingError("Family claims no architecture and no model type")
+
     @property
     def keys(self) -> tuple[str, ...]:
         """Every registry key the family claims: its architectures, then its model types."""

@@ -9,6 +9,12 @@ group (ours do so in ``pyproject.toml``, exactly as an outside package does)::
 The entry's name is the family's name. Loading a family imports its converter module, which also
 registers its NeMo ``io.ModelConnector`` importer/exporter; nothing is imported until a family is
 asked for, which keeps NeMo (slow to import) out of commands that do not need it.
+
+A family that fails to load (its import raises or calls ``sys.exit``, or its ``FAMILY`` is not a
+well-formed :class:`~porting.family.Family`) is kept with its error: ``porting families`` lists it
+and exits 2, a checkpoint only it could have claimed is refused naming it, and the other families
+work as before. Ctrl-C and SIGTERM during a slow import stop the command as anywhere else; a
+plugin calling ``os._exit`` ends the process, which no in-process loader can prevent.
 """
 
 from __future__ import annotations
@@ -19,9 +25,10 @@ import importlib.metadata as md
 from dataclasses import dataclass
 from pathlib import Path
 
-from porting.convert.config_map import read_hf_config
+from porting.convert.config_map import read_hf_config, to_mcore
 from porting.errors import PortingError
 from porting.family import Family
+from porting.guard import Terminated
 
 GROUP = "porting.families"
 GUIDE = "docs/families.md"
@@ -47,8 +54,17 @@ def _load(ep: md.EntryPoint) -> Installed:
     base = Installed(ep.name, ep.value, _package(ep))
     try:
         family = ep.load()
-    except Exception as err:  # a broken plugin must not take the others down; it is reported
-        return Installed(**{**base.__dict__, "error": f"{type(err).__name__}: {err}"})
+        if isinstance(family, Family):
+            family.check()
+    except (KeyboardInterrupt, Terminated):
+        raise  # the user stopping the command (a slow plugin import), not the plugin's fault
+    except BaseException as err:
+        # A broken plugin must not take the others down, nor end the process: SystemExit (a
+        # module calling sys.exit on import) is reported like any error. os._exit cannot be caught.
+        said = (str(err).strip().splitlines() or [""])[0][:300]  # it goes into one-line errors
+        what = f"sys.exit({err.code!r}) on import" if isinstance(err, SystemExit) else said
+        kind = "" if isinstance(err, PortingError) else f"{type(err).__name__}: "
+        return Installed(**{**base.__dict__, "error": kind + what})
     if not isinstance(family, Family):
         return Installed(
             **{**base.__dict__, "error": f"{ep.value} is a {type(family).__name__}, not a Family"}
@@ -156,7 +172,8 @@ def family_for_config(hf_config: dict) -> Family:
 
 
 def family_for_hf_dir(hf_dir: str | Path, family: str | None = None) -> tuple[Family, dict]:
-    """The family and parsed config of an HF model directory (errors name its ``config.json``).
+    """The family and parsed config of an HF model directory, the config checked by the family's
+    config map (:func:`porting.convert.config_map.to_mcore`); errors name its ``config.json``.
 
     ``family`` forces one by name (``porting import --family``); it must still claim the config,
     so a checkpoint cannot be read through a table written for another layout.
@@ -170,8 +187,12 @@ def family_for_hf_dir(hf_dir: str | Path, family: str | None = None) -> tuple[Fa
                 f"{where}: family {fam.name} claims {', '.join(fam.keys)}, not architecture "
                 f"{cfg['architectures'][0]!r} (model_type {cfg.get('model_type')!r})"
             )
-        return fam, cfg
-    try:
-        return family_for_config(cfg), cfg
-    except PortingError as err:
-        raise PortingError(f"{where}: {err}") from err
+    else:
+        try:
+            fam = family_for_config(cfg)
+        except PortingError as err:
+            raise PortingError(f"{where}: {err}") from err
+    # Every value and relation the family's config map checks, before any model is built or any
+    # output made: the callers build from this config next.
+    to_mcore(cfg, fam.config_entries, str(where))
+    return fam, cfg

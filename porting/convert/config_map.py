@@ -14,11 +14,16 @@ A family lists every HF field it knows, in one of four kinds:
 Any HF field the family does not list is an error: an unknown field might change the maths, and we
 never drop one silently.
 
-``Field``, ``Derived`` and ``Carry`` take an optional ``check`` (:data:`POSITIVE_INT`,
-:data:`POSITIVE_FLOAT`, :data:`PROBABILITY`, :data:`BOOL`, ...): the type and range the value must
-have, checked for every present field before any conversion runs, so a size of ``0``, ``-1``,
-``true`` or ``1.0`` and a ``rope_theta`` of ``Infinity`` are refused naming the field and the value
-instead of failing later inside Megatron or a layout transform.
+Values are checked before any conversion runs, so a size of ``0``, ``-1``, ``true`` or ``1.0``, a
+``rope_theta`` of ``Infinity`` or a top-k above the expert count is refused naming the field and the
+value instead of failing later inside Megatron, transformers or a layout transform:
+
+- :data:`FIELD_RULES` gives each HF field name one rule (:data:`POSITIVE_INT`, :data:`WINDOW`,
+  :data:`BOOL`, ...), applied in every family that lists the field, ours and plugins alike;
+- :data:`RELATIONS` states once what fields need of each other (``num_experts_per_tok`` at most
+  the expert count, heads dividing ``hidden_size``);
+- ``Field``, ``Derived`` and ``Carry`` take an optional ``check`` that narrows the shared rule for
+  one family (Gemma's ``head_dim`` may not be null).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import stat
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
@@ -76,9 +82,146 @@ def _is_real(v: Any) -> bool:
 
 
 POSITIVE_INT = Check(lambda v: _is_int(v) and v > 0, "a positive integer")
+NON_NEGATIVE_INT = Check(lambda v: _is_int(v) and v >= 0, "an integer >= 0")
 POSITIVE_FLOAT = Check(lambda v: _is_real(v) and v > 0, "a finite number > 0")
+NON_NEGATIVE_FLOAT = Check(lambda v: _is_real(v) and v >= 0, "a finite number >= 0")
 PROBABILITY = Check(lambda v: _is_real(v) and 0 <= v < 1, "a finite number in [0, 1)")
 BOOL = Check(lambda v: isinstance(v, bool), "true or false")
+# transformers masks keys at or beyond W positions back (masking_utils.sliding_window_overlay:
+# kv_idx > q_idx - W), so W=0 admits no key at all and is no "off" value: null is. The attention
+# kernels (flash-attn, Transformer Engine) take the window as a C int.
+WINDOW = Check(lambda v: _is_int(v) and 0 < v < 2**31, "a positive integer below 2**31")
+# Rotary embeddings turn channel pairs: transformers' and Megatron's inv_freq have dim/2 entries,
+# so an odd head width fails inside the first attention (every family with a head_dim is rotary).
+EVEN_WIDTH = Check(lambda v: _is_int(v) and v > 0 and v % 2 == 0, "a positive even integer")
+LAYER_INDICES = Check(
+    lambda v: isinstance(v, list) and all(_is_int(i) and i >= 0 for i in v),
+    "a list of layer indices (integers >= 0)",
+)
+LAYER_TYPES = Check(
+    lambda v: isinstance(v, list) and all(isinstance(t, str) for t in v),
+    "a list of attention kinds, one string per layer",
+)
+
+# One rule per HF field name, applied by :func:`lint` in every family that lists the field, next to
+# the entry's own ``check`` (which may only narrow it): transformers gives a field one meaning
+# across its config classes, so a value that is wrong for one family is wrong for all of them, and
+# no family may read ``sliding_window: 0`` otherwise than another.
+FIELD_RULES: dict[str, Check] = {
+    # sizes; null where transformers derives the value (head_dim: hidden/heads, KV heads: heads)
+    "num_hidden_layers": POSITIVE_INT,
+    "hidden_size": POSITIVE_INT,
+    "intermediate_size": POSITIVE_INT,
+    "ffn_hidden_size": POSITIVE_INT.or_null(),
+    "num_attention_heads": POSITIVE_INT,
+    "num_key_value_heads": POSITIVE_INT.or_null(),
+    "num_kv_heads": POSITIVE_INT.or_null(),
+    "head_dim": EVEN_WIDTH.or_null(),
+    "vocab_size": POSITIVE_INT,
+    "max_position_embeddings": POSITIVE_INT,
+    "num_ln_in_parallel_attn": POSITIVE_INT.or_null(),
+    # numbers
+    "rms_norm_eps": POSITIVE_FLOAT,
+    "layer_norm_epsilon": POSITIVE_FLOAT,
+    "rope_theta": POSITIVE_FLOAT,
+    "initializer_range": POSITIVE_FLOAT,
+    "attention_dropout": PROBABILITY,
+    "query_pre_attn_scalar": POSITIVE_FLOAT,
+    "attn_logit_softcapping": POSITIVE_FLOAT.or_null(),
+    "final_logit_softcapping": POSITIVE_FLOAT.or_null(),
+    # switches
+    "tie_word_embeddings": BOOL,
+    "attention_bias": BOOL,
+    "mlp_bias": BOOL,
+    "qkv_bias": BOOL,
+    "bias": BOOL,
+    "alibi": BOOL,
+    "new_decoder_architecture": BOOL,
+    "multi_query": BOOL,
+    "parallel_attn": BOOL,
+    # windows
+    "sliding_window": WINDOW.or_null(),
+    "use_sliding_window": BOOL,
+    "max_window_layers": NON_NEGATIVE_INT,
+    "layer_types": LAYER_TYPES.or_null(),
+    # experts
+    "num_local_experts": POSITIVE_INT,
+    "num_experts": POSITIVE_INT,
+    "num_experts_per_tok": POSITIVE_INT,
+    "moe_intermediate_size": POSITIVE_INT,
+    "shared_expert_intermediate_size": NON_NEGATIVE_INT.or_null(),  # 0 or null: none
+    "decoder_sparse_step": POSITIVE_INT,  # transformers takes layer_idx + 1 modulo it
+    "mlp_only_layers": LAYER_INDICES.or_null(),
+    "norm_topk_prob": BOOL,
+    "router_aux_loss_coef": NON_NEGATIVE_FLOAT,
+    "router_jitter_noise": PROBABILITY,
+    "output_router_logits": BOOL,
+}
+
+
+@dataclass(frozen=True)
+class Relation:
+    """Fields ``a`` and ``b`` of one config must satisfy ``ok(a, b)`` when both are present and
+    not null (and ``unless`` is absent or null). ``says`` is the message, ``{a}`` and ``{b}``
+    standing for ``name=value`` and ``{vb}`` for ``b``'s value alone
+    (``num_experts_per_tok=9 must be at most num_local_experts=8``). Checked after each field's
+    own rule, so ``ok`` sees values of the right type."""
+
+    a: str
+    b: str
+    ok: Callable[[Any, Any], bool]
+    says: str
+    unless: str | None = None
+
+    def __call__(self, hf_config: dict, where: str) -> None:
+        va, vb = hf_config.get(self.a), hf_config.get(self.b)
+        if va is None or vb is None or (self.unless and hf_config.get(self.unless) is not None):
+            return
+        if not self.ok(va, vb):
+            said = self.says.format(a=f"{self.a}={va!r}", b=f"{self.b}={vb!r}", vb=vb)
+            raise PortingError(f"{where}: {said}")
+
+
+# The relations transformers or Megatron need between fields, each stated once for every family.
+RELATIONS = (
+    Relation(
+        "num_key_value_heads",
+        "num_attention_heads",
+        lambda kv, h: h % kv == 0,
+        "{a} must divide {b}",
+    ),
+    # an explicit head_dim makes the attention width heads x head_dim, apart from hidden_size;
+    # without one, Megatron-LM (arguments.py) asserts the division and transformers' Falcon and
+    # Qwen2-MoE raise
+    Relation(
+        "hidden_size",
+        "num_attention_heads",
+        lambda d, h: d % h == 0,
+        "{a} must be a multiple of {b}",
+        unless="head_dim",
+    ),
+    # the same for a head width that no head_dim gives (stricter than transformers only for
+    # Falcon's ALiBi layout, which has no rotary embedding but no checkpoint of odd width either)
+    Relation(
+        "hidden_size",
+        "num_attention_heads",
+        lambda d, h: d // h % 2 == 0,
+        "{a} over {b} must make an even head width (rotary embeddings turn channel pairs)",
+        unless="head_dim",
+    ),
+    # torch.topk of k above the expert count fails inside the router
+    Relation(
+        "num_experts_per_tok", "num_local_experts", lambda k, n: k <= n, "{a} must be at most {b}"
+    ),
+    Relation("num_experts_per_tok", "num_experts", lambda k, n: k <= n, "{a} must be at most {b}"),
+    # transformers' layer_type_validation raises on any other length
+    Relation(
+        "layer_types",
+        "num_hidden_layers",
+        lambda t, n: len(t) == n,
+        "{a} must name one kind for each of the {vb} layers ({b})",
+    ),
+)
 
 
 @dataclass(frozen=True)
@@ -169,10 +312,16 @@ def lint(hf_config: dict, entries: Iterable[ConfigEntry], where: str = "config.j
     for e in entries:
         if isinstance(e, Field) and e.default is _MISSING and e.hf not in hf_config:
             raise PortingError(f"{where}: required field {e.hf!r} is missing")
+    for name, value in hf_config.items():
+        if name in FIELD_RULES:
+            FIELD_RULES[name](name, value, where)
+    for e in entries:
         if isinstance(e, Field | Derived | Carry) and e.check is not None:
             for name in _names(e):
                 if name in hf_config:
                     e.check(name, hf_config[name], where)
+    for relation in RELATIONS:
+        relation(hf_config, where)
     for e in entries:
         if isinstance(e, Require) and e.hf in hf_config and not e.ok(hf_config[e.hf]):
             raise PortingError(f"{where}: {e.hf}={hf_config[e.hf]!r} is not supported: {e.why}")
@@ -192,6 +341,12 @@ def to_mcore(hf_config: dict, entries: Iterable[ConfigEntry], where: str = "conf
                 out[e.mcore] = e.to_mcore(hf_config[e.hf]) if e.hf in hf_config else e.default
             elif isinstance(e, Derived):
                 out.update(e.to_mcore(hf_config))
+        except PortingError as err:
+            # a family's function is given no path and names the file as plain config.json
+            said = str(err)
+            if where == "config.json" or not said.startswith("config.json: "):
+                raise
+            raise PortingError(f"{where}: {said.removeprefix('config.json: ')}") from err
         except (KeyError, TypeError, ValueError, ArithmeticError) as err:
             fields = ", ".join(f"{n}={hf_config.get(n)!r}" for n in _names(e))
             raise PortingError(
@@ -268,6 +423,69 @@ def model_file(path: str | Path, model_dir: str | Path) -> Path:
     return path
 
 
+# What transformers' tokenizer loading parses in a model directory (tokenization_utils_base: the
+# tokenizer, its config, special and added tokens, chat templates; each class's vocabulary files:
+# vocab.json, merges.txt, tokenizer.model, spiece.model, ...).
+TOKENIZER_FILE = re.compile(
+    r"(tokenizer|special_tokens_map|added_tokens|chat_template|vocab|merges|spiece|"
+    r"sentencepiece).*"
+)
+
+
+def check_model_files(model_dir: str | Path) -> None:
+    """Every file of the HF directory ``model_dir`` may be read: each passes :func:`model_file`,
+    and each tokenizer file (:data:`TOKENIZER_FILE`) is at most
+    :data:`~porting.convert.checkpoint.MAX_TOKENIZER_JSON_BYTES` and, if JSON, parses within
+    :mod:`porting.convert.untrusted`'s bounds (UTF-8, depth, numbers): ``transformers`` and the
+    ``tokenizers`` library answer such files with a traceback, a hang or all the memory there is.
+    Subfolders are skipped: only an index reaches them, and it is checked there.
+    """
+    from porting.convert import untrusted
+    from porting.convert.checkpoint import MAX_TOKENIZER_JSON_BYTES
+
+    for entry in sorted(Path(model_dir).iterdir()):
+        if entry.is_dir():
+            continue
+        real = model_file(entry, model_dir).resolve()  # a hub snapshot's files link to its blobs
+        if not TOKENIZER_FILE.fullmatch(entry.name):
+            continue
+        size = real.stat().st_size
+        if size > MAX_TOKENIZER_JSON_BYTES:
+            raise PortingError(
+                f"{entry}: {size} bytes, more than the {MAX_TOKENIZER_JSON_BYTES} a tokenizer file "
+                "may hold"
+            )
+        if entry.suffix == ".json":
+            try:
+                untrusted.read_json(real, real.parent, max_bytes=MAX_TOKENIZER_JSON_BYTES)
+            except PortingError as err:
+                if not entry.is_symlink():
+                    raise
+                raise PortingError(f"{entry} -> {err}") from None
+
+
+def load_tokenizer(model_dir: str | Path):
+    """The ``transformers`` tokenizer of the HF directory ``model_dir``, its files checked first
+    (:func:`check_model_files`), never fetched and never running the directory's own code. A
+    failure to load is one :class:`PortingError` naming the directory: the ``tokenizers`` library
+    raises plain ``Exception`` for a ``tokenizer.json`` it cannot use, transformers ``OSError``,
+    ``ValueError`` or ``RecursionError`` for its other files."""
+    from transformers import AutoTokenizer
+
+    if not Path(model_dir).is_dir():
+        raise PortingError(f"{model_dir}: not a tokenizer directory")
+    check_model_files(model_dir)
+    try:
+        return AutoTokenizer.from_pretrained(
+            str(model_dir), local_files_only=True, trust_remote_code=False
+        )
+    except Exception as err:
+        said = (str(err).strip().splitlines() or [""])[0][:300]
+        raise PortingError(
+            f"{model_dir}: transformers cannot load its tokenizer ({type(err).__name__}: {said})"
+        ) from err
+
+
 def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
     """``json.loads`` ``object_pairs_hook`` refusing a repeated key (``json`` keeps the last)."""
     out: dict[str, Any] = {}
@@ -297,9 +515,9 @@ def read_json(path: Path, model_dir: str | Path) -> Any:
 def read_hf_config(hf_dir: str | Path) -> dict:
     """Read ``config.json`` of an HF model directory and check its shape.
 
-    Every file of the directory must pass :func:`model_file` first: the tokenizer and generation
-    files are opened by ``transformers`` and copied by us, and a FIFO among them would hang the
-    command. ``config.json`` must be a JSON object whose ``architectures`` names exactly one
+    Every file of the directory must pass :func:`check_model_files` first: the tokenizer and
+    generation files are opened by ``transformers`` and copied by us, and a FIFO among them would
+    hang the command. ``config.json`` must be a JSON object whose ``architectures`` names exactly one
     architecture: porting converts one architecture per checkpoint, and a second entry would
     otherwise be ignored.
     """
@@ -308,9 +526,7 @@ def read_hf_config(hf_dir: str | Path) -> dict:
         raise PortingError(f"{hf_dir}: not a directory")
     if not path.exists() and not path.is_symlink():
         raise PortingError(f"{path}: missing (is {hf_dir} a Hugging Face model directory?)")
-    for entry in sorted(Path(hf_dir).iterdir()):
-        if not entry.is_dir():  # subfolders are reached only through an index, checked there
-            model_file(entry, hf_dir)
+    check_model_files(hf_dir)
     cfg = read_json(path, hf_dir)
     if not isinstance(cfg, dict):
         raise PortingError(f"{path}: must be a JSON object, not a JSON {_json_kind(cfg)}")

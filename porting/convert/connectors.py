@@ -94,12 +94,8 @@ class _CastingSource:
 def _nemo_tokenizer(hf_dir: Path, staging: Path):
     """NeMo's HF tokenizer wrapper over a local copy of the checkpoint's tokenizer files."""
     from nemo.collections.common.tokenizers.huggingface.auto_tokenizer import AutoTokenizer
-    from transformers import AutoTokenizer as HFAutoTokenizer
 
-    try:
-        tok = HFAutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
-    except (OSError, ValueError) as err:
-        raise PortingError(f"{hf_dir}: no usable tokenizer ({err})") from err
+    tok = config_map.load_tokenizer(hf_dir)
     tok.save_pretrained(str(staging))
     return AutoTokenizer(str(staging))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import tempfile
 from pathlib import Path
 
@@ -47,11 +48,8 @@ def foreign_manifest(loc: Located, hf_config: Path, tokenizer: Path | None):
     dtype = reader.dtype(emb)
     config, _ = build_config(family, cfg, dtype, 1, padded_vocab_size=padded)
     check_saved_shape(loc, config, f"{where} ({family.name})")
-    vocab = cfg.get("vocab_size")
-    if not isinstance(vocab, int) or vocab > padded:
-        raise PortingError(
-            f"{where}: vocab_size {vocab!r} does not fit the checkpoint's {padded} embedding rows"
-        )
+    vocab = cfg["vocab_size"]  # a positive integer: the family's config map checked it
+    check_vocabulary(loc, vocab, padded, where)
     manifest = Manifest(
         family=family.name,
         hf_architecture=cfg["architectures"][0],
@@ -65,6 +63,41 @@ def foreign_manifest(loc: Located, hf_config: Path, tokenizer: Path | None):
     return Adopted(
         manifest, Path(tokenizer) if tokenizer else None, f"{where} (--hf-config)", hf_config
     )
+
+
+def check_vocabulary(loc: Located, vocab: int, rows: int, where) -> None:
+    """The HF config's ``vocab`` against the ``rows`` of the checkpoint's embedding (``where``:
+    the config's file, for messages).
+
+    Megatron pads the vocabulary it trains with to a multiple of make_vocab_size_divisible_by x
+    tensor_model_parallel_size (Megatron-LM ``_vocab_size_with_padding``, Megatron-Bridge
+    ``calculate_padded_vocab_size`` unless ``should_pad_vocab`` is off), and export keeps the
+    config's first ``vocab`` rows. Where the checkpoint saved both numbers, its rows must be
+    ``vocab`` itself or ``vocab`` padded so: a config whose vocabulary pads to fewer rows is smaller
+    than the one trained, and export would drop the rows of real tokens (whose ids then fail on
+    every rank). Otherwise ``vocab`` must at least fit the rows.
+    """
+    from porting.convert.layouts import saved_shape
+    from porting.convert.megatron import padded_vocab
+
+    if vocab > rows:
+        raise PortingError(
+            f"{where}: vocab_size {vocab} does not fit the checkpoint's {rows} embedding rows"
+        )
+    saved, source = saved_shape(loc)
+    divisor = saved.get("make_vocab_size_divisible_by")
+    tp = saved.get("tensor_model_parallel_size")
+    counts = all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in (divisor, tp))
+    if saved.get("should_pad_vocab") is False or not counts:
+        return
+    padded = padded_vocab(vocab, divisor * tp)
+    if rows not in (vocab, padded):
+        raise PortingError(
+            f"{where}: vocab_size {vocab} pads to {padded} rows with {source}'s "
+            f"make_vocab_size_divisible_by {divisor} x tensor_model_parallel_size {tp}, but the "
+            f"checkpoint's embedding has {rows}: it was trained with another vocabulary; give the "
+            "config of that one"
+        )
 
 
 def add_source_flags(p) -> None:
@@ -92,6 +125,27 @@ def add_source_flags(p) -> None:
     )
 
 
+# an iteration directory given for its checkpoint (porting.convert.checkpoint.locate)
+_ITERATION = re.compile(r"iter_\d+|release")
+
+
+def source_inputs(what: str, ckpt: Path, args) -> list[tuple[str, Path]]:
+    """Every path a command with :func:`add_source_flags` reads, for
+    :func:`porting.guard.check_outputs`: the checkpoint ``ckpt`` (and its root, given one
+    iteration directory: the tracker and our manifest are read there), ``--hf-config`` as the
+    directory it is read from (its tokenizer files are carried) and ``--tokenizer``."""
+    ckpt = Path(ckpt)
+    inputs = [(what, ckpt)]
+    if (ckpt / ".metadata").is_file() and _ITERATION.fullmatch(ckpt.name):
+        inputs.append((what, ckpt.parent))
+    if args.hf_config is not None:
+        config = Path(args.hf_config)
+        inputs.append(("--hf-config", config.parent if config.is_file() else config))
+    if args.tokenizer is not None:
+        inputs.append(("--tokenizer", Path(args.tokenizer)))
+    return inputs
+
+
 @contextlib.contextmanager
 def reading(ckpt, fmt: str | None = None, hf_config=None, tokenizer=None):
     """Read the checkpoint ``ckpt`` for the block: its layout checked against ``fmt``, and a
@@ -114,21 +168,26 @@ def reading(ckpt, fmt: str | None = None, hf_config=None, tokenizer=None):
     stand_in = foreign_manifest(loc, hf_config, tokenizer)
     with tempfile.TemporaryDirectory(prefix="porting-tokenizer-") as staging:
         if stand_in.tokenizer_dir is not None:
-            stand_in = dataclasses.replace(
-                stand_in, tokenizer_dir=_tokenizer_files_of(stand_in.tokenizer_dir, Path(staging))
+            files = _tokenizer_files_of(
+                stand_in.tokenizer_dir, Path(staging), stand_in.manifest.vocab_size, stand_in.source
             )
+            stand_in = dataclasses.replace(stand_in, tokenizer_dir=files)
         with adopt(ckpt, stand_in):
             yield loc
 
 
-def _tokenizer_files_of(src: Path, staging: Path) -> Path:
-    """The tokenizer of the HF directory ``src``, as ``transformers`` saves it into ``staging``:
-    only its own files (never the weights or the config beside them)."""
-    from transformers import AutoTokenizer
+def _tokenizer_files_of(src: Path, staging: Path, vocab: int, where: str) -> Path:
+    """The tokenizer of the HF directory ``src``
+    (:func:`~porting.convert.config_map.load_tokenizer`), as ``transformers`` saves it into
+    ``staging``: only its own files (never the weights or the config beside them). Its tokens must
+    all have a row of the ``vocab`` that ``where`` gives."""
+    from porting.convert.config_map import load_tokenizer
 
-    try:
-        tok = AutoTokenizer.from_pretrained(str(src), local_files_only=True)
-    except (OSError, ValueError) as err:
-        raise PortingError(f"{src}: no usable tokenizer ({err})") from err
+    tok = load_tokenizer(src)
+    if len(tok) > vocab:
+        raise PortingError(
+            f"{src}: the tokenizer has {len(tok)} tokens, but {where} makes vocab_size {vocab}: "
+            f"ids {vocab} and up would have no embedding row"
+        )
     tok.save_pretrained(str(staging))
     return staging

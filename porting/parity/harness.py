@@ -251,10 +251,9 @@ def verify(
     its GPUs for a conversion); a device that runs out of memory hands the gate to the CPU, with
     one line on stderr, and the verdict is the CPU's.
     """
-    from transformers import AutoTokenizer
 
     from porting.convert.checkpoint import read_manifest, tokenizer_files
-    from porting.convert.config_map import read_hf_config
+    from porting.convert.config_map import load_tokenizer, read_hf_config
     from porting.convert.layouts import check_saved_metadata
     from porting.convert.megatron import build_config
     from porting.convert.preflight import check_float_dtypes, check_hf_checkpoint
@@ -279,11 +278,7 @@ def verify(
     _, ctx = build_config(family, hf_config, torch.float32, vocab_divisor=1)
     check_hf_checkpoint(family, hf_config, ctx, source, Path(hf_dir) / "config.json", "verify")
     tok_files = tokenizer_files(ckpt, manifest)
-    tokenizer = (
-        AutoTokenizer.from_pretrained(str(tok_files[0].parent), local_files_only=True)
-        if tok_files
-        else None
-    )
+    tokenizer = load_tokenizer(tok_files[0].parent) if tok_files else None
     prompts = build_prompts(tokenizer, manifest.vocab_size)
     if whole_model:
         mc = megatron_logits_from_checkpoint(ckpt, prompts, manifest.vocab_size)
