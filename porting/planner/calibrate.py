@@ -19,11 +19,32 @@ from pathlib import Path
 
 from porting.errors import PortingError
 from porting.planner.cluster import Cluster
-from porting.planner.comm import Efficiency, Network, allreduce, p2p
+from porting.planner.comm import (
+    EFFICIENCY_RANGES,
+    Efficiency,
+    Network,
+    allreduce,
+    check_efficiency,
+    p2p,
+)
+from porting.planner.limits import (
+    MAX_CONSTANTS_BYTES,
+    MAX_LOG_BYTES,
+    MAX_LOGS,
+    MAX_LOGS_BYTES,
+    Range,
+    parse_yaml,
+    read_text,
+    show,
+)
 from porting.planner.perf import Evaluator, Layout
 from porting.planner.placement import NODE, SITE, WAN, GroupShape
 
-_RANK = re.compile(r"^#\s*Rank\s+(\d+)\s+Group\s+\d+\s+Pid\s+\d+\s+on\s+(\S+)")
+_RANK = re.compile(r"^#\s*Rank\s+([0-9]{1,9})\s+Group\s+[0-9]+\s+Pid\s+[0-9]+\s+on\s+(\S+)")
+# A row's message size (bytes, up to 1 PiB), time (us, up to a day) and bus bandwidth (GB/s)
+ROW_BYTES = Range(0, 1 << 50, integer=True)
+ROW_TIME_US = Range(0, 86_400e6)
+ROW_BUSBW_GB_S = Range(0, 1e6)
 _COLLECTIVE = re.compile(r"(all_reduce|all_gather|reduce_scatter|sendrecv|alltoall|broadcast)")
 
 
@@ -54,7 +75,7 @@ class NcclTest:
 def parse_nccl_test(path: str | Path) -> NcclTest:
     """Parse one nccl-tests log; the level comes from the file name."""
     p = Path(path)
-    text = p.read_text(errors="replace")
+    text = read_text(p, str(p), MAX_LOG_BYTES)
     name = p.name
     link = site = None
     tail = re.match(r"^(node|site|link)(?:-(.+?))?_(?:" + _COLLECTIVE.pattern[1:-1] + ")", name)
@@ -75,7 +96,7 @@ def parse_nccl_test(path: str | Path) -> NcclTest:
         raise PortingError(f"{p}: cannot tell the collective (all_reduce, sendrecv, ...)")
     hosts: dict[int, str] = {}
     rows: list[tuple[int, float, float]] = []
-    for line in text.splitlines():
+    for number, line in enumerate(text.splitlines(), 1):
         m = _RANK.match(line.strip())
         if m:
             hosts[int(m.group(1))] = m.group(2)
@@ -83,19 +104,27 @@ def parse_nccl_test(path: str | Path) -> NcclTest:
         if line.lstrip().startswith("#") or not line.strip():
             continue
         tok = line.split()
-        if not tok[0].isdigit() or len(tok) < 9:
+        if not (tok[0].isascii() and tok[0].isdigit()) or len(tok) < 9:
             continue
         try:
             size = int(tok[0])
             t_us, busbw = float(tok[-8]), float(tok[-6])
         except ValueError:
             continue
+        where = f"{p}: line {number}"
+        ROW_BYTES.check(size, f"{where}: size")
+        ROW_TIME_US.check(t_us, f"{where}: time (us)")
+        ROW_BUSBW_GB_S.check(busbw, f"{where}: busbw (GB/s)")
         rows.append((size, t_us * 1e-6, busbw * 1e9))
     if not rows:
         raise PortingError(f"{p}: no result rows (size count type ... time algbw busbw)")
     if not hosts:
         raise PortingError(f"{p}: no '# Rank N ... on HOST' lines; cannot tell the rank count")
+    if len(hosts) < 2 and found.group(1) != "sendrecv":
+        raise PortingError(f"{p}: {len(hosts)} rank; a collective over one rank measures nothing")
     rows.sort()
+    if rows[-1][0] <= 0 or max(r[2] for r in rows[-3:]) <= 0:
+        raise PortingError(f"{p}: the largest messages show no bandwidth (size or busbw 0)")
     return NcclTest(
         path=str(p),
         level=level,
@@ -113,10 +142,23 @@ def load_nccl_tests(directory: str | Path) -> list[NcclTest]:
     d = Path(directory)
     if not d.is_dir():
         raise PortingError(f"--calibrate {d}: not a directory")
-    files = sorted(f for f in d.iterdir() if f.suffix in (".log", ".txt", ".out"))
+    files = []
+    for f in d.iterdir():
+        if f.suffix in (".log", ".txt", ".out"):
+            files.append(f)
+            if len(files) > MAX_LOGS:
+                raise PortingError(
+                    f"--calibrate {d}: more than the planner's limit of {MAX_LOGS} logs"
+                )
     if not files:
         raise PortingError(f"--calibrate {d}: no nccl-tests logs (*.log, *.txt, *.out)")
-    return [parse_nccl_test(f) for f in files]
+    total = sum(f.stat().st_size for f in files if f.is_file())
+    if total > MAX_LOGS_BYTES:
+        raise PortingError(
+            f"--calibrate {d}: {total} bytes of logs is more than the planner's limit of "
+            f"{MAX_LOGS_BYTES}"
+        )
+    return [parse_nccl_test(f) for f in sorted(files)]
 
 
 def _test_shape(cluster: Cluster, t: NcclTest) -> GroupShape:
@@ -203,6 +245,7 @@ def fit_levels(
             lat_before = predict_test(cluster, eff, t, small)
             eff = replace(eff, **{name: value})
             eff = replace(eff, wan_latency_scale=eff.wan_latency_scale * t.small_time / lat_before)
+        check_efficiency(eff, f"{t.path}: fitted")
         fits.append(
             LevelFit(
                 path=t.path,
@@ -311,21 +354,14 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
 
 def load_constants(path: str | Path) -> Efficiency:
     """Efficiency constants from a YAML file written by ``--save-constants``."""
-    import yaml
-
     p = Path(path)
-    try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except (OSError, yaml.YAMLError) as err:
-        raise PortingError(f"--constants {p}: cannot read ({err})") from err
+    data = parse_yaml(read_text(p, f"--constants {p}", MAX_CONSTANTS_BYTES), str(p)) or {}
     if not isinstance(data, dict):
         raise PortingError(f"{p}: expected a mapping of constant names to numbers")
-    known = set(Efficiency.__dataclass_fields__)
     for key, value in data.items():
-        if key not in known:
-            raise PortingError(f"{p}: {key}: unknown constant (known: {', '.join(sorted(known))})")
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
-            raise PortingError(f"{p}: {key}: expected a number, got {value!r}")
-        if value is not None and value <= 0 and key != "wan_latency_scale":
-            raise PortingError(f"{p}: {key}: must be > 0")
+        if key not in EFFICIENCY_RANGES:
+            known = ", ".join(sorted(EFFICIENCY_RANGES))
+            raise PortingError(f"{p}: {show(key)}: unknown constant (known: {known})")
+        if value is not None or key not in ("node_latency", "site_latency"):
+            EFFICIENCY_RANGES[key].check(value, f"{p}: {key}")
     return replace(Efficiency(), **data)

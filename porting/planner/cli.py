@@ -4,11 +4,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from porting import guard
 from porting.errors import PortingError
+from porting.planner.limits import (
+    GLOBAL_BATCH,
+    MAX_GPUS,
+    MAX_MICRO_BATCH_SIZES,
+    MICRO_BATCH,
+    SEQ_LENGTH,
+    STEP_SECONDS,
+    positive_int,
+    show,
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -31,9 +43,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "gpt-1.7b ... gpt-1t, tiny)",
     )
     p.add_argument("--cluster", type=Path, required=True, help="cluster YAML (examples/clusters)")
-    p.add_argument("--global-batch", type=int, required=True, help="sequences per step")
-    p.add_argument("--seq-length", type=int, required=True, help="tokens per sequence")
-    p.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
+    # numbers are read as text and checked by _cmd_plan: one error line naming the flag
+    p.add_argument("--global-batch", required=True, help="sequences per step")
+    p.add_argument("--seq-length", required=True, help="tokens per sequence")
+    p.add_argument("--top", default="10", help="layouts to show (default 10)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--rejected", action="store_true", help="list rejected layouts and why")
     p.add_argument(
@@ -48,7 +61,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--measured-step",
-        type=float,
         metavar="SECONDS",
         help="measured step time of the chosen layout: fit the compute efficiency to it",
     )
@@ -73,7 +85,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--no-distributed-optimizer", action="store_true")
     g.add_argument(
         "--instances",
-        type=int,
         help="distributed-optimizer instances (default: one per site where the sites allow)",
     )
     g.add_argument(
@@ -98,21 +109,42 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_plan)
 
 
+def _integer(text: str, where: str) -> int:
+    """A flag's integer: ASCII digits only (no 1e3, no Unicode digits, no 5000-digit numbers)."""
+    text = str(text).strip()
+    if not (text.isascii() and text.isdigit()) or len(text) > 4000:
+        raise PortingError(f"{where}: expected a positive integer, got {show(text)}")
+    return int(text)
+
+
+def _seconds(text: str, where: str) -> float:
+    """A flag's number of seconds, finite and in range."""
+    try:
+        value = float(text) if len(text) <= 40 else math.nan
+    except ValueError:
+        raise PortingError(f"{where}: expected a number of seconds, got {show(text)}") from None
+    return float(STEP_SECONDS.check(value, where))
+
+
 def _settings(args):
     from porting.planner.perf import Settings
     from porting.planner.placement import ORDER_DEFAULT, ORDER_TP_PP_DP
 
-    try:
-        mbs = tuple(int(x) for x in args.micro_batches.split(","))
-    except ValueError:
-        raise PortingError(f"--micro-batches {args.micro_batches!r}: expected e.g. 1,2,4") from None
-    if not mbs or min(mbs) <= 0:
-        raise PortingError("--micro-batches: sizes must be positive")
-    if args.instances is not None and args.instances <= 0:
-        raise PortingError("--instances must be positive")
+    items = str(args.micro_batches).split(",")
+    if len(items) > MAX_MICRO_BATCH_SIZES:
+        raise PortingError(
+            f"--micro-batches: {len(items)} sizes, more than the planner's limit of "
+            f"{MAX_MICRO_BATCH_SIZES}"
+        )
+    mbs = tuple(MICRO_BATCH.check(_integer(x, "--micro-batches"), "--micro-batches") for x in items)
+    instances = None
+    if args.instances is not None:
+        instances = int(
+            positive_int(MAX_GPUS).check(_integer(args.instances, "--instances"), "--instances")
+        )
     return Settings(
         distributed_optimizer=not args.no_distributed_optimizer,
-        instances=args.instances,
+        instances=instances,
         overlap_grad_reduce=args.overlap,
         overlap_param_gather=args.overlap,
         tp_comm_overlap=args.tp_comm_overlap,
@@ -161,24 +193,30 @@ def parse_layout(text: str, ev) -> object:
         elif key == "sites":
             fields[key] = value
         else:
-            try:
-                fields[key] = int(value)
-            except ValueError:
-                raise PortingError(f"--layout: {key}={value!r}: expected an integer") from None
-            if fields[key] <= 0:
-                raise PortingError(f"--layout: {key} must be positive")
+            fields[key] = positive_int(MAX_GPUS).check(
+                _integer(value, f"--layout: {key}"), f"--layout: {key}"
+            )
     tp, pp, cp = fields["tp"], fields["pp"], fields["cp"]
     world = ev.cluster.world
     if world % (tp * pp * cp):
         raise PortingError(f"--layout: TP x PP x CP = {tp * pp * cp} does not divide {world} GPUs")
+    bad = [x for x in ev.cluster.sites if x.gpus_per_node % tp]
+    if bad:
+        raise PortingError(
+            f"--layout: TP {tp} does not divide site {bad[0].name}'s {bad[0].gpus_per_node} GPUs "
+            "per node (TP stays inside a node)"
+        )
     order = ORDER_DEFAULT if fields["order"] == "default" and pp > 1 else ORDER_TP_PP_DP
     sites: tuple[str, ...] = ()
     names = tuple(x.name for x in ev.cluster.sites)
     if order == ORDER_DEFAULT and len(names) > 1:
         sites = tuple(fields["sites"].split(">")) if fields["sites"] else names
-        ev.cluster.reordered(sites)  # names each site once, or says which
-        if sites not in ev.cluster.site_orders() and sites[::-1] in ev.cluster.site_orders():
-            sites = sites[::-1]
+        try:
+            ev.cluster.reordered(sites).ring_links()  # each site once, each neighbour linked
+        except PortingError as err:
+            raise PortingError(f"--layout: sites: {err}") from None
+        if names.index(sites[0]) > names.index(sites[-1]):
+            sites = sites[::-1]  # the search lists one of each pair that reverses the other
     elif fields["sites"]:
         raise PortingError(
             "--layout: sites= only applies with order=default (pipeline across sites)"
@@ -208,10 +246,11 @@ def parse_layout(text: str, ev) -> object:
 
 
 def _check_layout(layout, ev) -> None:
-    """The search's divisibility rules, for a layout given by hand."""
+    """The search's divisibility rules, for a layout given by hand (in any order of the sites
+    the links allow, not only those the search tried)."""
     from porting.planner.search import Rejected, enumerate_layouts
 
-    for item in enumerate_layouts(ev):
+    for item in enumerate_layouts(ev, [layout.sites] if layout.sites else []):
         if not isinstance(item, Rejected) and item == layout:
             return
     raise PortingError(
@@ -225,13 +264,32 @@ def _cmd_plan(args) -> int:
     from porting.planner import report
     from porting.planner.cluster import load_cluster
     from porting.planner.comm import Efficiency
-    from porting.planner.model import load_model
+    from porting.planner.model import PRESETS, load_model
     from porting.planner.perf import Evaluator, Infeasible
     from porting.planner.search import plan
 
+    guard.check_outputs(
+        [
+            ("--model", None if args.model in PRESETS else args.model),
+            ("--cluster", args.cluster),
+            ("--calibrate", args.calibrate),
+            ("--constants", args.constants),
+        ],
+        writes=[("--emit", args.emit)],
+        files=[("--plot", args.plot), ("--save-constants", args.save_constants)],
+    )
+    args.seq_length = int(
+        SEQ_LENGTH.check(_integer(args.seq_length, "--seq-length"), "--seq-length")
+    )
+    args.global_batch = int(
+        GLOBAL_BATCH.check(_integer(args.global_batch, "--global-batch"), "--global-batch")
+    )
+    args.top = int(positive_int(1 << 20).check(_integer(args.top, "--top"), "--top"))
+    if args.measured_step is not None:
+        args.measured_step = _seconds(args.measured_step, "--measured-step")
+    settings = _settings(args)
     model = load_model(args.model)
     cluster = load_cluster(args.cluster)
-    settings = _settings(args)
     eff = cal.load_constants(args.constants) if args.constants else Efficiency()
     out: dict = {}
     lines: list[str] = []
@@ -261,8 +319,6 @@ def _cmd_plan(args) -> int:
         except Infeasible as err:
             raise PortingError(f"--layout {layout.label()}: {err}") from None
     if args.measured_step is not None:
-        if args.measured_step <= 0:
-            raise PortingError("--measured-step must be positive")
         before = chosen.step
         eff = cal.fit_step(ev, chosen.layout, args.measured_step)
         result = plan(model, cluster, args.seq_length, args.global_batch, settings, eff)

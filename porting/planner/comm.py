@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass
 
 from porting.planner.cluster import MIB, Cluster, Link, NcclSettings
+from porting.planner.limits import Range
 from porting.planner.placement import NODE, SITE, WAN, GroupShape
 
 # NCCL_BUFFSIZE values the planner recommends stay within these bounds: NCCL's default, and a
@@ -53,6 +54,31 @@ class Efficiency:
     node_latency: float | None = None  # seconds per step; None: the cluster file's value
     site_latency: float | None = None
     wan_latency_scale: float = 1.0
+
+
+# What each constant may be, from a constants file or a fit (docs/planner.md "Limits"): a
+# fraction of peak above 1, a bandwidth ten times its nominal or a latency of seconds per step is
+# a wrong log or cluster file, and zero would divide.
+EFFICIENCY_RANGES = {
+    "compute": Range(0.001, 1),
+    "memory_passes": Range(0.001, 1000),
+    "node_bw": Range(0.001, 10),
+    "site_bw": Range(0.001, 10),
+    "wan_rdma": Range(0.001, 10),
+    "wan_tcp": Range(0.001, 10),
+    "node_latency": Range(1e-9, 1),
+    "site_latency": Range(1e-9, 1),
+    "wan_latency_scale": Range(0, 1000),
+}
+
+
+def check_efficiency(eff: Efficiency, where: str) -> Efficiency:
+    """``eff`` if every constant is inside its range; else an error naming ``where`` and it."""
+    for name, accepted in EFFICIENCY_RANGES.items():
+        value = getattr(eff, name)
+        if value is not None:
+            accepted.check(value, f"{where}: {name}")
+    return eff
 
 
 @dataclass(frozen=True)
@@ -151,6 +177,8 @@ class Network:
         self.site_lat = (
             eff.site_latency if eff.site_latency is not None else max(s.net.latency for s in sites)
         )
+        # every layout of a placement asks for the same few paths: the search's hot spot
+        self._paths: dict[tuple, tuple[object, Path]] = {}
 
     def link_share(self, link: Link, flows: int) -> tuple[float, NcclSettings]:
         """Bandwidth one of ``flows`` concurrent flows gets over ``link``, and the NCCL settings.
@@ -168,11 +196,22 @@ class Network:
         usable = link.bandwidth * min(link.count, flows * streams) * eff
         share = min(usable / flows, self.net_bw * self.eff.site_bw)
         nccl = tuned_nccl(base, share, link) if self.tune else base
+        if link.rtt <= 0:  # no distance and no switch latency: nothing in flight to wait for
+            return share, nccl
         window = nccl.channels * nccl.buffsize / link.rtt
         return min(share, window), nccl
 
     def path(self, g: GroupShape, flows: int | None = None) -> Path:
         """The path a ring over groups shaped ``g`` sees (``flows``: groups crossing at once)."""
+        # by identity (hashing a shape hashes all its links); the entry keeps ``g`` alive, so
+        # its id cannot come back for another shape
+        key = (id(g), flows)
+        hit = self._paths.get(key)
+        if hit is None:
+            hit = self._paths[key] = (g, self._path(g, flows))
+        return hit[1]
+
+    def _path(self, g: GroupShape, flows: int | None) -> Path:
         node = self.node_bw * self.eff.node_bw
         if g.level == NODE:
             return Path(node, self.node_lat, NODE)
@@ -188,6 +227,13 @@ class Network:
 
     def link_path(self, link: Link, flows: int) -> Path:
         """A point-to-point path over one inter-site link with ``flows`` concurrent flows."""
+        key = (id(link), flows)
+        hit = self._paths.get(key)
+        if hit is None:
+            hit = self._paths[key] = (link, self._link_path(link, flows))
+        return hit[1]
+
+    def _link_path(self, link: Link, flows: int) -> Path:
         share, _ = self.link_share(link, flows)
         bw = min(share, self.net_bw * self.eff.site_bw)
         return Path(bw, link.one_way * self.eff.wan_latency_scale + self.site_lat, WAN)

@@ -8,12 +8,25 @@ untied output layers and Falcon's parallel attention+MLP block.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from porting.errors import PortingError
+from porting.planner.limits import MAX_CONFIG_BYTES, parse_json, positive_int, read_text, show
+
+# Ceilings on a model's shape (docs/planner.md "Limits"), far above any published dense decoder
+# (hidden 25,600 for GPT 1T, ~130 layers, 160 heads, vocabularies of ~260k): past them a config
+# is a typo or a hostile file, and its FLOP and memory sums stop meaning anything.
+SHAPE_LIMITS = {
+    "hidden": positive_int(1 << 17),
+    "layers": positive_int(4096),
+    "heads": positive_int(1 << 14),
+    "kv_heads": positive_int(1 << 14),
+    "ffn": positive_int(1 << 20),
+    "vocab": positive_int(1 << 24),
+    "head_dim": positive_int(1 << 14),
+}
 
 
 @dataclass(frozen=True)
@@ -44,10 +57,9 @@ class ModelShape:
     dropout: bool = False  # hidden/attention dropout on: its masks are stored for backward
 
     def __post_init__(self) -> None:
-        for field_name in ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab"):
-            value = getattr(self, field_name)
-            if not isinstance(value, int) or value <= 0:
-                raise PortingError(f"model {self.name}: {field_name} must be a positive integer")
+        for field_name, accepted in SHAPE_LIMITS.items():
+            if field_name != "head_dim" or self.head_dim:
+                accepted.check(getattr(self, field_name), f"model {self.name}: {field_name}")
         if self.heads % self.kv_heads:
             raise PortingError(
                 f"model {self.name}: num_key_value_heads {self.kv_heads} does not divide "
@@ -60,6 +72,12 @@ class ModelShape:
                     f"num_attention_heads {self.heads} (give head_dim)"
                 )
             object.__setattr__(self, "head_dim", self.hidden // self.heads)
+        # asked for several times by every layout the search predicts
+        object.__setattr__(self, "_matmul_params", self._count_matmul_params())
+
+    def matmul_params_per_layer(self) -> int:
+        """Weights of the linear layers of one block (what the GEMM FLOPs scale with)."""
+        return self._matmul_params
 
     @property
     def q_width(self) -> int:
@@ -71,8 +89,7 @@ class ModelShape:
         """Width of one of the key/value projections (KV heads x head_dim)."""
         return self.kv_heads * self.head_dim
 
-    def matmul_params_per_layer(self) -> int:
-        """Weights of the linear layers of one block (what the GEMM FLOPs scale with)."""
+    def _count_matmul_params(self) -> int:
         attn = self.hidden * (self.q_width + 2 * self.kv_width) + self.q_width * self.hidden
         mlp = self.hidden * self.ffn * (2 if self.gated else 1) + self.ffn * self.hidden
         return attn + mlp
@@ -115,17 +132,16 @@ class ModelShape:
         return self.layers * per_layer + 6 * self.hidden * self.vocab
 
 
-def _count(value: object, field_name: str, source: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise PortingError(f"{source}: {field_name} must be a positive integer, got {value!r}")
-    return value
+def _count(value: object, field_name: str, source: str, shape_field: str) -> int:
+    """``value`` of the HF field ``field_name`` if it is within the ceiling of ``shape_field``."""
+    return int(SHAPE_LIMITS[shape_field].check(value, f"{source}: {field_name}"))
 
 
-def _need(cfg: dict, source: str, *names: str) -> int:
+def _need(cfg: dict, source: str, shape_field: str, *names: str) -> int:
     """The first of ``names`` present in ``cfg`` (HF configs rename fields across versions)."""
     for name in names:
         if name in cfg and cfg[name] is not None:
-            return _count(cfg[name], name, source)
+            return _count(cfg[name], name, source, shape_field)
     raise PortingError(f"{source}: missing field {names[0]}")
 
 
@@ -147,28 +163,29 @@ def from_hf_config(cfg: dict, source: str = "config.json", name: str | None = No
         # Refused rather than planned as a dense model: its FLOPs, memory and all-to-all traffic
         # would all be wrong.
         raise PortingError(
-            f"{source}: a mixture-of-experts model ({experts} experts); the planner's time and "
-            "memory model covers dense decoders only, and expert parallelism is not in its search"
+            f"{source}: a mixture-of-experts model ({show(experts)} experts); the planner's time "
+            "and memory model covers dense decoders only, and expert parallelism is not in its "
+            "search"
         )
-    hidden = _need(cfg, source, "hidden_size", "n_embed")
-    layers = _need(cfg, source, "num_hidden_layers", "n_layer")
-    heads = _need(cfg, source, "num_attention_heads", "n_head")
-    vocab = _need(cfg, source, "vocab_size")
+    hidden = _need(cfg, source, "hidden", "hidden_size", "n_embed")
+    layers = _need(cfg, source, "layers", "num_hidden_layers", "n_layer")
+    heads = _need(cfg, source, "heads", "num_attention_heads", "n_head")
+    vocab = _need(cfg, source, "vocab", "vocab_size")
     head_dim = cfg.get("head_dim") or 0
     if head_dim:
-        head_dim = _count(head_dim, "head_dim", source)
+        head_dim = _count(head_dim, "head_dim", source, "head_dim")
     if _is_falcon_layout(cfg):
         # transformers' FalconConfig / modeling_falcon.py: MQA for 7B, num_kv_heads groups for
         # the new decoder architecture (40B/180B/11B), MHA for the RW layout.
         new_arch = bool(cfg.get("new_decoder_architecture", False))
         if new_arch:
-            kv = _count(cfg.get("num_kv_heads", heads), "num_kv_heads", source)
+            kv = _count(cfg.get("num_kv_heads", heads), "num_kv_heads", source, "kv_heads")
         elif cfg.get("multi_query", True):
             kv = 1
         else:
             kv = heads
         ffn = cfg.get("ffn_hidden_size") or 4 * hidden
-        ffn = _count(ffn, "ffn_hidden_size", source)
+        ffn = _count(ffn, "ffn_hidden_size", source, "ffn")
         parallel = bool(cfg.get("parallel_attn", True)) or new_arch
         if new_arch:
             norms = 1 if cfg.get("num_ln_in_parallel_attn") == 1 else 2
@@ -191,7 +208,7 @@ def from_hf_config(cfg: dict, source: str = "config.json", name: str | None = No
             bias=bool(cfg.get("bias", False)),
         )
     kv = cfg.get("num_key_value_heads")
-    kv = heads if kv is None else _count(kv, "num_key_value_heads", source)
+    kv = heads if kv is None else _count(kv, "num_key_value_heads", source, "kv_heads")
     act = str(cfg.get("hidden_act", "silu"))
     return ModelShape(
         name=name,
@@ -199,7 +216,7 @@ def from_hf_config(cfg: dict, source: str = "config.json", name: str | None = No
         layers=layers,
         heads=heads,
         kv_heads=kv,
-        ffn=_need(cfg, source, "intermediate_size"),
+        ffn=_need(cfg, source, "ffn", "intermediate_size"),
         vocab=vocab,
         tied=bool(cfg.get("tie_word_embeddings", False)),
         gated=act in ("silu", "swiglu", "swish"),
@@ -301,7 +318,7 @@ def load_model(spec: str | Path) -> ModelShape:
         manifest = path / "context" / "porting.json"
         if manifest.is_file():
             data = _read_json(manifest)
-            if "hf_config" not in data:
+            if not isinstance(data, dict) or "hf_config" not in data:
                 raise PortingError(f"{manifest}: missing field hf_config")
             return from_hf_config(data["hf_config"], f"{manifest}: hf_config", path.name)
         path = path / "config.json"
@@ -312,11 +329,8 @@ def load_model(spec: str | Path) -> ModelShape:
     return from_hf_config(_read_json(path), str(path), path.parent.name or path.name)
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise PortingError(f"{path}: cannot read JSON ({err})") from err
+def _read_json(path: Path) -> object:
+    return parse_json(read_text(path, str(path), MAX_CONFIG_BYTES), str(path))
 
 
 def divisors(n: int) -> list[int]:

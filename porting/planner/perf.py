@@ -24,10 +24,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from porting.errors import PortingError
 from porting.planner.cluster import GIB, Cluster
 from porting.planner.comm import Efficiency, Network, all_gather, allreduce, p2p, reduce_scatter
 from porting.planner.model import ModelShape
-from porting.planner.placement import LEVEL_NAMES, ORDER_DEFAULT, ORDER_TP_PP_DP, WAN, Topology
+from porting.planner.placement import LEVEL_NAMES, ORDER_DEFAULT, ORDER_TP_PP_DP, Topology
 
 RECOMPUTE = ("none", "selective", "full")
 # Adam step traffic per parameter of the local shard: read the gradient (4), read and write the
@@ -303,16 +304,13 @@ class Evaluator:
         self.gpu = cluster.slowest_gpu()
         self.topology = Topology(cluster)
         self._topologies: dict[tuple[str, ...], Topology] = {}
+        self._file_order = tuple(x.name for x in cluster.sites)
         self.net = Network(cluster, self.eff, tune=self.settings.tune_nccl)
         self.evaluated = 0
 
     def topology_for(self, sites: tuple[str, ...]) -> Topology:
         """Where every rank sits when the sites take ranks in the order ``sites``."""
-        if (
-            len(self.cluster.sites) == 1
-            or not sites
-            or tuple(sites) == tuple(x.name for x in self.cluster.sites)
-        ):
+        if len(self.cluster.sites) == 1 or not sites or tuple(sites) == self._file_order:
             return self.topology
         hit = self._topologies.get(sites)
         if hit is None:
@@ -348,12 +346,7 @@ class Evaluator:
             if any(site.gpus % mp for site in self.cluster.sites):
                 return 1
             return dp // math.gcd(*per_site)
-        topo = self.topology_for(sites)
-        d = dp * cp
-        for k in (k for k in range(1, d + 1) if d % k == 0):
-            if topo.placement(tp, cp, pp, dp, k, order).instance.level < WAN:
-                return k
-        return 1
+        return self.topology_for(sites).fewest_instances(tp, cp, pp, dp, order)
 
     def predict(self, layout: Layout, order: str | None = None) -> Prediction:
         """Step time, throughput and memory of ``layout``; raises Infeasible with the reason."""
@@ -371,7 +364,13 @@ class Evaluator:
                 f"{mem.optimizer / GIB:.1f}, activations {mem.activations / GIB:.1f}, other "
                 f"{mem.other / GIB:.1f}) > {gpu.memory_bytes / GIB:.0f} GiB"
             )
-        place = self.topology_for(layout.sites).placement(tp, cp, pp, dp, layout.instances, order)
+        try:
+            place = self.topology_for(layout.sites).placement(
+                tp, cp, pp, dp, layout.instances, order
+            )
+        except PortingError as err:
+            # a group whose neighbours sit in two sites with no link between them
+            raise Infeasible(f"{err} (traffic is not routed through a third site)") from None
         net = self.net
         peak = gpu.peak_flops * eff.compute
         hbm = gpu.hbm_bytes_s
@@ -524,6 +523,11 @@ class Evaluator:
             order=order,
             num_microbatches=per_step,
         )
+
+    def placements_computed(self) -> int:
+        """Rank placements worked out so far, over every order of the sites."""
+        topologies = [self.topology, *self._topologies.values()]
+        return sum(t.computed for t in topologies)
 
     def with_cluster(self, cluster: Cluster) -> Evaluator:
         """The same model, batch, settings and constants on another cluster."""

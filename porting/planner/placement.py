@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
 
+import numpy as np
+
+from porting.errors import PortingError
 from porting.planner.cluster import Cluster, Link
 
 ORDER_TP_PP_DP = "tp-cp-ep-pp-dp"
@@ -51,21 +53,28 @@ class Placement:
 
 
 class Topology:
-    """Site and node of every rank of a cluster, plus cached placements."""
+    """Site and node of every rank of a cluster, plus cached placements.
+
+    ``site_of`` and ``node_of`` hold 4 bytes a rank (at most ``MAX_GPUS`` ranks: 1 MiB each).
+    A kind of group is worked out once per pattern (which of its dimensions vary, and how far,
+    after merging neighbours: TP x CP x DP blocks are one pattern whatever the split) with array
+    operations over the ranks, so the work grows with the GPUs times the patterns a search
+    meets, and the memory with the GPUs only.
+    """
 
     def __init__(self, cluster: Cluster):
         self.cluster = cluster
-        site_of: list[int] = []
-        node_of: list[int] = []
-        node = 0
-        for si, site in enumerate(cluster.sites):
-            for _ in range(site.nodes):
-                site_of.extend([si] * site.gpus_per_node)
-                node_of.extend([node] * site.gpus_per_node)
-                node += 1
-        self.site_of = site_of
-        self.node_of = node_of
-        self._placements: dict[tuple, Placement] = {}
+        gpus = [site.gpus for site in cluster.sites]
+        per_node = [site.gpus_per_node for site in cluster.sites]
+        self.site_of = np.repeat(np.arange(len(gpus), dtype=np.int32), gpus)
+        node_sizes = np.repeat(np.array(per_node, dtype=np.int64), [s.nodes for s in cluster.sites])
+        self.node_of = np.repeat(np.arange(len(node_sizes), dtype=np.int32), node_sizes)
+        self.world = int(self.site_of.size)
+        self._names = [site.name for site in cluster.sites]
+        self._per_node = per_node
+        self._placements: dict[tuple, Placement | str] = {}
+        self._memo: dict[tuple, object] = {}
+        self.computed = 0  # placements worked out (a measure of the search's work)
 
     def placement(
         self, tp: int, cp: int, pp: int, dp: int, instances: int, order: str
@@ -74,108 +83,214 @@ class Topology:
         key = (tp, cp, pp, dp, instances, order)
         hit = self._placements.get(key)
         if hit is None:
-            hit = self._compute(tp, cp, pp, dp, instances, order)
+            try:
+                hit = self._compute(tp, cp, pp, dp, instances, order)
+            except PortingError as err:
+                # a missing link: every layout of this placement is told the same, and only the
+                # message is kept (the traceback would keep the rank tables of its frames alive)
+                hit = str(err)
             self._placements[key] = hit
+        if isinstance(hit, str):
+            raise PortingError(hit)
         return hit
 
-    def _level(self, a: int, b: int) -> int:
-        if self.node_of[a] == self.node_of[b]:
-            return NODE
-        if self.site_of[a] == self.site_of[b]:
-            return SITE
-        return WAN
+    def fewest_instances(self, tp: int, cp: int, pp: int, dp: int, order: str) -> int:
+        """The fewest distributed-optimizer instances whose every instance (an equal contiguous
+        chunk of a data-parallel group) stays inside one site.
 
-    def _shape(self, groups: list[list[int]]) -> GroupShape:
-        level = NODE
-        per_node = 1 << 30
-        links: dict[tuple[str, str], Link] = {}
-        sites = self.cluster.sites
-        for g in groups:
-            counts: dict[int, int] = {}
-            for r in g:
-                counts[self.node_of[r]] = counts.get(self.node_of[r], 0) + 1
-            per_node = min(per_node, min(counts.values()))
-            if len(counts) > 1:
-                level = max(level, SITE)
-            n = len(g)
-            for i in range(n if n > 2 else n - 1):
-                a, b = g[i], g[(i + 1) % n]
-                sa, sb = self.site_of[a], self.site_of[b]
-                if sa != sb:
-                    level = WAN
-                    key = tuple(sorted((sites[sa].name, sites[sb].name)))
-                    if key not in links:
-                        links[key] = self.cluster.link(*key)
-        size = len(groups[0]) if groups else 1
-        return GroupShape(
-            size, level, per_node if groups else 1, tuple(links.values()), len(groups)
+        A chunk of ``c`` members keeps its members in one site when every place where a
+        data-parallel group passes from one site to the next falls on a multiple of ``c``: the
+        largest such ``c`` is the gcd of those places and the group's size.
+        """
+        unit, pattern = self._pattern(tp, cp, pp, dp, order, "dp-cp")
+
+        def work() -> int:
+            rows = _rows(pattern)
+            sites = self._tables(unit)[0][rows]
+            d = rows.shape[1]
+            changes = np.flatnonzero((sites[:, 1:] != sites[:, :-1]).any(axis=0)) + 1
+            return d // math.gcd(d, *changes.tolist())
+
+        return self._once(("instances", unit, pattern), work)
+
+    def _once(self, key: tuple, work):
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = work()
+        return hit
+
+    def _unit(self, tp: int) -> int:
+        # A TP group is tp consecutive ranks, and where tp divides every node (as the search
+        # requires) nodes and sites begin on multiples of it: every other group then takes one
+        # rank of each block of tp, all blocks alike, so the groups are worked out on the blocks.
+        return self._once(
+            ("unit", tp), lambda: tp if all(g % tp == 0 for g in self._per_node) else 1
         )
 
-    def _boundary(self, groups: list[list[int]], i: int, j: int) -> tuple[int, Link | None]:
-        """Widest level between stages ``i`` and ``j`` over all pipelines, and its link."""
-        worst, link = NODE, None
-        for g in groups:
-            lv = self._level(g[i], g[j])
-            if lv > worst:
-                worst = lv
-            if lv == WAN and link is None:
-                a = self.cluster.sites[self.site_of[g[i]]].name
-                b = self.cluster.sites[self.site_of[g[j]]].name
-                link = self.cluster.link(a, b)
-        return worst, link
+    def _pattern(
+        self, tp: int, cp: int, pp: int, dp: int, order: str, token: str
+    ) -> tuple[int, tuple[tuple[bool, int], ...]]:
+        """(ranks per unit, the token's groups over the units as :func:`_merged_dims`)."""
+        unit = 1 if token == "tp" else self._unit(tp)
+        sizes = {"tp": tp // unit, "cp": cp, "ep": 1, "pp": pp, "dp": dp}
+        return unit, _merged_dims(sizes, order, token)
+
+    def _group_shape(
+        self, unit: int, pattern: tuple, instances: int = 1, part: str = ""
+    ) -> GroupShape:
+        """The shape of the groups ``pattern`` describes, or of the ``part`` ("instance",
+        "cross") of them that ``instances`` distributed-optimizer instances make."""
+
+        def work() -> GroupShape:
+            rows = _rows(pattern)
+            if part:
+                groups, size = rows.shape
+                chunk = size // instances
+                # Megatron cuts each data-parallel group into equal contiguous instances; the
+                # cross-instance groups take the same place in each
+                if part == "instance":
+                    rows = rows.reshape(groups * instances, chunk)
+                else:
+                    rows = rows.reshape(groups, instances, chunk).transpose(0, 2, 1)
+                    rows = rows.reshape(groups * chunk, instances)
+            return self._shape(unit, rows)
+
+        return self._once(("shape", unit, pattern, instances, part), work)
+
+    def _tables(self, unit: int) -> tuple[np.ndarray, np.ndarray]:
+        """(site, node) of the first rank of every unit, contiguous for fast gathers."""
+        if unit == 1:
+            return self.site_of, self.node_of
+        return self._once(
+            ("tables", unit),
+            lambda: (self.site_of[::unit].copy(), self.node_of[::unit].copy()),
+        )
+
+    def _shape(self, unit: int, rows: np.ndarray) -> GroupShape:
+        count, size = rows.shape
+        site_of, node_of = self._tables(unit)
+        nodes = node_of[rows]
+        moves = nodes[:, 1:] != nodes[:, :-1]
+        if not moves.any():
+            return GroupShape(size, NODE, size, (), count * unit)
+        # members ascend, so a group's members on one node are consecutive: a run
+        first = np.ones((count, size), dtype=bool)
+        first[:, 1:] = moves
+        starts = np.flatnonzero(first)
+        per_node = int(np.diff(starts, append=count * size).min())
+        del nodes, moves, first, starts
+        sites = site_of[rows]
+        # ring neighbours: each member and the next, and the last and the first past two
+        crossing = np.zeros((count, size), dtype=bool)
+        crossing[:, :-1] = sites[:, 1:] != sites[:, :-1]
+        if size > 2:
+            crossing[:, -1] = sites[:, -1] != sites[:, 0]
+        at = np.flatnonzero(crossing)
+        if not at.size:
+            return GroupShape(size, SITE, per_node, (), count * unit)
+        row, col = np.divmod(at, size)
+        a, b = sites[row, col], sites[row, (col + 1) % size]
+        n = len(self._names)
+        code = np.minimum(a, b).astype(np.int64) * n + np.maximum(a, b)
+        # each pair of sites once, in the order the groups first cross it
+        first_at = np.full(n * n, code.size, dtype=np.int64)
+        np.minimum.at(first_at, code, np.arange(code.size))
+        found = np.flatnonzero(first_at < code.size)
+        links = tuple(
+            self.cluster.link(self._names[c // n], self._names[c % n])
+            for c in found[np.argsort(first_at[found])].tolist()
+        )
+        return GroupShape(size, WAN, per_node, links, count * unit)
+
+    def _pipeline(self, unit: int, pattern: tuple) -> tuple[tuple, tuple]:
+        """(the widest level and its link between each stage and the next, the same from the
+        last stage to the first) over all pipelines; the link is the first pipeline's that
+        crosses there."""
+
+        def work() -> tuple[tuple, tuple]:
+            rows = _rows(pattern)
+            site_of, node_of = self._tables(unit)
+            # column i: stage i against the next, the last column the last stage and the first
+            sites = site_of[rows]
+            after = np.roll(sites, -1, axis=1)
+            crossing = sites != after
+            wan = crossing.any(axis=0)
+            first = crossing.argmax(axis=0)
+            del crossing
+            nodes = node_of[rows]
+            site_level = (nodes != np.roll(nodes, -1, axis=1)).any(axis=0)
+            out: list[tuple[int, Link | None]] = []
+            for i in range(rows.shape[1]):
+                if wan[i]:
+                    a, b = sites[first[i], i], after[first[i], i]
+                    out.append((WAN, self.cluster.link(self._names[a], self._names[b])))
+                else:
+                    out.append((SITE if site_level[i] else NODE, None))
+            return tuple(out[:-1]), (out[-1] if len(out) > 1 else (NODE, None))
+
+        return self._once(("pipeline", unit, pattern), work)
 
     def _compute(self, tp: int, cp: int, pp: int, dp: int, instances: int, order: str) -> Placement:
-        world = len(self.site_of)
-        sizes = {"tp": tp, "cp": cp, "ep": 1, "pp": pp, "dp": dp}
-        tp_groups = rank_groups(world, sizes, order, "tp")
-        cp_groups = rank_groups(world, sizes, order, "cp")
-        pp_groups = rank_groups(world, sizes, order, "pp")
-        dp_groups = rank_groups(world, sizes, order, "dp-cp")
-        chunk = (dp * cp) // instances
-        inst_groups = [g[i * chunk : (i + 1) * chunk] for g in dp_groups for i in range(instances)]
-        cross_groups = [g[j::chunk] for g in dp_groups for j in range(chunk)]
-        boundaries = [self._boundary(pp_groups, i, i + 1) for i in range(pp - 1)]
-        wrap = self._boundary(pp_groups, pp - 1, 0) if pp > 1 else (NODE, None)
-        crosses = any(lv == WAN for lv, _ in boundaries)
+        self.computed += 1
+        if self._unit(tp) == tp:
+            tp_shape = GroupShape(tp, NODE, tp, (), self.world // tp)
+        else:
+            tp_shape = self._group_shape(*self._pattern(tp, cp, pp, dp, order, "tp"))
+        boundaries, wrap = self._pipeline(*self._pattern(tp, cp, pp, dp, order, "pp"))
+        unit, dp_pattern = self._pattern(tp, cp, pp, dp, order, "dp-cp")
         return Placement(
             order=order,
-            tp=self._shape(tp_groups),
-            cp=self._shape(cp_groups),
-            pp_boundaries=tuple(boundaries),
+            tp=tp_shape,
+            cp=self._group_shape(*self._pattern(tp, cp, pp, dp, order, "cp")),
+            pp_boundaries=boundaries,
             pp_wrap=wrap,
-            pp_count=len(pp_groups),
-            dp=self._shape(dp_groups),
-            instance=self._shape(inst_groups),
-            cross=self._shape(cross_groups),
-            pp_crosses_sites=crosses,
+            pp_count=self.world // pp,
+            dp=self._group_shape(unit, dp_pattern),
+            instance=self._group_shape(unit, dp_pattern, instances, "instance"),
+            cross=self._group_shape(unit, dp_pattern, instances, "cross"),
+            pp_crosses_sites=any(lv == WAN for lv, _ in boundaries),
         )
 
 
-@lru_cache(maxsize=256)
-def _groups_cached(world: int, sizes: tuple[tuple[str, int], ...], order: str, token: str):
-    dims = order.split("-")
-    size_of = dict(sizes)
-    strides = {}
+def _merged_dims(sizes: dict[str, int], order: str, token: str) -> tuple[tuple[bool, int], ...]:
+    """The dimensions of ``order`` (fastest first) as (in the token, size), neighbours on the
+    same side merged and size-1 ones left out: all that decides the groups, so that layouts
+    whose groups are the same share one pattern."""
+    inner = set(token.split("-"))
+    out: list[tuple[bool, int]] = []
+    for d in order.split("-"):
+        if sizes[d] == 1:
+            continue
+        inside = d in inner
+        if out and out[-1][0] == inside:
+            out[-1] = (inside, out[-1][1] * sizes[d])
+        else:
+            out.append((inside, sizes[d]))
+    return tuple(out)
+
+
+def _rows(dims: tuple[tuple[bool, int], ...]) -> np.ndarray:
+    """Every group of merged dimensions as one row each, in Megatron's order.
+
+    A group holds the ranks that differ only in the token's dimensions, its members with the
+    faster of those varying faster, and the groups come with the other dimensions varying the
+    same way (``RankGenerator.get_ranks``).
+    """
+    members = np.zeros(1, dtype=np.int64)
+    bases = np.zeros(1, dtype=np.int64)
     stride = 1
-    for d in dims:
-        strides[d] = stride
-        stride *= size_of[d]
-    inner = token.split("-")
-    # Members of a group vary the token's dimensions, fastest first in the order's sense.
-    inner_sorted = [d for d in dims if d in inner]
-    outer = [d for d in dims if d not in inner]
-    inner_offsets = [0]
-    for d in inner_sorted:
-        inner_offsets = [o + i * strides[d] for i in range(size_of[d]) for o in inner_offsets]
-    outer_offsets = [0]
-    for d in outer:
-        outer_offsets = [o + i * strides[d] for i in range(size_of[d]) for o in outer_offsets]
-    return tuple(tuple(base + off for off in inner_offsets) for base in outer_offsets)
+    for inside, size in dims:
+        step = np.arange(size, dtype=np.int64)[:, None] * stride
+        if inside:
+            members = (step + members).ravel()
+        else:
+            bases = (step + bases).ravel()
+        stride *= size
+    return bases[:, None] + members[None, :]
 
 
 def rank_groups(world: int, sizes: dict[str, int], order: str, token: str) -> list[list[int]]:
     """Every group of the dimensions in ``token`` (e.g. ``"dp-cp"``) for ranks ``0..world-1``."""
     if math.prod(sizes.values()) != world:
         raise ValueError(f"sizes {sizes} do not multiply to the world size {world}")
-    key = tuple(sorted(sizes.items()))
-    return [list(g) for g in _groups_cached(world, key, order, token)]
+    return _rows(_merged_dims(sizes, order, token)).tolist()

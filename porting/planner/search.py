@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from porting.errors import PortingError
 from porting.planner.cluster import Cluster
 from porting.planner.comm import Efficiency
+from porting.planner.limits import GLOBAL_BATCH, MAX_LAYOUTS, MAX_SITE_ORDERS, SEQ_LENGTH
 from porting.planner.model import ModelShape, divisors
 from porting.planner.perf import (
     Evaluator,
@@ -47,6 +48,9 @@ class Plan:
     considered: int
     seconds: float
     notes: list[str] = field(default_factory=list)
+    # the orders of the sites a pipeline across them was tried in
+    site_orders: list[tuple[str, ...]] = field(default_factory=list)
+    placements_computed: int = 0  # rank placements worked out (the search's other work)
     # the fastest layout of each placement (which dimension crosses the sites), fastest first
     placements: list[Prediction] = field(default_factory=list)
 
@@ -98,9 +102,9 @@ def uneven_split(layers: int, pp: int) -> tuple[int, int, int] | None:
 
 def _pipeline_sizes(m: ModelShape, model_parallel: int, world: int, s: Settings):
     """PP sizes to try, each with its uneven split (``None``: the layers divide evenly)."""
-    for pp in range(1, m.layers + 1):
-        if world % (model_parallel * pp):
-            continue
+    for pp in divisors(world // model_parallel):
+        if pp > m.layers:
+            break
         if m.layers % pp == 0:
             yield pp, None
         elif s.uneven_pipeline:
@@ -110,7 +114,7 @@ def _pipeline_sizes(m: ModelShape, model_parallel: int, world: int, s: Settings)
 
 
 def _placements(
-    ev: Evaluator, tp: int, cp: int, pp: int
+    ev: Evaluator, tp: int, cp: int, pp: int, site_orders: list[tuple[str, ...]]
 ) -> Iterator[tuple[str, tuple, str | None]]:
     """(rank order, site order, reason it cannot be used or None) for a TP x CP x PP layout.
 
@@ -141,26 +145,24 @@ def _placements(
                 )
             yield order, (), why
         else:
-            for sites in cluster.site_orders():
+            for sites in site_orders:
                 yield order, sites, None
 
 
-def enumerate_layouts(
-    ev: Evaluator,
-) -> Iterator[Layout | Rejected]:
-    """Every candidate layout and placement, or a Rejected with the rule it breaks."""
+def _model_splits(ev: Evaluator) -> Iterator[Rejected | tuple[int, int, int, tuple | None]]:
+    """Every TP x CP x PP split of the model over the cluster (with its uneven split of the
+    layers, or None), or a Rejected with the rule it breaks; nothing placed yet."""
     m, cluster, s = ev.model, ev.cluster, ev.settings
-    seq, gb = ev.seq, ev.global_batch
     world = cluster.world
     for tp, why in _tp_candidates(m, cluster):
         if why:
             yield Rejected(f"TP{tp}", why)
             continue
         for cp in s.context_parallel:
-            if cp > 1 and seq % (2 * cp):
+            if cp > 1 and ev.seq % (2 * cp):
                 yield Rejected(
                     f"TP{tp} CP{cp}",
-                    f"sequence length {seq} is not divisible by 2 x CP = {2 * cp}",
+                    f"sequence length {ev.seq} is not divisible by 2 x CP = {2 * cp}",
                 )
                 continue
             if world % (tp * cp):
@@ -169,60 +171,130 @@ def enumerate_layouts(
                 )
                 continue
             for pp, split in _pipeline_sizes(m, tp * cp, world, s):
-                dp = world // (tp * cp * pp)
-                label = f"TP{tp} PP{pp} CP{cp}"
-                for order, sites, why in _placements(ev, tp, cp, pp):
-                    if why:
-                        yield Rejected(label, why)
-                        continue
-                    instances = ev.instances_for(tp, cp, pp, order, sites)
-                    if (dp * cp) % instances:
-                        yield Rejected(
-                            label,
-                            f"{instances} distributed-optimizer instances do not divide DP x CP = "
-                            f"{dp * cp}",
-                        )
-                        continue
-                    vps = [1]
-                    if pp > 1 and split is None:
-                        vps += [v for v in divisors(m.layers // pp) if 1 < v <= s.max_vp]
-                    for vp in vps:
-                        for b in s.micro_batches:
-                            lab = f"TP{tp} PP{pp}" + (f" VP{vp}" if vp > 1 else "")
-                            lab += f" CP{cp} DP{dp} mb{b}"
-                            if gb % (b * dp):
-                                yield Rejected(
-                                    lab,
-                                    f"global batch {gb} is not divisible by micro-batch {b} x "
-                                    f"DP {dp}",
-                                )
-                                continue
-                            nmb = gb // (b * dp)
-                            if vp > 1 and nmb % pp:
-                                yield Rejected(
-                                    lab,
-                                    f"interleaved schedule needs the {nmb} microbatches to be a "
-                                    f"multiple of PP {pp}",
-                                )
-                                continue
-                            first, middle, last = split or (0, 0, 0)
-                            for rc in s.recompute:
-                                yield Layout(
-                                    tp=tp,
-                                    cp=cp,
-                                    pp=pp,
-                                    vp=vp,
-                                    dp=dp,
-                                    micro_batch=b,
-                                    recompute=rc,
-                                    instances=instances,
-                                    sequence_parallel=s.sequence_parallel and tp > 1,
-                                    order=order,
-                                    sites=sites,
-                                    first_layers=first,
-                                    middle_layers=middle,
-                                    last_layers=last,
-                                )
+                yield tp, cp, pp, split
+
+
+def _vps(ev: Evaluator, pp: int, split: tuple | None) -> list[int]:
+    """Interleaving degrees to try: divisors of the layers per stage up to ``max_vp``."""
+    if pp == 1 or split is not None:
+        return [1]
+    return [1] + [v for v in divisors(ev.model.layers // pp) if 1 < v <= ev.settings.max_vp]
+
+
+def _batch_rule(ev: Evaluator, dp: int, pp: int, vp: int, b: int) -> str | None:
+    """Why micro-batch ``b`` cannot run with this DP, PP and VP, or None."""
+    gb = ev.global_batch
+    if gb % (b * dp):
+        return f"global batch {gb} is not divisible by micro-batch {b} x DP {dp}"
+    nmb = gb // (b * dp)
+    if vp > 1 and nmb % pp:
+        return f"interleaved schedule needs the {nmb} microbatches to be a multiple of PP {pp}"
+    return None
+
+
+def _expand(
+    ev: Evaluator,
+    tp: int,
+    cp: int,
+    pp: int,
+    split: tuple | None,
+    order: str,
+    sites: tuple[str, ...],
+    instances: int,
+) -> Iterator[Layout | Rejected]:
+    """Every interleaving, micro-batch and recomputation of one placed split."""
+    s = ev.settings
+    dp = ev.cluster.world // (tp * cp * pp)
+    first, middle, last = split or (0, 0, 0)
+    for vp in _vps(ev, pp, split):
+        for b in s.micro_batches:
+            why = _batch_rule(ev, dp, pp, vp, b)
+            if why:
+                lab = f"TP{tp} PP{pp}" + (f" VP{vp}" if vp > 1 else "") + f" CP{cp} DP{dp} mb{b}"
+                yield Rejected(lab, why)
+                continue
+            for rc in s.recompute:
+                yield Layout(
+                    tp=tp,
+                    cp=cp,
+                    pp=pp,
+                    vp=vp,
+                    dp=dp,
+                    micro_batch=b,
+                    recompute=rc,
+                    instances=instances,
+                    sequence_parallel=s.sequence_parallel and tp > 1,
+                    order=order,
+                    sites=sites,
+                    first_layers=first,
+                    middle_layers=middle,
+                    last_layers=last,
+                )
+
+
+def _instances_rule(dp: int, cp: int, instances: int) -> str | None:
+    if (dp * cp) % instances:
+        return f"{instances} distributed-optimizer instances do not divide DP x CP = {dp * cp}"
+    return None
+
+
+def enumerate_layouts(
+    ev: Evaluator, site_orders: list[tuple[str, ...]] | None = None
+) -> Iterator[Layout | Rejected]:
+    """Every candidate layout and placement, or a Rejected with the rule it breaks; pipelines
+    across sites take the sites in each of ``site_orders`` (default: the cluster's)."""
+    if site_orders is None:
+        site_orders = ev.cluster.site_orders()
+    for item in _model_splits(ev):
+        if isinstance(item, Rejected):
+            yield item
+            continue
+        tp, cp, pp, split = item
+        dp = ev.cluster.world // (tp * cp * pp)
+        for order, sites, why in _placements(ev, tp, cp, pp, site_orders):
+            instances = 1 if why else ev.instances_for(tp, cp, pp, order, sites)
+            why = why or _instances_rule(dp, cp, instances)
+            if why:
+                yield Rejected(f"TP{tp} PP{pp} CP{cp}", why)
+                continue
+            yield from _expand(ev, tp, cp, pp, split, order, sites, instances)
+
+
+def search_size(ev: Evaluator) -> tuple[int, int]:
+    """(candidates :func:`enumerate_layouts` yields whatever the orders of the sites, the
+    candidates it adds for each order of the sites), counted without placing anything.
+
+    Stops counting past ``MAX_LAYOUTS``: the caller refuses such a search anyway.
+    """
+    s = ev.settings
+    multi = len(ev.cluster.sites) > 1
+    fixed = per_order = 0
+    for item in _model_splits(ev):
+        if fixed + per_order > MAX_LAYOUTS:
+            break
+        if isinstance(item, Rejected):
+            fixed += 1
+            continue
+        tp, cp, pp, split = item
+        dp = ev.cluster.world // (tp * cp * pp)
+        inner = sum(
+            1 if _batch_rule(ev, dp, pp, vp, b) else len(s.recompute)
+            for vp in _vps(ev, pp, split)
+            for b in s.micro_batches
+        )
+        for order, _sites, why in _placements(ev, tp, cp, pp, [()]):
+            each_order = multi and pp > 1 and order != ORDER_TP_PP_DP
+            if why:
+                n = 1
+            elif each_order and s.distributed_optimizer and s.instances is None:
+                n = inner  # the fewest instances that keep sites apart divide DP x CP
+            else:
+                n = 1 if _instances_rule(dp, cp, ev.instances_for(tp, cp, pp, order)) else inner
+            if each_order:
+                per_order += n
+            else:
+                fixed += n
+    return fixed, per_order
 
 
 def plan(
@@ -237,19 +309,21 @@ def plan(
 ) -> Plan:
     """Search every layout, rank the feasible ones by predicted step time.
 
-    Raises PortingError naming the constraint when no layout is feasible (the most common
-    rejection reasons are in the message).
+    At most ``MAX_LAYOUTS`` candidates: where every order of the sites would take more, the
+    pipeline across sites is tried in as many of them as fit (the file order, then the best by
+    their links), and a search that one order already takes past it is refused with what to
+    narrow. Raises PortingError naming the constraint when no layout is feasible (the most
+    common rejection reasons are in the message).
     """
-    if seq_length <= 0:
-        raise PortingError(f"--seq-length must be positive, got {seq_length}")
-    if global_batch <= 0:
-        raise PortingError(f"--global-batch must be positive, got {global_batch}")
+    SEQ_LENGTH.check(seq_length, "--seq-length")
+    GLOBAL_BATCH.check(global_batch, "--global-batch")
     t0 = time.perf_counter()
     ev = Evaluator(model, cluster, seq_length, global_batch, settings, eff)
+    orders, notes = _site_orders_within_budget(ev)
     ranked: list[Prediction] = []
     rejected: list[Rejected] = []
     considered = 0
-    for item in enumerate_layouts(ev):
+    for item in enumerate_layouts(ev, orders):
         considered += 1
         if isinstance(item, Rejected):
             rejected.append(item)
@@ -270,6 +344,8 @@ def plan(
         rejected=rejected,
         considered=considered,
         seconds=0.0,
+        notes=notes,
+        site_orders=orders,
     )
     if not ranked:
         raise PortingError(no_fit_message(result))
@@ -312,9 +388,39 @@ def plan(
             "reduce-scattered inside each instance (never across sites) and only the shards "
             "are all-reduced across instances."
         )
+    result.placements_computed = ev.placements_computed()
     result.seconds = time.perf_counter() - t0
     log.debug("planned %d layouts in %.3f s", considered, result.seconds)
     return result
+
+
+def _site_orders_within_budget(ev: Evaluator) -> tuple[list[tuple[str, ...]], list[str]]:
+    """The orders of the sites to try pipelines in, keeping the search within ``MAX_LAYOUTS``,
+    and a note where some were left out."""
+    cluster = ev.cluster
+    orders = cluster.site_orders()
+    fixed, per_order = search_size(ev)
+    if fixed + per_order > MAX_LAYOUTS:
+        raise PortingError(
+            f"planning {ev.model.name} on {cluster.name} ({cluster.world} GPUs) at global batch "
+            f"{ev.global_batch} would consider more than the planner's limit of {MAX_LAYOUTS} "
+            "layouts; narrow the search (--micro-batches, --order, --no-uneven-pipeline)"
+        )
+    notes = []
+    fit = len(orders) if not per_order else (MAX_LAYOUTS - fixed) // per_order
+    if fit < len(orders):
+        best = sorted(orders[1:], key=cluster.order_key)[: fit - 1]
+        orders = [orders[0], *best]
+        notes.append(
+            f"pipelines across the sites tried in {fit} of their orders (the file's and the "
+            f"best by their links) to keep the search within {MAX_LAYOUTS} layouts"
+        )
+    elif not cluster.every_site_order:
+        notes.append(
+            f"pipelines across the sites tried in {len(orders)} of their orders (the file's and "
+            f"the best by their links): the links allow more than {MAX_SITE_ORDERS}"
+        )
+    return orders, notes
 
 
 def no_fit_message(result: Plan) -> str:
