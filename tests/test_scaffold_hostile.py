@@ -205,10 +205,12 @@ def test_no_payload_ran(generated):
     assert not {k: v["error"] for k, v in report.items() if "error" in v}
 
 
-@pytest.mark.parametrize("place,variant", CASES, ids=[f"{p}-{v}" for p, v in CASES])
+# A safetensors header cannot hold a lone surrogate, so that tensor name is never scaffolded.
+_ARRIVING = [c for c in CASES if c != ("tensor_name", "lone_surrogate")]
+
+
+@pytest.mark.parametrize("place,variant", _ARRIVING, ids=[f"{p}-{v}" for p, v in _ARRIVING])
 def test_each_value_arrives_as_data(generated, place, variant):
-    if place == "tensor_name" and variant == "lone_surrogate":
-        pytest.skip("a safetensors header cannot hold a lone surrogate")
     root, done, report = generated
     case = done[f"{place}-{variant}"]
     assert case["rc"] == 0, case["stderr"]
