@@ -319,7 +319,9 @@ def run_merge(args) -> int:
         raise PortingError("give either prefixes or --input DIR")
     prefixes = prefixes_in(args.merge_dir) if args.merge_dir else args.prefixes
     with _quieted(args):
-        out = merge(prefixes, args.merge_out, overwrite=args.merge_overwrite)
+        out = merge(
+            prefixes, args.merge_out, overwrite=args.merge_overwrite, input_dir=args.merge_dir
+        )
     print(
         f"{out['output_prefix']}.bin/.idx: {out['documents']} documents, {out['sequences']} "
         f"sequences ({out['dtype']}) from {len(prefixes)} inputs"

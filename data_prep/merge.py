@@ -35,8 +35,16 @@ def prefixes_in(directory: str | Path) -> list[str]:
     return sorted(found)
 
 
-def merge(prefixes: list[str], output_prefix: str | Path, overwrite: bool = False) -> dict:
+def merge(
+    prefixes: list[str],
+    output_prefix: str | Path,
+    overwrite: bool = False,
+    input_dir: str | Path | None = None,
+) -> dict:
     """Concatenate datasets in the given order into ``output_prefix``; return counts.
+
+    ``input_dir``, the directory the prefixes were listed from (``--input``), is an input too: an
+    output inside it would be merged into itself by the next run over that directory.
 
     One writer per output prefix, as for ``prep-data`` (:func:`porting.guard.output_lock`); the
     temporary ``.tmp`` files are removed however the merge ends, SIGTERM included.
@@ -44,7 +52,8 @@ def merge(prefixes: list[str], output_prefix: str | Path, overwrite: bool = Fals
     if not prefixes:
         raise PortingError("nothing to merge")
     check_outputs(
-        [("dataset", Path(f"{p}{ext}")) for p in prefixes for ext in (".bin", ".idx")],
+        [("dataset", Path(f"{p}{ext}")) for p in prefixes for ext in (".bin", ".idx")]
+        + [("--input directory", input_dir)],
         # the temporary files too: one that is a link to an input would be written through
         writes=[
             ("--output-prefix", Path(f"{output_prefix}{ext}"))

@@ -252,8 +252,8 @@ def test_no_output_lands_on_an_input(world, reader, capsys):
 
 
 def test_merge_and_a_config_file_as_outputs(world, capsys):
-    """A merge onto its own input prefix (or the same through a symlinked directory), and an
-    export onto the ``config.json`` it was given."""
+    """A merge onto its own input prefix (or the same through a symlinked directory) or into the
+    directory it merges, and an export onto the ``config.json`` it was given."""
     root, links = world["root"], world["root"] / "links"
     bin_file = Path(f"{world['prefix']}.bin")
     merge = ["prep-data", "merge", world["prefix"], "--overwrite", "--output-prefix"]
@@ -261,6 +261,11 @@ def test_merge_and_a_config_file_as_outputs(world, capsys):
         before = _tree(root)
         _refused([*merge, out], capsys, "--output-prefix", "the dataset")
         assert _tree(root) == before
+    # --input DIR: an output among the directory's pairs would be merged into the next merge of it
+    merge_dir = ["prep-data", "merge", "--input", str(bin_file.parent), "--output-prefix"]
+    before = _tree(root)
+    _refused([*merge_dir, bin_file.parent / "merged"], capsys, "--output-prefix", "--input")
+    assert _tree(root) == before
     config = world["cfg"] / "config.json"
     before = _tree(root)
     _refused(_export(world, ["--hf-config", config], config), capsys, "--out", "--hf-config")
