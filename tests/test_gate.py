@@ -164,7 +164,7 @@ def test_the_mapped_reader_reads_what_torch_load_reads(tiny_nemo):
     for index, info in tensors.items():
         data = (weights / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
         want = torch.load(io.BytesIO(data), weights_only=True)
-        got = _mapped_record(weights / info.relative_path, info.offset, info.length)
+        got = _mapped_record(weights / info.relative_path, info.offset, info.length, weights)
         assert got.dtype == want.dtype and got.shape == want.shape, index.fqn
         assert got.stride() == want.stride() and torch.equal(got, want), index.fqn
 

@@ -222,9 +222,7 @@ _YAML: list[tuple[str, str | bytes, str]] = [
     ("duplicate-key", "model: {}\n", "'model' appears twice"),
     ("5000-digits", "x: " + "7" * 5000 + "\n", "5000 characters"),
     ("hex-digits", "x: 0x" + "f" * 5000 + "\n", "characters"),
-    ("nan", "x: .nan\n", ".nan is not finite"),
     ("overflowing-float", "x: 1.0e+999999\n", "1.0e+999999 is not finite"),
-    ("inf", "x: -.inf\n", "-.inf is not finite"),
     ("python-tag", "x: !!python/object/apply:os.system [touch HACKED]\n", "python/object/apply"),
     ("local-tag", "x: !shell rm\n", "'!shell'"),
     ("second-document", "---\nx: 1\n", "another document"),
@@ -243,6 +241,23 @@ def test_hostile_run_config_is_refused(layouts, tiny_llama, tmp_path, capsys, va
     problems = (problem, "maximum nesting depth") if problem == "nested deeper" else (problem,)
     _refused(ckpt, tiny_llama, tmp_path, capsys, (str(path),), problems)
     assert not (tmp_path / "HACKED").exists()
+
+
+def test_yaml_infinity_and_nan_are_data(tmp_path):
+    """Megatron-Bridge writes `grad_norm_skip_threshold: .inf`; YAML's spellings of infinity and
+    NaN are read as floats, while a literal too large for one is refused."""
+    import math
+
+    from porting.convert.untrusted import read_yaml
+    from porting.errors import PortingError
+
+    path = tmp_path / "run_config.yaml"
+    path.write_text("a: .inf\nb: -.Inf\nc: .NaN\nd: 1.5\n")
+    data = read_yaml(path, tmp_path)
+    assert data["a"] == math.inf and data["b"] == -math.inf and math.isnan(data["c"])
+    path.write_text("a: 1.0e+999999\n")
+    with pytest.raises(PortingError, match="not finite"):
+        read_yaml(path, tmp_path)
 
 
 def test_oversize_run_config_is_refused(layouts, tiny_llama, tmp_path, capsys):

@@ -30,7 +30,10 @@ def slurm_host(tmp_path_factory) -> dict:
     for tool in ("srun", "sbatch", "squeue"):
         (bin_dir / tool).write_text("#!/bin/sh\nexit 0\n")
         (bin_dir / tool).chmod(0o755)
-    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    # PYTHONWARNINGS is what quiet.install set in this process (tests call main() in-process); a
+    # user's shell does not carry it, and -v must be seen to bring the hint back without it.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    return {**env, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
 
 
 def _porting(*args: str, cwd, env: dict | None = None) -> subprocess.CompletedProcess:

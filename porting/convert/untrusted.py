@@ -18,7 +18,9 @@ that keep a small hostile file from costing much time or memory, whatever parses
 - nesting depth at most :data:`MAX_DEPTH`, counted without recursion (Python's ``json`` and
   PyYAML's composer recurse per level, and so do the walkers that check what they return);
 - number literals at most :data:`MAX_NUMBER_CHARS` characters and finite: ``int()`` of 5000 digits
-  raises, and ``NaN``, ``Infinity`` or ``1e999999`` (which is ``inf``) are no size or setting;
+  raises, and JSON's ``NaN``, ``Infinity`` or ``1e999999`` (which is ``inf``) are no size or
+  setting; YAML's ``.inf`` and ``.nan`` are read as the floats they spell (Megatron-Bridge writes
+  ``.inf`` in its ``run_config.yaml``), its overflowing literals are refused;
 - a key given twice is refused (both parsers keep one of the two silently);
 - strings are Unicode (a ``\\ud800`` escape is not: ``os`` calls and printing fail on it);
 - YAML: aliases count at their expanded size, so a 1 KB "billion laughs" is refused once its
@@ -318,7 +320,12 @@ def _loader():
 
         def construct_yaml_float(self, node):
             _number(node.value)
-            return _finite(super().construct_yaml_float(node), node.value)
+            value = super().construct_yaml_float(node)
+            # YAML's own spellings of infinity and NaN are data: Megatron-Bridge writes
+            # `grad_norm_skip_threshold: .inf`. A literal too large for a float is not.
+            if node.value.lstrip("+-").lower() in (".inf", ".nan"):
+                return value
+            return _finite(value, node.value)
 
         def flatten_mapping(self, node):
             # Every mapping passes here before its merges (<<) are spliced into it, so this sees
