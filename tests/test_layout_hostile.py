@@ -456,6 +456,13 @@ def _one_less(shape):
 
 
 # (name, the new global shape from the old, whether its one chunk says the same too)
+def _shared_lists(levels: int) -> list:
+    x: list = []
+    for _ in range(levels):
+        x = [x, x]
+    return x
+
+
 _SHAPES = [
     ("huge", _huge, False),
     ("huge-with-its-chunk", _huge, True),
@@ -468,6 +475,8 @@ _SHAPES = [
     ("float", lambda s: (float(s[0]), *s[1:]), True),
     ("bool", lambda s: (True, *s[1:]), True),
     ("rank-40", lambda s: (1,) * 40, True),
+    # a few hundred pickled bytes whose repr is 2**60 items long: no message may print it whole
+    ("shared-lists", lambda s: _shared_lists(60), False),
 ]
 # How the one error line may say it: against the bytes stored, against the chunks, against the
 # config (per tensor, or as the layer count the manifest names), or the shape itself; a foreign

@@ -173,6 +173,8 @@ def _check_targets(data, path: Path, family) -> None:
     """Every ``_target_`` in ``data``, in document order. Each dict or list is checked once: an
     alias repeats the same object, and walking it once per repetition is what made a 1 KB alias
     bomb run for minutes."""
+    from porting.convert.untrusted import shown
+
     declared = {_qualified(o) for o in family.context_symbols if callable(o)} if family else set()
     seen: set[int] = set()
     todo = [(data, "<root>")]
@@ -188,7 +190,7 @@ def _check_targets(data, path: Path, family) -> None:
         if target is not None and not (
             isinstance(target, str) and (_ALLOWED_TARGET.fullmatch(target) or target in declared)
         ):
-            raise PortingError(f"{path}: {where}._target_ {target!r} is not allowed")
+            raise PortingError(f"{path}: {where}._target_ {shown(target)} is not allowed")
         todo.extend((v, f"{where}.{k}") for k, v in reversed(node.items()))
 
 
@@ -202,7 +204,7 @@ def check_run_config(path: str | os.PathLike, root: str | os.PathLike, family=No
     dtypes, Megatron-Core, Megatron-Bridge and the functions ``family`` declares
     (``Family.context_symbols``).
     """
-    from porting.convert.untrusted import read_yaml
+    from porting.convert.untrusted import read_yaml, shown
 
     path = Path(path)
     data = read_yaml(path, root, MAX_RUN_CONFIG_BYTES)
@@ -210,6 +212,8 @@ def check_run_config(path: str | os.PathLike, root: str | os.PathLike, family=No
         raise PortingError(f"{path}: no model: section")
     provider = data["model"].get("_target_")
     if not isinstance(provider, str) or not _PROVIDER.fullmatch(provider):
-        raise PortingError(f"{path}: model._target_ {provider!r} is not a Megatron-Bridge provider")
+        raise PortingError(
+            f"{path}: model._target_ {shown(provider)} is not a Megatron-Bridge provider"
+        )
     _check_targets(data, path, family)
     return data["model"]

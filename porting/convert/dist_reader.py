@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from porting.convert.untrusted import open_file, read_bytes, read_json, regular_file
+from porting.convert.untrusted import open_file, read_bytes, read_json, regular_file, shown
 from porting.errors import PortingError, check_finite
 
 # A 405B model's .metadata with its optimizer state, saved by a thousand ranks, is some 100 MB.
@@ -222,7 +222,7 @@ def read_metadata(weights: str | Path):
         if not isinstance(info, dict) or info.get("sharded_backend", "torch_dist") != "torch_dist":
             raise PortingError(
                 f"{backend}: not a torch_dist checkpoint's (sharded_backend "
-                f"{info.get('sharded_backend') if isinstance(info, dict) else info!r})"
+                f"{shown(info.get('sharded_backend') if isinstance(info, dict) else info)})"
             )
     return md
 
@@ -231,7 +231,7 @@ def _dims(value, what: str, path: Path) -> tuple[int, ...]:
     ok = isinstance(value, tuple | list) and len(value) <= MAX_RANK
     if not ok or not all(type(d) is int and 0 <= d < 2**63 for d in value):
         raise PortingError(
-            f"{path}: {what} is {value!r}; a shape is at most {MAX_RANK} integers >= 0"
+            f"{path}: {what} is {shown(value)}; a shape is at most {MAX_RANK} integers >= 0"
         )
     return tuple(value)
 
@@ -240,13 +240,15 @@ def _record(weights: Path, info, key: str, path: Path, sizes: dict[str, int]) ->
     """``info`` (a record's place) names a regular file of ``weights`` that holds its bytes."""
     name = getattr(info, "relative_path", None)
     if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):
-        raise PortingError(f"{path}: {key!r} is stored in {name!r}, not a file of {weights}")
+        raise PortingError(f"{path}: {key!r} is stored in {shown(name)}, not a file of {weights}")
     offset, length = getattr(info, "offset", None), getattr(info, "length", None)
     if not (type(offset) is int and type(length) is int and offset >= 0 and length >= 0):
-        raise PortingError(f"{path}: {key!r} is stored at offset {offset!r}, length {length!r}")
+        raise PortingError(
+            f"{path}: {key!r} is stored at offset {shown(offset)}, length {shown(length)}"
+        )
     transforms = getattr(info, "transform_descriptors", None)
     if transforms:  # torch's stream extensions (zstd): the record is no torch.save zip
-        raise PortingError(f"{path}: {key!r} is stored through {transforms!r}; not read here")
+        raise PortingError(f"{path}: {key!r} is stored through {shown(transforms)}; not read here")
     if name not in sizes:
         sizes[name] = regular_file(weights / name, weights).stat().st_size
     if offset + length > sizes[name]:
@@ -267,14 +269,19 @@ def _check_records(md, weights: Path, path: Path) -> None:
 
     sizes: dict[str, int] = {}
     for idx, info in md.storage_data.items():
-        _record(weights, info, getattr(idx, "fqn", repr(idx)), path, sizes)
+        fqn = getattr(idx, "fqn", None)
+        if not isinstance(fqn, str):
+            raise PortingError(f"{path}: a record is named {shown(fqn)}, not a tensor name")
+        _record(weights, info, fqn, path, sizes)
     for key, meta in md.state_dict_metadata.items():
+        if not isinstance(key, str):
+            raise PortingError(f"{path}: a tensor is named {shown(key)}, not a string")
         if not hasattr(meta, "chunks"):
             continue  # bytes (a ShardedObject, the common state): read as their record's length
         shape = _dims(getattr(meta, "size", None), f"the shape of {key!r}", path)
         dtype = getattr(getattr(meta, "properties", None), "dtype", None)
         if not isinstance(dtype, torch.dtype):
-            raise PortingError(f"{path}: {key!r} has dtype {dtype!r}, not a torch dtype")
+            raise PortingError(f"{path}: {key!r} has dtype {shown(dtype)}, not a torch dtype")
         if not isinstance(meta.chunks, list):
             raise PortingError(f"{path}: {key!r} lists its chunks as {type(meta.chunks).__name__}")
         volume = 0

@@ -32,7 +32,7 @@ import zipfile
 from pathlib import Path
 
 from porting.convert.checkpoint import OURS, RUN_CONFIG, TRACKER, Located, locate
-from porting.convert.untrusted import read_bytes
+from porting.convert.untrusted import read_bytes, shown
 from porting.errors import PortingError
 
 # Megatron-LM's checkpoint_version for torch_dist checkpoints (generate_state_dict).
@@ -407,7 +407,9 @@ def check_saved_shape(loc: Located, config, where: str) -> None:
         if attr == "num_query_groups" and ours is None:
             ours = config.num_attention_heads
         if theirs is not None and ours is not None and theirs != ours:
-            raise PortingError(f"{source}: {name} is {theirs!r}, but {where} makes it {ours!r}")
+            raise PortingError(
+                f"{source}: {name} is {shown(theirs)}, but {where} makes it {ours!r}"
+            )
 
 
 def to_megatron_layout(tmp: Path, fmt: str, family, manifest, vocab_divisor: int) -> None:

@@ -155,6 +155,25 @@ def read_text(
         ) from None
 
 
+def _make_shower():
+    import reprlib
+
+    r = reprlib.Repr()
+    r.maxlevel, r.maxlist, r.maxtuple, r.maxdict, r.maxset = 3, 6, 6, 4, 4
+    r.maxstring, r.maxother, r.maxlong = 60, 60, 40
+    return r
+
+
+_SHOWER = _make_shower()
+
+
+def shown(value: Any) -> str:
+    """``repr`` of a value read from a checkpoint, for an error message, at a bounded cost: a
+    pickle of a few KB can hold a list that refers to itself many times over (its repr grows as
+    2**n) or nests 10**5 deep (repr recurses); this shows at most a few levels and items."""
+    return _SHOWER.repr(value)
+
+
 class _Refused(ValueError):
     """A bound broken inside a parser's hook; becomes the file's PortingError."""
 
