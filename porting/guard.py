@@ -196,9 +196,12 @@ def check_outputs(reads, writes=(), files=()) -> None:
     writes at the end (a plot, a YAML): its directory must exist and the path must not be a
     directory, so that a long run does not fail only when it is done. A path of None is skipped.
     """
-    for flag, path in [*writes, *files]:
-        if path is not None:
-            refuse_overlap(path, reads, flag)
+    outputs = [(flag, path) for flag, path in [*writes, *files] if path is not None]
+    for flag, path in outputs:
+        refuse_overlap(path, reads, flag)
+    # Two outputs of one run in one place: the later write replaces or lands inside the earlier.
+    for i, (flag, path) in enumerate(outputs):
+        refuse_overlap(path, [(f"output of {f}", p) for f, p in outputs[i + 1 :]], flag)
     for flag, path in files:
         if path is None:
             continue

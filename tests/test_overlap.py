@@ -312,6 +312,23 @@ def test_check_outputs_reads_no_missing_path_as_an_input(tmp_path):
         guard.check_outputs([("--a", tmp_path / "in")], writes=[("--out", tmp_path)])
 
 
+def test_two_outputs_of_one_run_may_not_meet(tmp_path, capsys):
+    """`plan --emit D --plot D`, `--emit D --save-constants D/x.yaml`, `--plot F --save-constants
+    F`: the later write would replace or land inside the earlier; refused before the search."""
+    cluster = Path(__file__).resolve().parents[1] / "examples" / "clusters" / "two-sites.yaml"
+    plan = ["plan", "--model", "tiny", "--cluster", str(cluster), "--global-batch", "64"]
+    plan += ["--seq-length", "1024"]
+    emit, same = tmp_path / "em", tmp_path / "same.yaml"
+    for outs in (
+        ["--emit", emit, "--plot", emit],
+        ["--emit", emit, "--save-constants", emit],
+        ["--plot", same, "--save-constants", same],
+    ):
+        _refused([*plan, *outs], capsys, str(outs[1]), "the output of")
+        assert sorted(tmp_path.iterdir()) == []
+    guard.check_outputs([], writes=[("--emit", emit)], files=[("--plot", tmp_path / "p.png")])
+
+
 # -- convert: staging cleaned up as one ------------------------------------------------------
 
 

@@ -131,5 +131,8 @@ def _cmd_verify(args) -> int:
     if args.plot:
         from porting.parity.plot import write_plot
 
-        print(f"wrote {write_plot(report, args.plot)}")
+        # stdout holds exactly the JSON document under --json
+        print(
+            f"wrote {write_plot(report, args.plot)}", file=sys.stderr if args.json else sys.stdout
+        )
     return 0 if report.passed else 1
