@@ -140,11 +140,15 @@ def refuse_overlap(outputs, inputs, flag: str = "--out") -> None:
     which also sees a bind mount or a second spelling on a case-insensitive file system."""
     if isinstance(outputs, str | os.PathLike):
         outputs = [outputs]
-    seen = [
-        (what, given, _Place(Path(os.path.realpath(given))))
-        for what, given in inputs
-        if given is not None
-    ]
+    seen = []
+    for what, given in inputs:
+        if given is None:
+            continue
+        seen.append((what, given, _Place(Path(os.path.realpath(given)))))
+        # An HF hub snapshot's files are links into the repository's blobs/: the input's bytes
+        # live where its links lead, and an output there destroys the input all the same.
+        for name, target in _linked_entries(given):
+            seen.append((f"{what}'s {name} (a link)", target, _Place(target)))
     for out in outputs:
         o = _Place(Path(os.path.realpath(out)))
         for what, given, i in seen:
@@ -156,6 +160,15 @@ def refuse_overlap(outputs, inputs, flag: str = "--out") -> None:
                 f"{flag} {out}{via} {how} the {what} {given}; choose an output outside every "
                 "input (nothing was written)"
             )
+
+
+def _linked_entries(path) -> list[tuple[str, Path]]:
+    """``(name, real path)`` of each symbolic link directly inside the directory ``path``."""
+    try:
+        entries = list(os.scandir(path))
+    except (NotADirectoryError, FileNotFoundError, PermissionError):
+        return []
+    return [(e.name, Path(os.path.realpath(e.path))) for e in entries if e.is_symlink()]
 
 
 class _Place:

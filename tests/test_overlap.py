@@ -312,6 +312,26 @@ def test_check_outputs_reads_no_missing_path_as_an_input(tmp_path):
         guard.check_outputs([("--a", tmp_path / "in")], writes=[("--out", tmp_path)])
 
 
+def test_an_output_where_a_hub_snapshot_s_links_lead_is_refused(
+    tiny_llama, tiny_nemo, tmp_path, capsys
+):
+    """An HF hub cache: `snapshots/REV/*` are links into `blobs/`, where the bytes are. An output
+    that is `blobs/` (or one blob) would destroy the model as surely as the snapshot itself."""
+    repo = tmp_path / "hub" / "models--org--m"
+    snap, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+    snap.mkdir(parents=True)
+    blobs.mkdir()
+    for f in sorted(Path(tiny_llama).iterdir()):
+        if f.is_file():
+            shutil.copyfile(f, blobs / f"b-{f.name}")
+            (snap / f.name).symlink_to(Path("..", "..", "blobs", f"b-{f.name}"))
+    before = _tree(tmp_path / "hub")
+    _refused(["import", snap, "--out", blobs, "--overwrite"], capsys, "--out", "(a link)")
+    blob = blobs / "b-config.json"
+    _refused(["verify", snap, tiny_nemo, "--plot", blob], capsys, "--plot", "config.json (a link)")
+    assert _tree(tmp_path / "hub") == before
+
+
 def test_two_outputs_of_one_run_may_not_meet(tmp_path, capsys):
     """`plan --emit D --plot D`, `--emit D --save-constants D/x.yaml`, `--plot F --save-constants
     F`: the later write would replace or land inside the earlier; refused before the search."""
