@@ -74,6 +74,36 @@ def raise_if_stopped() -> None:
         raise Terminated(_stopped[0])
 
 
+def signal_arrived() -> bool:
+    """Whether a stop signal reached this process's command (SIGINT only inside
+    :func:`sigint_recorded`): a ``KeyboardInterrupt`` or :class:`Terminated` raised by code,
+    with no signal behind it, is that code's failure, not the user's stop."""
+    return bool(_stopped)
+
+
+@contextlib.contextmanager
+def sigint_recorded() -> Iterator[None]:
+    """Within the block, Ctrl-C still raises ``KeyboardInterrupt`` and is also recorded, so that
+    :func:`signal_arrived` tells it from a ``raise KeyboardInterrupt`` in code run there."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is not signal.default_int_handler:
+        yield
+        return
+
+    def record(signum: int, frame) -> None:
+        _stopped.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, record)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def stopped_by(err: BaseException) -> BaseException | None:
     """The stop (:class:`Terminated`, ``KeyboardInterrupt``) behind ``err``: itself, one in its
     causes or contexts, or the signal recorded while it propagated; None when there is none."""

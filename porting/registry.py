@@ -25,6 +25,7 @@ import importlib.metadata as md
 from dataclasses import dataclass
 from pathlib import Path
 
+from porting import guard
 from porting.convert.config_map import read_hf_config, to_mcore
 from porting.errors import PortingError
 from porting.family import Family
@@ -53,11 +54,15 @@ def _package(ep: md.EntryPoint) -> str:
 def _load(ep: md.EntryPoint) -> Installed:
     base = Installed(ep.name, ep.value, _package(ep))
     try:
-        family = ep.load()
-        if isinstance(family, Family):
-            family.check()
-    except (KeyboardInterrupt, Terminated):
-        raise  # the user stopping the command (a slow plugin import), not the plugin's fault
+        with guard.sigint_recorded():
+            family = ep.load()
+            if isinstance(family, Family):
+                family.check()
+    except (KeyboardInterrupt, Terminated) as err:
+        if guard.signal_arrived():
+            raise  # the user stopping the command (a slow plugin import), not the plugin's fault
+        # raised by the plugin's own code, no signal behind it: a broken plugin like any other
+        return Installed(**{**base.__dict__, "error": f"{type(err).__name__} raised on import"})
     except BaseException as err:
         # A broken plugin must not take the others down, nor end the process: SystemExit (a
         # module calling sys.exit on import) is reported like any error. os._exit cannot be caught.

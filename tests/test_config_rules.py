@@ -371,6 +371,12 @@ BROKEN_PLUGINS = {
     "exit0": ("import sys\nsys.exit(0)\n", "SystemExit: sys.exit(0) on import"),
     "exit3": ("raise SystemExit(3)\n", "SystemExit: sys.exit(3) on import"),
     "raises": ("raise RuntimeError('no GPU here')\n", "RuntimeError: no GPU here"),
+    # raised by the plugin's code with no signal sent: the plugin's failure, not a stop
+    "interrupt": ("raise KeyboardInterrupt\n", "KeyboardInterrupt raised on import"),
+    "terminated": (
+        "from porting.guard import Terminated\nraise Terminated(15)\n",
+        "Terminated raised on import",
+    ),
     "archstr": (
         _MALFORMED.format(name="archstr", changes={"architectures": "LlamaForCausalLM"}),
         "Family.architectures must be a tuple of strings, not str 'LlamaForCausalLM'",
@@ -422,9 +428,11 @@ def test_a_broken_plugin_is_reported_by_name_and_the_others_still_work(
 
 
 def test_ctrl_c_during_a_plugin_import_stops_the_command(site, tiny, tmp_path, capsys):
-    """KeyboardInterrupt is the user's, not the plugin's: never taken for a broken plugin, the
-    command stops as on any Ctrl-C (130) with nothing written."""
-    _install(site, "interrupted", "raise KeyboardInterrupt\n")
+    """A Ctrl-C that arrives while a plugin imports is the user's, not the plugin's: never taken
+    for a broken plugin, the command stops as on any Ctrl-C (130) with nothing written. (The
+    plugin sends the SIGINT itself here, as the terminal would; a bare `raise KeyboardInterrupt`
+    with no signal behind it is a broken plugin, BROKEN_PLUGINS["interrupt"].)"""
+    _install(site, "interrupted", "import os, signal\nos.kill(os.getpid(), signal.SIGINT)\n")
     registry.refresh()
     out = tmp_path / "out"
     code, err = _run(capsys, ["import", tiny["LlamaForCausalLM"], "--out", out, "--no-verify"])
