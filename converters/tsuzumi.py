@@ -12,6 +12,8 @@ The HF side uses the Llama checkpoint layout, so parity is checked against the t
 
 from __future__ import annotations
 
+import math
+
 from models.tsuzumi import TsuzumiConfig, TsuzumiModel
 from porting.convert.config_map import Carry, Derived, Field, Require
 from porting.convert.connectors import register_connectors
@@ -52,6 +54,25 @@ _ROPE_KEYS = {
 }
 
 
+def _rope_number(rs: dict, key: str, *, at_least: float | None = None, integer: bool = False):
+    """``rope_scaling[key]`` as transformers' ``rope_config_validation`` requires it (present, a
+    finite number, an integer where it must be, ``factor >= 1``), or one line naming it: a factor
+    of 0 divided by zero inside Megatron's rotary embedding, a negative one converted silently."""
+    v = rs.get(key)
+    ok = (
+        isinstance(v, int | float)
+        and not isinstance(v, bool)
+        and math.isfinite(v)
+        and (not integer or isinstance(v, int))
+        and (at_least is None or v >= at_least)
+    )
+    if not ok:
+        kind = "an integer" if integer else "a finite number"
+        bound = f" >= {at_least:g}" if at_least is not None else ""
+        raise PortingError(f"config.json: rope_scaling.{key} must be {kind}{bound}, not {v!r}")
+    return v
+
+
 def _rope_to_mcore(hf: dict) -> dict:
     rs = hf.get("rope_scaling")
     if rs is None:
@@ -64,15 +85,24 @@ def _rope_to_mcore(hf: dict) -> dict:
         return {"rope_scaling_type": None}
     if kind == "linear" and not unknown - {"rope_type", "type", "factor"}:
         # HF divides inv_freq by the factor; Megatron divides positions by it: the same angles.
-        return {"rope_scaling_type": "linear", "seq_len_interpolation_factor": float(rs["factor"])}
+        factor = _rope_number(rs, "factor", at_least=1)
+        return {"rope_scaling_type": "linear", "seq_len_interpolation_factor": float(factor)}
     if kind == "llama3" and not unknown:
+        low = _rope_number(rs, "low_freq_factor", at_least=0)
+        high = _rope_number(rs, "high_freq_factor", at_least=0)
+        if not low < high:
+            # transformers' llama3 rule divides by (high - low)
+            raise PortingError(
+                f"config.json: rope_scaling.low_freq_factor ({low!r}) must be below "
+                f"high_freq_factor ({high!r})"
+            )
         return {
             "rope_scaling_type": "llama3",
-            "rope_scaling_factor": float(rs["factor"]),
-            "rope_scaling_low_freq_factor": float(rs["low_freq_factor"]),
-            "rope_scaling_high_freq_factor": float(rs["high_freq_factor"]),
-            "rope_scaling_original_max_position_embeddings": int(
-                rs["original_max_position_embeddings"]
+            "rope_scaling_factor": float(_rope_number(rs, "factor", at_least=1)),
+            "rope_scaling_low_freq_factor": float(low),
+            "rope_scaling_high_freq_factor": float(high),
+            "rope_scaling_original_max_position_embeddings": _rope_number(
+                rs, "original_max_position_embeddings", at_least=1, integer=True
             ),
         }
     raise PortingError(

@@ -123,6 +123,8 @@ BAD = {
     config_map.BOOL.ok: {"1": 1, "0": 0, "str": "true"},
     config_map.LAYER_INDICES.ok: {"int": 0, "str": "x", "negative": [-1], "bools": [True]},
     config_map.LAYER_TYPES.ok: {"str": "full_attention", "ints": [1], "int": 5},
+    # transformers would run getattr(torch, name) on these
+    config_map.DTYPE_NAME.ok: {"name": "evil_name", "int": "int8", "attr": "__class__", "n": 32},
 }
 
 
@@ -310,7 +312,62 @@ IMPORT_CASES = [
     ("Qwen3MoeForCausalLM", {"intermediate_size": 0}),
     ("MixtralForCausalLM", {"num_hidden_layers": 0}),
     ("Gemma2ForCausalLM", {"final_logit_softcapping": INF}),
+    ("LlamaForCausalLM", {"dtype": "evil_name"}),
+    ("FalconForCausalLM", {"torch_dtype": "int8"}),
 ]
+
+# Values import would carry into the manifest that the checkpoint reader then refuses: config.json
+# is read within the same bounds, so import refuses them instead of writing such a checkpoint.
+CARRIED_CASES = [
+    ('"transformers_version": ' + "[" * 150 + "]" * 150, "nested deeper than"),
+    ('"bos_token_id": 1e999', "1e999 is not finite"),
+    ('"transformers_version": ' + "7" * 150, "a number of 150 characters"),
+]
+
+
+@pytest.mark.parametrize("text,needle", CARRIED_CASES, ids=["deep", "overflow", "long-number"])
+def test_config_json_is_read_within_the_checkpoint_reader_s_bounds(
+    tiny, text, needle, tmp_path, capsys
+):
+    hf = tmp_path / "hf"
+    shutil.copytree(tiny["LlamaForCausalLM"], hf)
+    cfg = json.dumps({k: v for k, v in _config(hf).items() if k not in ("transformers_version",)})
+    (hf / "config.json").write_text(cfg[:-1] + ", " + text + "}")
+    code, err = _run(capsys, ["import", hf, "--out", tmp_path / "out", "--no-verify"])
+    _one_line_refusal(code, err, f"{hf / 'config.json'}: ", needle)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+_LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+# rope_scaling values transformers' rope_config_validation refuses (or divides by): each one
+# line naming the key, before any model exists (a linear factor of 0 divided by zero in a rank).
+ROPE_CASES = [
+    ({"type": "linear", "factor": 0}, "rope_scaling.factor"),
+    ({"type": "linear", "factor": -2.0}, "rope_scaling.factor"),
+    ({"type": "linear", "factor": NAN}, "rope_scaling.factor"),
+    ({"type": "linear"}, "rope_scaling.factor"),
+    (_LLAMA3 | {"factor": -8.0}, "rope_scaling.factor"),
+    (_LLAMA3 | {"low_freq_factor": 4.0}, "low_freq_factor (4.0) must be below"),
+    (_LLAMA3 | {"original_max_position_embeddings": 0}, "original_max_position_embeddings"),
+    (_LLAMA3 | {"original_max_position_embeddings": 64.5}, "original_max_position_embeddings"),
+    ({k: v for k, v in _LLAMA3.items() if k != "high_freq_factor"}, "high_freq_factor"),
+]
+
+
+@pytest.mark.parametrize("rope,needle", ROPE_CASES)
+def test_rope_scaling_values_are_checked_before_any_model(tiny, rope, needle, tmp_path, capsys):
+    hf = tmp_path / "hf"
+    shutil.copytree(tiny["LlamaForCausalLM"], hf)
+    (hf / "config.json").write_text(json.dumps(_config(hf) | {"rope_scaling": rope}))
+    code, err = _run(capsys, ["import", hf, "--out", tmp_path / "out"])
+    _one_line_refusal(code, err, f"{hf / 'config.json'}: ", needle)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
 
 @pytest.mark.parametrize(

@@ -150,8 +150,6 @@ _JSON: list[tuple[str, Callable[[bytes], bytes], str]] = [
     ),
     ("5000-digits", lambda t: b'{"x": ' + b"7" * 5000 + b", " + t[1:], "5000 characters"),
     ("1e999999", lambda t: b'{"x": 1e999999, ' + t[1:], "1e999999 is not finite"),
-    ("NaN", lambda t: b'{"x": NaN, ' + t[1:], "NaN is not finite"),
-    ("-Infinity", lambda t: b'{"x": -Infinity, ' + t[1:], "-Infinity is not finite"),
     ("duplicate-key", lambda t: b'{"x": 1, "x": 2, ' + t[1:], "'x' appears twice"),
     ("not-utf8", lambda t: b'{"x": "\xff\xfe", ' + t[1:], "not UTF-8"),
     ("lone-surrogate", lambda t: b'{"x": "\\ud800", ' + t[1:], "not Unicode text"),

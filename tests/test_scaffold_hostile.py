@@ -162,8 +162,10 @@ def generated(tmp_path_factory):
         case_id = f"{place}-{variant}"
         texts = _breakouts(marks / case_id) | {"benign": "benign"}
         text = texts[variant]
-        if place == "tensor_name" and variant == "lone_surrogate":
-            continue  # a safetensors header is UTF-8: no such name can be written
+        if variant == "lone_surrogate":
+            # not Unicode text: config.json refuses it on reading
+            # (test_a_lone_surrogate_is_refused_on_reading), a safetensors header cannot hold it
+            continue
         hf, out, name = root / f"hf{i}", root / f"out{i}", f"h{i}"
         extra = _hf_with(base, hf, place, text)
         rc, stdout, stderr = _scaffold(
@@ -205,8 +207,20 @@ def test_no_payload_ran(generated):
     assert not {k: v["error"] for k, v in report.items() if "error" in v}
 
 
-# A safetensors header cannot hold a lone surrogate, so that tensor name is never scaffolded.
-_ARRIVING = [c for c in CASES if c != ("tensor_name", "lone_surrogate")]
+# A lone surrogate is never scaffolded (see `generated`).
+_ARRIVING = [c for c in CASES if c[1] != "lone_surrogate"]
+
+
+@pytest.mark.parametrize("place", [p for p in PLACES if p != "tensor_name"])
+def test_a_lone_surrogate_is_refused_on_reading(tmp_path, place):
+    base = make_llama(tmp_path / "base")
+    hf, out = tmp_path / "hf", tmp_path / "out"
+    extra = _hf_with(base, hf, place, "\ud800 x")
+    rc, _, err = _scaffold(
+        ["new-family", "surrogate", "--from", str(hf), "--out", str(out), *extra]
+    )
+    assert rc == 2 and "lone surrogate" in err and "Traceback" not in err, err
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("place,variant", _ARRIVING, ids=[f"{p}-{v}" for p, v in _ARRIVING])

@@ -28,7 +28,6 @@ value instead of failing later inside Megatron, transformers or a layout transfo
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -98,6 +97,11 @@ LAYER_INDICES = Check(
     lambda v: isinstance(v, list) and all(_is_int(i) and i >= 0 for i in v),
     "a list of layer indices (integers >= 0)",
 )
+# transformers reads a string dtype as getattr(torch, name); "auto" takes the weights' own
+DTYPE_NAME = Check(
+    lambda v: v in ("float32", "float16", "bfloat16", "float64", "float", "half", "double", "auto"),
+    "a floating dtype name (float32, float16, bfloat16, float64) or auto",
+)
 LAYER_TYPES = Check(
     lambda v: isinstance(v, list) and all(isinstance(t, str) for t in v),
     "a list of attention kinds, one string per layer",
@@ -129,6 +133,8 @@ FIELD_RULES: dict[str, Check] = {
     "query_pre_attn_scalar": POSITIVE_FLOAT,
     "attn_logit_softcapping": POSITIVE_FLOAT.or_null(),
     "final_logit_softcapping": POSITIVE_FLOAT.or_null(),
+    "torch_dtype": DTYPE_NAME.or_null(),
+    "dtype": DTYPE_NAME.or_null(),
     # switches
     "tie_word_embeddings": BOOL,
     "attention_bias": BOOL,
@@ -501,15 +507,21 @@ def read_json(path: Path, model_dir: str | Path) -> Any:
 
     Duplicate keys are refused (``json`` would silently keep the last one).
     """
+    from porting.convert.untrusted import MAX_TEXT_BYTES, parse_json
+
     model_file(path, model_dir)
     try:
-        return json.loads(path.read_bytes().decode("utf-8"), object_pairs_hook=no_duplicate_keys)
+        size = path.stat().st_size
+        if size > MAX_TEXT_BYTES:
+            raise PortingError(f"{path}: {size} bytes, more than the {MAX_TEXT_BYTES} it may hold")
+        text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as err:
         raise PortingError(f"{path}: not UTF-8 text ({err})") from err
-    except (ValueError, RecursionError) as err:  # JSONDecodeError, duplicate key, deep nesting
-        raise PortingError(f"{path}: invalid JSON ({err})") from err
     except OSError as err:
         raise PortingError(f"{path}: cannot be read ({err.strerror})") from err
+    # The bounds our checkpoint reader applies (depth, number length, duplicate keys): what import
+    # carries into the manifest, export must be able to read back.
+    return parse_json(text, path)
 
 
 def read_hf_config(hf_dir: str | Path) -> dict:

@@ -17,10 +17,11 @@ that keep a small hostile file from costing much time or memory, whatever parses
 - size, from ``fstat`` before any byte is read, then strict UTF-8;
 - nesting depth at most :data:`MAX_DEPTH`, counted without recursion (Python's ``json`` and
   PyYAML's composer recurse per level, and so do the walkers that check what they return);
-- number literals at most :data:`MAX_NUMBER_CHARS` characters and finite: ``int()`` of 5000 digits
-  raises, and JSON's ``NaN``, ``Infinity`` or ``1e999999`` (which is ``inf``) are no size or
-  setting; YAML's ``.inf`` and ``.nan`` are read as the floats they spell (Megatron-Bridge writes
-  ``.inf`` in its ``run_config.yaml``), its overflowing literals are refused;
+- number literals at most :data:`MAX_NUMBER_CHARS` characters: ``int()`` of 5000 digits raises;
+  a literal too large for a float (``1e999999``) is refused, while the spellings of infinity and
+  NaN (JSON's ``NaN``/``Infinity``, which Python writes; YAML's ``.inf``/``.nan``, which
+  Megatron-Bridge writes) are read as the floats they are, and judged by the rule of the field
+  that holds them;
 - a key given twice is refused (both parsers keep one of the two silently);
 - strings are Unicode (a ``\\ud800`` escape is not: ``os`` calls and printing fail on it);
 - YAML: aliases count at their expanded size, so a 1 KB "billion laughs" is refused once its
@@ -196,8 +197,10 @@ def _json_float(text: str) -> float:
     return _finite(float(_number(text)), text)
 
 
-def _json_constant(text: str):
-    raise _Refused(f"the number {text} is not finite")
+def _json_constant(text: str) -> float:
+    # NaN, Infinity, -Infinity: what Python's json writes for such floats (transformers' config
+    # files included); data here, judged by the rule of the field that holds it
+    return float(text)
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
@@ -234,7 +237,12 @@ def read_json(
 ) -> Any:
     """The JSON value in ``path`` (:func:`regular_file` in ``inside``), within the bounds above."""
     path = Path(path)
-    text = read_text(path, inside, max_bytes)
+    return parse_json(read_text(path, inside, max_bytes), path)
+
+
+def parse_json(text: str, path: Path) -> Any:
+    """The JSON value of ``text`` (read from ``path``, which errors name), within the bounds
+    above; for files read by other rules (an HF directory's, whose hub links are allowed)."""
     try:
         data = json.loads(
             text,
