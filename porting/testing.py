@@ -7,6 +7,8 @@ moves them away from their init.
 
 from __future__ import annotations
 
+import contextlib
+import signal
 from pathlib import Path
 
 import torch
@@ -460,3 +462,24 @@ def still_running(pids, grace: float) -> list[int]:
         if not alive or time.monotonic() >= deadline:
             return alive
         time.sleep(0.1)
+
+
+class Hang(Exception):
+    """A test's command gave no answer within its time."""
+
+
+@contextlib.contextmanager
+def no_hang(seconds: int = 120):
+    """Fail instead of blocking forever (an ``open()`` of a FIFO waits for a writer; a hostile
+    file that costs exponential time): main thread only, through SIGALRM."""
+
+    def alarm(signum, frame):
+        raise Hang(f"no answer within {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)

@@ -14,7 +14,6 @@ is built: every refusal exits 2 with one line naming the file and the problem, a
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -31,7 +30,7 @@ from porting import proof, registry
 from porting.cli import main
 from porting.convert import config_map
 from porting.errors import PortingError
-from porting.testing import child_env
+from porting.testing import child_env, no_hang
 
 ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -58,25 +57,9 @@ def _config(hf: Path) -> dict:
     return json.loads((hf / "config.json").read_text())
 
 
-@contextlib.contextmanager
-def _no_hang(seconds: int = 120):
-    """Fail instead of blocking forever (an ``open()`` of a FIFO waits for a writer)."""
-
-    def alarm(signum, frame):
-        raise TimeoutError(f"no answer within {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, alarm)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-
-
 def _run(capsys, argv) -> tuple[int, str]:
     capsys.readouterr()
-    with _no_hang():
+    with no_hang():
         code = main([str(a) for a in argv])
     return code, capsys.readouterr().err
 

@@ -9,11 +9,9 @@ header bytes at random.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import signal
 import struct
 import tempfile
 from collections.abc import Callable
@@ -29,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from porting.cli import main
 from porting.convert.safetensors_io import SAFE_INDEX, SAFE_SINGLE, SafetensorsSource
 from porting.errors import PortingError
-from porting.testing import make_falcon
+from porting.testing import make_falcon, no_hang
 
 FAMILIES = ("llama", "falcon")
 
@@ -51,29 +49,9 @@ def _copy(sources: dict, family: str, tmp_path: Path) -> Path:
     return dst
 
 
-class _Hang(Exception):
-    pass
-
-
-@contextlib.contextmanager
-def _no_hang(seconds: int = 60):
-    """Fail instead of blocking forever (an ``open()`` of a FIFO waits for a writer)."""
-
-    def alarm(signum, frame):
-        raise _Hang(f"no answer within {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, alarm)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-
-
 def _import(capsys, src: Path, out: Path) -> tuple[int, str]:
     capsys.readouterr()
-    with _no_hang():
+    with no_hang(60):
         code = main(["import", str(src), "--out", str(out), "--no-verify"])
     return code, capsys.readouterr().err
 

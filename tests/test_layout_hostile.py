@@ -19,12 +19,10 @@ nothing written and the checkpoint and anything it links to unchanged.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import pickle
 import shutil
-import signal
 import stat
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +33,7 @@ import torch
 from porting.cli import main
 from porting.convert.api import import_hf
 from porting.convert.dist_reader import read_metadata
+from porting.testing import no_hang
 
 LAYOUTS = ("nemo2", "megatron-lm", "megatron-bridge")
 MEGATRON = ("megatron-lm", "megatron-bridge")
@@ -49,24 +48,6 @@ def layouts(tiny_llama, tiny_nemo, tmp_path_factory):
         out[fmt] = root / fmt
         import_hf(tiny_llama, out[fmt], fmt=fmt, show_progress=False)
     return out
-
-
-class _Hang(Exception):
-    pass
-
-
-@contextlib.contextmanager
-def _no_hang(seconds: int = 120):
-    def alarm(signum, frame):
-        raise _Hang(f"no answer within {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, alarm)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def _snapshot(*roots: Path) -> dict:
@@ -117,7 +98,7 @@ def _refused(
     out = tmp_path / "out"
     for argv in (["export", str(ckpt), "--out", str(out)], ["verify", str(hf), str(ckpt)]):
         capsys.readouterr()
-        with _no_hang():
+        with no_hang():
             code = main(argv + flags)
         err = capsys.readouterr().err
         assert code == 2, err
