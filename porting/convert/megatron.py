@@ -157,6 +157,10 @@ def build_mcore_model(config) -> torch.nn.Module:
     config.context_parallel_size = 1
     cpu.kernel_safe_config(config)
     model = config.configure_model(None)
+    if cpu.cuda_available():
+        # Megatron's local spec puts linear layers on the current device but builds its torch
+        # norms (WrappedTorchNorm) on the host; training moves the module, so must we.
+        model.cuda(torch.cuda.current_device())
     model.eval()
     return model
 

@@ -333,17 +333,22 @@ def build_models(c: Check) -> dict:
 
 
 def import_models(c: Check) -> dict:
-    """``porting import`` of every model, two at a time (host work). Without the gate: the parity
-    step runs the same whole-model comparison on the CPU, and on the device besides."""
+    """``porting import`` of every model, a core-scaled number at a time (host work). Without the
+    gate: the parity step runs the same whole-model comparison on the CPU, and on the device
+    besides."""
     names = sorted(p.name for p in (c.work / "hf").iterdir())
-    threads = max(1, (os.cpu_count() or 2) // 2)
+    # Each import is ~35 s of mostly single-threaded NeMo start-up on the H200 host (2026-11-26):
+    # two at a time took 252 s of the 480 s budget for 14 models; four threads each keep the
+    # 1.1B's conversion fast while the 16 cores run four at once.
+    cores = os.cpu_count() or 2
+    at_once = max(2, cores // 4)
+    threads = max(1, cores // at_once)
     env = c.env(OMP_NUM_THREADS=str(threads))
     procs = {}
     seconds = {}
-    # Two at a time: each import is host-memory and CPU work, and the machine has cores to spare.
     pending = list(names)
     while pending or procs:
-        while pending and len(procs) < 2:
+        while pending and len(procs) < at_once:
             name = pending.pop(0)
             argv = [
                 sys.executable, "-m", "porting.cli", "import", str(c.work / "hf" / name),
@@ -867,6 +872,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.outdir is None:
         p.error("OUTDIR is required")
     args.outdir.mkdir(parents=True, exist_ok=True)
+    from importlib.metadata import entry_points
+
+    from porting.registry import GROUP
+
+    if not entry_points(group=GROUP):
+        # The families are entry points, found through porting.egg-info (git-ignored, so a device
+        # call leaves it behind unless `carry` names it): without them every step fails (seen on
+        # the first H200 run, 2026-11-26).
+        p.error(
+            "no porting family is installed: carry porting.egg-info with the device call "
+            '(carry: [".whl", "porting.egg-info"]), or `pip install -e .` first'
+        )
     earlier = args.work / "report.json"
     env = None if args.continue_ and earlier.exists() else _gpu()
     # the budget counts from here: what it guards is the steps
