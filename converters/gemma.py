@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from converters.tsuzumi import LLAMA_LAYOUT
 from converters.tsuzumi import WEIGHTS as LLAMA_WEIGHTS
 from models.gemma import GemmaConfig, GemmaModel, gelu_erf, gelu_tanh, gemma_block_spec
-from porting.convert.config_map import POSITIVE_INT, Carry, Derived, Field
+from porting.convert.config_map import POSITIVE_INT, Carry, Derived, Field, NoOp
 from porting.convert.connectors import register_connectors
 from porting.convert.mapping import Rename
 from porting.errors import PortingError
@@ -53,10 +53,6 @@ def _layout_to_mcore(hf: dict) -> dict:
         ("hidden_activation", "hidden_act") if gemma2 else ("hidden_act", "hidden_activation")
     )
     act = hf.get(used, "gelu_pytorch_tanh")
-    if hf.get(other) not in (None, act):
-        raise PortingError(
-            f"config.json: {other}={hf[other]!r} disagrees with {used}={act!r}; refusing to guess"
-        )
     out = {"activation_func": _activation(act, used), "sandwich_norms": gemma2}
     gemma2_only = (
         "query_pre_attn_scalar",
@@ -94,6 +90,25 @@ def _layout_to_mcore(hf: dict) -> dict:
     }
 
 
+def _activation_note(hf: dict) -> str | None:
+    """Gemma-7B's later revision says hidden_act "gelu" and hidden_activation "gelu_pytorch_tanh":
+    the reference class reads one of them (transformers 4.57: GemmaMLP ``config.hidden_act``,
+    Gemma2MLP ``config.hidden_activation``, whatever the config docstring says), and the other is
+    carried unread, as in transformers. Said at import, since the two disagree."""
+    used, other = (
+        ("hidden_activation", "hidden_act")
+        if hf.get("model_type") == "gemma2"
+        else ("hidden_act", "hidden_activation")
+    )
+    act = hf.get(used, "gelu_pytorch_tanh")
+    if hf.get(other) in (None, act):
+        return None
+    return (
+        f"config.json: {used}={act!r} is what transformers' {hf['architectures'][0]} computes "
+        f"(and so does this checkpoint); {other}={hf[other]!r} is carried unread, as there"
+    )
+
+
 # The Llama layout's fields, less two that Gemma reads otherwise: the activation (hidden_act or
 # hidden_activation, decided below) and the output tie (true unless said).
 _GEMMA_OWN = ("hidden_act", "tie_word_embeddings")
@@ -118,8 +133,17 @@ CONFIG = (
         ),
         _layout_to_mcore,
         lambda c: {},
+        note=_activation_note,
     ),
     Carry("cache_implementation"),  # generation-time cache choice
+    # Gemma-7B's config.json says rope_scaling: null; Gemma's rotary embedding is unscaled here
+    NoOp("rope_scaling", (None,), "this family's Gemma rotary embedding is unscaled"),
+    # Gemma-2-9B's config.json repeats sliding_window under its early name, unread by transformers
+    NoOp(
+        "sliding_window_size",
+        same_as="sliding_window",
+        why="a window apart from sliding_window would say two things at once",
+    ),
 )
 
 

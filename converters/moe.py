@@ -139,6 +139,7 @@ CONFIG = (
     *LLAMA_LAYOUT,
     ROPE_SCALING,
     HEAD_DIM_OR_NULL,
+    qwen.USE_MROPE,  # Qwen2.5/Qwen3-MoE configs may say use_mrope: false as the dense ones do
     Derived(_FIELDS, _moe_to_mcore, lambda c: {}),  # carried verbatim in the original config
     Carry("output_router_logits"),  # whether forward() also returns router logits
 )

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from converters.tsuzumi import HEAD_DIM_OR_NULL, LLAMA_LAYOUT, ROPE_SCALING
 from converters.tsuzumi import WEIGHTS as LLAMA_WEIGHTS
 from models.qwen import QwenConfig, QwenModel
-from porting.convert.config_map import Derived
+from porting.convert.config_map import Derived, NoOp
 from porting.convert.connectors import register_connectors
 from porting.convert.mapping import Fused, Rename
 from porting.convert.transforms import QKV
@@ -71,10 +71,19 @@ def window_to_mcore(hf: dict) -> dict:
     return {}
 
 
+# Qwen2.5's configs say use_mrope: false: multimodal rotary sections are Qwen2-VL's, which the
+# text classes never apply
+USE_MROPE = NoOp(
+    "use_mrope",
+    (False,),
+    "multimodal rotary sections (Qwen2-VL's M-RoPE) are not the text model's rotary embedding",
+)
+
 CONFIG = (
     *LLAMA_LAYOUT,
     ROPE_SCALING,
     HEAD_DIM_OR_NULL,  # Qwen2 has none (hidden/heads); Qwen3's is apart from hidden/heads
+    USE_MROPE,
     Derived(("model_type", "attention_bias"), _attention_to_mcore, _attention_to_hf),
     # carried unchanged when use_sliding_window is false: they then do not change the maths
     Derived(

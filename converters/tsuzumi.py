@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 from models.tsuzumi import TsuzumiConfig, TsuzumiModel
-from porting.convert.config_map import Carry, Derived, Field, Require
+from porting.convert.config_map import BOOL, POSITIVE_INT, Carry, Derived, Field, NoOp, Require
 from porting.convert.connectors import register_connectors
 from porting.convert.mapping import Fused, Ignore, Rename
 from porting.convert.transforms import GATED_MLP, QKV, VOCAB_PAD
@@ -44,17 +44,52 @@ def _biases_to_hf(c) -> dict:
     return {"attention_bias": c.add_bias_linear, "mlp_bias": c.add_bias_linear}
 
 
+# The keys each rotary type reads besides rope_type / type: transformers 4.57's
+# modeling_rope_utils._validate_<type>_parameters (required and optional together). Any other key
+# is refused by name: transformers only warns, and a misspelt one would be dropped silently.
 _ROPE_KEYS = {
-    "rope_type",
-    "type",
-    "factor",
-    "low_freq_factor",
-    "high_freq_factor",
-    "original_max_position_embeddings",
+    "default": frozenset(),
+    "linear": frozenset({"factor"}),
+    "llama3": frozenset(
+        {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+    ),
+    "yarn": frozenset(
+        {
+            "factor",
+            "original_max_position_embeddings",
+            "attention_factor",
+            "beta_fast",
+            "beta_slow",
+            "mscale",
+            "mscale_all_dim",
+            "truncate",
+        }
+    ),
+}
+# The types transformers knows that Megatron-Core's rotary embedding cannot compute, and why: it
+# computes one frequency table per model (RotaryEmbedding.inv_freq), the same for every length.
+# Up to max_position_embeddings dynamic NTK is the unscaled table: the gate's prompts could not tell.
+_ROPE_REFUSED = {
+    "dynamic": (
+        "dynamic NTK recomputes the frequencies from the running sequence length once it passes "
+        "max_position_embeddings, and Megatron-Core's rotary embedding computes one frequency "
+        "table for every length"
+    ),
+    "longrope": (
+        "LongRoPE switches between per-dimension short_factor and long_factor tables by sequence "
+        "length, and Megatron-Core's rotary embedding has one frequency table for every length"
+    ),
 }
 
 
-def _rope_number(rs: dict, key: str, *, at_least: float | None = None, integer: bool = False):
+def _rope_number(
+    rs: dict,
+    key: str,
+    *,
+    at_least: float | None = None,
+    above: float | None = None,
+    integer: bool = False,
+):
     """``rope_scaling[key]`` as transformers' ``rope_config_validation`` requires it (present, a
     finite number, an integer where it must be, ``factor >= 1``), or one line naming it: a factor
     of 0 divided by zero inside Megatron's rotary embedding, a negative one converted silently."""
@@ -65,54 +100,149 @@ def _rope_number(rs: dict, key: str, *, at_least: float | None = None, integer: 
         and math.isfinite(v)
         and (not integer or isinstance(v, int))
         and (at_least is None or v >= at_least)
+        and (above is None or v > above)
     )
     if not ok:
         kind = "an integer" if integer else "a finite number"
         bound = f" >= {at_least:g}" if at_least is not None else ""
+        bound += f" > {above:g}" if above is not None else ""
         raise PortingError(f"config.json: rope_scaling.{key} must be {kind}{bound}, not {v!r}")
     return v
 
 
+def _rope_kind(rs: dict) -> str:
+    """The rotary type ``rs`` names. transformers' configs write the legacy ``type`` and the newer
+    ``rope_type`` both; they must agree, since its config classes copy ``type`` over
+    ``rope_type`` while its rotary validation reads ``rope_type`` first."""
+    if "type" in rs and "rope_type" in rs and rs["type"] != rs["rope_type"]:
+        raise PortingError(
+            f"config.json: rope_scaling.type ({rs['type']!r}) and rope_scaling.rope_type "
+            f"({rs['rope_type']!r}) disagree"
+        )
+    kind = rs.get("rope_type", rs.get("type"))
+    if not isinstance(kind, str):
+        raise PortingError(
+            f"config.json: rope_scaling.rope_type (or type) must name the scaling, not {kind!r}"
+        )
+    if kind in _ROPE_REFUSED:
+        raise PortingError(
+            f"config.json: rope_scaling type {kind!r} is not supported: {_ROPE_REFUSED[kind]}"
+        )
+    if kind not in _ROPE_KEYS:
+        raise PortingError(
+            f"config.json: rope_scaling type {kind!r} is not supported: Megatron-Core's rotary "
+            f"embedding has no such scaling (supported: {', '.join(map(repr, _ROPE_KEYS))})"
+        )
+    extra = sorted(set(rs) - {"rope_type", "type"} - _ROPE_KEYS[kind])
+    if extra:
+        reads = ", ".join(sorted(_ROPE_KEYS[kind])) or "nothing else"
+        raise PortingError(
+            f"config.json: rope_scaling key(s) {', '.join(map(repr, extra))} are not read by "
+            f"{kind!r} scaling (transformers reads {reads}); refused rather than dropped"
+        )
+    return kind
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    # transformers' get_mscale in _compute_yarn_parameters: the YaRN paper's 0.1 ln(s) + 1
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_to_mcore(rs: dict, hf: dict) -> dict:
+    """YaRN's keys, read as transformers' ``_compute_yarn_parameters`` reads them (null or absent
+    takes its default), into the config fields :func:`models.tsuzumi.yarn_inv_freq` and
+    :func:`models.tsuzumi.yarn_softmax_scale` use."""
+
+    def optional(key: str, **bounds):
+        return None if rs.get(key) is None else _rope_number(rs, key, **bounds)
+
+    factor = _rope_number(rs, "factor", at_least=1)
+    original = optional("original_max_position_embeddings", at_least=1, integer=True)
+    # beta 0 would be a log of infinity; transformers' validation warns below beta_fast > beta_slow
+    beta_fast = optional("beta_fast", above=0) or 32
+    beta_slow = optional("beta_slow", above=0) or 1
+    if beta_fast < beta_slow:
+        raise PortingError(
+            f"config.json: rope_scaling.beta_fast ({beta_fast!r}) must not be below beta_slow "
+            f"({beta_slow!r})"
+        )
+    truncate = rs.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise PortingError(
+            f"config.json: rope_scaling.truncate must be true or false, not {truncate!r}"
+        )
+    attention = optional("attention_factor", above=0)
+    if attention is None:
+        mscale, all_dim = optional("mscale"), optional("mscale_all_dim")
+        # transformers takes the ratio only when both are set and non-zero
+        if mscale and all_dim:
+            top, bottom = _yarn_mscale(factor, mscale), _yarn_mscale(factor, all_dim)
+            attention = top / bottom if bottom else math.inf
+        else:
+            attention = _yarn_mscale(factor)
+        if not (math.isfinite(attention) and attention > 0):
+            raise PortingError(
+                f"config.json: rope_scaling.mscale ({mscale!r}) and mscale_all_dim ({all_dim!r}) "
+                f"give an attention factor of {attention!r}; it must be a finite number > 0"
+            )
+    return {
+        "rope_scaling_type": "yarn",
+        "rope_scaling_factor": float(factor),
+        "rope_scaling_original_max_position_embeddings": original or hf["max_position_embeddings"],
+        "rope_scaling_beta_fast": float(beta_fast),
+        "rope_scaling_beta_slow": float(beta_slow),
+        "rope_scaling_truncate": truncate,
+        "rope_scaling_attention_factor": float(attention),
+    }
+
+
 def _rope_to_mcore(hf: dict) -> dict:
+    """``rope_scaling`` (null, or an object naming its type) to Megatron's rotary settings.
+
+    Every supported type changes the frequency table itself, the same for every length, so the
+    gate's prompts see it at every position past the first, however short they are: linear
+    divides every frequency by the factor; llama3 changes those whose wavelength passes
+    original_max_position_embeddings / high_freq_factor (a tiny 16-wide head's two longest at the
+    published 8192 and rope_theta 1e4); YaRN interpolates every channel pair past its correction
+    range's low end, and its attention factor scales every score. tests/test_rope.py's negative
+    control shows a tiny model's logits move far past the tolerance without the scaling.
+    """
     rs = hf.get("rope_scaling")
     if rs is None:
         return {"rope_scaling_type": None}
     if not isinstance(rs, dict):
         raise PortingError(f"config.json: rope_scaling must be an object, not {rs!r}")
-    kind = rs.get("rope_type", rs.get("type"))
-    unknown = set(rs) - _ROPE_KEYS
+    kind = _rope_kind(rs)
     if kind == "default":
         return {"rope_scaling_type": None}
-    if kind == "linear" and not unknown - {"rope_type", "type", "factor"}:
+    if kind == "linear":
         # HF divides inv_freq by the factor; Megatron divides positions by it: the same angles.
         factor = _rope_number(rs, "factor", at_least=1)
         return {"rope_scaling_type": "linear", "seq_len_interpolation_factor": float(factor)}
-    if kind == "llama3" and not unknown:
-        low = _rope_number(rs, "low_freq_factor", at_least=0)
-        high = _rope_number(rs, "high_freq_factor", at_least=0)
-        if not low < high:
-            # transformers' llama3 rule divides by (high - low)
-            raise PortingError(
-                f"config.json: rope_scaling.low_freq_factor ({low!r}) must be below "
-                f"high_freq_factor ({high!r})"
-            )
-        return {
-            "rope_scaling_type": "llama3",
-            "rope_scaling_factor": float(_rope_number(rs, "factor", at_least=1)),
-            "rope_scaling_low_freq_factor": float(low),
-            "rope_scaling_high_freq_factor": float(high),
-            "rope_scaling_original_max_position_embeddings": _rope_number(
-                rs, "original_max_position_embeddings", at_least=1, integer=True
-            ),
-        }
-    raise PortingError(
-        f"config.json: rope_scaling={rs!r} is not supported (supported: none, 'linear', 'llama3')"
-    )
+    if kind == "yarn":
+        return _yarn_to_mcore(rs, hf)
+    low = _rope_number(rs, "low_freq_factor", at_least=0)
+    high = _rope_number(rs, "high_freq_factor", at_least=0)
+    if not low < high:
+        # transformers' llama3 rule divides by (high - low)
+        raise PortingError(
+            f"config.json: rope_scaling.low_freq_factor ({low!r}) must be below "
+            f"high_freq_factor ({high!r})"
+        )
+    return {
+        "rope_scaling_type": "llama3",
+        "rope_scaling_factor": float(_rope_number(rs, "factor", at_least=1)),
+        "rope_scaling_low_freq_factor": float(low),
+        "rope_scaling_high_freq_factor": float(high),
+        "rope_scaling_original_max_position_embeddings": _rope_number(
+            rs, "original_max_position_embeddings", at_least=1, integer=True
+        ),
+    }
 
 
 def _rope_to_hf(c) -> dict:
-    # The original rope_scaling object is carried verbatim by config_map.to_hf; nothing to re-derive
-    # beyond confirming the type survived.
+    # The original rope_scaling object is carried verbatim by config_map.to_hf (no key added or
+    # re-derived): what was read is what is written back.
     return {}
 
 
@@ -122,6 +252,15 @@ QUERY_GROUPS = Derived(
     lambda c: {"num_key_value_heads": c.num_query_groups},
 )
 ROPE_SCALING = Derived(("rope_scaling",), _rope_to_mcore, _rope_to_hf)
+# transformers' Llama-layout classes (Llama, Mistral, Qwen2/3, their MoE; Gemma too) shorten their
+# frequency table to partial_rotary_factor (modeling_rope_utils) but apply_rotary_pos_emb multiplies
+# the whole head by cos/sin, which then fails on the shapes: below 1 no such checkpoint runs there.
+PARTIAL_ROTARY = NoOp(
+    "partial_rotary_factor",
+    (1.0,),
+    "transformers' Llama-layout attention rotates the whole head (a factor below 1 shortens only "
+    "its frequency table, and its forward then fails), so there is no model to convert",
+)
 # For configs that may leave head_dim out or null (hidden/heads then): the original value is
 # carried back on export as it was, never replaced by the derived one.
 HEAD_DIM_OR_NULL = Derived(
@@ -139,6 +278,7 @@ LLAMA_LAYOUT = (
     QUERY_GROUPS,
     Field("rms_norm_eps", "layernorm_epsilon"),
     Field("rope_theta", "rotary_base", default=10000.0),
+    PARTIAL_ROTARY,
     Field("tie_word_embeddings", "share_embeddings_and_output_weights", default=False),
     Field("max_position_embeddings", "seq_length"),
     Field("initializer_range", "init_method_std", default=0.02),
@@ -154,6 +294,16 @@ LLAMA_LAYOUT = (
     Carry("dtype"),
     Carry("transformers_version"),
     Carry("use_cache"),
+    # nanotron's leftovers (SmolLM2): a flag naming the config's kind, and its rotary convention,
+    # which transformers' Llama-layout classes never read
+    Carry("is_llama_config", check=BOOL),
+    # the first Llama conversions' name for the context length, which transformers never read
+    Carry("max_sequence_length", check=POSITIVE_INT),
+    NoOp(
+        "rope_interleaved",
+        (False,),
+        "interleaved rotary pairs are not the halves transformers' Llama-layout classes rotate",
+    ),
 )
 
 CONFIG = (

@@ -1,7 +1,7 @@
 """The tsuzumi-style decoder: an in-house Llama-family model on the stock Megatron GPT layer spec.
 
 Only config knobs differ from a Megatron GPT: pre-norm RMSNorm, GQA/MQA/MHA attention with rotary
-embeddings (configurable base; linear or llama3-type scaling), a SwiGLU MLP, tied or untied output,
+embeddings (configurable base; linear, llama3 or YaRN scaling), a SwiGLU MLP, tied or untied output,
 optional linear biases and QK-norm, and a padded vocabulary. The layer spec is NeMo's default: the
 Transformer Engine spec where TE is installed, the local spec elsewhere (the CPU).
 
@@ -51,12 +51,73 @@ def llama3_scaled_inv_freq(
     return torch.where(is_medium, smoothed, scaled)
 
 
+def yarn_inv_freq(
+    *,
+    dim: int,
+    base: float,
+    factor: float,
+    original_max_position_embeddings: int,
+    beta_fast: float,
+    beta_slow: float,
+    truncate: bool,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """YaRN's rotary frequencies ``[dim // 2]`` for a rotary of ``dim`` channels (fp32, on
+    ``device`` whatever the default device: a model built under ``torch.device("meta")`` keeps
+    its rotary frequencies real).
+
+    The maths of ``transformers`` ``modeling_rope_utils._compute_yarn_parameters`` (4.57), in its
+    order of fp32 operations: each frequency is a blend of the unscaled one (extrapolation) and
+    the one divided by ``factor`` (interpolation). Channel pairs that turn more than ``beta_fast``
+    times over ``original_max_position_embeddings`` positions keep theirs, those that turn fewer
+    than ``beta_slow`` times are interpolated, and a linear ramp joins the two over the channel
+    range between (its ends floored/ceiled when ``truncate``). The attention factor is not here:
+    see :func:`yarn_softmax_scale`.
+    """
+
+    def correction_dim(rotations: float) -> float:
+        # the channel index whose pair turns ``rotations`` times over the original length
+        return (dim * math.log(original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+            2 * math.log(base)
+        )
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    channels = torch.arange(dim // 2, dtype=torch.float32, device=device)
+    ramp = torch.clamp((channels - low) / (high - low), 0, 1)
+    extrapolation_weight = 1 - ramp
+
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
+    extrapolated = 1.0 / pos_freqs
+    interpolated = 1.0 / (factor * pos_freqs)
+    return interpolated * (1 - extrapolation_weight) + extrapolated * extrapolation_weight
+
+
+def yarn_softmax_scale(attention_factor: float, kv_channels: int) -> float:
+    """The softmax scale that applies YaRN's attention factor ``a``.
+
+    transformers multiplies cos and sin by ``a`` (``LlamaRotaryEmbedding.forward``), on queries
+    and keys alike, so every score ``q.k / sqrt(d)`` becomes ``a**2 q.k / sqrt(d)``; Megatron's
+    ``softmax_scale`` multiplies the scores the same way (local ``DotProductAttention``: the
+    ``alpha`` of its ``baddbmm``; Transformer Engine >= 1.10: passed to its attention). Megatron's
+    own ``YarnRotaryEmbedding`` computes the factor but ``GPTModel`` drops it for standard
+    attention (``rotary_pos_emb, _ = self.rotary_pos_emb(...)``), so it is not used.
+    """
+    return attention_factor**2 / math.sqrt(kv_channels)
+
+
 @dataclass
 class TsuzumiConfig(GPTConfig):
     """Megatron GPT config with the tsuzumi-style (Llama-family) defaults.
 
     ``rope_scaling_type`` is ``None``, ``"linear"`` (positions divided by
-    ``seq_len_interpolation_factor``) or ``"llama3"`` (the ``rope_scaling_*`` fields below).
+    ``seq_len_interpolation_factor``), ``"llama3"`` or ``"yarn"`` (the ``rope_scaling_*`` fields
+    below). Both of the last two replace the rotary embedding's frequencies once the model is
+    built; YaRN's attention factor becomes ``softmax_scale`` (:func:`yarn_softmax_scale`).
     """
 
     normalization: str = "RMSNorm"
@@ -89,17 +150,45 @@ class TsuzumiConfig(GPTConfig):
     rope_scaling_low_freq_factor: float = 1.0
     rope_scaling_high_freq_factor: float = 4.0
     rope_scaling_original_max_position_embeddings: int = 8192
+    # YaRN only (transformers' defaults; the attention factor already resolved from the HF keys)
+    rope_scaling_beta_fast: float = 32.0
+    rope_scaling_beta_slow: float = 1.0
+    rope_scaling_truncate: bool = True
+    rope_scaling_attention_factor: float = 1.0
 
     def __post_init__(self) -> None:
         # TransformerConfig.__post_init__ rejects fusions whose kernels are missing: off first
         # (every CUDA-only one on the CPU; under CUDA those TE / apex would provide).
         cpu.kernel_safe_config(self)
-        super().__post_init__()
+        super().__post_init__()  # sets kv_channels when it was left out
+        if self.rope_scaling_type == "yarn":
+            scale = yarn_softmax_scale(self.rope_scaling_attention_factor, self.kv_channels)
+            # a second __post_init__ (dataclasses.replace) finds its own value
+            if self.softmax_scale is not None and not math.isclose(self.softmax_scale, scale):
+                raise ValueError(
+                    f"softmax_scale={self.softmax_scale!r} contradicts YaRN's attention factor "
+                    f"{self.rope_scaling_attention_factor!r}, which needs {scale!r}"
+                )
+            self.softmax_scale = scale
 
     def configure_model(self, tokenizer, pre_process=None, post_process=None, vp_stage=None):
-        """Build the Megatron-Core GPT model, then apply llama3 rotary scaling if configured."""
+        """Build the Megatron-Core GPT model, then apply llama3 or YaRN rotary scaling if configured."""
         model = super().configure_model(tokenizer, pre_process, post_process, vp_stage)
-        if self.rope_scaling_type == "llama3":
+        if self.rope_scaling_type == "yarn":
+            rope = model.rotary_pos_emb
+            inv_freq = yarn_inv_freq(
+                dim=2 * rope.inv_freq.numel(),
+                base=self.rotary_base,
+                factor=self.rope_scaling_factor,
+                original_max_position_embeddings=self.rope_scaling_original_max_position_embeddings,
+                beta_fast=self.rope_scaling_beta_fast,
+                beta_slow=self.rope_scaling_beta_slow,
+                truncate=self.rope_scaling_truncate,
+                device=rope.inv_freq.device,
+            )
+            rope.inv_freq = inv_freq
+            _check_softmax_scale(model, self.softmax_scale)
+        elif self.rope_scaling_type == "llama3":
             rope = model.rotary_pos_emb
             rope.inv_freq = llama3_scaled_inv_freq(
                 rope.inv_freq,
@@ -109,6 +198,22 @@ class TsuzumiConfig(GPTConfig):
                 original_max_position_embeddings=self.rope_scaling_original_max_position_embeddings,
             )
         return model
+
+
+def _check_softmax_scale(model, scale: float) -> None:
+    """Every layer's core attention must use ``scale``: Megatron hands ``softmax_scale`` to the
+    local ``DotProductAttention`` and to Transformer Engine's only from TE 1.10 on, and a spec
+    that dropped it would lose YaRN's attention factor without a word."""
+    for layer in model.decoder.layers:
+        core = layer.self_attention.core_attention
+        got = getattr(core, "softmax_scale", None)
+        if layer.config.apply_query_key_layer_scaling and got is not None:
+            got *= core.layer_number  # divided by the layer number, multiplied back in softmax
+        if got is None or not math.isclose(got, scale):
+            raise ValueError(
+                f"{type(core).__name__} of layer {layer.layer_number} scales attention scores by "
+                f"{got!r}, not YaRN's softmax_scale {scale!r}"
+            )
 
 
 class TsuzumiModel(GPTModel):

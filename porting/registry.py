@@ -149,9 +149,10 @@ def known_keys() -> list[str]:
 def _not_found(what: str) -> PortingError:
     broken = [f"{i.name} ({i.value}: {i.error})" for i in installed() if i.error]
     hint = f"; families that failed to load: {', '.join(broken)}" if broken else ""
+    claims = "; ".join(f"{f.name} ({', '.join(f.keys)})" for f in families()) or "none"
     return PortingError(
-        f"{what}; known: {', '.join(known_keys()) or 'none'}{hint}. A new architecture is a "
-        f"family package: see {GUIDE}, or start one with `porting new-family NAME --from HF_DIR`"
+        f"{what}; installed families: {claims}{hint}. A new architecture is a family package: "
+        f"see {GUIDE}, or start one with `porting new-family NAME --from HF_DIR`"
     )
 
 

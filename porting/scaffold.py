@@ -40,6 +40,13 @@ from typing import Any
 from porting.errors import PortingError
 from porting.guard import refuse_overlap
 
+
+def _common_fields() -> set[str]:
+    from porting.convert.config_map import COMMON, known_fields
+
+    return known_fields(COMMON)
+
+
 # Fields the Llama layout places (converters.tsuzumi.LLAMA_LAYOUT) and the entries for the rest
 # that the scaffold knows how to place for the values it sees. The value picks the entry; none of
 # it is written into the entry's text.
@@ -376,6 +383,10 @@ def _plan(name: str, hf_dir: Path, hf_class: str | None, result: Scaffold) -> _P
             f"{_quoted(arch)} and model_type {_quoted(str(mtype))} are both claimed (by "
             f"{taken.get(arch)}, {taken.get(mtype)}); give the checkpoint its own architecture name"
         )
+    from porting.convert.config_map import native_architecture
+
+    # the engine refuses auto_map on an architecture transformers lacks: the author decides it
+    remote = not native_architecture(arch)
     entries: list[Callable[[_Values], str]] = [lambda lit: "*LLAMA_LAYOUT"]
     imports = {"LLAMA_LAYOUT"}
     for key in sorted(cfg):
@@ -383,6 +394,8 @@ def _plan(name: str, hf_dir: Path, hf_class: str | None, result: Scaffold) -> _P
         known = _KNOWN[key](value) if key in _KNOWN else None
         if key in _LLAMA_LAYOUT:
             result.mapped.append(key)
+        elif key in _common_fields() and key not in _KNOWN and not (key == "auto_map" and remote):
+            result.mapped.append(key)  # the engine's rule for every family (config_map.COMMON)
         elif key == "model_type":
             entries.append(
                 lambda lit, v=value: (

@@ -50,7 +50,12 @@ def test_unknown_architecture_lists_known_ones(hf, tmp_path, capsys):
     _edit_config(hf, architectures=["MambaForCausalLM"])
     code, err = _run_import(capsys, hf, tmp_path / "out")
     _assert_refused(
-        code, err, tmp_path / "out", "'MambaForCausalLM'", "known: ", "LlamaForCausalLM"
+        code,
+        err,
+        tmp_path / "out",
+        "'MambaForCausalLM'",
+        "installed families: ",
+        "tsuzumi (LlamaForCausalLM)",
     )
 
 
@@ -130,13 +135,13 @@ def test_pickle_checkpoint_refused_unless_opted_in(hf, tmp_path, capsys):
     "changes,needles",
     [
         ({"attention_bias": True, "mlp_bias": False}, ["attention_bias=True", "mlp_bias=False"]),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, ["rope_scaling", "yarn"]),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, ["rope_scaling", "dynamic"]),
         ({"hidden_act": "gelu"}, ["hidden_act='gelu'", "SwiGLU"]),
         ({"num_key_value_heads": 3}, ["num_key_value_heads=3", "num_attention_heads=4"]),
         ({"sliding_window": 128}, ["unsupported field", "sliding_window"]),
         ({"pretraining_tp": 2}, ["pretraining_tp=2"]),
     ],
-    ids=["bias_mix", "rope_yarn", "gelu", "kv_not_dividing", "unknown_field", "pretraining_tp"],
+    ids=["bias_mix", "rope_dynamic", "gelu", "kv_not_dividing", "unknown_field", "pretraining_tp"],
 )
 def test_config_lint_names_the_field(hf, tmp_path, capsys, changes, needles):
     _edit_config(hf, **changes)

@@ -97,7 +97,11 @@ def test_planted_fault_is_named(variant, pattern, converted, tmp_path):
         ("qwen2_tied", {"attention_bias": False}, ["attention_bias is not a Qwen2 field"]),
         ("qwen2_tied", {"model_type": "qwen3"}, ["model_type='qwen3'", "Qwen2ForCausalLM"]),
         ("qwen2_tied", {"hidden_act": "gelu"}, ["hidden_act='gelu'", "SwiGLU"]),
-        ("qwen3_tied", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, ["rope_scaling"]),
+        (
+            "qwen3_tied",
+            {"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}},
+            ["rope_scaling", "dynamic"],
+        ),
         ("qwen3_tied", {"q_lora_rank": 8}, ["unsupported field", "q_lora_rank"]),
     ],
     ids=[
@@ -107,7 +111,7 @@ def test_planted_fault_is_named(variant, pattern, converted, tmp_path):
         "qwen2_attention_bias",
         "model_type_mismatch",
         "gelu",
-        "yarn",
+        "dynamic",
         "unknown_field",
     ],
 )

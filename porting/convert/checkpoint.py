@@ -141,7 +141,7 @@ def write_manifest(
     """Write ``porting.json`` (atomically) into ``meta``: by default the NeMo 2 ``context/``."""
     path = Path(meta if meta is not None else context_dir(ckpt)) / MANIFEST
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(asdict(manifest), indent=2, sort_keys=True) + "\n")
+    tmp.write_text(json.dumps(asdict(manifest), indent=2) + "\n")
     tmp.replace(path)
 
 

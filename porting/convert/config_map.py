@@ -8,11 +8,17 @@ A family lists every HF field it knows, in one of four kinds:
   we cannot represent; the error names the field and the value;
 - :class:`Carry`   - a field that does not change the maths (ids, bookkeeping); it is stored in the
   checkpoint and written back unchanged on export;
+- :class:`NoOp`    - a field that changes nothing at one value (``use_mrope: false``, ``rope_scaling:
+  null``) and would change the maths at any other: carried at that value, refused naming it else;
 - :class:`Undecided` - a field a new family has not decided yet (``porting new-family`` writes one
   per field it cannot place); a family with any is refused, all of them listed at once.
 
 Any HF field the family does not list is an error: an unknown field might change the maths, and we
-never drop one silently.
+never drop one silently. :data:`COMMON` lists, once for every family, the fields of transformers'
+``PretrainedConfig`` itself (``_name_or_path``, generation defaults, ``auto_map``, ...) that a
+published ``config.json`` may hold; a family's own entry for such a field takes precedence.
+
+Export writes the original ``config.json`` back key for key and value for value (:func:`to_hf`).
 
 Values are checked before any conversion runs, so a size of ``0``, ``-1``, ``true`` or ``1.0``, a
 ``rope_theta`` of ``Infinity`` or a top-k above the expert count is refused naming the field and the
@@ -28,6 +34,7 @@ value instead of failing later inside Megatron, transformers or a layout transfo
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import re
@@ -147,6 +154,7 @@ FIELD_RULES: dict[str, Check] = {
     "parallel_attn": BOOL,
     # windows
     "sliding_window": WINDOW.or_null(),
+    "sliding_window_size": WINDOW.or_null(),
     "use_sliding_window": BOOL,
     "max_window_layers": NON_NEGATIVE_INT,
     "layer_types": LAYER_TYPES.or_null(),
@@ -258,6 +266,8 @@ class Derived:
     to_mcore: Callable[[dict], dict]
     to_hf: Callable[[Any], dict]
     check: Check | None = None
+    # one line the import prints about these fields (note(hf_config); None for nothing)
+    note: Callable[[dict], str | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -281,6 +291,61 @@ class Carry:
 
 
 @dataclass(frozen=True)
+class NoOp:
+    """HF field ``hf`` changes nothing at the values ``values`` (compared with their JSON type:
+    ``false`` is not ``0``), or, with ``same_as``, when it repeats that field's value (a legacy
+    duplicate). Carried unchanged at such a value; any other is refused naming the no-op value,
+    with ``why`` saying what it would change. ``note``, if given, is one line the import prints
+    (``note(hf_config)``; ``None`` for nothing)."""
+
+    hf: str
+    values: tuple = ()
+    why: str = ""
+    same_as: str | None = None
+    note: Callable[[dict], str | None] | None = None
+
+    def is_noop(self, hf_config: dict) -> bool:
+        """Whether the config's value of the field is one that changes nothing."""
+        v = hf_config[self.hf]
+        if any(_same_json(v, x) for x in self.values):
+            return True
+        return self.same_as is not None and _same_json(v, hf_config.get(self.same_as, _MISSING))
+
+    def refusal(self, hf_config: dict, where: str) -> PortingError:
+        """The one-line error for a value that is not a no-op."""
+        ok = [_json_text(x) for x in self.values]
+        if self.same_as is not None:
+            ok.append(f"the value of {self.same_as}")
+        return PortingError(
+            f"{where}: {self.hf}={_json_text(hf_config[self.hf])} is not supported: {self.why} "
+            f"(only {' or '.join(ok)} changes nothing and is carried)"
+        )
+
+
+def _same_json(a: Any, b: Any) -> bool:
+    """Equal as JSON values of the same kind: ``false`` is not ``0``, ``1`` is ``1.0``."""
+    if isinstance(a, bool) or isinstance(b, bool) or a is None or b is None:
+        return type(a) is type(b) and a == b
+    if isinstance(a, int | float) and isinstance(b, int | float):
+        return a == b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_json(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same_json(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b
+
+
+def _json_text(v: Any) -> str:
+    import json
+
+    try:
+        text = json.dumps(v)
+    except (TypeError, ValueError):
+        text = repr(v)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+@dataclass(frozen=True)
 class Undecided:
     """HF field ``hf`` is still to decide (its value in the config the family was started from
     was ``seen``): map it, carry it or require a value. Refused until then."""
@@ -289,7 +354,82 @@ class Undecided:
     seen: Any = None
 
 
-ConfigEntry = Field | Derived | Require | Carry | Undecided
+ConfigEntry = Field | Derived | Require | Carry | NoOp | Undecided
+
+
+def native_architecture(architecture: Any) -> bool:
+    """Whether ``transformers`` itself defines the class ``architecture`` (no remote code)."""
+    import transformers
+
+    return isinstance(architecture, str) and isinstance(
+        getattr(transformers, architecture, None), type
+    )
+
+
+def _auto_map_to_mcore(hf: dict) -> dict:
+    if "auto_map" not in hf:
+        return {}
+    amap = hf["auto_map"]
+    if not isinstance(amap, dict) or not all(isinstance(k, str) for k in amap):
+        raise PortingError(f"config.json: auto_map={_json_text(amap)} must be an object")
+    arch = (hf.get("architectures") or [None])[0]
+    if not native_architecture(arch):
+        raise PortingError(
+            f"config.json: auto_map names remote code and {arch!r} is no transformers class, so that "
+            "code is the model's only definition, which porting never runs; bring the architecture "
+            "as a family: `porting new-family NAME --from HF_DIR` (docs/families.md)"
+        )
+    return {}
+
+
+def _auto_map_note(hf: dict) -> str:
+    arch = hf["architectures"][0]
+    return (
+        f"config.json: auto_map ({', '.join(sorted(hf['auto_map']))}) points trust_remote_code users "
+        f"to the repository's own code; porting never runs or copies it: the reference is "
+        f"transformers' native {arch}, and auto_map is carried unchanged"
+    )
+
+
+# Fields of transformers' PretrainedConfig itself (configuration_utils.py), which any published
+# config.json may hold whatever its architecture: bookkeeping, generation defaults (generate()
+# reads them, a forward pass never does) and encoder-decoder switches at their decoder-only value.
+# A family's own entry for one of these names takes precedence.
+_BOOKKEEPING = (
+    "_name_or_path", "_commit_hash", "_attn_implementation_autoset", "transformers_version",
+    "architectures", "torchscript", "use_bfloat16", "return_dict", "output_hidden_states",
+    "output_attentions", "id2label", "label2id", "problem_type", "finetuning_task",
+    "tokenizer_class", "prefix", "task_specific_params", "bos_token_id", "eos_token_id",
+    "pad_token_id", "sep_token_id", "decoder_start_token_id", "torch_dtype", "dtype",
+    # generation defaults: read by generate(), never by a forward pass
+    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
+    "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty",
+    "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids",
+    "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
+    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
+    "suppress_tokens", "begin_suppress_tokens", "tf_legacy_loss",
+    # how the forward is chunked or cached, not what it computes
+    "chunk_size_feed_forward",
+)  # fmt: skip
+_DECODER_ONLY = "a decoder-only causal LM has no encoder or cross-attention"
+COMMON: tuple[ConfigEntry, ...] = (
+    *(Carry(name) for name in _BOOKKEEPING),
+    Carry("use_cache", check=BOOL),
+    Carry("is_decoder", check=BOOL),  # the CausalLM classes read it nowhere
+    NoOp("is_encoder_decoder", (False,), _DECODER_ONLY),
+    NoOp("add_cross_attention", (False,), _DECODER_ONLY),
+    NoOp("tie_encoder_decoder", (False,), _DECODER_ONLY),
+    NoOp("cross_attention_hidden_size", (None,), _DECODER_ONLY),
+    NoOp("pruned_heads", ({},), "pruned heads change the attention's shapes"),
+    Derived(("auto_map",), _auto_map_to_mcore, lambda c: {}, note=_auto_map_note),
+)
+
+
+def with_common(entries: Iterable[ConfigEntry]) -> list[ConfigEntry]:
+    """A family's entries plus each :data:`COMMON` entry for a field the family does not list."""
+    entries = list(entries)
+    own = known_fields(entries)
+    return entries + [e for e in COMMON if not set(_names(e)) & own]
 
 
 def undecided(entries: Iterable[ConfigEntry]) -> list[Undecided]:
@@ -308,7 +448,7 @@ def known_fields(entries: Iterable[ConfigEntry]) -> set[str]:
 
 def lint(hf_config: dict, entries: Iterable[ConfigEntry], where: str = "config.json") -> None:
     """Raise :class:`PortingError` for an unknown field or a value the family cannot represent."""
-    entries = list(entries)
+    entries = with_common(entries)
     unknown = sorted(set(hf_config) - known_fields(entries))
     if unknown:
         raise PortingError(
@@ -331,11 +471,26 @@ def lint(hf_config: dict, entries: Iterable[ConfigEntry], where: str = "config.j
     for e in entries:
         if isinstance(e, Require) and e.hf in hf_config and not e.ok(hf_config[e.hf]):
             raise PortingError(f"{where}: {e.hf}={hf_config[e.hf]!r} is not supported: {e.why}")
+        if isinstance(e, NoOp) and e.hf in hf_config and not e.is_noop(hf_config):
+            raise e.refusal(hf_config, where)
+
+
+def notes(hf_config: dict, entries: Iterable[ConfigEntry], where: str = "config.json") -> list[str]:
+    """The lines an import prints about fields it accepted on a rule worth saying (``auto_map``
+    carried, never run; which of two activation fields the reference reads), for a config that
+    passed :func:`lint`."""
+    out = []
+    for e in with_common(entries):
+        if getattr(e, "note", None) is not None and set(_names(e)) & set(hf_config):
+            line = e.note(hf_config)
+            if line:
+                out.append(line.replace("config.json: ", f"{where}: ", 1))
+    return out
 
 
 def to_mcore(hf_config: dict, entries: Iterable[ConfigEntry], where: str = "config.json") -> dict:
     """Lint ``hf_config`` and return the Megatron config keyword arguments it determines."""
-    entries = list(entries)
+    entries = with_common(entries)
     lint(hf_config, entries, where)
     out: dict[str, Any] = {}
     for e in entries:
@@ -362,21 +517,28 @@ def to_mcore(hf_config: dict, entries: Iterable[ConfigEntry], where: str = "conf
 
 
 def to_hf(mcore_config: Any, original: dict, entries: Iterable[ConfigEntry]) -> dict:
-    """Rebuild the HF config: the original dict with every mapped field re-derived from Megatron.
+    """The HF config export writes: the original, key for key and value for value.
 
-    Carried and required fields come back exactly as they were; mapped fields come from the
-    Megatron config, so a change made on the Megatron side (none is expected) would show.
+    Nothing is added (a ``head_dim`` or ``attention_bias`` the original left to its default stays
+    out) and nothing is rewritten. Every mapped field the original holds is re-derived from the
+    Megatron config all the same and must agree with it (a ``null`` the original left for
+    transformers to derive is not compared): a family whose mapping does not invert is refused
+    here rather than writing a config that no longer describes its weights.
     """
-    out = dict(original)
-    for e in entries:
+    for e in with_common(entries):
         if isinstance(e, Field):
-            if e.hf in original or getattr(mcore_config, e.mcore) != e.default:
-                out[e.hf] = e.to_hf(getattr(mcore_config, e.mcore))
+            derived = {e.hf: e.to_hf(getattr(mcore_config, e.mcore))}
         elif isinstance(e, Derived):
-            for k, v in e.to_hf(mcore_config).items():
-                if k in original or v is not None:
-                    out[k] = v
-    return out
+            derived = e.to_hf(mcore_config)
+        else:
+            continue
+        for k, v in derived.items():
+            if original.get(k) is not None and not _same_json(v, original[k]):
+                raise PortingError(
+                    f"config.json: {k}={_json_text(original[k])} comes back from the Megatron "
+                    f"config as {_json_text(v)}: the family's mapping of {k} does not invert"
+                )
+    return copy.deepcopy(original)
 
 
 def _hub_blobs(model_dir: Path) -> Path | None:

@@ -192,6 +192,8 @@ class PortingImporter(io.ModelConnector):
                 f"{hf_dir}/config.json: architecture {hf_config['architectures'][0]!r} is not "
                 f"one of family {family.name}'s ({', '.join(family.keys)})"
             )
+        for line in config_map.notes(hf_config, family.config_entries, str(hf_dir / "config.json")):
+            log.info(line)
         source = SafetensorsSource(hf_dir, allow_pickle=self.allow_pickle)
         check_float_dtypes(family, source)
         dtype = resolve_dtype(source, self.dtype)
@@ -377,7 +379,7 @@ def export_into(
     del model, meta
     gc.collect()
     hf_config = config_map.to_hf(config, manifest.hf_config, family.config_entries)
-    (out / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     for f in tokenizer_files(ckpt, manifest):
         shutil.copyfile(f, out / f.name)
     for name in manifest.extra_files:

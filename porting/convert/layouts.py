@@ -190,6 +190,15 @@ def megatron_args(config, padded_vocab_size: int, family_name: str) -> argparse.
     vocabulary padding, all plain values: a Megatron-LM run can take the model's shape from the
     checkpoint, and our export can check it against the tensors.
     """
+    scaling = getattr(config, "rope_scaling_type", None)
+    if scaling is not None:
+        # Megatron-LM rebuilds the rotary embedding from these arguments (--use-checkpoint-args),
+        # and none of them carries a scaling's parameters: it would run the model unscaled.
+        raise PortingError(
+            f"family {family_name}: rotary scaling {scaling!r} has no Megatron-LM checkpoint "
+            "argument, so Megatron-LM would run this model unscaled; the megatron-lm layout cannot "
+            "describe it (use --format nemo2)"
+        )
     act = getattr(config.activation_func, "__name__", "")
     gated = bool(config.gated_linear_unit)
     experts = getattr(config, "num_moe_experts", None)

@@ -12,6 +12,7 @@ learns what to fix before a multi-GB checkpoint is opened.
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 from typing import Any
 
@@ -27,7 +28,9 @@ def hf_meta_shapes(family: Family, hf_config: dict) -> dict[str, tuple[int, ...]
     from accelerate import init_empty_weights
 
     cls = family.hf_class(hf_config["architectures"][0])
-    config = cls.config_class.from_dict(dict(hf_config))
+    # a deep copy: transformers writes rope_type into a nested rope_scaling object, and the
+    # manifest's config must stay the original, key for key
+    config = cls.config_class.from_dict(copy.deepcopy(hf_config))
     with init_empty_weights(include_buffers=True):
         model = cls._from_config(config, dtype=torch.float32)
     # A tied output is one tensor under two names; safetensors files hold it once.

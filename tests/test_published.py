@@ -1,0 +1,121 @@
+"""The checkpoints people actually have: every published config in ``published_configs.py``, as
+its model card's ``config.json`` has it except for sizes, imports with the gate and exports to the
+identical ``config.json`` and tensors.
+
+Sizes are shrunk with the flags and ratios kept: grouped-query attention stays grouped (MQA stays
+MQA), a ``head_dim`` apart from ``hidden_size / heads`` stays apart, the MLP keeps its width ratio,
+experts stay routed top-k of several. Everything else (``rope_scaling``, windows, caps, token ids,
+``max_position_embeddings``, bookkeeping such as ``_name_or_path`` or ``auto_map``) is the card's.
+The random weights are saved in the card's dtype; the HF directory's ``config.json`` is the shrunk
+dict written as is, not a ``transformers`` re-save (which would add fields the card does not have).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from porting.convert.api import export_hf, import_hf
+from porting.demo import compare_hf_dirs
+from porting.testing import make_tokenizer
+
+_spec = importlib.util.spec_from_file_location(
+    "published_configs", Path(__file__).with_name("published_configs.py")
+)
+published = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(published)
+
+HEAD = 16  # head width of the shrunk models
+HEADS = 8
+LAYERS = 2
+VOCAB = 160  # the test tokenizer has 120 ids
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _round8(x: float) -> int:
+    return max(8, int(round(x / 8)) * 8)
+
+
+def shrink(cfg: dict) -> dict:
+    """``cfg`` at test size, every flag, ratio and non-size value kept."""
+    c = copy.deepcopy(cfg)
+    heads = c["num_attention_heads"]
+    kv_field = "num_kv_heads" if "num_kv_heads" in c else "num_key_value_heads"
+    kv = c.get(kv_field)
+    if c.get("multi_query") and not c.get("new_decoder_architecture"):
+        kv = 1
+    c["num_attention_heads"] = HEADS
+    if kv_field in c and c[kv_field] is not None:
+        c[kv_field] = HEADS if kv == heads else 1 if kv == 1 else 2
+    width = c.get("head_dim") or c["hidden_size"] // heads
+    # hidden_size relative to heads x head width: 1 where it is the product, apart where apart
+    ratio = c["hidden_size"] / (heads * width)
+    old_hidden = c["hidden_size"]
+    c["hidden_size"] = _round8(HEADS * HEAD * ratio) if c.get("head_dim") else HEADS * HEAD
+    if c.get("head_dim"):
+        c["head_dim"] = HEAD
+    scale = c["hidden_size"] / old_hidden
+    for key in ("intermediate_size", "ffn_hidden_size", "moe_intermediate_size",
+                "shared_expert_intermediate_size"):  # fmt: skip
+        if c.get(key):
+            c[key] = _round8(c[key] * scale)
+    c["num_hidden_layers"] = LAYERS
+    if c.get("layer_types"):
+        c["layer_types"] = c["layer_types"][:LAYERS]
+    for key in ("num_experts", "num_local_experts"):
+        if c.get(key):
+            c[key] = min(c[key], 4)
+    if c.get("num_experts_per_tok"):
+        c["num_experts_per_tok"] = min(c["num_experts_per_tok"], 2)
+    if "n_head" in c:  # an early Falcon name for the same count
+        c["n_head"] = HEADS
+    c["vocab_size"] = VOCAB
+    return c
+
+
+def make_published(out: Path, cfg: dict) -> Path:
+    """A random-init HF directory whose ``config.json`` is exactly ``cfg``."""
+    import transformers
+
+    out.mkdir(parents=True)
+    make_tokenizer(out, vocab_size=120)
+    cls = getattr(transformers, cfg["architectures"][0])
+    # a deep copy: transformers writes rope_type into a nested rope_scaling object
+    fields = {k: v for k, v in copy.deepcopy(cfg).items() if k not in ("architectures", "auto_map")}
+    config = cls.config_class(**fields)
+    torch.manual_seed(0)
+    model = cls(config)
+    with torch.no_grad():  # norms and biases off their init, so a dropped one shows
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    dtype = DTYPES[cfg.get("torch_dtype") or cfg.get("dtype") or "float32"]
+    model.to(dtype).save_pretrained(str(out), safe_serialization=True)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+@pytest.mark.parametrize("hub_id", sorted(published.PUBLISHED))
+def test_published_config_imports_with_the_gate_and_comes_back_identical(hub_id, tmp_path):
+    cfg = shrink(published.PUBLISHED[hub_id])
+    hf = make_published(tmp_path / "hf", cfg)
+    import_hf(hf, tmp_path / "nemo", verify=True, show_progress=False)
+    export_hf(tmp_path / "nemo", tmp_path / "back", verify=False)
+    back = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert back == cfg  # every key and value, nothing added
+    assert list(back) == list(cfg)  # in the original's order
+    rt = compare_hf_dirs(hf, tmp_path / "back")
+    assert rt.same_keys and rt.equal_tensors == rt.tensors > 0, rt
+
+
+def test_every_family_we_claim_is_in_the_catalogue():
+    from porting import registry
+
+    archs = {c["architectures"][0] for c in published.PUBLISHED.values()}
+    claimed = {a for f in registry.families() for a in f.architectures}
+    assert claimed <= archs, claimed - archs
