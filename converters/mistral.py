@@ -7,7 +7,7 @@ The Llama layout (:mod:`converters.tsuzumi`'s fields and table, unchanged) plus 
 
 from __future__ import annotations
 
-from converters.tsuzumi import HEAD_DIM_OR_NULL, LLAMA_LAYOUT
+from converters.tsuzumi import HEAD_DIM_OR_NULL, LLAMA_LAYOUT, ROPE_SCALING
 from converters.tsuzumi import WEIGHTS as LLAMA_WEIGHTS
 from converters.tsuzumi import shape_context as llama_shape_context
 from models.mistral import MistralConfig, MistralModel
@@ -18,6 +18,8 @@ from porting.family import Family, Variant
 CONFIG = (
     *LLAMA_LAYOUT,
     HEAD_DIM_OR_NULL,
+    # transformers' Mistral takes the shared rotary types (modeling_rope_utils) as Llama does
+    ROPE_SCALING,
     Field(
         "sliding_window",
         "window_size",

@@ -272,3 +272,31 @@ def test_megatron_lm_layout_refuses_a_scaling_it_cannot_record(converted, tmp_pa
     err = capsys.readouterr().err
     assert code == 2 and "rotary scaling 'yarn'" in err and "--format nemo2" in err, err
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".mlm")]
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [None, {"rope_type": "linear", "factor": 2.0}, YARN],
+    ids=["null", "linear", "yarn"],
+)
+def test_mistral_takes_the_shared_rotary_types(rope, tmp_path):
+    """transformers' Mistral reads rope_scaling through the same rotary functions as Llama."""
+    from porting.convert.api import import_hf
+
+    arch = "MistralForCausalLM"
+    # transformers 4.57's YaRN reads config.head_dim, which MistralConfig leaves None unless given
+    # (Mistral-Nemo gives it): its own model cannot run YaRN without one
+    fields = proof.tiny_fields(arch) | ({"head_dim": 16} if rope is YARN else {})
+    hf = proof.make_hf(tmp_path / "hf", arch, **fields, rope_scaling=rope)
+    import_hf(hf, tmp_path / "nemo", verify=False, show_progress=False)
+    proof.prove_parity(hf, tmp_path / "nemo")
+
+
+def test_a_config_the_reference_class_cannot_build_is_refused_in_one_line(tmp_path):
+    """transformers 4.57's YaRN multiplies config.head_dim, which MistralConfig leaves None: the
+    reference cannot run, so the import stops naming that, before anything is written."""
+    arch = "MistralForCausalLM"
+    hf = proof.make_hf(tmp_path / "hf", arch, **proof.tiny_fields(arch))
+    said = proof.refused_import(hf, {"rope_scaling": YARN, "head_dim": None}, tmp_path / "w")
+    assert "transformers' MistralForCausalLM cannot be built from this config" in said, said
+    assert "Traceback" not in said

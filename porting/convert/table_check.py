@@ -30,9 +30,18 @@ def hf_meta_shapes(family: Family, hf_config: dict) -> dict[str, tuple[int, ...]
     cls = family.hf_class(hf_config["architectures"][0])
     # a deep copy: transformers writes rope_type into a nested rope_scaling object, and the
     # manifest's config must stay the original, key for key
-    config = cls.config_class.from_dict(copy.deepcopy(hf_config))
-    with init_empty_weights(include_buffers=True):
-        model = cls._from_config(config, dtype=torch.float32)
+    try:
+        config = cls.config_class.from_dict(copy.deepcopy(hf_config))
+        with init_empty_weights(include_buffers=True):
+            model = cls._from_config(config, dtype=torch.float32)
+    except Exception as err:
+        # The reference implementation itself cannot run this config (transformers 4.57's YaRN
+        # on a Mistral config without head_dim, say): there is nothing to prove parity against.
+        said = (str(err).strip().splitlines() or [""])[0][:300]
+        raise PortingError(
+            f"config.json: transformers' {cls.__name__} cannot be built from this config "
+            f"({type(err).__name__}: {said}); the gate has no reference to compare against"
+        ) from err
     # A tied output is one tensor under two names; safetensors files hold it once.
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
