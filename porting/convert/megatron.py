@@ -157,9 +157,11 @@ def build_mcore_model(config) -> torch.nn.Module:
     config.context_parallel_size = 1
     cpu.kernel_safe_config(config)
     model = config.configure_model(None)
-    if cpu.cuda_available():
+    devices = {p.device.type for p in model.parameters()}
+    if {"cuda", "cpu"} <= devices:
         # Megatron's local spec puts linear layers on the current device but builds its torch
-        # norms (WrappedTorchNorm) on the host; training moves the module, so must we.
+        # norms (WrappedTorchNorm) on the host; training moves the module, so must we. (A model
+        # built on the meta device, for its shapes, stays there.)
         model.cuda(torch.cuda.current_device())
     model.eval()
     return model
