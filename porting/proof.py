@@ -15,13 +15,18 @@ our checkpoints imported from it, and asserts what its name says:
   experts on both sides, with no near-tie that rounding could flip;
 - :func:`prove_fault_named`: the negative control. One layer's entry of the table is broken, the
   checkpoint written through the normal importer; parity must fail by 100x the tolerance and
-  more, and the streamed gate must name that layer first.
+  more, and the streamed gate must name that layer first;
+- :func:`prove_features_observed` / :func:`prove_features_named`: each mapped feature of the
+  config (:data:`FEATURES`: a window, a soft-cap, a GELU variant, rope settings) is perturbed on
+  the HF side alone; one whose perturbation moves no logit past the tolerance on the gate's
+  prompts is invisible to the gate, and the gate's report must name it (``unobserved``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -173,9 +178,10 @@ def prompts_of(ckpt: str | Path) -> list[torch.Tensor]:
 
     from porting.parity import harness
 
-    _, m = checkpoint_family(ckpt)
+    family, m = checkpoint_family(ckpt)
     tok = AutoTokenizer.from_pretrained(str(Path(ckpt) / m.tokenizer["path"]))
-    return harness.build_prompts(tok, m.vocab_size)
+    config = harness.reference_config(family, m.hf_config)
+    return harness.build_prompts(tok, m.vocab_size, config=config)
 
 
 def logits(hf_dir: str | Path, ckpt: str | Path, prompts=None):
@@ -322,10 +328,15 @@ def prove_round_trip(hf_dir: str | Path, ckpt: str | Path, out: str | Path) -> N
     export_hf(ckpt, out, verify=False)
     rt = compare_hf_dirs(hf_dir, out)
     assert rt.same_keys and rt.equal_tensors == rt.tensors > 0, rt
-    assert rt.config_fields_differing == []
-    assert json.loads((out / "config.json").read_text()) == json.loads(
-        (hf_dir / "config.json").read_text()
-    )
+    # the original config.json, key for key, value for value and in its order: the diff, if any
+    back, original = (json.loads((d / "config.json").read_text()) for d in (out, hf_dir))
+    diff = {
+        k: (original.get(k, "<absent>"), back.get(k, "<absent>"))
+        for k in original.keys() | back.keys()
+        if k not in original or k not in back or original[k] != back[k]
+    }
+    assert diff == {}, f"config.json changed on export (original, exported): {diff}"
+    assert list(back) == list(original), "config.json's keys came back in another order"
     text = "東京 hello world"
     tok_a = AutoTokenizer.from_pretrained(str(hf_dir))
     tok_b = AutoTokenizer.from_pretrained(str(out))
@@ -510,3 +521,214 @@ def prove_table_fault_named(hf_dir: str | Path, out: str | Path, family, table, 
     assert not report.passed
     assert report.first_divergent_layer == layer, report.summary()
     assert all(d["own_max_rel"] < 1e-5 for d in report.layers[:layer])
+
+
+# --- what the gate's prompts can see -------------------------------------------------------------
+
+
+def _nulled(name: str):
+    def perturb_config(config) -> dict | None:
+        return None if getattr(config, name, None) is None else {name: None}
+
+    return perturb_config
+
+
+def _doubled(name: str):
+    def perturb_config(config) -> dict | None:
+        value = getattr(config, name, None)
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            return None
+        return {name: 2 * value}
+
+    return perturb_config
+
+
+def _window_removed(config) -> dict | None:
+    from porting.parity import harness
+
+    if harness.sliding_window_of(config) is None:
+        return None
+    types = getattr(config, "layer_types", None)
+    if isinstance(types, list | tuple):  # Gemma 2 builds its sliding mask whatever the layers
+        return {"layer_types": ["full_attention"] * len(types)}
+    return {"sliding_window": None}
+
+
+def _layers_swapped(config) -> dict | None:
+    from porting.parity import harness
+
+    types = getattr(config, "layer_types", None)
+    if harness.sliding_window_of(config) is None or not isinstance(types, list | tuple):
+        return None
+    swap = {"full_attention": "sliding_attention", "sliding_attention": "full_attention"}
+    return {"layer_types": [swap.get(t, t) for t in types]}
+
+
+def _other_gelu(name: str):
+    from porting.parity.harness import GELU_VARIANTS
+
+    def perturb_config(config) -> dict | None:
+        value = getattr(config, name, None)
+        if value not in GELU_VARIANTS:
+            return None
+        other = GELU_VARIANTS[1 - GELU_VARIANTS.index(value)]
+        # both spellings where a config has both (they must agree: converters/gemma.py)
+        return {
+            f: other
+            for f in ("hidden_act", "hidden_activation")
+            if getattr(config, f, None) == value
+        }
+
+    return perturb_config
+
+
+# HF config field -> perturb(transformers config) -> the changed fields, or None where the config
+# does not use the feature. A family's tests may pass more (``features=FEATURES | {...}``).
+FEATURES = {
+    "sliding_window": _window_removed,
+    "layer_types": _layers_swapped,
+    "attn_logit_softcapping": _nulled("attn_logit_softcapping"),
+    "final_logit_softcapping": _nulled("final_logit_softcapping"),
+    "hidden_activation": _other_gelu("hidden_activation"),
+    "hidden_act": _other_gelu("hidden_act"),
+    "rope_scaling": _nulled("rope_scaling"),
+    "query_pre_attn_scalar": _doubled("query_pre_attn_scalar"),
+    "rope_theta": _doubled("rope_theta"),
+}
+
+
+@dataclasses.dataclass
+class Sighted:
+    """Per mapped feature present in the config: max |d logit| when it is perturbed, split by
+    whether that fails the gate's tolerance (observed) or passes it (unobserved)."""
+
+    observed: dict[str, float]
+    unobserved: dict[str, float]
+
+
+def gate_prompts(hf_dir: str | Path) -> list[torch.Tensor]:
+    """The gate's prompts for an HF directory (its tokenizer and config), as ``verify`` builds
+    them for a checkpoint imported from it."""
+    from transformers import AutoTokenizer
+
+    from porting.parity import harness
+    from porting.registry import family_for_hf_dir
+
+    family, cfg = family_for_hf_dir(hf_dir)
+    tok = AutoTokenizer.from_pretrained(str(hf_dir))
+    config = harness.reference_config(family, cfg)
+    return harness.build_prompts(tok, config.vocab_size, config=config)
+
+
+@torch.no_grad()
+def prove_features_observed(
+    hf_dir: str | Path, prompts=None, atol: float = ATOL, rtol: float = RTOL, features=None
+) -> Sighted:
+    """Which of the family's mapped features (:data:`FEATURES`, or ``features``) the gate's
+    ``prompts`` (default :func:`gate_prompts`) see: the HF model built with the same weights from
+    its own config and from the config with that feature perturbed
+    (``from_pretrained(hf_dir, config=perturbed)``), each perturbation compared with
+    :func:`porting.parity.harness.compare` at ``atol`` / ``rtol``. A feature whose perturbation
+    passes that comparison would pass the gate if a conversion dropped it."""
+    import copy
+
+    from porting.parity import harness
+    from porting.registry import family_for_hf_dir
+
+    family, cfg = family_for_hf_dir(hf_dir)
+    prompts = gate_prompts(hf_dir) if prompts is None else prompts
+    cls = family.hf_class(cfg["architectures"][0])
+    config = cls.config_class.from_pretrained(str(hf_dir), local_files_only=True)
+    mapped = harness.mapped_fields(family)
+
+    def run(conf) -> list[torch.Tensor]:
+        model = cls.from_pretrained(
+            str(hf_dir),
+            config=conf,
+            dtype=torch.float32,
+            attn_implementation=family.hf_attn_implementation,
+            local_files_only=True,
+        ).eval()
+        return [model(p).logits.float() for p in prompts]
+
+    base = run(config)
+    seen = Sighted({}, {})
+    for name, perturb_config in (FEATURES if features is None else features).items():
+        changes = perturb_config(config) if name in mapped else None
+        if not changes:
+            continue
+        perturbed = copy.deepcopy(config)
+        for key, value in changes.items():
+            setattr(perturbed, key, value)
+        moved = harness.compare(base, run(perturbed), atol=atol, rtol=rtol)
+        (seen.unobserved if moved.passed else seen.observed)[name] = moved.max_abs_diff
+    return seen
+
+
+def prove_features_named(hf_dir: str | Path, ckpt_or_report, features=None):
+    """Every mapped feature that the gate's prompts cannot see (:func:`prove_features_observed`,
+    at the report's tolerances) is named in the gate's ``unobserved`` list. ``ckpt_or_report``:
+    a :class:`~porting.parity.harness.ParityReport`, or a checkpoint imported from ``hf_dir``
+    (verified here at this kit's tolerance). Returns ``(sighted, report)``."""
+    from porting.parity import harness
+
+    report = ckpt_or_report
+    if not isinstance(report, harness.ParityReport):
+        report = harness.verify(hf_dir, ckpt_or_report, atol=ATOL, rtol=RTOL)
+    seen = prove_features_observed(hf_dir, atol=report.atol, rtol=report.rtol, features=features)
+    named = {u["field"] for u in report.unobserved}
+    unnamed = sorted(set(seen.unobserved) - named)
+    assert not unnamed, (
+        f"the gate cannot see {unnamed} (max |d logit| when perturbed: "
+        f"{[f'{seen.unobserved[n]:.1e}' for n in unnamed]}) and its report does not say so:\n"
+        + report.summary()
+    )
+    return seen, report
+
+
+def reach_caps(score: float = 4.0, logit: float = 5.0):
+    """An ``edit`` for :func:`make_hf` that makes a tiny model reach published soft-caps (Gemma
+    2's 50 and 30), which its random init barely bends (scores up to ~0.2, logits up to ~0.6):
+    the q and k projections are scaled so that the largest attention score before the cap is
+    about ``score``, then the final norm's scale so that the largest logit before the cap is about
+    ``logit`` (the residual stream, and so every layer, unchanged), each measured on 64 random ids.
+    For Llama-named attention (``q_proj``, ``k_proj``), transformers' eager attention (where the
+    scores meet the cap) and a final ``model.norm``, scaled as ``w`` or, for Gemma's ``(1 + w)``,
+    as ``1 + w``.
+
+    At the defaults a tiny Gemma 2 with the published caps moves its logits by ~3e-2 when the
+    attention cap is dropped and ~7e-2 for the final cap (3000x and 7000x the kit's 1e-5), and its
+    parity stays within 5e-6; scores of ~8 bring parity within 1.5x of the tolerance (larger
+    scores amplify fp32 rounding)."""
+    from porting.parity.harness import SiteProbe
+
+    def edit(model) -> None:
+        config = model.config
+        ids = torch.randint(
+            0, config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0)
+        )
+        attn_cap = getattr(config, "attn_logit_softcapping", None)
+        if attn_cap:
+            probe = SiteProbe()
+            built_with = config._attn_implementation
+            model.set_attn_implementation("eager")  # where the scores meet the cap
+            with probe:
+                model(ids)
+            model.set_attn_implementation(built_with)
+            assert probe.attention_tanh, "no capped attention scores seen"
+            gain = score / (attn_cap * probe.attention_tanh)
+            for name, p in model.named_parameters():
+                if name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+                    p.mul_(gain**0.5)
+        top = model(ids).logits.abs().max().item()
+        final_cap = getattr(config, "final_logit_softcapping", None)
+        if final_cap:
+            top = final_cap * math.atanh(top / final_cap)
+        norm = model.model.norm
+        kept = norm.weight.clone()
+        norm.weight.zero_()
+        offset = bool(norm(torch.ones(1, kept.shape[0])).abs().max() > 0)  # Gemma's 1 + w
+        gain = logit / top
+        norm.weight.copy_((1 + kept) * gain - 1 if offset else kept * gain)
+
+    return edit

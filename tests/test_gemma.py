@@ -170,7 +170,6 @@ def test_planted_fault_is_named(variant, pattern, converted, tmp_path):
     [
         ("gemma2", {"attention_bias": True}, ["attention_bias=True", "o_proj"]),
         ("gemma2", {"hidden_activation": "relu"}, ["hidden_activation='relu'"]),
-        ("gemma2", {"hidden_act": "gelu"}, ["hidden_act='gelu' disagrees"]),
         ("gemma2", {"layer_types": ["sliding_attention"]}, ["layer_types", "3 layers"]),
         ("gemma2", {"sliding_window": None}, ["sliding_window is null"]),
         ("gemma2", {"attn_logit_softcapping": 0}, ["attn_logit_softcapping=0"]),
@@ -181,7 +180,6 @@ def test_planted_fault_is_named(variant, pattern, converted, tmp_path):
     ids=[
         "o_bias",
         "relu",
-        "act_disagrees",
         "layer_types_short",
         "null_window",
         "zero_cap",
@@ -194,3 +192,15 @@ def test_config_lint_names_the_field(variant, changes, needles, converted, tmp_p
     err = proof.refused_import(converted(variant)[0], changes, tmp_path)
     for needle in needles:
         assert needle in err, err
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_every_mapped_feature_is_seen_or_named(variant, converted):
+    """Each of the variant's features (window, caps, GELU variant, rope, softmax scale), perturbed
+    on the HF side alone, moves the gate's logits past 1e-5, or the gate's report names it."""
+    seen, report = proof.prove_features_named(*converted(variant))
+    assert report.passed and seen.observed
+    if variant in ("gemma2", "gemma2_bf16"):  # the low caps and the window of 8 are in reach
+        assert {"attn_logit_softcapping", "final_logit_softcapping", "sliding_window"} <= set(
+            seen.observed
+        )

@@ -96,8 +96,8 @@ def test_planted_fault_is_named(converted, tmp_path):
     [
         ({"sliding_window": 0}, ["sliding_window=0", "positive integer"]),
         (
-            {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
-            ["unsupported field", "rope_scaling"],
+            {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+            ["rope_scaling", "dynamic"],
         ),
         ({"model_type": "llama"}, ["model_type='llama'"]),
         ({"hidden_act": "gelu"}, ["hidden_act='gelu'"]),
@@ -108,3 +108,12 @@ def test_config_lint_names_the_field(changes, needles, converted, tmp_path):
     err = proof.refused_import(converted("window")[0], changes, tmp_path)
     for needle in needles:
         assert needle in err, err
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_every_mapped_feature_is_seen_or_named(variant, converted):
+    """The window (and rope_theta), perturbed on the HF side alone, move the gate's logits past
+    1e-5, or the gate's report names them."""
+    seen, report = proof.prove_features_named(*converted(variant))
+    assert report.passed and report.unobserved == []
+    assert ("sliding_window" in seen.observed) == (variant != "no_window")

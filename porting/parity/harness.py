@@ -8,6 +8,7 @@ is compared (no means, no samples). The gate is ``torch.testing.assert_close``'s
 
 from __future__ import annotations
 
+import copy
 import gc
 import logging
 import math
@@ -17,6 +18,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from porting.parity.streamed import LAYER_RTOL
 
@@ -29,6 +31,19 @@ PROMPT_TEXTS = (
     "while Hugging Face transformers is where most checkpoints are shared and evaluated.",
 )
 RANDOM_PROMPT_LEN = 64
+# A sliding window acts only on a prompt longer than it: the random prompt becomes window +
+# WINDOW_MARGIN tokens (the last WINDOW_MARGIN positions each lose keys) where that is at most
+# LONG_PROMPT_MAX and max_position_embeddings, and where its cost stays in budget: the matmul work
+# it adds on both sides, and the padded batch's attention scores (every prompt is padded to the
+# longest), per layer (eager attention holds about three such tensors at once) and over all layers
+# (about ten passes over each on each side: the gate's time, ~20 s for 3.2 GiB on 2 CPU cores). A 7B
+# with a 4096 window would add ~1e14 FLOP (15-20 min on a CPU) and 8.7 GB of scores a layer: the
+# report names its window instead (docs/conversion.md, "What the gate could not see").
+LONG_PROMPT_MAX = 8192
+WINDOW_MARGIN = 16
+LONG_PROMPT_FLOP = 1e13
+LONG_PROMPT_SCORE_BYTES = 2 * 2**30
+LONG_PROMPT_SCORE_TOTAL = 16 * 2**30
 DEFAULT_ATOL = 1e-4
 DEFAULT_RTOL = 1e-4
 DEFAULT_MIN_TOP1 = 0.999
@@ -64,6 +79,9 @@ class ParityReport:
     floor_ratio: float | None = None
     matmul_tflop: float | None = None
     matmul_gflops: float | None = None
+    # The mapped features the prompts could not see (``{"field", "value", "why"}`` each, see
+    # :func:`unobserved_features`): a conversion that dropped one would pass all the same.
+    unobserved: list[dict] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         """JSON-ready dict: strict JSON, a non-finite number (NaN, Inf) becomes ``null`` (the
@@ -75,8 +93,12 @@ class ParityReport:
         verdict = "PASS" if self.passed else "FAIL"
         text = (
             f"parity {verdict}: {self.prompts} prompts, {self.positions} positions, "
-            f"vocab {self.vocab_size}\n"
+            f"vocab {self.vocab_size}"
         )
+        if self.unobserved:
+            n = len(self.unobserved)
+            text += f"; {n} mapped feature{'s' * (n > 1)} the prompts could not see (below)"
+        text += "\n"
         if self.nonfinite_hf or self.nonfinite_megatron:
             text += (
                 f"  NOT FINITE     {self.nonfinite_hf} NaN/Inf logit values from HF, "
@@ -109,6 +131,8 @@ class ParityReport:
                 f"{d['own_max_abs']:.1e} ({d['own_max_rel']:.1e} relative, on the HF layer's "
                 f"input; fp32 explains up to {LAYER_RTOL:g})"
             )
+        for u in self.unobserved:
+            text += f"\n  not seen       {u['why']}"
         return text
 
 
@@ -122,16 +146,294 @@ def _finite(value):
     return value
 
 
-def build_prompts(tokenizer, vocab_size: int, seed: int = 0) -> list[torch.Tensor]:
-    """The fixed prompts as ``[1, seq]`` id tensors (text prompts plus one random-id prompt)."""
+def build_prompts(tokenizer, vocab_size: int, seed: int = 0, config=None) -> list[torch.Tensor]:
+    """The fixed prompts as ``[1, seq]`` id tensors (text prompts plus one random-id prompt).
+
+    ``config`` (the ``transformers`` config of the HF side, :func:`reference_config`): a sliding
+    window that no prompt passes makes the random prompt longer than it, where
+    :func:`long_prompt_len` allows.
+    """
     prompts = []
     for text in PROMPT_TEXTS:
         ids = tokenizer(text, add_special_tokens=True)["input_ids"] if tokenizer else []
         if ids:
             prompts.append(torch.tensor([ids], dtype=torch.long))
     g = torch.Generator().manual_seed(seed)
-    prompts.append(torch.randint(0, vocab_size, (1, RANDOM_PROMPT_LEN), generator=g))
+    length = RANDOM_PROMPT_LEN
+    longest = max([length, *(p.shape[1] for p in prompts)])
+    window = sliding_window_of(config) if config is not None else None
+    if window is not None and longest <= window:
+        length = long_prompt_len(config) or length
+    prompts.append(torch.randint(0, vocab_size, (1, length), generator=g))
     return prompts
+
+
+def reference_config(family, hf_config: dict):
+    """The ``transformers`` config the HF side computes with (its class's defaults filled in:
+    Gemma 2's caps and window, Mistral's window, where ``config.json`` leaves them out)."""
+    cls = family.hf_class(hf_config["architectures"][0])
+    # a deep copy: transformers writes rope_type into a nested rope_scaling object
+    return cls.config_class.from_dict(copy.deepcopy(hf_config))
+
+
+def sliding_window_of(config) -> int | None:
+    """The window ``config``'s attention slides over, or None: none set, switched off
+    (``use_sliding_window`` false) or used by no layer (``layer_types``)."""
+    window = getattr(config, "sliding_window", None)
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    types = getattr(config, "layer_types", None)
+    if isinstance(types, list | tuple) and all(t == "full_attention" for t in types):
+        return None
+    return window
+
+
+def long_prompt_len(config) -> int | None:
+    """The random prompt's length that makes ``config``'s sliding window act (window +
+    :data:`WINDOW_MARGIN`), or None: no window, one the default prompt already passes, or one
+    :func:`_long_prompt` refuses (its reason)."""
+    return _long_prompt(config)[0]
+
+
+def _long_prompt(config, prompts: int = len(PROMPT_TEXTS) + 1) -> tuple[int | None, str]:
+    """``(length, "")``, or ``(None, why no prompt passes the window)``."""
+    window = sliding_window_of(config)
+    if window is None or window + WINDOW_MARGIN <= RANDOM_PROMPT_LEN:
+        return None, ""
+    n = window + WINDOW_MARGIN
+    positions = getattr(config, "max_position_embeddings", None)
+    if n > LONG_PROMPT_MAX:
+        return None, f"a prompt past it, {n} tokens, is over the gate's {LONG_PROMPT_MAX}"
+    if isinstance(positions, int) and n > positions:
+        return None, (
+            f"a prompt past it, {n} tokens, would pass max_position_embeddings {positions}: "
+            "the window never acts within the model's context"
+        )
+    flop, score_bytes = _long_prompt_cost(config, n, prompts)
+    total = score_bytes * config.num_hidden_layers
+    if (
+        flop > LONG_PROMPT_FLOP
+        or score_bytes > LONG_PROMPT_SCORE_BYTES
+        or total > LONG_PROMPT_SCORE_TOTAL
+    ):
+        return None, (
+            f"a prompt past it, {n} tokens, would add ~{flop:.1e} FLOP and "
+            f"{score_bytes / 2**30:.1f} GiB of attention scores a layer ({total / 2**30:.0f} GiB "
+            f"in all), over the gate's budget ({LONG_PROMPT_FLOP:.0e} FLOP, "
+            f"{LONG_PROMPT_SCORE_BYTES / 2**30:g} GiB a layer, {LONG_PROMPT_SCORE_TOTAL / 2**30:g} "
+            "GiB in all)"
+        )
+    return n, ""
+
+
+def _long_prompt_cost(config, n: int, prompts: int) -> tuple[float, float]:
+    """Both sides' matmul FLOP for ``n`` more positions (linear layers, the output head, and
+    attention over the window), and the padded batch's attention scores of one layer in fp32."""
+    hidden = config.hidden_size
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    ffn = getattr(config, "intermediate_size", None) or 4 * hidden
+    per_token = (
+        config.num_hidden_layers * (hidden * head_dim * (2 * heads + 2 * kv) + 3 * hidden * ffn)
+        + hidden * config.vocab_size
+    )
+    attention = config.num_hidden_layers * 2 * heads * head_dim * n * n
+    flop = 2 * 2 * (per_token * n + attention)
+    return flop, 4.0 * prompts * heads * n * n
+
+
+def mapped_fields(family) -> set[str]:
+    """The HF config fields the family's config map turns into Megatron fields (``Field`` and
+    ``Derived`` entries; carried and no-op fields change nothing there)."""
+    from porting.convert.config_map import Derived, Field
+
+    names: set[str] = set()
+    for entry in family.config_entries:
+        if isinstance(entry, Field):
+            names.add(entry.hf)
+        elif isinstance(entry, Derived):
+            names.update(entry.hf)
+    return names
+
+
+class SiteProbe(TorchFunctionMode):
+    """While entered around the HF side's forward: the largest magnitude that reached the sites
+    where a mapped feature acts inside the layers, so that the report can say which features the
+    prompts left unbent (:func:`unobserved_features`). Computes nothing differently.
+
+    ``attention_tanh``: the largest |input| of ``torch.tanh`` on a 4-D tensor (the attention
+    scores over the soft-cap, ``[b, heads, q, k]``; transformers' ``eager_attention_forward``).
+    ``gelu``: the largest |input| of ``torch.nn.functional.gelu`` (exact or tanh). None where no
+    such call ran (another attention implementation): nothing is then claimed from it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention_tanh: float | None = None
+        self.gelu: float | None = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        x = args[0] if args else None
+        if isinstance(x, torch.Tensor) and x.numel() and x.is_floating_point():
+            if func in (torch.tanh, torch.Tensor.tanh) and x.dim() == 4:
+                self.attention_tanh = _larger(self.attention_tanh, x)
+            elif func is torch.nn.functional.gelu:
+                self.gelu = _larger(self.gelu, x)
+        return func(*args, **kwargs)
+
+
+def _larger(current: float | None, x: torch.Tensor) -> float:
+    lo, hi = torch.aminmax(x.detach())
+    return max(current or 0.0, -lo.item(), hi.item())
+
+
+@dataclass
+class Sight:
+    """What the gate's HF pass reached, which the rules of :data:`UNSEEN` judge: the reference
+    config, the prompts' lengths, HF's logits (after any final cap) and the sites' magnitudes."""
+
+    config: object
+    prompt_lengths: list[int]
+    logits: list[torch.Tensor]
+    probe: SiteProbe | None
+    atol: float
+    rtol: float
+
+    def tolerance(self, value: float) -> float:
+        """The gate's tolerance for a value of magnitude ``value``."""
+        return self.atol + self.rtol * abs(value)
+
+
+def _window_unseen(sight: Sight, name: str) -> str | None:
+    window = sliding_window_of(sight.config)
+    longest = max(sight.prompt_lengths)
+    if window is None or longest > window:
+        return None
+    _, why_short = _long_prompt(sight.config, len(sight.prompt_lengths))
+    why_short = f"; {why_short}" if why_short else ""
+    if name == "sliding_window":
+        head = f"sliding_window={window}"
+    else:
+        types = getattr(sight.config, name, None)
+        if not isinstance(types, list | tuple):
+            return None
+        sliding = sum(t != "full_attention" for t in types)
+        head = f"{name} ({sliding} of {len(types)} layers sliding, window {window})"
+    return (
+        f"{head}: the longest prompt is {longest} tokens, so no position has a key outside the "
+        f"window{why_short}"
+    )
+
+
+def _final_cap_unseen(sight: Sight, name: str) -> str | None:
+    cap = getattr(sight.config, name, None)
+    if not isinstance(cap, int | float) or isinstance(cap, bool) or not cap > 0:
+        return None
+    y = torch.cat([t.reshape(-1) for t in sight.logits]).double().abs()
+    if not bool(torch.isfinite(y).all()) or y.max().item() >= cap:
+        return None
+    # HF's logits are capped: y = c tanh(x / c), so x = c atanh(y / c), and a conversion that
+    # dropped the cap would give x where HF gives y. Seen only where |x - y| exceeds the gate's
+    # tolerance at some logit (atol + rtol * |x|, the Megatron side's magnitude).
+    x = cap * torch.atanh(y / cap)
+    bend = x - y
+    if (bend - (sight.atol + sight.rtol * x)).max().item() > 0:
+        return None
+    top = int(y.argmax())
+    return (
+        f"{name}={cap:g}: the largest |logit| was {y[top].item():.3g} ({x[top].item():.3g} "
+        f"before the cap), where the cap changes logits by at most {bend.max().item():.1e}, "
+        f"inside the tolerance (atol {sight.atol:g} + rtol {sight.rtol:g} * |logit|)"
+    )
+
+
+def _attention_cap_unseen(sight: Sight, name: str) -> str | None:
+    cap = getattr(sight.config, name, None)
+    if not isinstance(cap, int | float) or isinstance(cap, bool) or not cap > 0:
+        return None
+    if sight.probe is None or sight.probe.attention_tanh is None:
+        return None  # no measurement, no claim
+    score = cap * sight.probe.attention_tanh  # the probe saw score / cap
+    bend = score - cap * math.tanh(score / cap)
+    if bend > SITE_MARGIN * sight.tolerance(score):
+        return None
+    return (
+        f"{name}={cap:g}: the largest |attention score| before the cap was {score:.3g}, where "
+        f"the cap changes scores by at most {bend:.1e}, within {SITE_MARGIN}x the gate's "
+        f"tolerance (atol {sight.atol:g} + rtol {sight.rtol:g} * |score|): too little to be "
+        "sure it reaches the logits"
+    )
+
+
+GELU_VARIANTS = ("gelu", "gelu_pytorch_tanh")
+
+
+def gelu_gap(bound: float) -> float:
+    """The largest ``|gelu(x) - gelu_tanh(x)|`` over ``|x| <= bound``, on a fine float64 grid
+    (the difference is even: both GELUs satisfy ``f(-x) = f(x) - x``; its largest anywhere is
+    4.7e-4, near ``|x| = 2.7``)."""
+    import torch.nn.functional as F
+
+    x = torch.linspace(0.0, bound, 20001, dtype=torch.float64)
+    return (F.gelu(x) - F.gelu(x, approximate="tanh")).abs().max().item()
+
+
+def _gelu_unseen(sight: Sight, name: str) -> str | None:
+    act = getattr(sight.config, name, None)
+    if act not in GELU_VARIANTS or sight.probe is None or sight.probe.gelu is None:
+        return None
+    bound = sight.probe.gelu
+    gap = gelu_gap(bound)
+    if gap > SITE_MARGIN * sight.tolerance(bound):
+        return None
+    return (
+        f"{name}={act}: the largest |input| to the activation was {bound:.3g}, where exact and "
+        f"tanh GELU differ by at most {gap:.1e}, within {SITE_MARGIN}x the gate's tolerance "
+        f"(atol {sight.atol:g} + rtol {sight.rtol:g} * |input|): too little to be sure it "
+        "reaches the logits"
+    )
+
+
+# HF field -> rule(sight, field) -> why the gate's prompts could not see it, or None (seen, absent,
+# or nothing measured to say otherwise). A window is judged by the prompts' lengths against it and
+# the final cap from HF's own logits: both exact (a conversion without them gives logits within the
+# tolerance exactly when named). The attention cap and the GELU variant are judged where they act,
+# by the largest magnitude that reached them; what a change there does to the logits depends on the
+# layers after it (a GELU change reaches a tiny Gemma 2's logits 1.7x smaller, a tiny Gemma's,
+# without the post-MLP norm, 60x smaller), so they are named unless their change at that site is
+# over SITE_MARGIN times the tolerance. That names a GELU variant at any size (exact and tanh GELU
+# never differ by more than 4.7e-4) unless the gate's tolerance is under about 5e-6.
+# rope_theta, rope_scaling and query_pre_attn_scalar are never named: porting.proof's
+# prove_features_observed measures them (and these rules) on tiny models by perturbing the config.
+SITE_MARGIN = 100
+UNSEEN = {
+    "sliding_window": _window_unseen,
+    "layer_types": _window_unseen,
+    "attn_logit_softcapping": _attention_cap_unseen,
+    "final_logit_softcapping": _final_cap_unseen,
+    "hidden_activation": _gelu_unseen,
+    "hidden_act": _gelu_unseen,
+}
+
+
+def unobserved_features(sight: Sight, mapped: set[str], rules=None) -> list[dict]:
+    """``{"field", "value", "why"}`` for each field of ``mapped`` that ``rules`` (default
+    :data:`UNSEEN`) finds the gate's prompts did not bend (see :class:`Sight`)."""
+    out = []
+    for name, rule in (UNSEEN if rules is None else rules).items():
+        if name not in mapped:
+            continue
+        why = rule(sight, name)
+        if why is not None:
+            value = getattr(sight.config, name, None)
+            if isinstance(value, tuple):
+                value = list(value)
+            out.append({"field": name, "value": _finite(value), "why": why})
+    return out
 
 
 def compare(
@@ -279,11 +581,14 @@ def verify(
     check_hf_checkpoint(family, hf_config, ctx, source, Path(hf_dir) / "config.json", "verify")
     tok_files = tokenizer_files(ckpt, manifest)
     tokenizer = load_tokenizer(tok_files[0].parent) if tok_files else None
-    prompts = build_prompts(tokenizer, manifest.vocab_size)
+    reference = reference_config(family, hf_config)
+    prompts = build_prompts(tokenizer, manifest.vocab_size, config=reference)
+    probe = SiteProbe()
     if whole_model:
         mc = megatron_logits_from_checkpoint(ckpt, prompts, manifest.vocab_size)
         hf_cls = family.hf_class(manifest.hf_architecture)
-        hf = hf_logits(hf_dir, hf_cls, prompts, family.hf_attn_implementation, device=device)
+        with probe:
+            hf = hf_logits(hf_dir, hf_cls, prompts, family.hf_attn_implementation, device=device)
         report = compare(hf, mc, atol=atol, rtol=rtol, min_top1=min_top1)
     else:
         from porting.convert.megatron import init_parallel
@@ -301,6 +606,7 @@ def verify(
                 allow_pickle,
                 scratch_dir,
                 device,
+                hf_probe=probe,
             )
         except torch.OutOfMemoryError as err:
             if torch.device(device).type == "cpu":
@@ -323,6 +629,8 @@ def verify(
         report.first_divergent_layer = first
         if first is not None:
             report.passed = False
+    sight = Sight(reference, [p.shape[1] for p in prompts], hf, probe, atol, rtol)
+    report.unobserved = unobserved_features(sight, mapped_fields(family))
     report.device = torch.device(device).type
     report.wall_s = time.perf_counter() - started
     if report.floor_s:

@@ -43,7 +43,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -447,6 +447,7 @@ def streamed_logits(
     allow_pickle: bool = False,
     scratch_dir: str | Path | None = None,
     device: str | torch.device = "cpu",
+    hf_probe=None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[LayerDivergence], GateCost]:
     """HF and Megatron logits (cut to the HF vocabulary, on the CPU), the per-layer divergence
     and the matmul work with this device's rate for it (the gate's floor).
@@ -456,7 +457,8 @@ def streamed_logits(
     ``scratch_dir``: where the hidden states wait (default: the temp directory); an import or
     export gives its partial output, so that a killed run leaves them with it. ``device``: where
     the layers compute (``cuda``: fp32 with TF32 off; a device that runs out of memory raises
-    ``torch.OutOfMemoryError``, and the caller decides).
+    ``torch.OutOfMemoryError``, and the caller decides). ``hf_probe``: a context entered around
+    the HF side's forward only (:class:`porting.parity.harness.SiteProbe`).
     """
     return _streamed_logits(
         hf_dir,
@@ -468,11 +470,21 @@ def streamed_logits(
         allow_pickle,
         scratch_dir,
         torch.device(device),
+        hf_probe,
     )
 
 
 def _streamed_logits(
-    hf_dir, ckpt, family, prompts, vocab_size, show_progress, allow_pickle, scratch_dir, device
+    hf_dir,
+    ckpt,
+    family,
+    prompts,
+    vocab_size,
+    show_progress,
+    allow_pickle,
+    scratch_dir,
+    device,
+    hf_probe=None,
 ):
     from tqdm import tqdm
 
@@ -496,7 +508,7 @@ def _streamed_logits(
         bar.update()
 
     with scratch:
-        with _real_rows_only(hf.model, valid, (torch.nn.Linear,), flop):
+        with _real_rows_only(hf.model, valid, (torch.nn.Linear,), flop), hf_probe or nullcontext():
             hf_logits = hf.run(lambda: hf.model(input_ids=ids, use_cache=False).logits, on_hf_layer)
         hf_logits = hf_logits[..., :vocab_size].float().cpu()
         hf = None  # the HF model is released before the Megatron side is built
