@@ -543,6 +543,16 @@ def _doubled(name: str):
     return perturb_config
 
 
+def _rotary(perturb):
+    """``perturb`` only where the config's attention is rotary: Falcon's ALiBi layout maps
+    ``rope_theta`` and never uses it."""
+
+    def perturb_config(config) -> dict | None:
+        return None if getattr(config, "alibi", False) is True else perturb(config)
+
+    return perturb_config
+
+
 def _window_removed(config) -> dict | None:
     from porting.parity import harness
 
@@ -572,7 +582,8 @@ def _other_gelu(name: str):
         if value not in GELU_VARIANTS:
             return None
         other = GELU_VARIANTS[1 - GELU_VARIANTS.index(value)]
-        # both spellings where a config has both (they must agree: converters/gemma.py)
+        # both spellings where a config has both and they agree (where they disagree, the one
+        # the reference class reads is the feature: converters/gemma.py)
         return {
             f: other
             for f in ("hidden_act", "hidden_activation")
@@ -591,9 +602,9 @@ FEATURES = {
     "final_logit_softcapping": _nulled("final_logit_softcapping"),
     "hidden_activation": _other_gelu("hidden_activation"),
     "hidden_act": _other_gelu("hidden_act"),
-    "rope_scaling": _nulled("rope_scaling"),
+    "rope_scaling": _rotary(_nulled("rope_scaling")),
     "query_pre_attn_scalar": _doubled("query_pre_attn_scalar"),
-    "rope_theta": _doubled("rope_theta"),
+    "rope_theta": _rotary(_doubled("rope_theta")),
 }
 
 

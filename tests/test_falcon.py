@@ -21,6 +21,7 @@ from models.falcon import (
     alibi_slopes,
     build_falcon_layer_spec,
 )
+from porting import proof
 from porting.convert.api import import_hf
 from porting.demo import compare_hf_dirs
 from porting.parity import harness as parity
@@ -361,3 +362,11 @@ def test_falcon_configs_are_chosen_by_fields_not_names():
         "transformer.h.0.ln_mlp.bias",
         "transformer.h.0.ln_mlp.weight",
     ]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_every_mapped_feature_is_seen_or_named(variant, converted):
+    """Each mapped feature (rope_theta, a window, ...), perturbed on the HF side alone, moves the
+    gate's logits past its tolerance, or the gate's report names it."""
+    _, report = proof.prove_features_named(*converted(variant)[:2])
+    assert report.passed

@@ -119,3 +119,11 @@ def test_config_lint_names_the_field(variant, changes, needles, converted, tmp_p
     err = proof.refused_import(converted(variant)[0], changes, tmp_path)
     for needle in needles:
         assert needle in err, err
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_every_mapped_feature_is_seen_or_named(variant, converted):
+    """Each mapped feature (rope_theta, a window, ...), perturbed on the HF side alone, moves the
+    gate's logits past its tolerance, or the gate's report names it."""
+    _, report = proof.prove_features_named(*converted(variant)[:2])
+    assert report.passed

@@ -300,3 +300,10 @@ def test_a_config_the_reference_class_cannot_build_is_refused_in_one_line(tmp_pa
     said = proof.refused_import(hf, {"rope_scaling": YARN, "head_dim": None}, tmp_path / "w")
     assert "transformers' MistralForCausalLM cannot be built from this config" in said, said
     assert "Traceback" not in said
+
+
+@pytest.mark.parametrize("variant", ["llama_yarn", "qwen2_card"])
+def test_the_gate_sees_the_scaling(variant, converted):
+    """rope_scaling perturbed away on the HF side alone moves the gate's logits past 1e-5."""
+    seen, report = proof.prove_features_named(*converted(variant))
+    assert "rope_scaling" in seen.observed and report.unobserved == []
