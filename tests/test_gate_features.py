@@ -187,3 +187,20 @@ def test_the_long_prompt_has_a_budget():
     assert "over the gate's budget" in named["why"]
     assert harness.long_prompt_len(_mistral_7b(sliding_window=None)) is None
     assert harness.long_prompt_len(_mistral_7b(sliding_window=9000)) is None  # over 8192
+
+
+def test_of_two_activation_fields_only_the_one_the_reference_reads_is_named(tmp_path):
+    """Gemma-7B's card says hidden_act "gelu" and hidden_activation "gelu_pytorch_tanh";
+    transformers' Gemma computes the first (exact GELU). The gate judges that one and leaves the
+    unread field out of its report."""
+    from porting.convert.api import import_hf
+
+    arch = "GemmaForCausalLM"
+    hf = proof.make_hf(tmp_path / "hf", arch, **proof.tiny_fields(arch))
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg |= {"hidden_act": "gelu", "hidden_activation": "gelu_pytorch_tanh"}
+    (hf / "config.json").write_text(json.dumps(cfg))
+    import_hf(hf, tmp_path / "nemo", verify=False, show_progress=False)
+    report = harness.verify(hf, tmp_path / "nemo")
+    assert report.passed
+    assert [u["field"] for u in report.unobserved] == ["hidden_act"], report.unobserved

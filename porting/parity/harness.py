@@ -274,6 +274,9 @@ class SiteProbe(TorchFunctionMode):
         super().__init__()
         self.attention_tanh: float | None = None
         self.gelu: float | None = None
+        # which GELU ran ("gelu" exact, "gelu_pytorch_tanh"): of two config fields naming one
+        # each (Gemma-7B's), only the one the reference computes is its feature
+        self.gelu_variants: set[str] = set()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -283,6 +286,8 @@ class SiteProbe(TorchFunctionMode):
                 self.attention_tanh = _larger(self.attention_tanh, x)
             elif func is torch.nn.functional.gelu:
                 self.gelu = _larger(self.gelu, x)
+                tanh = kwargs.get("approximate", args[1] if len(args) > 1 else "none") == "tanh"
+                self.gelu_variants.add(GELU_VARIANTS[int(tanh)])
         return func(*args, **kwargs)
 
 
@@ -386,6 +391,8 @@ def _gelu_unseen(sight: Sight, name: str) -> str | None:
     act = getattr(sight.config, name, None)
     if act not in GELU_VARIANTS or sight.probe is None or sight.probe.gelu is None:
         return None
+    if act not in sight.probe.gelu_variants:
+        return None  # the field the reference class does not read (Gemma-7B's hidden_activation)
     bound = sight.probe.gelu
     gap = gelu_gap(bound)
     if gap > SITE_MARGIN * sight.tolerance(bound):
