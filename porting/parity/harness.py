@@ -220,7 +220,7 @@ def _long_prompt(config, prompts: int = len(PROMPT_TEXTS) + 1) -> tuple[int | No
     ):
         return None, (
             f"a prompt past it, {n} tokens, would add ~{flop:.1e} FLOP and "
-            f"{score_bytes / 2**30:.1f} GiB of attention scores a layer ({total / 2**30:.0f} GiB "
+            f"{score_bytes / 2**30:.2f} GiB of attention scores a layer ({total / 2**30:.0f} GiB "
             f"in all), over the gate's budget ({LONG_PROMPT_FLOP:.0e} FLOP, "
             f"{LONG_PROMPT_SCORE_BYTES / 2**30:g} GiB a layer, {LONG_PROMPT_SCORE_TOTAL / 2**30:g} "
             "GiB in all)"
