@@ -33,6 +33,14 @@ def _activation(name, field: str):
     return _ACTIVATIONS[name]
 
 
+def _activation_fields(hf: dict) -> tuple[str, str]:
+    """(the activation field the reference class reads, the other one): transformers 4.57's
+    GemmaMLP reads hidden_act, Gemma2MLP hidden_activation."""
+    if hf.get("model_type") == "gemma2":
+        return "hidden_activation", "hidden_act"
+    return "hidden_act", "hidden_activation"
+
+
 def _layout_to_mcore(hf: dict) -> dict:
     """model_type, the activation fields and the Gemma 2 switches, checked together."""
     arch, mtype = hf["architectures"][0], hf.get("model_type")
@@ -47,11 +55,8 @@ def _layout_to_mcore(hf: dict) -> dict:
             "o_proj without the MLP, which Megatron cannot express"
         )
     gemma2 = mtype == "gemma2"
-    # transformers 4.57: Gemma's MLP reads hidden_act, Gemma 2's hidden_activation; the other
-    # field, where a config has it, must agree or it would mean something to another version.
-    used, other = (
-        ("hidden_activation", "hidden_act") if gemma2 else ("hidden_act", "hidden_activation")
-    )
+    # the other field is carried unread, as in transformers (_activation_note says so)
+    used, _ = _activation_fields(hf)
     act = hf.get(used, "gelu_pytorch_tanh")
     out = {"activation_func": _activation(act, used), "sandwich_norms": gemma2}
     gemma2_only = (
@@ -95,11 +100,7 @@ def _activation_note(hf: dict) -> str | None:
     the reference class reads one of them (transformers 4.57: GemmaMLP ``config.hidden_act``,
     Gemma2MLP ``config.hidden_activation``, whatever the config docstring says), and the other is
     carried unread, as in transformers. Said at import, since the two disagree."""
-    used, other = (
-        ("hidden_activation", "hidden_act")
-        if hf.get("model_type") == "gemma2"
-        else ("hidden_act", "hidden_activation")
-    )
+    used, other = _activation_fields(hf)
     act = hf.get(used, "gelu_pytorch_tanh")
     if hf.get(other) in (None, act):
         return None
