@@ -11,6 +11,8 @@ import contextlib
 import json
 import sys
 
+from data_prep.executors import EXECUTORS, executor_flags
+from data_prep.executors.base import PrepConfig
 from data_prep.sources import MAX_RECORD_BYTES
 from porting.errors import PortingError
 from porting.guard import Terminated
@@ -104,24 +106,12 @@ def register(subparsers) -> None:
     )
     g.add_argument(
         "--executor",
-        choices=["local", "ray", "slurm"],
+        choices=list(EXECUTORS),
         default="local",
-        help="local: this machine; ray: units as Ray tasks, merged here; slurm: write a job "
-        "array and a merge job to --emit DIR (not submitted)",
+        help="; ".join(f"{e.name}: {e.help}" for e in EXECUTORS.values()),
     )
-    g.add_argument(
-        "--ray-address",
-        metavar="HOST:PORT",
-        help="an existing Ray cluster (default: start a local instance for the job)",
-    )
-    g.add_argument(
-        "--unit-mb",
-        type=float,
-        default=256.0,
-        help="input per unit of the ray and slurm executors (MiB, default 256); a file is cut "
-        "at line ends",
-    )
-    g.add_argument("--emit", metavar="DIR", help="where --executor slurm writes its scripts")
+    for flag in executor_flags():
+        flag.add_to(g)
     g.add_argument(
         "--on-error",
         choices=["fail", "skip"],
@@ -197,7 +187,6 @@ def _quieted(args):
 
 def run_prep(args) -> int:
     """``porting prep-data``."""
-    from data_prep.prep import PrepConfig
     from data_prep.run import prepare
     from data_prep.tokenizer import resolve
 
@@ -228,16 +217,12 @@ def run_prep(args) -> int:
         show_progress=not args.no_progress,
         max_record_bytes=args.max_record_bytes,
         executor=args.executor,
-        ray_address=args.ray_address,
-        unit_bytes=max(1, int(args.unit_mb * (1 << 20))),
-        emit=args.emit,
+        **{flag.field: flag.value(args) for flag in executor_flags()},
     )
     report = prepare(cfg)
-    if args.executor == "slurm":
-        print(
-            f"{report['emit']}: {report['units']} units; submit with {report['emit']}/submit.sh "
-            f"(staging {report['staging']})"
-        )
+    summary = EXECUTORS[args.executor].summary(report)
+    if summary is not None:
+        print(summary)
         return 0
     try:
         _print_report(args, report)

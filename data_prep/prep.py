@@ -1,4 +1,7 @@
-"""``porting prep-data``: JSONL / local datasets to Megatron's ``.bin``/``.idx``, resumably.
+"""The local executor: JSONL / local datasets to Megatron's ``.bin``/``.idx``, resumably.
+
+Also the check every executor starts with (:func:`tokenizer_setup`: Megatron's tokenizer loaded
+as the reference, the backend compared with it) and the report they all write.
 
 The main process plans chunks, hands them to ``spawn``-ed workers (parse with orjson, batch-encode,
 flat arrays back), and consumes results strictly in input order: it places problems at their
@@ -28,13 +31,18 @@ import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from data_prep import worker
 from data_prep.backends import LightReference, build_backend, describe_diff
+from data_prep.executors.base import (
+    PrepConfig,
+    checked_inputs,
+    output_prefix_for,
+    refuse_existing,
+    work_path,
+)
 from data_prep.records import (
     PROBLEM_KINDS,
     Parsed,
@@ -45,79 +53,25 @@ from data_prep.records import (
     refuse_empty,
 )
 from data_prep.report import Progress, rate, report_path, write_json_atomic
-from data_prep.sources import MAX_RECORD_BYTES, Source, expand_inputs, iter_tasks, read_range
+from data_prep.sources import Source, iter_tasks, read_range
 from data_prep.tokenizer import (
     Facts,
-    TokenizerSource,
     backend_spec,
     check_contract,
-    fingerprint,
     megatron_facts,
     provisional,
     quiet_third_party,
 )
 from data_prep.writer import WorkDir, total_tokens, write_index_from_doc_lengths
 from porting.errors import PortingError
-from porting.guard import Terminated, check_outputs, output_lock, signals_deferred
+from porting.guard import Terminated, output_lock, signals_deferred
 
 log = logging.getLogger(__name__)
 
-LEVEL = "document"
-ON_ERROR = ("fail", "skip")
-EXECUTORS = ("local", "ray", "slurm")
 #: Texts of the corpus head that Megatron's tokenizer and the backend are compared on at start,
 #: at most this many characters together: each is encoded three more times there.
 HEAD_CHARS = 1 << 20
 REPORT = "report.json"
-
-
-@dataclass
-class PrepConfig:
-    """One ``prep-data`` run. Field names follow the command-line flags."""
-
-    inputs: list[str]
-    output_prefix: str
-    tokenizer: TokenizerSource
-    json_keys: tuple[str, ...] = ("text",)
-    append_eod: bool = False
-    # None: 1 for the local executor, every CPU of the cluster for ray.
-    workers: int | None = 1
-    include_special_tokens: bool = True
-    use_fast: bool = True
-    backend: str = "auto"
-    on_error: str = "fail"
-    keep_empty: bool = False
-    allow_empty: bool = False
-    resume: bool = False
-    overwrite: bool = False
-    chunk_bytes: int = 4 << 20
-    split: str | None = None
-    show_progress: bool = False
-    max_record_bytes: int = MAX_RECORD_BYTES
-    # Tests: encode in this process (no worker start-up cost).
-    in_process: bool = False
-    # Tests: die (os._exit) after this many chunks, their tokens flushed but not committed.
-    crash_after_chunks: int | None = None
-    # local (this machine's processes), ray (a Ray cluster) or slurm (scripts written to ``emit``).
-    executor: str = "local"
-    ray_address: str | None = None
-    # Input per unit of the ray and slurm executors (a unit is tokenized by one task).
-    unit_bytes: int = 256 << 20
-    emit: str | None = None
-    # Tests: hand units to Ray in an order shuffled with this seed.
-    unit_order_seed: int | None = None
-    # Tests: stop as if interrupted (KeyboardInterrupt) once this many units are complete.
-    stop_after_units: int | None = None
-
-
-def output_prefix_for(output_prefix: str | Path, key: str) -> Path:
-    """``{output_prefix}_{key}_document``, the name Megatron and NeMo give each key's pair."""
-    return Path(f"{output_prefix}_{key}_{LEVEL}")
-
-
-def work_path(output_prefix: str | Path) -> Path:
-    """Where an unfinished run keeps its partial outputs."""
-    return Path(f"{output_prefix}.prep-data.partial")
 
 
 def _run_fingerprint(cfg: PrepConfig, sources: list[Source], tok_fp: str) -> str:
@@ -591,13 +545,6 @@ class _Run:
                 }
 
 
-def _check_outputs(cfg: PrepConfig, keys) -> None:
-    finals = [output_prefix_for(cfg.output_prefix, k) for k in keys]
-    existing = [p for f in finals for p in (Path(f"{f}.bin"), Path(f"{f}.idx")) if p.exists()]
-    if existing and not cfg.overwrite:
-        raise PortingError(f"{existing[0]} exists; pass --overwrite to replace it")
-
-
 def _open_work(cfg: PrepConfig, work: WorkDir, keys, run_fp: str, resuming: bool) -> None:
     if resuming:
         work.resume(run_fp)
@@ -621,53 +568,12 @@ def _wind_down(work: WorkDir, opened: bool) -> str:
     return "partial outputs removed"
 
 
-def staging_path(output_prefix: str | Path) -> Path:
-    """Where the units of a ray or slurm job are staged."""
-    return Path(f"{output_prefix}.prep-data.units")
-
-
-def checked_inputs(cfg: PrepConfig) -> tuple[list[Source], str]:
-    """Check the flags every executor shares; return the inputs and the tokenizer's fingerprint."""
-    keys = tuple(cfg.json_keys)
-    if not keys or len(set(keys)) != len(keys):
-        raise PortingError(f"--json-keys {' '.join(keys)}: need distinct keys")
-    if cfg.on_error not in ON_ERROR:
-        raise PortingError(f"--on-error {cfg.on_error}: one of {', '.join(ON_ERROR)}")
-    if cfg.workers is not None and cfg.workers < 1:
-        raise PortingError(f"--workers {cfg.workers}: need at least 1")
-    if cfg.executor not in EXECUTORS:
-        raise PortingError(f"--executor {cfg.executor}: one of {', '.join(EXECUTORS)}")
-    if cfg.max_record_bytes < 1:
-        raise PortingError(f"--max-record-bytes {cfg.max_record_bytes}: need at least 1")
-    sources = expand_inputs(cfg.inputs)
-    finals = [output_prefix_for(cfg.output_prefix, k) for k in keys]
-    outputs = [Path(f"{f}{ext}") for f in finals for ext in (".bin", ".idx")]
-    outputs += [report_path(cfg.output_prefix), work_path(cfg.output_prefix)]
-    if cfg.executor != "local":
-        outputs.append(staging_path(cfg.output_prefix))
-    contract = cfg.tokenizer.contract
-    check_outputs(
-        # the directories given as inputs too: an output among their files would be read as
-        # input by the next run
-        [("input", p) for p in map(Path, cfg.inputs) if p.is_dir()]
-        + [("input", s.path) for s in sources]
-        + [("tokenizer", cfg.tokenizer.path)]
-        + [("tokenizer", contract.checkpoint if contract else None)],
-        writes=[("--output-prefix", o) for o in outputs] + [("--emit", cfg.emit)],
-    )
-    tok_fp = fingerprint(cfg.tokenizer, cfg.include_special_tokens, cfg.use_fast)
-    return sources, tok_fp
-
-
 def prepare(cfg: PrepConfig) -> dict:
-    """Run one ``prep-data`` with the local executor; return the report (also written next to
-    the outputs). :func:`data_prep.run.prepare` is the entry for every executor."""
+    """Run one ``prep-data`` on this machine (the local executor, whatever ``cfg.executor``
+    says); return the report (also written next to the outputs). :func:`data_prep.run.prepare`
+    runs the executor ``cfg.executor`` names."""
     t_start = time.perf_counter()
     sources, tok_fp = checked_inputs(cfg)
-    if cfg.executor != "local":
-        raise PortingError(
-            f"--executor {cfg.executor}: runs through data_prep.run.prepare (this is the local one)"
-        )
     run_fp = _run_fingerprint(cfg, sources, tok_fp)
     if cfg.workers is None:
         cfg.workers = 1
@@ -680,7 +586,7 @@ def _prepare(cfg: PrepConfig, sources: list[Source], tok_fp: str, run_fp: str, t
     keys = tuple(cfg.json_keys)
     src = cfg.tokenizer
     backend_name = backend_name_for(cfg)
-    _check_outputs(cfg, keys)
+    refuse_existing(cfg)
     work = WorkDir(work_path(cfg.output_prefix), keys)
     opened = False
     runner = progress = None

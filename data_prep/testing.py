@@ -355,9 +355,9 @@ FAST_WITH_BOS = {"include_special_tokens": True, "use_fast": True}
 
 
 def prep_config(inputs, output_prefix, tokenizer, **kw):
-    """A :class:`data_prep.prep.PrepConfig` over local paths that encodes in this process (no
-    worker start-up) unless ``in_process=False`` is passed."""
-    from data_prep.prep import PrepConfig
+    """A :class:`data_prep.executors.base.PrepConfig` over local paths that encodes in this
+    process (no worker start-up) unless ``in_process=False`` is passed."""
+    from data_prep.executors.base import PrepConfig
     from data_prep.tokenizer import resolve
 
     kw.setdefault("in_process", True)

@@ -1,8 +1,9 @@
 """Units: ``prep-data`` cut into pieces that any machine can tokenize, then merged in input order.
 
-The ray and slurm executors share this. A unit is a whole input, or a byte range of a plain JSONL
-file that starts and ends at line ends (:func:`data_prep.sources.line_ranges`), so the same inputs
-and ``--unit-mb`` always give the same units. Each unit is tokenized on its own (by the same
+The ray and slurm executors share this. A unit (:func:`data_prep.executors.base.plan_units`) is
+a whole input, or a byte range of a plain JSONL file that starts and ends at line ends
+(:func:`data_prep.sources.line_ranges`), so the same inputs and ``--unit-mb`` always give the
+same units. Each unit is tokenized on its own (by the same
 :func:`data_prep.worker.run` the local executor's workers run, a chunk at a time) into
 ``u{index}.{key}.bin/.idx`` in a staging directory beside the output,
 ``{output_prefix}.prep-data.units/``, and a ``u{index}.json`` summary written last. The merge
@@ -37,6 +38,7 @@ import numpy as np
 
 from data_prep import worker
 from data_prep.backends import BackendSpec
+from data_prep.executors.base import Unit, output_prefix_for, plan_units, staging_path
 from data_prep.prep import (
     _head,
     assemble_report,
@@ -44,15 +46,13 @@ from data_prep.prep import (
     bad_id_error,
     diff_error,
     located,
-    output_prefix_for,
     report_counts,
     report_static,
-    staging_path,
     tokenizer_setup,
 )
 from data_prep.records import PROBLEM_KINDS, PROBLEMS_LISTED, listed, refuse_empty
 from data_prep.report import rate, report_path, write_json_atomic
-from data_prep.sources import Source, _source, line_ranges, lines_before, range_tasks
+from data_prep.sources import Source, _source, lines_before, range_tasks
 from data_prep.writer import write_index_from_doc_lengths
 from porting.errors import PortingError
 from porting.guard import Terminated, signals_deferred
@@ -61,16 +61,6 @@ log = logging.getLogger(__name__)
 
 JOB = "job.json"
 REPORT = "report.json"
-
-
-@dataclass(frozen=True)
-class Unit:
-    """Input ``source`` from byte ``start`` to ``end`` (a line end), or all of it (``end`` None)."""
-
-    index: int
-    source: int
-    start: int
-    end: int | None
 
 
 @dataclass(frozen=True)
@@ -94,18 +84,6 @@ class Job:
     overwrite: bool
     report: dict
     allow_empty: bool = False
-
-
-def plan_units(sources: list[Source], unit_bytes: int) -> list[Unit]:
-    """Every input in order, plain JSONL files cut into ranges of about ``unit_bytes``."""
-    units: list[Unit] = []
-    for i, src in enumerate(sources):
-        if src.kind == "jsonl":
-            for start, end in line_ranges(src, unit_bytes):
-                units.append(Unit(len(units), i, start, end))
-        else:
-            units.append(Unit(len(units), i, 0, None))
-    return units
 
 
 def plan_job(cfg, sources: list[Source], tok_fp: str) -> Job:
