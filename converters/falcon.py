@@ -18,14 +18,17 @@ config switches alone (``new_decoder_architecture``, ``multi_query``, ``parallel
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from models.falcon import FalconBlock, FalconConfig, FalconModel, falcon_block, falcon_layer_spec
-from porting.convert.config_map import Carry, Derived, Field, Require
-from porting.convert.connectors import register_connectors
-from porting.convert.mapping import Fused, Ignore, Rename
-from porting.convert.transforms import VOCAB_PAD
+from models.falcon_block import FalconBlock, falcon_block
+from porting.contract.config_map import Derived, Field, Require
+from porting.contract.family import Family, ShapeContext, Variant
+from porting.contract.mapping import Fused, Ignore, Rename
+from porting.contract.transforms import VOCAB_PAD
 from porting.errors import PortingError
-from porting.family import Family, ShapeContext, Variant
+
+if TYPE_CHECKING:  # annotations only: the family's tables load without its Megatron side
+    from models.falcon import FalconConfig
 
 
 def _query_groups_to_mcore(hf: dict) -> dict:
@@ -124,16 +127,6 @@ CONFIG = (
         "transformers' Falcon ignores it, so a checkpoint trained with it has no reference to match",
     ),
     Require("model_type", lambda v: v == "falcon", "the HF side is transformers' Falcon layout"),
-    Carry("architectures"),
-    # padded on the Megatron side by the engine, restored exactly on export
-    Carry("vocab_size"),
-    Carry("bos_token_id"),
-    Carry("eos_token_id"),
-    Carry("pad_token_id"),
-    Carry("torch_dtype"),
-    Carry("dtype"),
-    Carry("transformers_version"),
-    Carry("use_cache"),
 )
 
 
@@ -223,13 +216,13 @@ FAMILY = Family(
     architectures=("FalconForCausalLM",),
     config_entries=CONFIG,
     weights=WEIGHTS,
-    config_cls=FalconConfig,
-    model_cls=FalconModel,
+    config_cls="models.falcon:FalconConfig",
+    model_cls="models.falcon:FalconModel",
     shape_context=shape_context,
     # transformers' default for Falcon; its eager path (4.57) adds ALiBi a second time through the
     # causal mask (FalconModel._update_causal_mask), unlike the original RW code and sdpa
     hf_attn_implementation="sdpa",
-    context_symbols=(falcon_layer_spec,),
+    context_symbols=("models.falcon:falcon_layer_spec",),
     summary="parallel attention+MLP, MQA/GQA, one or two norms, ALiBi (RW): a custom spec",
     variants=(
         Variant("7b_mqa", "MQA, parallel block with one shared norm, tied output"),
@@ -239,6 +232,3 @@ FAMILY = Family(
         Variant("alibi_parallel_mqa", "ALiBi in the 7B parallel MQA block"),
     ),
 )
-
-
-HFFalconImporter, HFFalconExporter = register_connectors(FAMILY)

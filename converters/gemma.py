@@ -11,18 +11,24 @@ sits in ``linear_fc2.post_layernorm``. Norm weights are zero-centred on both sid
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from converters.tsuzumi import LLAMA_LAYOUT
-from converters.tsuzumi import WEIGHTS as LLAMA_WEIGHTS
-from models.gemma import GemmaConfig, GemmaModel, gelu_erf, gelu_tanh, gemma_block_spec
-from porting.convert.config_map import POSITIVE_INT, Carry, Derived, Field, NoOp
-from porting.convert.connectors import register_connectors
-from porting.convert.mapping import Rename
+from converters.llama import LLAMA_LAYOUT
+from converters.llama import WEIGHTS as LLAMA_WEIGHTS
+from porting.contract.config_map import POSITIVE_INT, Carry, Derived, Field, NoOp
+from porting.contract.family import Family, ShapeContext, Variant
+from porting.contract.mapping import Rename
+from porting.contract.named import Named
 from porting.errors import PortingError
-from porting.family import Family, ShapeContext, Variant
 
 _MODEL_TYPES = {"GemmaForCausalLM": "gemma", "Gemma2ForCausalLM": "gemma2"}
-_ACTIVATIONS = {"gelu_pytorch_tanh": gelu_tanh, "gelu": gelu_erf}
+_ACTIVATIONS = {
+    "gelu_pytorch_tanh": Named("models.gemma:gelu_tanh"),
+    "gelu": Named("models.gemma:gelu_erf"),
+}
+
+if TYPE_CHECKING:  # annotations only: the family's tables load without its Megatron side
+    from models.gemma import GemmaConfig
 
 
 def _activation(name, field: str):
@@ -189,12 +195,16 @@ FAMILY = Family(
     architectures=tuple(_MODEL_TYPES),
     config_entries=CONFIG,
     weights=WEIGHTS,
-    config_cls=GemmaConfig,
-    model_cls=GemmaModel,
+    config_cls="models.gemma:GemmaConfig",
+    model_cls="models.gemma:GemmaModel",
     shape_context=shape_context,
     # soft-capping exists only in transformers' eager attention for Gemma 2
     hf_attn_implementation="eager",
-    context_symbols=(gemma_block_spec, gelu_tanh, gelu_erf),
+    context_symbols=(
+        "models.gemma:gemma_block_spec",
+        "models.gemma:gelu_tanh",
+        "models.gemma:gelu_erf",
+    ),
     summary="Gemma ((1+w) fp32 RMSNorm, scaled embeddings, GeGLU) and Gemma 2 (sandwich norms, "
     "soft-capping, alternating sliding window): a custom spec",
     variants=(
@@ -204,6 +214,3 @@ FAMILY = Family(
         Variant("gemma2_untied_nocap", "Gemma 2 untied, soft-caps null"),
     ),
 )
-
-
-HFGemmaImporter, HFGemmaExporter = register_connectors(FAMILY)

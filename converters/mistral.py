@@ -1,19 +1,17 @@
 """Mistral family <-> HF ``MistralForCausalLM``: config mapping, weight table, NeMo connectors.
 
-The Llama layout (:mod:`converters.tsuzumi`'s fields and table, unchanged) plus one field:
+The Llama layout (:mod:`converters.llama`'s fields and table, unchanged) plus one field:
 ``sliding_window`` (``W`` or null) becomes Megatron's ``window_size=(W-1, 0)`` on every layer
 (:mod:`models.mistral` says why ``W-1``).
 """
 
 from __future__ import annotations
 
-from converters.tsuzumi import HEAD_DIM_OR_NULL, LLAMA_LAYOUT, ROPE_SCALING
-from converters.tsuzumi import WEIGHTS as LLAMA_WEIGHTS
-from converters.tsuzumi import shape_context as llama_shape_context
-from models.mistral import MistralConfig, MistralModel
-from porting.convert.config_map import Field, Require
-from porting.convert.connectors import register_connectors
-from porting.family import Family, Variant
+from converters.llama import HEAD_DIM_OR_NULL, LLAMA_LAYOUT, ROPE_SCALING
+from converters.llama import WEIGHTS as LLAMA_WEIGHTS
+from converters.llama import shape_context as llama_shape_context
+from porting.contract.config_map import Field, Require
+from porting.contract.family import Family, Variant
 
 CONFIG = (
     *LLAMA_LAYOUT,
@@ -35,8 +33,8 @@ FAMILY = Family(
     architectures=("MistralForCausalLM",),
     config_entries=CONFIG,
     weights=LLAMA_WEIGHTS,
-    config_cls=MistralConfig,
-    model_cls=MistralModel,
+    config_cls="models.mistral:MistralConfig",
+    model_cls="models.mistral:MistralModel",
     shape_context=llama_shape_context,
     summary="Llama layout with sliding-window attention (window_size) on the stock GPT spec",
     variants=(
@@ -45,6 +43,3 @@ FAMILY = Family(
         Variant("tied", "tied output"),
     ),
 )
-
-
-HFMistralImporter, HFMistralExporter = register_connectors(FAMILY)

@@ -11,16 +11,15 @@ sliding window, Qwen3-MoE's ``attention_bias``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from converters import qwen
-from converters.tsuzumi import HEAD_DIM_OR_NULL, LLAMA_LAYOUT, ROPE_SCALING
-from models.moe import MoEConfig, MoEModel, moe_layer_spec
-from porting.convert.config_map import Carry, Derived
-from porting.convert.connectors import register_connectors
-from porting.convert.mapping import Fused, Rename
-from porting.convert.transforms import GATED_MLP
+from converters.llama import HEAD_DIM_OR_NULL, LLAMA_LAYOUT, ROPE_SCALING
+from porting.contract.config_map import Carry, Derived
+from porting.contract.family import Family, Variant
+from porting.contract.mapping import Fused, Rename
+from porting.contract.transforms import GATED_MLP
 from porting.errors import PortingError
-from porting.family import Family, Variant
 
 _MODEL_TYPES = {
     "MixtralForCausalLM": "mixtral",
@@ -49,6 +48,9 @@ _FIELDS = (
     "sliding_window",
     "router_aux_loss_coef",
 )
+
+if TYPE_CHECKING:  # annotations only: the family's tables load without its Megatron side
+    from models.moe import MoEConfig
 
 
 def _required(hf: dict, name: str):
@@ -226,10 +228,10 @@ FAMILY = Family(
     architectures=tuple(_MODEL_TYPES),
     config_entries=CONFIG,
     weights=WEIGHTS,
-    config_cls=MoEConfig,
-    model_cls=MoEModel,
+    config_cls="models.moe:MoEConfig",
+    model_cls="models.moe:MoEModel",
     shape_context=shape_context,
-    context_symbols=(moe_layer_spec,),
+    context_symbols=("models.moe:moe_layer_spec",),
     summary="mixture of experts on Megatron-Core's MoE layer: Mixtral, Qwen2-MoE (gated shared "
     "expert), Qwen3-MoE (QK-norm); router top-k and softmax order as HF",
     variants=(
@@ -239,6 +241,3 @@ FAMILY = Family(
         Variant("qwen3_moe", "renormalised top-k (norm_topk_prob), QK-norm, no shared expert"),
     ),
 )
-
-
-HFMoEImporter, HFMoEExporter = register_connectors(FAMILY)

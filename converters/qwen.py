@@ -1,7 +1,7 @@
 """Qwen family <-> HF ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM``: config mapping, weight table,
 NeMo connectors.
 
-Built on the Llama layout (:mod:`converters.tsuzumi`): the same fields and the same table, plus
+Built on the Llama layout (:mod:`converters.llama`): the same fields and the same table, plus
 Qwen2's q/k/v biases (``add_qkv_bias``; ``o_proj`` and the MLP have none) and Qwen3's per-head
 ``q_norm``/``k_norm`` (``qk_layernorm``: Megatron's ``q_layernorm``/``k_layernorm`` over
 ``kv_channels``, applied, as in HF, after the projection and before the rotary embedding).
@@ -13,18 +13,20 @@ when ``use_sliding_window`` is true, which no released Qwen2/3 checkpoint sets.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from converters.tsuzumi import HEAD_DIM_OR_NULL, LLAMA_LAYOUT, ROPE_SCALING
-from converters.tsuzumi import WEIGHTS as LLAMA_WEIGHTS
-from models.qwen import QwenConfig, QwenModel
-from porting.convert.config_map import Derived, NoOp
-from porting.convert.connectors import register_connectors
-from porting.convert.mapping import Fused, Rename
-from porting.convert.transforms import QKV
+from converters.llama import HEAD_DIM_OR_NULL, LLAMA_LAYOUT, ROPE_SCALING
+from converters.llama import WEIGHTS as LLAMA_WEIGHTS
+from porting.contract.config_map import Derived, NoOp
+from porting.contract.family import Family, ShapeContext, Variant
+from porting.contract.mapping import Fused, Rename
+from porting.contract.transforms import QKV
 from porting.errors import PortingError
-from porting.family import Family, ShapeContext, Variant
 
 _MODEL_TYPES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+
+if TYPE_CHECKING:  # annotations only: the family's tables load without its Megatron side
+    from models.qwen import QwenConfig
 
 
 def _attention_to_mcore(hf: dict) -> dict:
@@ -139,8 +141,8 @@ FAMILY = Family(
     architectures=tuple(_MODEL_TYPES),
     config_entries=CONFIG,
     weights=WEIGHTS,
-    config_cls=QwenConfig,
-    model_cls=QwenModel,
+    config_cls="models.qwen:QwenConfig",
+    model_cls="models.qwen:QwenModel",
     shape_context=shape_context,
     summary="Qwen2 (q/k/v biases) and Qwen3 (per-head QK RMSNorm) on the stock GPT spec",
     variants=(
@@ -150,6 +152,3 @@ FAMILY = Family(
         Variant("qwen3_untied", "Qwen3, untied output"),
     ),
 )
-
-
-HFQwenImporter, HFQwenExporter = register_connectors(FAMILY)

@@ -37,15 +37,14 @@ import torch.nn.functional as F
 from megatron.core.transformer.spec_utils import ModuleSpec
 from nemo.collections.llm.gpt.model.base import GPTConfig, GPTModel
 
+from models.falcon_block import FalconBlock, falcon_block
 from models.falcon_spec import (
     HAVE_TE,
     AlibiDotProductAttention,
-    FalconBlock,
     FalconParallelLayer,
     alibi_bias,
     alibi_slopes,
     build_falcon_layer_spec,
-    falcon_block,
 )
 from porting import cpu
 

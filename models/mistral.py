@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 from nemo.collections.llm.gpt.model.base import GPTModel
 
-from models.tsuzumi import TsuzumiConfig
+from models.llama import LlamaConfig
 
 
 @dataclass
-class MistralConfig(TsuzumiConfig):
+class MistralConfig(LlamaConfig):
     """Megatron GPT config for Mistral: the Llama layout plus ``window_size`` (or none)."""
 
     window_size: tuple[int, int] | None = None

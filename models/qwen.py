@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 from nemo.collections.llm.gpt.model.base import GPTModel
 
-from models.tsuzumi import TsuzumiConfig
+from models.llama import LlamaConfig
 
 
 @dataclass
-class QwenConfig(TsuzumiConfig):
+class QwenConfig(LlamaConfig):
     """Megatron GPT config for Qwen2 (``add_qkv_bias``) and Qwen3 (``qk_layernorm``)."""
 
     add_qkv_bias: bool = False

@@ -20,7 +20,7 @@ from porting.errors import PortingError
 
 _SUBCOMMAND_MODULES = (
     "porting.convert.cli",
-    "porting.convert.families",
+    "porting.families",
     "porting.parity.cli",
     "porting.demo",
     "porting.train.cli",
@@ -57,10 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     quiet.install(args.verbose)
     # Our packages log at INFO; third-party libraries only from WARNING up unless -v.
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING)
+    logging.getLogger().handlers[0].setFormatter(_Voice(args.verbose))
     for name in _OWN_PACKAGES:
         logging.getLogger(name).setLevel(logging.DEBUG if args.verbose else logging.INFO)
     before = guard.child_pids()
@@ -111,6 +109,22 @@ def main(argv: list[str] | None = None) -> int:
         kept = getattr(stop, "kept", None) or "partial outputs removed"
         print(f"porting {args.command}: stopped by {name}; {kept}", file=sys.stderr)
         return code
+
+
+class _Voice(logging.Formatter):
+    """Our packages' records read as the command's own lines (``resuming ...``,
+    ``warning: ...``), not as a logger's (``INFO porting.convert.checkpoint: ...``); a third-party
+    record keeps its origin, and with ``-v`` every record shows where it comes from."""
+
+    def __init__(self, verbose: bool) -> None:
+        super().__init__("%(levelname)s %(name)s: %(message)s")
+        self.verbose = verbose
+
+    def format(self, record: logging.LogRecord) -> str:
+        if self.verbose or record.name.partition(".")[0] not in _OWN_PACKAGES:
+            return super().format(record)
+        text = record.getMessage()
+        return text if record.levelno < logging.WARNING else f"warning: {text}"
 
 
 def _exit_source(exit_: SystemExit) -> str:

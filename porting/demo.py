@@ -55,7 +55,7 @@ def compare_hf_dirs(a: str | Path, b: str | Path, ignore_fields: tuple[str, ...]
 
 def run_demo(workdir: Path) -> int:
     """Build, import, verify, export and round-trip a tiny model; print a table; 0 on success."""
-    from porting.convert.api import export_hf, import_hf
+    from porting.api import export_hf, import_hf
     from porting.testing import make_falcon, make_llama
 
     workdir = Path(workdir)

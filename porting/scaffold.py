@@ -6,7 +6,7 @@ read, no code of the checkpoint is run) it writes an installable package:
 - ``pyproject.toml`` with the ``porting.families`` entry point;
 - ``<package>/model.py``: the Megatron config and NeMo model (the Llama layout's, to start from);
 - ``<package>/converter.py``: the config entries, every HF field placed as mapped, carried,
-  required or :class:`~porting.convert.config_map.Undecided`; the weight table (the Llama layout's
+  required or :class:`~porting.contract.config_map.Undecided`; the weight table (the Llama layout's
   entries, the tensor names it does not cover listed); the family object and NeMo connectors;
 - ``tests/test_<name>.py``: builds a tiny random model of the same config locally and runs the
   full proof (:mod:`porting.proof`).
@@ -42,12 +42,12 @@ from porting.guard import refuse_overlap
 
 
 def _common_fields() -> set[str]:
-    from porting.convert.config_map import COMMON, known_fields
+    from porting.contract.config_map import COMMON, known_fields
 
     return known_fields(COMMON)
 
 
-# Fields the Llama layout places (converters.tsuzumi.LLAMA_LAYOUT) and the entries for the rest
+# Fields the Llama layout places (converters.llama.LLAMA_LAYOUT) and the entries for the rest
 # that the scaffold knows how to place for the values it sees. The value picks the entry; none of
 # it is written into the entry's text.
 _LLAMA_LAYOUT = {
@@ -165,7 +165,7 @@ def check_name(name: str) -> str:
 
 
 def _refuse_taken(name: str) -> None:
-    from porting import registry
+    from porting.contract import registry
 
     for fam in registry.families():
         if fam.name == name:
@@ -296,7 +296,7 @@ def _patterns(keys) -> list[str]:
 
 
 def _llama_hf_names() -> set[str]:
-    from converters.tsuzumi import WEIGHTS
+    from converters.llama import WEIGHTS
 
     names = set()
     for e in WEIGHTS:
@@ -352,8 +352,8 @@ def _hf_model_class(hf_class: str, arch: str, config: Path) -> str:
 
 
 def _plan(name: str, hf_dir: Path, hf_class: str | None, result: Scaffold) -> _Plan:
-    from porting import registry
-    from porting.convert.config_map import read_hf_config
+    from porting.contract import registry
+    from porting.convert.hf_files import read_hf_config
     from porting.convert.safetensors_io import SafetensorsSource
 
     config = hf_dir / "config.json"
@@ -383,7 +383,7 @@ def _plan(name: str, hf_dir: Path, hf_class: str | None, result: Scaffold) -> _P
             f"{_quoted(arch)} and model_type {_quoted(str(mtype))} are both claimed (by "
             f"{taken.get(arch)}, {taken.get(mtype)}); give the checkpoint its own architecture name"
         )
-    from porting.convert.config_map import native_architecture
+    from porting.contract.config_map import native_architecture
 
     # the engine refuses auto_map on an architecture transformers lacks: the author decides it
     remote = not native_architecture(arch)
@@ -515,11 +515,11 @@ from dataclasses import dataclass
 
 from nemo.collections.llm.gpt.model.base import GPTModel
 
-from models.tsuzumi import TsuzumiConfig
+from models.llama import LlamaConfig
 
 
 @dataclass
-class {cls}Config(TsuzumiConfig):
+class {cls}Config(LlamaConfig):
     """Megatron GPT config of the {name} family."""
 
 
@@ -537,18 +537,17 @@ class {cls}Model(GPTModel):
     )
     kinds = ", ".join(k for k in ("Require", "Undecided") if k in plan.imports)
     imports = (
-        f"from converters.tsuzumi import {ours}, shape_context\n"
-        "from converters.tsuzumi import WEIGHTS as LLAMA_WEIGHTS\n"
-        + (f"from porting.convert.config_map import {kinds}\n" if kinds else "")
-        + "from porting.convert.connectors import register_connectors\n"
-        "from porting.family import Family\n"
-        f"from {pkg}.model import {cls}Config, {cls}Model\n"
+        f"from converters.llama import {ours}, shape_context\n"
+        "from converters.llama import WEIGHTS as LLAMA_WEIGHTS\n"
+        + (f"from porting.contract.config_map import {kinds}\n" if kinds else "")
+        + "from porting.contract.family import Family\n"
     )
     # Each name as its literal, which holds no line break, so it cannot end the comment.
     uncovered = "".join(f"#   {lit(p)}\n" for p in plan.uncovered) or "#   none\n"
     files[
         f"{pkg}/converter.py"
-    ] = f'''"""The {name} family: config entries, weight table, family object, NeMo connectors.
+    ] = f'''"""The {name} family: config entries, weight table, family object (its Megatron side, in
+``model.py``, is named and loaded when a conversion needs it).
 
 Written by ``porting new-family`` from an HF checkpoint. Every config field is placed: the Llama
 layout's, ``Require`` for values kept as seen, ``Undecided`` for what is left to decide (the
@@ -572,15 +571,12 @@ FAMILY = Family(
     model_types={lit(plan.model_types)},
     config_entries=CONFIG,
     weights=WEIGHTS,
-    config_cls={cls}Config,
-    model_cls={cls}Model,
+    config_cls="{pkg}.model:{cls}Config",
+    model_cls="{pkg}.model:{cls}Model",
     shape_context=shape_context,
     hf_model_class={lit(plan.hf_class)},
     summary={lit(plan.summary)},
 )
-
-
-HF{cls}Importer, HF{cls}Exporter = register_connectors(FAMILY)
 '''
     tiny = "".join(f"    {lit(k)}: {lit(v)},\n" for k, v in sorted(plan.tiny.items()))
     files[
@@ -593,8 +589,9 @@ from __future__ import annotations
 
 import pytest
 
-from porting import proof, registry
-from porting.convert.api import import_hf
+from porting import proof
+from porting.contract import registry
+from porting.api import import_hf
 
 ARCHITECTURE = {lit(plan.hf_class)}
 TINY = {{

@@ -241,20 +241,22 @@ def tp_logits_worker(
 
 def checkpoint_config(ckpt: str | Path):
     """The Megatron config of one of our checkpoints (its family looked up from the manifest)."""
-    from porting.convert.checkpoint import read_manifest
+    from porting.contract.registry import family_by_name
+    from porting.convert.checkpoint import open_checkpoint
     from porting.convert.megatron import checkpoint_config as config_of
-    from porting.registry import family_by_name
 
-    return config_of(ckpt, family_by_name(read_manifest(ckpt).family))
+    checkpoint = open_checkpoint(ckpt)
+    return config_of(checkpoint, family_by_name(checkpoint.family))
 
 
 def load_checkpoint_model(ckpt: str | Path, dtype: torch.dtype | None = None):
     """``(mcore_model, config)`` of one of our checkpoints; the parallel state must exist."""
-    from porting.convert.checkpoint import read_manifest
+    from porting.contract.registry import family_by_name
+    from porting.convert.checkpoint import open_checkpoint
     from porting.convert.megatron import load_mcore_from_checkpoint
-    from porting.registry import family_by_name
 
-    return load_mcore_from_checkpoint(ckpt, family_by_name(read_manifest(ckpt).family), dtype)
+    checkpoint = open_checkpoint(ckpt)
+    return load_mcore_from_checkpoint(checkpoint, family_by_name(checkpoint.family), dtype)
 
 
 def assert_streamed_agrees(hf_dir, ckpt, family, prompts, hf, mc, atol: float = 1e-6) -> None:
@@ -297,6 +299,9 @@ OWN_OUTPUT_PATTERNS = (
     r"parity (PASS|FAIL): \d+ prompts",
     r"  (max \|dlogit\||mean \|dlogit\||KL\(HF\|\|Mcore\)|top-1 agree|layers|first divergence|gate) ",
     r"wrote \S",
+    # the import's own lines (porting.convert.connectors): a config note, and its summary
+    r"\S*config\.json: ",
+    r"imported .+ \(\S+, \w+\): \d+ HF tensors -> \d+ Megatron parameters, \d+ ignored$",
     r"(export|import) \(\S+ -> \S+\):$",
     r"done: checkpoints in ",
     r"porting demo: |              tiny |step +seconds$|check +result$|(OK|FAILED): outputs in ",

@@ -22,8 +22,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--workdir", type=Path, help="where the models go (default: a temp dir)")
     args = p.parse_args()
-    from porting import proof, registry
-    from porting.convert.api import import_hf
+    from porting import proof
+    from porting.api import import_hf
+    from porting.contract import registry
     from porting.parity.harness import compare
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="porting-bench-families-"))

@@ -73,7 +73,8 @@ def layer_cases() -> dict:
     """The stock GPT layer and each Falcon block: name -> (local layer spec, takes rotary)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from models.falcon_spec import FalconBlock, build_falcon_layer_spec
+    from models.falcon_block import FalconBlock
+    from models.falcon_spec import build_falcon_layer_spec
 
     def falcon(block: FalconBlock, alibi: bool):
         return build_falcon_layer_spec(block, alibi=alibi, use_te=False)

@@ -135,7 +135,7 @@ def main() -> None:
     args = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from porting.convert.api import import_hf
+    from porting.api import import_hf
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     peak = args.peak_tflops * 1e12 if device.type == "cuda" else cpu_peak_flops()

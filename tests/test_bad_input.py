@@ -55,7 +55,7 @@ def test_unknown_architecture_lists_known_ones(hf, tmp_path, capsys):
         tmp_path / "out",
         "'MambaForCausalLM'",
         "installed families: ",
-        "tsuzumi (LlamaForCausalLM)",
+        "llama (LlamaForCausalLM)",
     )
 
 

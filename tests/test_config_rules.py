@@ -26,9 +26,9 @@ from pathlib import Path
 
 import pytest
 
-from porting import proof, registry
+from porting import proof
 from porting.cli import main
-from porting.convert import config_map
+from porting.contract import config_map, registry
 from porting.errors import PortingError
 from porting.testing import child_env, no_hang
 
@@ -149,7 +149,7 @@ def _refusal(family, cfg: dict) -> str:
 def test_a_bad_value_is_refused_alike_by_every_family_that_has_the_field(configs, field, value):
     said = {}
     for arch, (family, cfg) in configs.items():
-        if field in config_map.known_fields(family.config_entries):
+        if field in config_map.known_fields(config_map.with_common(family.config_entries)):
             said[arch] = _refusal(family, cfg | {field: value})
     assert said, f"no family lists {field}: its rule is never used"
     first = next(iter(said.values()))
@@ -397,14 +397,14 @@ def site(tmp_path, monkeypatch):
 
 _MALFORMED = """
     import dataclasses
-    from converters import tsuzumi
-    from models.tsuzumi import TsuzumiModel
+    from converters import llama
+    from models.llama import LlamaModel
 
-    class M(TsuzumiModel):
+    class M(LlamaModel):
         pass
 
     FIELDS = dict(name={name!r}, architectures=("X_{name}",), model_cls=M)
-    FAMILY = dataclasses.replace(tsuzumi.FAMILY, **(FIELDS | {changes}))
+    FAMILY = dataclasses.replace(llama.FAMILY, **(FIELDS | {changes}))
 """
 
 BROKEN_PLUGINS = {

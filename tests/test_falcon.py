@@ -22,7 +22,7 @@ from models.falcon import (
     build_falcon_layer_spec,
 )
 from porting import proof
-from porting.convert.api import import_hf
+from porting.api import import_hf
 from porting.demo import compare_hf_dirs
 from porting.parity import harness as parity
 from porting.proof import (
@@ -327,7 +327,7 @@ def test_config_lint_names_the_field(falcon_hf, tmp_path, changes, needles):
 
 def test_falcon_configs_are_chosen_by_fields_not_names():
     """The table's norm entries follow the block; the same table serves every variant."""
-    from porting.convert.mapping import expand
+    from porting.contract.mapping import expand
 
     def ctx(block):
         return falcon.FalconShapeContext(

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from porting import proof
-from porting.convert.api import convert, export_hf, import_hf
+from porting.api import convert, export_hf, import_hf
 from porting.convert.checkpoint import locate
 from porting.convert.foreign import reading
 from porting.convert.layouts import SavedEnum, load_common, read_common
@@ -305,7 +305,7 @@ def test_our_checkpoint_whose_saved_arguments_were_edited_is_refused(layouts, tm
 def test_a_failed_conversion_leaves_nothing(layouts, tmp_path):
     """A gate that fails (zero tolerance: fp32 sums differ in the last bits) stops the conversion:
     neither the output nor the private HF staging directory is left."""
-    from porting.convert.api import ParityError
+    from porting.api import ParityError
 
     out = tmp_path / "out"
     with pytest.raises(ParityError):

@@ -679,8 +679,9 @@ def test_fewer_heads_than_the_weights_have(tiny_llama, tmp_path, capsys):
 def test_qkv_of_the_wrong_head_count_names_target_sources_and_shapes():
     """The QKV transform checks its inputs before reshaping; the engine names target and sources
     (a reshape would otherwise fail inside torch with a RuntimeError naming neither)."""
-    from porting.convert.mapping import Fused, import_weights
-    from porting.convert.transforms import QKV
+    from porting.contract.mapping import Fused
+    from porting.contract.transforms import QKV
+    from porting.convert.mapping import import_weights
 
     tensors = {
         "q": torch.zeros(64, 64),  # 4 heads of 16

@@ -193,7 +193,7 @@ def test_of_two_activation_fields_only_the_one_the_reference_reads_is_named(tmp_
     """Gemma-7B's card says hidden_act "gelu" and hidden_activation "gelu_pytorch_tanh";
     transformers' Gemma computes the first (exact GELU). The gate judges that one and leaves the
     unread field out of its report."""
-    from porting.convert.api import import_hf
+    from porting.api import import_hf
 
     arch = "GemmaForCausalLM"
     hf = proof.make_hf(tmp_path / "hf", arch, **proof.tiny_fields(arch))

@@ -50,7 +50,7 @@ def _family_modules() -> list[str]:
 
 def _string_imports(mod: str, tree: ast.Module) -> list[str]:
     """Modules imported by name: the registry's entry points and the CLI's subcommand modules."""
-    names = _family_modules() if mod == "porting.registry" else []
+    names = _family_modules() if mod == "porting.contract.registry" else []
     for node in ast.walk(tree):
         if isinstance(node, ast.AnnAssign | ast.Assign):
             target = node.target if isinstance(node, ast.AnnAssign) else node.targets[0]
@@ -129,12 +129,114 @@ def test_no_import_circles():
 
 def test_cycle_finder_finds_a_planted_circle():
     edges = {k: set(v) for k, v in EDGES.items()}
-    edges["porting.convert.mapping"].add("porting.family")
-    assert ["porting.convert.mapping", "porting.family"] in _cycles(edges)
+    edges["porting.contract.mapping"].add("porting.contract.family")
+    assert ["porting.contract.family", "porting.contract.mapping"] in _cycles(edges)
 
 
 def _imports_of(prefix: str) -> set[str]:
     return {t for m, ts in EDGES.items() if m == prefix or m.startswith(prefix + ".") for t in ts}
+
+
+# The layers, bottom to top (docs/architecture.md). A module imports from its own layer or below:
+# an import of a higher layer is an up-arrow. Each capability's ``cli`` module is its command
+# edge and sits with the commands. The registry's entry points are not arrows: it finds plugins
+# by name at run time, ours exactly as an outside package's.
+COMMANDS = ("porting.cli", "porting.families", "porting.demo")
+LAYERS = (
+    ("core", ("porting", "porting.errors", "porting.guard", "porting.quiet")),
+    ("contract", ("porting.contract", "porting.planner")),
+    ("megatron side", ("models", "porting.cpu")),
+    ("families", ("converters",)),
+    ("engine", ("porting.convert", "porting.owners", "data_prep")),
+    ("gate", ("porting.parity",)),
+    ("workflows", ("porting.api", "porting.train", "porting.scaffold", "porting.testing")),
+    ("commands", COMMANDS),
+    ("proof kit", ("porting.proof",)),
+)
+
+
+def _layer(module: str) -> int:
+    if module.endswith(".cli") or module in COMMANDS:
+        return next(i for i, (name, _) in enumerate(LAYERS) if name == "commands")
+    best = max(
+        ((len(p), i) for i, (_, ps) in enumerate(LAYERS) for p in ps if _within({module}, p)),
+        default=None,
+    )
+    assert best is not None, f"{module} is in no layer: add it to LAYERS and docs/architecture.md"
+    return best[1]
+
+
+def _up_arrows(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
+    plugins = set(_family_modules())
+    return sorted(
+        (m, t)
+        for m, ts in edges.items()
+        for t in ts
+        if not (m == "porting.contract.registry" and t in plugins) and _layer(t) > _layer(m)
+    )
+
+
+def test_every_module_is_in_a_layer():
+    for module in EDGES:
+        _layer(module)
+
+
+def test_no_up_arrows():
+    assert _up_arrows(EDGES) == []
+
+
+def test_the_up_arrow_finder_finds_a_planted_one():
+    edges = {k: set(v) for k, v in EDGES.items()}
+    edges["porting.contract.family"].add("porting.convert.checkpoint")
+    assert _up_arrows(edges) == [("porting.contract.family", "porting.convert.checkpoint")]
+
+
+def _module_level_imports(path: Path) -> set[str]:
+    """Top-level names imported when the module loads (not inside functions, not for typing)."""
+    names: set[str] = set()
+
+    def visit(body) -> None:
+        for node in body:
+            if isinstance(node, ast.Import):
+                names.update(a.name.partition(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                names.add(node.module.partition(".")[0])
+            elif isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
+                visit(node.body + node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+
+    visit(ast.parse(path.read_text()).body)
+    return names
+
+
+def test_the_contract_imports_only_the_core_and_no_heavy_library():
+    contract = {m: p for m, p in _modules().items() if _within({m}, "porting.contract")}
+    for module, path in contract.items():
+        ours = {t for t in EDGES[module] if not _within({t}, "porting.contract")}
+        plugins = set(_family_modules()) if module == "porting.contract.registry" else set()
+        assert ours - plugins <= {"porting", "porting.errors", "porting.guard"}, (module, ours)
+        assert _module_level_imports(path) & set(HEAVY) == set(), module
+
+
+def test_listing_the_families_and_refusing_a_config_load_no_heavy_library():
+    code = (
+        "from porting.contract import registry, config_map\n"
+        "from porting.errors import PortingError\n"
+        "fams = registry.families()\n"
+        "assert {'llama', 'tsuzumi', 'falcon', 'gemma', 'qwen', 'mistral', 'moe'} <= "
+        "{f.name for f in fams}\n"
+        "for bad in ({'architectures': ['NoSuchLM']}, {'architectures': ['LlamaForCausalLM'], "
+        "'model_type': 'llama', 'hidden_size': 0}):\n"
+        "    try:\n"
+        "        fam = registry.family_for_config(bad)\n"
+        "        config_map.to_mcore(bad, fam.config_entries)\n"
+        "    except PortingError:\n"
+        "        pass\n"
+        "    else:\n"
+        "        raise SystemExit('not refused')"
+    )
+    assert _loaded_after(code) & set(HEAVY) == set()
 
 
 def _within(names: set[str], *prefixes: str) -> set[str]:
@@ -162,7 +264,13 @@ def test_planner_imports_no_torch_or_nemo():
 
 
 def test_each_subpackage_says_what_it_is():
-    for pkg in ("porting.convert", "porting.parity", "porting.train", "porting.planner"):
+    for pkg in (
+        "porting.contract",
+        "porting.convert",
+        "porting.parity",
+        "porting.train",
+        "porting.planner",
+    ):
         doc = ast.get_docstring(ast.parse(_modules()[pkg].read_text()))
         assert doc and "import" in doc, f"{pkg}/__init__.py must say what it may import"
 
@@ -186,8 +294,19 @@ def _loaded_after(code: str) -> set[str]:
         "from porting.cli import main\ntry:\n    main(['plan', '--help'])\nexcept SystemExit:\n    pass",
         "import porting.planner.cli, porting.planner.emit, porting.planner.plot, "
         "porting.planner.calibrate",
+        "from porting.cli import main\nassert main(['families']) == 0",
+        "from porting.cli import main\nassert main(['import', '/no/such/dir', '--out', '/tmp/x']) == 2",
+        "from porting.cli import main\nassert main(['export', '/no/such/ckpt', '--out', '/tmp/x']) == 2",
     ],
-    ids=["import porting", "porting --help", "porting plan --help", "planner modules"],
+    ids=[
+        "import porting",
+        "porting --help",
+        "porting plan --help",
+        "planner modules",
+        "porting families",
+        "import refusing a missing directory",
+        "export refusing a missing checkpoint",
+    ],
 )
 def test_light_entry_points_load_no_torch_or_nemo(code):
     assert _loaded_after(code) & set(HEAVY) == set()

@@ -30,8 +30,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from porting.api import import_hf
 from porting.cli import main
-from porting.convert.api import import_hf
 from porting.convert.dist_reader import read_metadata
 from porting.testing import no_hang
 

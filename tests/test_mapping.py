@@ -5,8 +5,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from porting.convert.mapping import Fused, Ignore, Rename, export_weights, import_weights
-from porting.convert.transforms import GATED_MLP
+from porting.contract.mapping import Fused, Ignore, Rename
+from porting.contract.transforms import GATED_MLP
+from porting.convert.mapping import export_weights, import_weights
 from porting.errors import PortingError
 
 TABLE = (

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from porting import proof
-from porting.convert.api import import_hf
+from porting.api import import_hf
 from porting.testing import TRAIN_TEXT, child_env, make_indexed_dataset, train_losses
 
 STEPS = 6

@@ -116,8 +116,8 @@ def test_an_auto_map_family_goes_end_to_end_through_the_cli_once_decided(tmp_pat
     conv = pkg / "porting_family_inhouse" / "converter.py"
     text = conv.read_text()
     text = text.replace(
-        "from porting.convert.config_map import Require, Undecided",
-        "from porting.convert.config_map import Carry, Require",
+        "from porting.contract.config_map import Require, Undecided",
+        "from porting.contract.config_map import Carry, Require",
     )
     text = "\n".join(
         '    Carry("auto_map"),' if line.startswith("    Undecided('auto_map'") else line

@@ -416,12 +416,14 @@ def test_a_rerun_removes_every_kind_of_leftover_of_a_killed_convert(tiny_nemo, t
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*neighbours, "out"])
 
 
-def test_a_stop_that_library_code_swallows_or_wraps_still_stops(tiny_nemo, tmp_path, monkeypatch):
+def test_a_stop_that_library_code_swallows_or_wraps_still_stops(
+    tiny_nemo, tiny_llama, tmp_path, monkeypatch
+):
     """A SIGTERM whose exception is dropped (a finalizer running when it arrives) or wrapped
     (torch's CheckpointException) still ends the command with 143 and nothing written."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from porting.convert import api
+    from porting import api
 
     def sigterm_here():
         os.kill(os.getpid(), signal.SIGTERM)
@@ -450,6 +452,6 @@ def test_a_stop_that_library_code_swallows_or_wraps_still_stops(tiny_nemo, tmp_p
             raise CheckpointException("write", {0: (err, [])}) from None
 
     monkeypatch.setattr(api, "import_hf", wrapping)
-    (tmp_path / "src").mkdir()
-    assert main(["import", str(tmp_path / "src"), "--out", str(out)]) == 143
-    assert [p.name for p in tmp_path.iterdir()] == ["src"]
+    # a real HF directory: an empty one is refused before the conversion starts
+    assert main(["import", str(tiny_llama), "--out", str(out)]) == 143
+    assert list(tmp_path.iterdir()) == []

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from porting.convert.api import export_hf, import_hf
+from porting.api import export_hf, import_hf
 from porting.convert.foreign import reading
 from porting.parity.harness import DEFAULT_ATOL, DEFAULT_RTOL
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from porting.convert.api import export_hf, import_hf
+from porting.api import export_hf, import_hf
 from porting.demo import compare_hf_dirs
 from porting.testing import make_tokenizer
 
@@ -114,7 +114,7 @@ def test_published_config_imports_with_the_gate_and_comes_back_identical(hub_id,
 
 
 def test_every_family_we_claim_is_in_the_catalogue():
-    from porting import registry
+    from porting.contract import registry
 
     archs = {c["architectures"][0] for c in published.PUBLISHED.values()}
     claimed = {a for f in registry.families() for a in f.architectures}

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from porting import registry
 from porting.cli import main
+from porting.contract import registry
 from porting.errors import PortingError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,17 +62,17 @@ def _install(site: Path, dist: str, families: dict[str, str], module_source: str
     (site / f"{module}.py").write_text(textwrap.dedent(module_source))
 
 
-# A family over tsuzumi's tables with its own model class and its own key.
+# A family over the Llama tables with its own model class and its own key.
 _FAMILY_SRC = """
     import dataclasses
-    from converters import tsuzumi
-    from models.tsuzumi import TsuzumiModel
+    from converters import llama
+    from models.llama import LlamaModel
 
-    class {cls}(TsuzumiModel):
+    class {cls}(LlamaModel):
         pass
 
     FAMILY = dataclasses.replace(
-        tsuzumi.FAMILY, name={name!r}, architectures={archs!r}, model_types={mtypes!r},
+        llama.FAMILY, name={name!r}, architectures={archs!r}, model_types={mtypes!r},
         model_cls={cls},
     )
 """
@@ -123,12 +123,12 @@ def test_a_family_taking_our_architecture_is_refused(site):
 def test_two_families_sharing_a_model_class_are_refused(site):
     src = """
         import dataclasses
-        from converters import tsuzumi
-        FAMILY = dataclasses.replace(tsuzumi.FAMILY, name="twin", architectures=("TwinLM",))
+        from converters import llama
+        FAMILY = dataclasses.replace(llama.FAMILY, name="twin", architectures=("TwinLM",))
     """
     _install(site, "twin", {"twin": "fam_twin:FAMILY"}, src)
     registry.refresh()
-    with pytest.raises(PortingError, match="share the model class TsuzumiModel"):
+    with pytest.raises(PortingError, match="share the model class LlamaModel"):
         registry.families()
 
 
@@ -143,7 +143,7 @@ def test_a_broken_family_is_listed_with_its_error_and_the_rest_still_work(site, 
     rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
     assert "ImportError: no such dep" in rows["broken"]["error"]
     assert "is a int, not a Family" in rows["nota"]["error"]
-    assert rows["tsuzumi"]["architectures"] == ["LlamaForCausalLM"]
+    assert rows["llama"]["architectures"] == ["LlamaForCausalLM"]
     assert rows["falcon"]["variants"]["rw_alibi_biases"]
 
 
@@ -158,7 +158,7 @@ def test_an_entry_named_apart_from_its_family_is_refused(site):
 def test_families_lists_ours_with_their_source_files(capsys):
     assert main(["families"]) == 0
     out = capsys.readouterr().out
-    assert "tsuzumi  (porting 0.1.0, converters.tsuzumi:FAMILY)" in out
+    assert "llama  (porting 0.1.0, converters.llama:FAMILY)" in out
     assert str(ROOT / "converters" / "falcon.py") in out
     assert "claims: FalconForCausalLM" in out
 

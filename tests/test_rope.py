@@ -17,8 +17,8 @@ import shutil
 import pytest
 import torch
 
-from converters.tsuzumi import _rope_to_mcore
-from models.tsuzumi import yarn_inv_freq
+from converters.llama import _rope_to_mcore
+from models.llama import yarn_inv_freq
 from porting import proof
 
 LLAMA, QWEN2 = "LlamaForCausalLM", "Qwen2ForCausalLM"
@@ -82,7 +82,7 @@ def test_yarn_config_reaches_megatron(converted):
 def test_dropping_yarn_fails_parity_by_far(converted, tmp_path):
     """Negative control: the same weights imported with rope_scaling null are 100x and more off
     the YaRN model on the gate's prompts (short texts and one random-id prompt)."""
-    from porting.convert.api import import_hf
+    from porting.api import import_hf
 
     hf, _ = converted("llama_yarn")
     plain = _as_published(shutil.copytree(hf, tmp_path / "hf"), None)
@@ -250,7 +250,7 @@ def test_refused_naming_what_megatron_lacks(changes, needles, converted, tmp_pat
 
 def test_partial_rotary_factor_1_is_carried(converted, tmp_path):
     """The no-op value imports, keeps parity and comes back on export."""
-    from porting.convert.api import import_hf
+    from porting.api import import_hf
 
     hf = shutil.copytree(converted("qwen2_yarn")[0], tmp_path / "hf")
     cfg = json.loads((hf / "config.json").read_text()) | {"partial_rotary_factor": 1.0}
@@ -281,7 +281,7 @@ def test_megatron_lm_layout_refuses_a_scaling_it_cannot_record(converted, tmp_pa
 )
 def test_mistral_takes_the_shared_rotary_types(rope, tmp_path):
     """transformers' Mistral reads rope_scaling through the same rotary functions as Llama."""
-    from porting.convert.api import import_hf
+    from porting.api import import_hf
 
     arch = "MistralForCausalLM"
     # transformers 4.57's YaRN reads config.head_dim, which MistralConfig leaves None unless given

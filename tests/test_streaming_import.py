@@ -38,10 +38,11 @@ FALCON = {name: FALCON_VARIANTS[name] for name in RELEASED_FALCON_LAYOUTS}
 
 
 def _import(hf_dir, out, streaming: bool):
-    from porting.registry import family_for_hf_dir
+    from porting.convert.connectors import model_class
+    from porting.convert.hf_files import family_for_hf_dir
 
     family, _ = family_for_hf_dir(hf_dir)
-    importer = family.model_cls.importer(f"hf://{hf_dir}")
+    importer = model_class(family).importer(f"hf://{hf_dir}")
     importer.show_progress, importer.streaming = False, streaming
     importer.convert_into(out)
     return out / "weights"

@@ -7,7 +7,7 @@ import pytest
 
 from converters import qwen
 from porting import proof
-from porting.convert.mapping import Fused, Rename
+from porting.contract.mapping import Fused, Rename
 from porting.convert.safetensors_io import SafetensorsSource
 from porting.errors import PortingError
 

@@ -100,7 +100,7 @@ def test_resume_after_kill_continues_with_the_same_data_order(
 
 
 def test_export_after_training_matches_the_trained_model(tiny_llama, reference_run, tmp_path):
-    from porting.convert.api import export_hf
+    from porting.api import export_hf
     from porting.convert.safetensors_io import SafetensorsSource
 
     report = export_hf(reference_run / "checkpoints" / "last", tmp_path / "hf")
@@ -245,7 +245,7 @@ def test_falcon_trains_through_the_same_entry_and_exports(tmp_path):
     """The Falcon family's custom spec trains with the same `porting train` and exports with parity."""
     from transformers import AutoTokenizer
 
-    from porting.convert.api import export_hf, import_hf
+    from porting.api import export_hf, import_hf
     from porting.testing import make_falcon, make_indexed_dataset
 
     hf = make_falcon(

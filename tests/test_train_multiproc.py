@@ -220,8 +220,8 @@ def test_an_uneven_pipeline_across_two_sites_runs_as_emitted(train_corpus, tmp_p
     Megatron's default order and an uneven split (2 layers, then 1); both emitted node commands
     run here as two torchrun nodes, the first stage builds 2 layers, and the losses are those of
     one process."""
+    from porting.api import import_hf
     from porting.cli import main
-    from porting.convert.api import import_hf
     from porting.cpu import free_port
     from porting.testing import make_llama
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from porting.convert.transforms import (
+from porting.contract.transforms import (
     concat_gate_up,
     interleave_qkv,
     pad_vocab,

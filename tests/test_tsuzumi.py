@@ -1,227 +1,72 @@
-"""tsuzumi-style family: full-logit parity against transformers' Llama, round trip, NeMo loading,
-tensor parallelism and the negative control.
+"""The tsuzumi family, a derived product on the Llama base: its own architecture name converts
+with the full proof, and a checkpoint written before the Llama base was split out (an earlier
+porting, ``family: tsuzumi`` from a ``LlamaForCausalLM`` directory; shipped in
+tests/data/tsuzumi-0.1 with its HF source) keeps verifying and exporting exactly.
 
-Tolerance: fp32 throughout, torch.testing.assert_close(atol=1e-5, rtol=1e-5) on every logit of
-every position of every prompt, plus 100% top-1 agreement.
+Tolerance: porting.proof's, fp32 full logits at atol=rtol=1e-5 and 100% top-1.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
+import shutil
+from pathlib import Path
 
 import pytest
-import torch
 
-from converters import tsuzumi
-from porting.convert.api import ParityError, export_hf, import_hf
-from porting.demo import compare_hf_dirs
-from porting.parity import harness as parity
-from porting.testing import assert_streamed_agrees, make_llama
+from porting import proof
+from porting.api import import_hf
+from porting.contract import registry
+from porting.testing import make_llama
 
-ATOL = RTOL = 1e-5
-
-LLAMA3_SCALING = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    # small enough that the tiny head dim's wavelengths straddle both thresholds
-    "original_max_position_embeddings": 32,
-}
-
-VARIANTS = {
-    "mha": dict(num_kv_heads=4),
-    "gqa": dict(num_kv_heads=2),
-    "mqa": dict(num_kv_heads=1),
-    "tied": dict(tie_word_embeddings=True),
-    "no_padding_needed": dict(vocab_size=128),
-    "rope_theta": dict(rope_theta=500000.0),
-    "llama3_scaling": dict(rope_scaling=LLAMA3_SCALING),
-    "linear_scaling": dict(rope_scaling={"rope_type": "linear", "factor": 2.0}),
-    "biases": dict(bias=True),
-    "head_dim_32": dict(head_dim=32),
-    "bf16": dict(dtype=torch.bfloat16),
-}
+WRITTEN_BEFORE = Path(__file__).parent / "data" / "tsuzumi-0.1"
 
 
-def _prompts(ckpt):
-    from transformers import AutoTokenizer
-
-    from porting.convert.checkpoint import read_manifest
-
-    m = read_manifest(ckpt)
-    tok = AutoTokenizer.from_pretrained(str(ckpt / m.tokenizer["path"]))
-    return parity.build_prompts(tok, m.vocab_size)
+@pytest.fixture(scope="module")
+def old(tmp_path_factory):
+    """The shipped checkpoint, copied so that no test can write into the repository."""
+    root = tmp_path_factory.mktemp("tsuzumi-0.1")
+    shutil.copytree(WRITTEN_BEFORE, root, dirs_exist_ok=True)
+    return root / "hf", root / "nemo"
 
 
-def _logits(hf_dir, ckpt):
-    from porting.convert.checkpoint import read_manifest
-
-    m = read_manifest(ckpt)
-    prompts = _prompts(ckpt)
-    mc = parity.megatron_logits_from_checkpoint(ckpt, prompts, m.vocab_size)
-    hf = parity.hf_logits(hf_dir, "LlamaForCausalLM", prompts)
-    return hf, mc
+def test_a_checkpoint_written_before_the_llama_base_names_the_tsuzumi_family(old):
+    manifest = json.loads((old[1] / "context" / "porting.json").read_text())
+    assert manifest["family"] == "tsuzumi"
+    assert manifest["hf_architecture"] == "LlamaForCausalLM"
+    assert b"models.tsuzumi" in (old[1] / "context" / "io.json").read_bytes()
 
 
-def _assert_parity(hf, mc):
-    assert len(hf) == len(mc) >= 4
-    for a, b in zip(hf, mc, strict=True):
-        torch.testing.assert_close(b, a, atol=ATOL, rtol=RTOL)
-        assert torch.equal(a.argmax(-1), b.argmax(-1))
+def test_a_checkpoint_written_before_the_llama_base_keeps_its_parity(old):
+    proof.prove_parity(*old)
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_parity_against_transformers_llama(variant, tmp_path):
-    hf_dir = make_llama(tmp_path / "hf", seed=len(variant), **VARIANTS[variant])
-    ckpt = tmp_path / "nemo"
-    import_hf(hf_dir, ckpt, verify=False, show_progress=False)
-    hf, mc = _logits(hf_dir, ckpt)
-    _assert_parity(hf, mc)
-    assert parity.compare(hf, mc).passed
-    assert_streamed_agrees(hf_dir, ckpt, tsuzumi.FAMILY, _prompts(ckpt), hf, mc)
+def test_a_checkpoint_written_before_the_llama_base_exports_exactly(old, tmp_path):
+    proof.prove_round_trip(*old, tmp_path / "hf-back")
 
 
-def _qkv_rows(ctx) -> list[int]:
-    kv = ctx.num_query_groups * ctx.head_dim
-    return [ctx.num_heads * ctx.head_dim, kv, kv]
+@pytest.fixture(scope="module")
+def own(tmp_path_factory):
+    """A checkpoint under tsuzumi's own architecture name: the Llama layout, its own names."""
+    root = tmp_path_factory.mktemp("tsuzumi")
+    hf = make_llama(root / "hf", num_kv_heads=2)
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg.update(architectures=["TsuzumiForCausalLM"], model_type="tsuzumi")
+    (hf / "config.json").write_text(json.dumps(cfg, indent=2))
+    import_hf(hf, root / "nemo", verify=False, show_progress=False)
+    return hf, root / "nemo"
 
 
-def test_negative_control_plain_qkv_concat_fails_parity(tmp_path):
-    """The same check with QKV concatenated instead of interleaved per group must fail."""
-    from converters import tsuzumi
-    from porting.convert.mapping import Fused
-    from porting.convert.transforms import TransformPair
-
-    concat = TransformPair(
-        "plain_concat",
-        lambda q, k, v, ctx: torch.cat([q, k, v]),
-        lambda t, ctx: tuple(t.split(_qkv_rows(ctx))),
-    )
-    broken = tuple(
-        dataclasses.replace(e, transform=concat)
-        if isinstance(e, Fused) and e.mcore.endswith("linear_qkv.weight")
-        else e
-        for e in tsuzumi.WEIGHTS
-    )
-    assert broken != tsuzumi.WEIGHTS
-
-    class BrokenImporter(tsuzumi.HFTsuzumiImporter):
-        FAMILY = dataclasses.replace(tsuzumi.FAMILY, weights=broken)
-
-    hf_dir = make_llama(tmp_path / "hf", num_kv_heads=2)
-    importer = BrokenImporter(str(hf_dir))
-    importer.show_progress = False
-    importer.convert_into(tmp_path / "nemo")
-    hf, mc = _logits(hf_dir, tmp_path / "nemo")
-    with pytest.raises(AssertionError):
-        _assert_parity(hf, mc)
-    report = parity.compare(hf, mc)
-    assert not report.passed and report.max_abs_diff > 1e-2
+def test_tsuzumi_s_own_architecture_is_claimed_by_the_tsuzumi_family(own):
+    manifest = json.loads((own[1] / "context" / "porting.json").read_text())
+    assert manifest["family"] == "tsuzumi"
+    assert registry.family_for_config(manifest["hf_config"]).name == "tsuzumi"
+    assert registry.family_for_config({"architectures": ["LlamaForCausalLM"]}).name == "llama"
 
 
-def test_import_gate_refuses_failing_parity_and_leaves_nothing(tiny_llama, tmp_path, monkeypatch):
-    monkeypatch.setattr(parity, "DEFAULT_ATOL", 0.0)
-    monkeypatch.setattr(parity, "DEFAULT_RTOL", 0.0)
-    monkeypatch.setattr(parity, "DEFAULT_MIN_TOP1", 1.0)
-    out = tmp_path / "ckpt"
-    # an impossible gate: zero tolerance while Megatron's fused QKV matmul rounds differently
-    with pytest.raises(ParityError, match="parity check failed"):
-        import_hf(tiny_llama, out, atol=-1.0, rtol=0.0, show_progress=False)
-    assert not out.exists()
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt")]
+def test_tsuzumi_s_own_architecture_has_parity(own):
+    proof.prove_parity(*own)
 
 
-def test_round_trip_is_exact_and_loads_in_transformers(tiny_llama, tiny_nemo, tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out = tmp_path / "hf-back"
-    report = export_hf(tiny_nemo, out)
-    assert report.passed
-    rt = compare_hf_dirs(tiny_llama, out)
-    assert rt.same_keys and rt.equal_tensors == rt.tensors == 21
-    assert rt.config_fields_differing == []
-    a = json.loads((tiny_llama / "config.json").read_text())
-    b = json.loads((out / "config.json").read_text())
-    for field in (
-        "bos_token_id",
-        "eos_token_id",
-        "max_position_embeddings",
-        "rope_theta",
-        "vocab_size",
-    ):
-        assert a[field] == b[field]
-    tok_a = AutoTokenizer.from_pretrained(str(tiny_llama))
-    tok_b = AutoTokenizer.from_pretrained(str(out))
-    text = "東京 hello world"
-    assert tok_a(text)["input_ids"] == tok_b(text)["input_ids"]
-    ids = torch.tensor([tok_b(text)["input_ids"]])
-    m_a = AutoModelForCausalLM.from_pretrained(str(tiny_llama)).eval()
-    m_b = AutoModelForCausalLM.from_pretrained(str(out)).eval()
-    with torch.no_grad():
-        assert torch.equal(m_a(ids).logits, m_b(ids).logits)
-
-
-def test_round_trip_keeps_rope_scaling_and_sharding(tmp_path):
-    hf_dir = make_llama(
-        tmp_path / "hf", rope_scaling=LLAMA3_SCALING, bias=True, max_shard_size="20KB"
-    )
-    assert (hf_dir / "model.safetensors.index.json").exists()
-    import_hf(hf_dir, tmp_path / "nemo", verify=False, show_progress=False)
-    export_hf(tmp_path / "nemo", tmp_path / "back", max_shard_bytes=20_000)
-    assert (tmp_path / "back" / "model.safetensors.index.json").exists()
-    rt = compare_hf_dirs(hf_dir, tmp_path / "back")
-    assert rt.exact, rt
-    back = json.loads((tmp_path / "back" / "config.json").read_text())
-    assert back["rope_scaling"] == LLAMA3_SCALING
-
-
-def test_llm_import_ckpt_then_nemo_loads_it_back(tiny_llama, tmp_path):
-    """The NeMo 2.0 API path: llm.import_ckpt, then NeMo's own load_context + nemo_load."""
-    from nemo.collections import llm
-    from nemo.lightning import io
-
-    from models.tsuzumi import TsuzumiConfig, TsuzumiModel
-
-    out = tmp_path / "via-llm"
-    path = llm.import_ckpt(
-        model=TsuzumiModel(TsuzumiConfig()), source=f"hf://{tiny_llama}", output_path=out
-    )
-    assert path == out and (out / "weights").is_dir()
-    model = io.load_context(out / "context", subpath="model")
-    assert isinstance(model, TsuzumiModel)
-    assert model.config.num_query_groups == 2 and model.config.vocab_size == 256
-
-    loaded, trainer = io.ModelConnector().nemo_load(out, cpu=True)
-    mcore = loaded.module
-    while hasattr(mcore, "module"):
-        mcore = mcore.module
-    from porting.convert.megatron import mcore_logits
-
-    tok = loaded.tokenizer
-    ids = torch.tensor([tok.text_to_ids("hello world") or [1, 2, 3]])
-    mc = mcore_logits(mcore.float(), ids)[..., :130]
-    (hf,) = parity.hf_logits(tiny_llama, "LlamaForCausalLM", [ids])
-    torch.testing.assert_close(mc, hf, atol=ATOL, rtol=RTOL)
-    from nemo.lightning import teardown
-
-    teardown(trainer, loaded)
-
-    exported = llm.export_ckpt(path=out, target="hf", output_path=tmp_path / "via-llm-hf")
-    assert compare_hf_dirs(tiny_llama, exported).exact
-
-
-def test_tensor_parallel_2_matches_tp_1(tiny_nemo, tmp_path):
-    import torch.multiprocessing as mp
-
-    from porting.cpu import free_port
-    from porting.testing import tp_logits_worker
-
-    ids = torch.randint(0, 130, (2, 24), generator=torch.Generator().manual_seed(3))
-    (tp1,) = parity.megatron_logits_from_checkpoint(tiny_nemo, [ids], 256)
-    out = tmp_path / "tp2.pt"
-    mp.spawn(tp_logits_worker, args=(2, str(tiny_nemo), ids, str(out), free_port()), nprocs=2)
-    tp2 = torch.load(out, weights_only=True)
-    assert tp2.shape == (2, 24, 256)
-    torch.testing.assert_close(tp2, tp1, atol=1e-5, rtol=1e-5)
+def test_tsuzumi_s_own_architecture_round_trips_exactly(own, tmp_path):
+    proof.prove_round_trip(*own, tmp_path / "hf-back")

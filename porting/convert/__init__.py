@@ -1,13 +1,20 @@
 """Conversion: the engine that moves weights and configs between HF and NeMo 2.0 / Megatron-Core.
 
-- ``mapping``, ``transforms``, ``config_map``: a family's declarative tables and the paired layout
-  transforms they use (pure, torch only);
+- ``hf_files``: an HF model directory read as untrusted input (files checked, config bounded);
+- ``mapping``: a family's weight table (:mod:`porting.contract.mapping`) applied, every key
+  accounted for both ways;
 - ``safetensors_io``: streaming reads and sharded writes of HF weight files;
-- ``checkpoint``: our manifest in a NeMo checkpoint and atomic output directories;
-- ``connectors``: the generic NeMo ``io.ModelConnector`` importer/exporter families subclass;
+- ``layouts``: the checkpoint layouts (NeMo 2, Megatron-LM, Megatron-Bridge), one module and one
+  registration each; ``manifest``: our ``porting.json`` in any of them;
+- ``checkpoint``: a checkpoint opened once per command (layout, manifest) and atomic output
+  directories;
+- ``connectors``: the generic NeMo ``io.ModelConnector`` importer/exporter, registered on a
+  family's model class when a conversion first loads it;
 - ``megatron``: process groups and loading a Megatron model from a checkpoint;
-- ``api`` and ``cli``: ``porting import`` / ``porting export`` (gated by :mod:`porting.parity`).
+- ``cli``: ``porting import`` / ``export`` / ``convert``, over :mod:`porting.api` (which adds the
+  parity gate).
 
-Imports neither ``porting.train`` nor ``porting.planner``. The package root imports nothing, so
-that the light table modules load without NeMo.
+Imports the contract below it, never ``porting.parity``, ``porting.train`` or ``porting.planner``
+(only its ``cli``, the command edge, reaches up to :mod:`porting.api`). The package root imports
+nothing.
 """

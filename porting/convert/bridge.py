@@ -22,6 +22,7 @@ from pathlib import Path
 from porting.errors import PortingError
 
 PROVIDER = "megatron.bridge.models.gpt_provider.GPTModelProvider"
+RUN_CONFIG = "run_config.yaml"  # in each iteration directory
 _FIELDS = frozenset(json.loads((Path(__file__).with_name("bridge_fields.json")).read_text()))
 # Fields of a NeMo GPT config that describe a training run, not the model: never written.
 _RUNTIME = frozenset(
@@ -143,7 +144,7 @@ def write_bridge_files(root: Path, weights: Path, iteration: int, run_config: di
     import torch
     import yaml
 
-    (weights / "run_config.yaml").write_text(yaml.safe_dump(run_config, sort_keys=False))
+    (weights / RUN_CONFIG).write_text(yaml.safe_dump(run_config, sort_keys=False))
     zero = torch.tensor(0)
     state = {
         "step": torch.tensor(iteration),

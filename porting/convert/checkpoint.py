@@ -1,191 +1,35 @@
-"""Where a checkpoint's parts are, our additions to it, and atomic output directories.
+"""A checkpoint as a command reads it, and atomic output directories.
 
-A checkpoint written by ``porting import`` is a plain NeMo 2.0 checkpoint (``context/`` +
-``weights/``) that ``nemo.collections.llm`` loads, or a Megatron-LM / Megatron-Bridge one
-(:mod:`porting.convert.layouts`), plus our ``porting.json``: the family, the original HF
-``config.json``, the vocabulary padding, the weight dtype and where the tokenizer lives. With it,
-export needs no HF model and no hub. :func:`locate` finds which layout a directory holds.
+A checkpoint written by ``porting import`` is one of our layouts (:mod:`porting.convert.layouts`:
+NeMo 2, whose ``context/`` + ``weights/`` ``nemo.collections.llm`` loads, Megatron-LM or
+Megatron-Bridge) plus our ``porting.json`` (:mod:`porting.convert.manifest`). A command opens its
+checkpoint once, at its edge (:func:`open_checkpoint`: the layout found by :func:`locate`, the
+manifest read), and hands the :class:`Checkpoint` down.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import logging
 import os
 import re
 import secrets
 import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from porting.convert.untrusted import checkpoint_dir, read_int, read_json
+from porting.convert.layouts.base import Located
+from porting.convert.layouts.registry import locate
+from porting.convert.manifest import Manifest, check_manifest
+from porting.convert.untrusted import read_json
 from porting.errors import PortingError
 from porting.guard import Terminated, raise_if_stopped, signals_deferred
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "porting.json"
-FORMAT = "porting-nemo2"
-VERSION = 1
-# HF files other than weights, config and tokenizer that export should hand back unchanged.
-EXTRA_HF_FILES = ("generation_config.json",)
-
-FORMATS = ("nemo2", "megatron-lm", "megatron-bridge")
-TRACKER = "latest_checkpointed_iteration.txt"
-RUN_CONFIG = "run_config.yaml"
-OURS = "porting"  # our directory in the Megatron layouts
-_ITER = re.compile(r"iter_(\d{7,})")
-_PREFIX = {"nemo2": "module.", "megatron-lm": "", "megatron-bridge": ""}
 # A tokenizer.json holds the whole vocabulary and merges: Gemma's is 34 MB.
 MAX_TOKENIZER_JSON_BYTES = 256 << 20
-
-
-@dataclass(frozen=True)
-class Located:
-    """Where one checkpoint's parts are."""
-
-    format: str
-    root: Path
-    weights: Path  # the torch_dist directory
-    prefix: str  # of every model tensor key in it
-    meta: Path  # our porting.json, tokenizer/ and hf_extra/ (context/ for NeMo 2)
-    iteration: int | None = None
-
-    @property
-    def manifest_path(self) -> Path:
-        """Where ``porting.json`` is (or would be)."""
-        return self.meta / "porting.json"
-
-
-def _tracked_iteration(root: Path) -> tuple[int | None, Path]:
-    """The iteration directory ``latest_checkpointed_iteration.txt`` names, checked to be one."""
-    tracked = read_int(root / TRACKER, root, "an iteration number", ("release",))
-    if tracked == "release":
-        return None, root / "release"
-    return tracked, root / f"iter_{tracked:07d}"
-
-
-def locate(ckpt: str | os.PathLike, fmt: str | None = None) -> Located:
-    """Find the layout of the checkpoint at ``ckpt`` (its root, or one iteration directory).
-
-    ``fmt`` (one of :data:`FORMATS`) is checked against what the directory holds; a mismatch is
-    an error that names both, never a guess.
-    """
-    path = Path(ckpt)
-    if fmt is not None and fmt not in FORMATS:
-        raise PortingError(f"unknown checkpoint format {fmt!r}; one of {', '.join(FORMATS)}")
-    if not path.is_dir():
-        raise PortingError(f"{path}: not a directory")
-    iteration: int | None
-    if os.path.lexists(path / "weights") and os.path.lexists(path / "context"):
-        weights, context = (
-            checkpoint_dir(path / "weights", path),
-            checkpoint_dir(path / "context", path),
-        )
-        found = Located("nemo2", path, weights, "module.", context)
-    else:
-        if os.path.lexists(path / TRACKER):
-            iteration, weights = _tracked_iteration(path)
-            root = path
-        elif (path / ".metadata").is_file() and (
-            _ITER.fullmatch(path.name) or path.name == "release"
-        ):
-            m = _ITER.fullmatch(path.name)
-            iteration, weights, root = (int(m.group(1)) if m else None), path, path.parent
-        else:
-            raise PortingError(
-                f"{path}: not a checkpoint we know: a NeMo 2 checkpoint has context/ and weights/, "
-                f"a Megatron-LM one {TRACKER} and iter_NNNNNNN/, a Megatron-Bridge one also "
-                f"{RUN_CONFIG} in its iteration"
-            )
-        if not os.path.lexists(weights):
-            raise PortingError(f"{weights}: the iteration the checkpoint names is missing")
-        checkpoint_dir(weights, root)
-        # A run_config.yaml that is a link still makes the layout Bridge's, so that it is refused
-        # when read rather than skipped.
-        kind = "megatron-bridge" if os.path.lexists(weights / RUN_CONFIG) else "megatron-lm"
-        if os.path.lexists(root / OURS):
-            checkpoint_dir(root / OURS, root)
-        found = Located(kind, root, weights, _PREFIX[kind], root / OURS, iteration)
-    if fmt is not None and fmt != found.format:
-        raise PortingError(f"{path}: a {found.format} checkpoint, not {fmt}")
-    return found
-
-
-@dataclass
-class Manifest:
-    """What ``context/porting.json`` records."""
-
-    family: str
-    hf_architecture: str
-    hf_config: dict
-    vocab_size: int
-    padded_vocab_size: int
-    dtype: str
-    tokenizer: dict = field(default_factory=dict)
-    extra_files: list[str] = field(default_factory=list)
-    format: str = FORMAT
-    version: int = VERSION
-
-
-def context_dir(ckpt: str | os.PathLike) -> Path:
-    """The ``context/`` directory of a NeMo 2.0 checkpoint."""
-    return Path(ckpt) / "context"
-
-
-def write_manifest(
-    ckpt: str | os.PathLike, manifest: Manifest, meta: str | os.PathLike | None = None
-) -> None:
-    """Write ``porting.json`` (atomically) into ``meta``: by default the NeMo 2 ``context/``."""
-    path = Path(meta if meta is not None else context_dir(ckpt)) / MANIFEST
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(asdict(manifest), indent=2) + "\n")
-    tmp.replace(path)
-
-
-_DTYPE_NAMES = ("float32", "bfloat16", "float16")
-
-
-def _check_manifest(data, path: Path) -> Manifest:
-    """A :class:`Manifest` from parsed JSON, every field checked (the file may be hostile)."""
-
-    def bad(field_name: str, why: str) -> PortingError:
-        return PortingError(f"{path}: field {field_name!r} {why}")
-
-    if not isinstance(data, dict):
-        raise PortingError(f"{path}: not a JSON object")
-    if data.get("format") != FORMAT:
-        raise PortingError(f"{path}: unknown format {data.get('format')!r}")
-    known = set(Manifest.__dataclass_fields__)
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise PortingError(f"{path}: unknown field(s) {', '.join(unknown)}")
-    for name in ("family", "hf_architecture", "dtype"):
-        if not isinstance(data.get(name), str):
-            raise bad(name, "must be a string")
-    if not isinstance(data.get("hf_config"), dict):
-        raise bad("hf_config", "must be an object")
-    for name in ("vocab_size", "padded_vocab_size", "version"):
-        v = data.get(name)
-        if type(v) is not int or v <= 0:
-            raise bad(name, f"must be a positive integer, not {v!r}")
-    if data["version"] > VERSION:
-        raise bad("version", f"is {data['version']}; this porting reads up to {VERSION}")
-    if data["padded_vocab_size"] < data["vocab_size"]:
-        raise bad("padded_vocab_size", "is smaller than vocab_size")
-    if data["dtype"] not in _DTYPE_NAMES:
-        raise bad("dtype", f"must be one of {', '.join(_DTYPE_NAMES)}, not {data['dtype']!r}")
-    tok = data.get("tokenizer", {})
-    if not isinstance(tok, dict) or set(tok) - {"kind", "path"}:
-        raise bad("tokenizer", "must be an object with 'kind' and 'path'")
-    if tok and (tok.get("kind") != "hf" or not isinstance(tok.get("path"), str)):
-        raise bad("tokenizer", f"must be {{'kind': 'hf', 'path': DIR}}, not {tok!r}")
-    extras = data.get("extra_files", [])
-    if not isinstance(extras, list) or any(e not in EXTRA_HF_FILES for e in extras):
-        raise bad("extra_files", f"may only list {', '.join(EXTRA_HF_FILES)}, not {extras!r}")
-    return Manifest(**data)
 
 
 @dataclass(frozen=True)
@@ -196,6 +40,32 @@ class Adopted:
     tokenizer_dir: Path | None
     source: str  # what stands in for porting.json, for errors
     hf_config: Path | None = None  # the directory given as --hf-config, for a child process
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One checkpoint as a command reads it: where its parts are (in which layout) and the manifest
+    it is read by."""
+
+    path: Path  # as the command was given it: the gate and child processes open it from this
+    located: Located
+    manifest: Manifest
+    stand_in: Adopted | None = None  # what the manifest came from, where porting.json is not
+
+    @property
+    def family(self) -> str:
+        """The name of the family the manifest records."""
+        return self.manifest.family
+
+    @property
+    def dtype(self) -> str:
+        """The weight dtype the manifest records (``"bfloat16"``)."""
+        return self.manifest.dtype
+
+    @property
+    def source(self) -> str:
+        """What the manifest was read from, for messages."""
+        return self.stand_in.source if self.stand_in else str(self.located.manifest_path)
 
 
 _ADOPTED: dict[Path, Adopted] = {}
@@ -218,29 +88,37 @@ def adopted(ckpt: str | os.PathLike) -> Adopted | None:
     return _ADOPTED.get(locate(ckpt).root.resolve()) if _ADOPTED else None
 
 
-def read_manifest(ckpt: str | os.PathLike) -> Manifest:
-    """Read and check our ``porting.json`` of a checkpoint in any of our layouts, or say clearly
-    why this is not one of ours."""
-    ckpt = Path(ckpt)
-    if not ckpt.is_dir():
-        raise PortingError(f"{ckpt}: not a directory")
-    loc = locate(ckpt)
-    stand_in = adopted(ckpt)
+def open_checkpoint(ckpt: Checkpoint | str | os.PathLike) -> Checkpoint:
+    """The checkpoint at ``ckpt`` (its root, or one iteration directory) in any of our layouts,
+    read by our ``porting.json`` or the manifest :func:`adopt` stands in for it; or say clearly
+    why this is not one of ours. A :class:`Checkpoint` is returned as it is: the functions that
+    take one still accept the path the gate hands them."""
+    if isinstance(ckpt, Checkpoint):
+        return ckpt
+    path = Path(ckpt)
+    loc = locate(path)
+    stand_in = _ADOPTED.get(loc.root.resolve())
     if stand_in is not None:
-        return stand_in.manifest
-    path = loc.manifest_path
-    if not os.path.lexists(path):
-        if loc.format == "nemo2":
+        return Checkpoint(path, loc, stand_in.manifest, stand_in)
+    manifest = loc.manifest_path
+    if not os.path.lexists(manifest):
+        if not loc.layout.adoptable:
             raise PortingError(
-                f"{path}: missing; this checkpoint was not written by `porting import`, so the "
-                "HF config and vocabulary padding needed for export are unknown"
+                f"{manifest}: missing; this checkpoint was not written by `porting import`, so "
+                "the HF config and vocabulary padding needed for export are unknown"
             )
         raise PortingError(
-            f"{path}: missing; this {loc.format} checkpoint was not written by `porting`: give the "
-            "HF config.json of its architecture with --hf-config (and its tokenizer with "
+            f"{manifest}: missing; this {loc.format} checkpoint was not written by `porting`: give "
+            "the HF config.json of its architecture with --hf-config (and its tokenizer with "
             "--tokenizer)"
         )
-    return _check_manifest(read_json(path, loc.root), path)
+    return Checkpoint(path, loc, check_manifest(read_json(manifest, loc.root), manifest))
+
+
+def read_manifest(ckpt: str | os.PathLike) -> Manifest:
+    """The manifest of the checkpoint at ``ckpt`` (:func:`open_checkpoint`), for a caller that
+    needs nothing else of it."""
+    return open_checkpoint(ckpt).manifest
 
 
 def inside(base: str | os.PathLike, relative: str, what: str) -> Path:
@@ -258,21 +136,26 @@ def inside(base: str | os.PathLike, relative: str, what: str) -> Path:
     return target
 
 
-def tokenizer_files(ckpt: str | os.PathLike, manifest: Manifest) -> list[Path]:
-    """The tokenizer files recorded in the manifest: regular files in the checkpoint's own
-    metadata directory (``context/``, or ``porting/`` in the Megatron layouts).
+def tokenizer_files(
+    ckpt: Checkpoint | str | os.PathLike, manifest: Manifest | None = None
+) -> list[Path]:
+    """The tokenizer files ``manifest`` (default: the checkpoint's own) records: regular files in
+    the checkpoint's own metadata directory (``context/``, or ``porting/`` in the Megatron
+    layouts).
 
     A symlink, a subdirectory or a path that leaves that directory is refused, so a crafted
     manifest can neither read files elsewhere nor make export copy them; each JSON file must parse
     within :mod:`porting.convert.untrusted`'s bounds before ``transformers`` reads it. A checkpoint
     adopted with a tokenizer directory (:func:`adopt`) gives that directory's files.
     """
-    stand_in = adopted(ckpt)
-    if stand_in is not None:
-        return _regular_files(stand_in.tokenizer_dir) if stand_in.tokenizer_dir else []
+    checkpoint = open_checkpoint(ckpt)
+    if checkpoint.stand_in is not None:
+        tok_dir = checkpoint.stand_in.tokenizer_dir
+        return _regular_files(tok_dir) if tok_dir else []
+    manifest = checkpoint.manifest if manifest is None else manifest
     if not manifest.tokenizer:
         return []
-    loc = locate(ckpt)
+    loc = checkpoint.located
     where = f"{loc.manifest_path}: tokenizer path"
     tok_dir = inside(loc.root, manifest.tokenizer["path"], where)
     if not tok_dir.is_relative_to(loc.meta.resolve()) or not tok_dir.is_dir():
@@ -297,10 +180,10 @@ def _regular_files(tok_dir: Path) -> list[Path]:
     return files
 
 
-def extra_file(ckpt: str | os.PathLike, name: str) -> Path:
+def extra_file(checkpoint: Checkpoint, name: str) -> Path:
     """The HF extra file ``name`` (``generation_config.json``) kept in the checkpoint, a JSON
     object within :mod:`porting.convert.untrusted`'s bounds."""
-    loc = locate(ckpt)
+    loc = checkpoint.located
     path = loc.meta / "hf_extra" / name
     if not isinstance(read_json(path, loc.root), dict):
         raise PortingError(f"{path}: not a JSON object")
@@ -337,7 +220,7 @@ def claimed_output(out: str | os.PathLike, overwrite: bool, what: str):
 
 # What a run writing OUT keeps beside it while it works, each named ``.OUT.KIND-SUFFIX``: the
 # output being written (``partial``, atomic_dir), the one being replaced (``old``), and convert's
-# HF copy between its two steps (``hf``, porting.convert.api.convert).
+# HF copy between its two steps (``hf``, porting.api.convert).
 STAGING_KINDS = ("partial", "old", "hf")
 
 

@@ -1,4 +1,4 @@
-"""``porting import`` and ``porting export``: thin wrappers over :mod:`porting.convert.api`."""
+"""``porting import`` and ``porting export``: thin wrappers over :mod:`porting.api`."""
 
 from __future__ import annotations
 
@@ -6,11 +6,12 @@ import argparse
 import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from porting import guard, quiet
-from porting.convert.checkpoint import FORMATS
 from porting.convert.foreign import add_source_flags, source_inputs
+from porting.convert.layouts.registry import NAMES
 from porting.errors import PortingError
 from porting.parity.cli import add_gate_flags, print_report
 
@@ -31,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--format",
         dest="fmt",
-        choices=FORMATS,
+        choices=NAMES,
         default="nemo2",
         help="layout to write (docs/formats.md): nemo2 (context/ + weights/, for NeMo 2.0), "
         "megatron-lm (iter_0000000/ with the model's arguments in common.pt, for Megatron-LM's "
@@ -98,7 +99,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "are not (docs/formats.md). Nothing appears under --out unless every step passes.",
     )
     p.add_argument("src", type=Path, help="HF directory or checkpoint root")
-    p.add_argument("--to", required=True, choices=FORMATS, help="layout to write")
+    p.add_argument("--to", required=True, choices=NAMES, help="layout to write")
     p.add_argument("--out", type=Path, required=True, help="checkpoint directory to create")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument("--no-verify", action="store_true", help="skip the parity gates")
@@ -108,20 +109,46 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_convert)
 
 
-def _cmd_import(args) -> int:
+@contextlib.contextmanager
+def _converting(args, reads, what: str, refuse_early=None) -> Iterator[str]:
+    """The prologue the three conversions share, ordered so that a refusal needing no model
+    answers at once (no torch, NeMo or Megatron imported before it). Yields the gate's device.
+
+    Offline; freed memory given back to the OS; the outputs checked against the inputs;
+    ``refuse_early`` (the HF directory and its config: a missing directory, an unknown
+    architecture, a bad value), then an output that exists without ``--overwrite``; the output
+    locked before NeMo's import (seconds), so that a second run on it fails at once; this
+    process's GPUs hidden (conversion is host work; a device gate runs in a child that sees them);
+    NeMo's own narration quieted once the conversion API has imported it.
+    """
+    from porting.convert.checkpoint import prepare_output
+
     quiet.offline()
     guard.return_freed_memory()
-    guard.check_outputs([("HF directory", args.hf_dir)], writes=[("--out", args.out)])
-    # Taken before NeMo's import (seconds), so that a second run on this output fails at once.
-    with guard.output_lock(args.out, "checkpoint"):
+    guard.check_outputs(reads, writes=[("--out", args.out)])
+    if refuse_early is not None:
+        refuse_early()
+    prepare_output(args.out, args.overwrite)
+    with guard.output_lock(args.out, what):
         from porting import cpu
         from porting.parity.cli import resolve_device
 
         device = resolve_device(args.device)
-        cpu.hide_gpus()  # conversion is host work; a device gate runs in a child that sees them
-        from porting.convert.api import import_hf
+        cpu.hide_gpus()
+        import porting.api  # noqa: F401  (NeMo, imported here so that its logger is quieted once)
 
         quiet.quiet_nemo()
+        yield device
+
+
+def _cmd_import(args) -> int:
+    from porting.convert.hf_files import family_for_hf_dir
+
+    reads = [("HF directory", args.hf_dir)]
+    early = lambda: family_for_hf_dir(args.hf_dir, args.family)  # noqa: E731
+    with _converting(args, reads, "checkpoint", early) as device:
+        from porting.api import import_hf
+
         report = import_hf(
             args.hf_dir,
             args.out,
@@ -145,20 +172,11 @@ def _cmd_import(args) -> int:
 
 
 def _cmd_export(args) -> int:
-    quiet.offline()
-    guard.return_freed_memory()
     reads = source_inputs("checkpoint", args.ckpt, args)
-    guard.check_outputs(reads, writes=[("--out", args.out)])
-    with guard.output_lock(args.out, "HF directory"):
-        from porting import cpu
-        from porting.parity.cli import resolve_device
-
-        device = resolve_device(args.device)
-        cpu.hide_gpus()  # conversion is host work; a device gate runs in a child that sees them
-        from porting.convert.api import export_hf
+    with _converting(args, reads, "HF directory") as device:
+        from porting.api import export_hf
         from porting.convert.foreign import reading
 
-        quiet.quiet_nemo()
         with reading(args.ckpt, args.src_format, args.hf_config, args.tokenizer):
             report = export_hf(
                 args.ckpt,
@@ -179,20 +197,11 @@ def _cmd_export(args) -> int:
 
 
 def _cmd_convert(args) -> int:
-    quiet.offline()
-    guard.return_freed_memory()
     reads = source_inputs("source", args.src, args)
-    guard.check_outputs(reads, writes=[("--out", args.out)])
-    with guard.output_lock(args.out, "checkpoint"):
-        from porting import cpu
-        from porting.parity.cli import resolve_device
-
-        device = resolve_device(args.device)
-        cpu.hide_gpus()
-        from porting.convert.api import convert, is_hf_dir
+    with _converting(args, reads, "checkpoint") as device:
+        from porting.api import convert, is_hf_dir
         from porting.convert.foreign import reading
 
-        quiet.quiet_nemo()
         if is_hf_dir(args.src):
             if args.hf_config or args.tokenizer or args.src_format:
                 raise PortingError(

@@ -1,9 +1,9 @@
 """HF <-> NeMo 2.0 conversion: the generic NeMo ``io.ModelConnector`` importer and exporter.
 
-A family's converter module calls :func:`register_connectors` with its ``FAMILY``, which subclasses
-:class:`PortingImporter` / :class:`PortingExporter` for it and registers them on its model class
-with ``io.model_importer`` / ``io.model_exporter`` (``llm.import_ckpt`` / ``llm.export_ckpt`` then
-find them); everything else
+:func:`model_class` loads a family's model class and, the first time, subclasses
+:class:`PortingImporter` / :class:`PortingExporter` for it and registers them on that class with
+``io.model_importer`` / ``io.model_exporter`` (``llm.import_ckpt`` / ``llm.export_ckpt`` then find
+them); everything else
 (streaming weights through the table, the NeMo checkpoint, the manifest, the tokenizer) is here and
 serves every family.
 """
@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import torch
@@ -24,20 +23,20 @@ from nemo.lightning import io
 from tqdm import tqdm
 
 from porting import cpu
-from porting.convert import config_map, streaming_save
+from porting.contract import config_map
+from porting.contract.family import Family, ShapeContext
+from porting.convert import hf_files, streaming_save
 from porting.convert.checkpoint import (
-    EXTRA_HF_FILES,
-    Manifest,
+    Checkpoint,
     atomic_dir,
     extra_file,
-    locate,
-    read_manifest,
+    open_checkpoint,
     tokenizer_files,
-    write_manifest,
 )
-from porting.convert.config_map import read_hf_config
 from porting.convert.dist_reader import CheckpointParameters, DistCheckpointReader
+from porting.convert.hf_files import read_hf_config
 from porting.convert.layouts import check_saved_metadata
+from porting.convert.manifest import EXTRA_HF_FILES, Manifest, write_manifest
 from porting.convert.mapping import WeightProducer, export_weights, import_weights
 from porting.convert.megatron import (
     DTYPES,
@@ -51,11 +50,19 @@ from porting.convert.preflight import check_float_dtypes, check_hf_checkpoint, c
 from porting.convert.safetensors_io import SafetensorsSource, StreamingShardWriter
 from porting.convert.table_check import check_table, hf_meta_shapes
 from porting.errors import PortingError
-from porting.family import Family, ShapeContext
 
 log = logging.getLogger(__name__)
 
 TOKENIZER_SUBDIR = "context/nemo_tokenizer"
+
+
+def _say(line: str) -> None:
+    """One line of the import's own output, in the command's voice (as ``parity PASS`` and
+    ``wrote``), not a log record's (``INFO porting.convert.connectors: ...``). On stderr: stdout
+    is the report's, and under ``--json`` holds exactly the JSON document."""
+    import sys
+
+    print(line, file=sys.stderr, flush=True)
 
 
 def resolve_dtype(source: SafetensorsSource, requested: str | None) -> torch.dtype:
@@ -95,7 +102,7 @@ def _nemo_tokenizer(hf_dir: Path, staging: Path):
     """NeMo's HF tokenizer wrapper over a local copy of the checkpoint's tokenizer files."""
     from nemo.collections.common.tokenizers.huggingface.auto_tokenizer import AutoTokenizer
 
-    tok = config_map.load_tokenizer(hf_dir)
+    tok = hf_files.load_tokenizer(hf_dir)
     tok.save_pretrained(str(staging))
     return AutoTokenizer(str(staging))
 
@@ -135,20 +142,27 @@ class PortingImporter(io.ModelConnector):
 
     def init(self):
         """A fresh family model with the config derived from the HF directory."""
-        return self.FAMILY.model_cls(self.config, tokenizer=self.tokenizer)
+        return model_class(self.FAMILY)(self.config, tokenizer=self.tokenizer)
 
     @property
     def hf_config(self) -> dict:
-        """The HF ``config.json`` as a dict."""
-        return read_hf_config(str(self))
+        """The HF ``config.json`` as a dict, read once per importer."""
+        if getattr(self, "_hf_config", None) is None:
+            self._hf_config = read_hf_config(str(self))
+        return self._hf_config
+
+    @property
+    def source(self) -> SafetensorsSource:
+        """The HF weights' reader (headers and index read once per importer)."""
+        if getattr(self, "_source", None) is None:
+            self._source = SafetensorsSource(str(self), allow_pickle=self.allow_pickle)
+        return self._source
 
     @property
     def config(self):
         """The family's Megatron config (padded vocabulary, checkpoint dtype)."""
-        source = SafetensorsSource(str(self), allow_pickle=self.allow_pickle)
-        return build_config(
-            self.FAMILY, self.hf_config, resolve_dtype(source, self.dtype), self.vocab_divisor
-        )[0]
+        dtype = resolve_dtype(self.source, self.dtype)
+        return build_config(self.FAMILY, self.hf_config, dtype, self.vocab_divisor)[0]
 
     @property
     def tokenizer(self):
@@ -193,8 +207,8 @@ class PortingImporter(io.ModelConnector):
                 f"one of family {family.name}'s ({', '.join(family.keys)})"
             )
         for line in config_map.notes(hf_config, family.config_entries, str(hf_dir / "config.json")):
-            log.info(line)
-        source = SafetensorsSource(hf_dir, allow_pickle=self.allow_pickle)
+            _say(line)
+        source = self.source
         check_float_dtypes(family, source)
         dtype = resolve_dtype(source, self.dtype)
         reader = _CastingSource(source, dtype) if self.dtype else source
@@ -204,7 +218,7 @@ class PortingImporter(io.ModelConnector):
         hf_shapes = check_hf_checkpoint(
             family, hf_config, ctx, source, hf_dir / "config.json", "import"
         )
-        model = family.model_cls(config, tokenizer=self.tokenizer)
+        model = model_class(family)(config, tokenizer=self.tokenizer)
         # NeMo builds the module lazily (perform_initialization=False): its parameters are
         # allocated and never touched, so they cost address space, not memory. Synchronous,
         # single-writer saving lets the streaming strategy below replace the stock one.
@@ -242,20 +256,16 @@ class PortingImporter(io.ModelConnector):
             del target
             self.nemo_save(out, trainer)
         source.close()
+        self._source = None  # a pickle checkpoint's tensors go with it
         teardown(trainer, model)
         del trainer, model
         gc.collect()
         manifest = self._write_extras(out, hf_dir, hf_config, ctx, dtype)
         if self._tokenizer_dir.is_relative_to(out):
             shutil.rmtree(self._tokenizer_dir.parent, ignore_errors=True)
-        log.info(
-            "imported %s (%s, %s): %d HF tensors -> %d Megatron parameters, %d ignored",
-            hf_dir,
-            family.name,
-            dtype_name(dtype),
-            report.consumed,
-            report.written,
-            len(report.ignored),
+        _say(
+            f"imported {hf_dir} ({family.name}, {dtype_name(dtype)}): {report.consumed} HF "
+            f"tensors -> {report.written} Megatron parameters, {len(report.ignored)} ignored"
         )
         return manifest
 
@@ -299,27 +309,46 @@ class PortingExporter(io.ModelConnector):
     def apply(self, output_path: Path) -> Path:
         """Export the checkpoint at ``self`` into ``output_path`` atomically."""
         with atomic_dir(output_path) as tmp:
-            export_into(Path(str(self)), tmp, self.FAMILY)
+            export_into(open_checkpoint(str(self)), tmp, self.FAMILY)
         return Path(output_path)
 
 
+_REGISTERED: dict[str, tuple[type, type]] = {}
+
+
 def register_connectors(family: Family) -> tuple[type, type]:
-    """Make and register ``family``'s HF importer and exporter on its model class; returns them
-    (``HF<Model>Importer``, ``HF<Model>Exporter``), for code that subclasses one."""
-    model = family.model_cls
-    where = sys._getframe(1).f_globals.get("__name__", model.__module__)  # the family's module
-    doc = f"``llm.{{}}`` for family {family.name} ({model.__name__})."
-    importer = type(
-        f"HF{model.__name__}Importer",
-        (PortingImporter,),
-        {"FAMILY": family, "__module__": where, "__doc__": doc.format("import_ckpt")},
-    )
-    exporter = type(
-        f"HF{model.__name__}Exporter",
-        (PortingExporter,),
-        {"FAMILY": family, "__module__": where, "__doc__": doc.format("export_ckpt")},
-    )
-    return io.model_importer(model, "hf")(importer), io.model_exporter(model, "hf")(exporter)
+    """Make and register ``family``'s HF importer and exporter on its model class, once; returns
+    them (``HF<Model>Importer``, ``HF<Model>Exporter``), for code that subclasses one.
+
+    Called by :func:`model_class` when a conversion first needs the family's Megatron side: the
+    family's module names its classes and never imports NeMo (:mod:`porting.contract.named`).
+    """
+    model = family.model_class()
+    key = f"{family.name}:{model.__module__}.{model.__qualname__}"
+    if key not in _REGISTERED:
+        doc = f"``llm.{{}}`` for family {family.name} ({model.__name__})."
+        importer = type(
+            f"HF{model.__name__}Importer",
+            (PortingImporter,),
+            {"FAMILY": family, "__doc__": doc.format("import_ckpt")},
+        )
+        exporter = type(
+            f"HF{model.__name__}Exporter",
+            (PortingExporter,),
+            {"FAMILY": family, "__doc__": doc.format("export_ckpt")},
+        )
+        _REGISTERED[key] = (
+            io.model_importer(model, "hf")(importer),
+            io.model_exporter(model, "hf")(exporter),
+        )
+    return _REGISTERED[key]
+
+
+def model_class(family: Family) -> type:
+    """``family``'s NeMo model class, its HF importer and exporter registered on it (what
+    ``llm.import_ckpt`` / ``llm.export_ckpt`` and ``model.importer`` look up)."""
+    register_connectors(family)
+    return family.model_class()
 
 
 def _shapes(params: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
@@ -327,9 +356,9 @@ def _shapes(params: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
 
 
 def export_into(
-    ckpt: Path, out: Path, family: Family, max_shard_bytes: int = 5 * 2**30
+    checkpoint: Checkpoint, out: Path, family: Family, max_shard_bytes: int = 5 * 2**30
 ) -> Manifest:
-    """Write the HF directory for our NeMo checkpoint ``ckpt`` of ``family`` into ``out``.
+    """Write the HF directory for our ``checkpoint`` (any layout) of ``family`` into ``out``.
 
     Streamed: the Megatron model is built on the meta device from the manifest (its layout says
     where each parameter lives), each parameter is read from ``weights/`` when the table reaches
@@ -338,22 +367,23 @@ def export_into(
     """
     from accelerate import init_empty_weights
 
-    manifest = read_manifest(ckpt)
+    manifest = checkpoint.manifest
     # Not read here, but a checkpoint whose metadata would run code on load is hostile.
-    check_saved_metadata(ckpt, family)
+    check_saved_metadata(checkpoint, family)
     if manifest.family != family.name:
         raise PortingError(
-            f"{ckpt}: a {manifest.family!r} checkpoint, not one of family {family.name!r}"
+            f"{checkpoint.path}: a {manifest.family!r} checkpoint, not one of family "
+            f"{family.name!r}"
         )
     init_parallel()
-    config = checkpoint_config(ckpt, family)
+    config = checkpoint_config(checkpoint, family)
     with init_empty_weights():
         model = build_mcore_model(config)
     ctx = family.shape_context(config, manifest.vocab_size)
     if ctx.padded_vocab_size != manifest.padded_vocab_size:
         raise PortingError(
-            f"{ckpt}: model vocabulary {ctx.padded_vocab_size} differs from the manifest's "
-            f"padded vocabulary {manifest.padded_vocab_size}"
+            f"{checkpoint.path}: model vocabulary {ctx.padded_vocab_size} differs from the "
+            f"manifest's padded vocabulary {manifest.padded_vocab_size}"
         )
     meta = {
         k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")
@@ -367,7 +397,7 @@ def export_into(
         for key, t in export_weights(meta, family.weights, ctx, ctx.num_layers)
     ]
     writer = StreamingShardWriter(out, specs, max_shard_bytes)
-    loc = locate(ckpt)
+    loc = checkpoint.located
     reader = DistCheckpointReader(loc.weights)
     sharded = model.sharded_state_dict(prefix=loc.prefix)
     check_nemo_layout(sharded, reader, str(loc.manifest_path))
@@ -380,8 +410,8 @@ def export_into(
     gc.collect()
     hf_config = config_map.to_hf(config, manifest.hf_config, family.config_entries)
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    for f in tokenizer_files(ckpt, manifest):
+    for f in tokenizer_files(checkpoint):
         shutil.copyfile(f, out / f.name)
     for name in manifest.extra_files:
-        shutil.copyfile(extra_file(ckpt, name), out / name)
+        shutil.copyfile(extra_file(checkpoint, name), out / name)
     return manifest

@@ -12,7 +12,6 @@ nothing it names, and refuses every symbol outside an allow-list, naming the ent
 from __future__ import annotations
 
 import importlib
-import sys
 from pathlib import Path
 
 from porting.convert.untrusted import read_json
@@ -46,11 +45,11 @@ def allowed(module: str, name: str, family=None) -> bool:
     if name in _EXACT.get(module, ()):
         return True
     if family is not None:
-        if any((o.__module__, o.__qualname__) == (module, name) for o in family.context_symbols):
+        if any(_symbol(o) == (module, name) for o in family.context_symbols):
             return True
-        homes = {family.config_cls.__module__, family.model_cls.__module__}
-        if module in homes:
-            obj = getattr(sys.modules.get(module), name, None)
+        if module in family.megatron_modules:
+            # the family's own installed module, not the checkpoint's: importing it runs no input
+            obj = getattr(importlib.import_module(module), name, None)
             return isinstance(obj, type) and obj.__module__ == module
     if not _in_namespaces(module) or not name.isidentifier():
         return False
@@ -135,3 +134,11 @@ def check_io_json(ckpt: str | Path, family=None) -> None:
     for key, obj in objects.items():
         _walk(obj, _where(key, objects, owners), path, family)
     _walk({k: v for k, v in data.items() if k != "objects"}, "<root>", path, family)
+
+
+def _symbol(obj) -> tuple[str, str]:
+    """(module, qualname) of a context symbol, given as an object or named ``"module:qualname"``."""
+    if isinstance(obj, str):
+        module, _, name = obj.partition(":")
+        return module, name
+    return obj.__module__, obj.__qualname__

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import re
 import tempfile
 from pathlib import Path
 
-from porting.convert.checkpoint import FORMATS, Located, locate
 from porting.convert.layouts import check_saved_shape
+from porting.convert.layouts.base import Located
+from porting.convert.layouts.registry import LAYOUTS, NAMES, locate
 from porting.errors import PortingError
 
 
@@ -28,10 +28,11 @@ def foreign_manifest(loc: Located, hf_config: Path, tokenizer: Path | None):
     checkpoint saved (layers, widths, heads, norm) and against its tensors before anything is
     built. The padded vocabulary is the embedding's rows, the dtype the embedding's.
     """
-    from porting.convert.checkpoint import Adopted, Manifest
+    from porting.convert.checkpoint import Adopted
     from porting.convert.dist_reader import DistCheckpointReader
+    from porting.convert.hf_files import family_for_hf_dir
+    from porting.convert.manifest import Manifest
     from porting.convert.megatron import build_config, dtype_name
-    from porting.registry import family_for_hf_dir
 
     hf_config = Path(hf_config)
     if hf_config.is_file():
@@ -77,14 +78,13 @@ def check_vocabulary(loc: Located, vocab: int, rows: int, where) -> None:
     than the one trained, and export would drop the rows of real tokens (whose ids then fail on
     every rank). Otherwise ``vocab`` must at least fit the rows.
     """
-    from porting.convert.layouts import saved_shape
     from porting.convert.megatron import padded_vocab
 
     if vocab > rows:
         raise PortingError(
             f"{where}: vocab_size {vocab} does not fit the checkpoint's {rows} embedding rows"
         )
-    saved, source = saved_shape(loc)
+    saved, source = loc.layout.saved_config(loc)
     divisor = saved.get("make_vocab_size_divisible_by")
     tp = saved.get("tensor_model_parallel_size")
     counts = all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in (divisor, tp))
@@ -105,7 +105,7 @@ def add_source_flags(p) -> None:
     p.add_argument(
         "--format",
         dest="src_format",
-        choices=FORMATS,
+        choices=NAMES,
         help="the checkpoint's layout (default: found from the directory; docs/formats.md)",
     )
     p.add_argument(
@@ -125,19 +125,17 @@ def add_source_flags(p) -> None:
     )
 
 
-# an iteration directory given for its checkpoint (porting.convert.checkpoint.locate)
-_ITERATION = re.compile(r"iter_\d+|release")
-
-
 def source_inputs(what: str, ckpt: Path, args) -> list[tuple[str, Path]]:
     """Every path a command with :func:`add_source_flags` reads, for
-    :func:`porting.guard.check_outputs`: the checkpoint ``ckpt`` (and its root, given one
-    iteration directory: the tracker and our manifest are read there), ``--hf-config`` as the
+    :func:`porting.guard.check_outputs`: the checkpoint ``ckpt`` (and its root, given a part that
+    a layout accepts in its place, one iteration directory: the tracker and our manifest are read
+    there), ``--hf-config`` as the
     directory it is read from (its tokenizer files are carried) and ``--tokenizer``."""
     ckpt = Path(ckpt)
     inputs = [(what, ckpt)]
-    if (ckpt / ".metadata").is_file() and _ITERATION.fullmatch(ckpt.name):
-        inputs.append((what, ckpt.parent))
+    root = next(filter(None, (layout.root_of(ckpt) for layout in LAYOUTS)), None)
+    if root is not None:
+        inputs.append((what, root))
     if args.hf_config is not None:
         config = Path(args.hf_config)
         inputs.append(("--hf-config", config.parent if config.is_file() else config))
@@ -163,8 +161,10 @@ def reading(ckpt, fmt: str | None = None, hf_config=None, tokenizer=None):
             f"{ckpt}: carries its own {loc.manifest_path.name}; --hf-config is for checkpoints "
             "trained elsewhere"
         )
-    if loc.format == "nemo2":
-        raise PortingError(f"{ckpt}: a NeMo 2 checkpoint is read from its manifest only")
+    if not loc.layout.adoptable:
+        raise PortingError(
+            f"{ckpt}: a {loc.layout.title} checkpoint is read from its manifest only"
+        )
     stand_in = foreign_manifest(loc, hf_config, tokenizer)
     with tempfile.TemporaryDirectory(prefix="porting-tokenizer-") as staging:
         if stand_in.tokenizer_dir is not None:
@@ -178,10 +178,10 @@ def reading(ckpt, fmt: str | None = None, hf_config=None, tokenizer=None):
 
 def _tokenizer_files_of(src: Path, staging: Path, vocab: int, where: str) -> Path:
     """The tokenizer of the HF directory ``src``
-    (:func:`~porting.convert.config_map.load_tokenizer`), as ``transformers`` saves it into
+    (:func:`~porting.convert.hf_files.load_tokenizer`), as ``transformers`` saves it into
     ``staging``: only its own files (never the weights or the config beside them). Its tokens must
     all have a row of the ``vocab`` that ``where`` gives."""
-    from porting.convert.config_map import load_tokenizer
+    from porting.convert.hf_files import load_tokenizer
 
     tok = load_tokenizer(src)
     if len(tok) > vocab:

@@ -1,19 +1,9 @@
-"""Declarative weight mapping between a Hugging Face checkpoint and a Megatron-Core model.
+"""The engine side of a weight mapping: plan, produce and account for every tensor.
 
-A family's mapping is one module-level tuple of typed entries:
-
-- :class:`Rename` - one HF tensor is one Megatron tensor, unchanged;
-- :class:`Fused`  - several (or one) HF tensors become one Megatron tensor through a
-  :class:`~porting.convert.transforms.TransformPair`, whose inverse serves export;
-- :class:`Ignore` - an HF key that is deliberately not carried (a buffer recomputed from config).
-
-Patterns use ``*`` for the layer index and ``#`` for the expert index of mixture-of-experts
-layers. An entry may carry ``when``, a predicate on the shape
-context, for parts that exist only in some configs (biases, an untied output layer).
-
-Import and export are both driven by :func:`expand`; completeness is accounted both ways: every
-source key is consumed exactly once and every target parameter is written exactly once, with shape
-and dtype checked and the offending key named in the error.
+A family's table is declared with :mod:`porting.contract.mapping`'s entries; this module applies
+it. Completeness is accounted both ways: every source key is consumed exactly once and every
+target parameter is written exactly once, with shape and dtype checked and the offending key
+named in the error.
 """
 
 from __future__ import annotations
@@ -26,125 +16,10 @@ from typing import Any, Protocol
 
 import torch
 
-from porting.convert.transforms import IDENTITY, TransformPair
+from porting.contract.mapping import Concrete, Entry, Ignore, expand, resolve_target_names
 from porting.errors import PortingError
 
 log = logging.getLogger(__name__)
-
-Predicate = Callable[[Any], bool]
-
-
-@dataclass(frozen=True)
-class Rename:
-    """One HF tensor maps to one Megatron tensor unchanged."""
-
-    hf: str
-    mcore: str
-    when: Predicate | None = None
-
-
-@dataclass(frozen=True)
-class Fused:
-    """HF tensors ``hf`` (in order) map to Megatron tensor ``mcore`` through ``transform``."""
-
-    hf: tuple[str, ...]
-    mcore: str
-    transform: TransformPair
-    when: Predicate | None = None
-
-
-@dataclass(frozen=True)
-class Ignore:
-    """HF keys matching ``hf`` (an fnmatch pattern) are skipped on purpose; ``reason`` says why."""
-
-    hf: str
-    reason: str
-    when: Predicate | None = None
-
-
-Entry = Rename | Fused | Ignore
-
-
-@dataclass(frozen=True)
-class Concrete:
-    """One entry with its wildcards filled in; ``entry`` is its index in the family's table."""
-
-    hf: tuple[str, ...]
-    mcore: str
-    transform: TransformPair
-    entry: int = -1
-
-
-# Transformer Engine fuses the pre-attention and pre-MLP norms into the following linear layer
-# (megatron/core/models/gpt/gpt_layer_specs.py, get_gpt_layer_with_transformer_engine_spec); the
-# local spec keeps them as modules. Tables are written with the local names; this is the one place
-# that maps them onto a TE model's parameter names.
-TE_FUSED_NORM_NAMES = {
-    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-    "input_layernorm.bias": "self_attention.linear_qkv.layer_norm_bias",
-    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
-    "pre_mlp_layernorm.bias": "mlp.linear_fc1.layer_norm_bias",
-}
-
-
-LAYER, EXPERT = "*", "#"
-
-
-def _fill(pattern: str, layer: int | None, expert: int | None) -> str:
-    if layer is not None:
-        pattern = pattern.replace(LAYER, str(layer))
-    if expert is not None:
-        pattern = pattern.replace(EXPERT, str(expert))
-    return pattern
-
-
-def expand(
-    table: Iterable[Entry], ctx: Any, num_layers: int
-) -> tuple[list[Concrete], list[Ignore]]:
-    """Expand the wildcards and drop entries whose ``when`` is false for ``ctx``.
-
-    ``*`` stands for the layer index (``num_layers``), ``#`` for the expert index
-    (``ctx.num_experts``, for mixture-of-experts families), in HF and Megatron names alike.
-    """
-    concrete: list[Concrete] = []
-    ignores: list[Ignore] = []
-    for index, entry in enumerate(table):
-        if entry.when is not None and not entry.when(ctx):
-            continue
-        if isinstance(entry, Ignore):
-            ignores.append(entry)
-            continue
-        hf = (entry.hf,) if isinstance(entry, Rename) else entry.hf
-        transform = IDENTITY if isinstance(entry, Rename) else entry.transform
-        names = (entry.mcore, *hf)
-        layers = range(num_layers) if any(LAYER in k for k in names) else [None]
-        experts = range(ctx.num_experts) if any(EXPERT in k for k in names) else [None]
-        for layer in layers:
-            for expert in experts:
-                concrete.append(
-                    Concrete(
-                        tuple(_fill(k, layer, expert) for k in hf),
-                        _fill(entry.mcore, layer, expert),
-                        transform,
-                        index,
-                    )
-                )
-    return concrete, ignores
-
-
-def resolve_target_names(entries: list[Concrete], target_names: Iterable[str]) -> list[Concrete]:
-    """Rename table targets to the names the model really has (local vs Transformer Engine spec)."""
-    names = set(target_names)
-    resolved = []
-    for c in entries:
-        name = c.mcore
-        if name not in names:
-            for local, te in TE_FUSED_NORM_NAMES.items():
-                if name.endswith(local) and name[: -len(local)] + te in names:
-                    name = name[: -len(local)] + te
-                    break
-        resolved.append(Concrete(c.hf, name, c.transform, c.entry))
-    return resolved
 
 
 class TensorSource(Protocol):

@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 
 from porting import cpu
-from porting.convert import config_map
-from porting.convert.checkpoint import read_manifest
+from porting.contract import config_map, named
+from porting.contract.family import Family
+from porting.convert.checkpoint import Checkpoint, open_checkpoint
 from porting.convert.preflight import check_nemo_counts
 from porting.errors import PortingError
-from porting.family import Family
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +74,10 @@ def build_config(
     # __init__ on first use, and skips a class whose flag it finds by getattr: a subclass built
     # after its parent inherits the parent's flag, stays unwrapped, and its context then records
     # every field Megatron filled in (init_method as a partial of torch.nn.init.normal_).
-    if "__wrapped_init__" not in vars(family.config_cls):
-        family.config_cls.__wrapped_init__ = False
-    config = family.config_cls(**kwargs)
+    config_cls = family.config_class()
+    if "__wrapped_init__" not in vars(config_cls):
+        config_cls.__wrapped_init__ = False
+    config = config_cls(**named.resolve(kwargs))
     return config, family.shape_context(config, vocab)
 
 
@@ -118,19 +119,24 @@ def shutdown_parallel() -> None:
         torch.distributed.destroy_process_group()
 
 
-def checkpoint_config(ckpt: str | Path, family: Family, dtype: torch.dtype | None = None):
-    """The Megatron config of one of our checkpoints, rebuilt from its manifest.
+def checkpoint_config(
+    ckpt: Checkpoint | str | Path, family: Family, dtype: torch.dtype | None = None
+):
+    """The Megatron config of one of our checkpoints (a path is opened here), rebuilt from its
+    manifest.
 
-    The HF config recorded in ``context/porting.json`` goes through the family's config map, as on
+    The HF config recorded in ``porting.json`` goes through the family's config map, as on
     import; ``context/io.json`` is never read, since NeMo deserialises it by importing and calling
     whatever it names. ``dtype`` is the precision the model will run in (default: the
     checkpoint's); a bf16 checkpoint run in fp32 for parity must not keep ``bf16=True``, which
     makes Megatron's fp32 softmax cast its output back to bf16.
     """
-    manifest = read_manifest(ckpt)
+    checkpoint = open_checkpoint(ckpt)
+    manifest = checkpoint.manifest
     if manifest.family != family.name:
         raise PortingError(
-            f"{ckpt}: a {manifest.family!r} checkpoint, not one of family {family.name!r}"
+            f"{checkpoint.path}: a {manifest.family!r} checkpoint, not one of family "
+            f"{family.name!r}"
         )
     config, _ = build_config(
         family,
@@ -140,7 +146,7 @@ def checkpoint_config(ckpt: str | Path, family: Family, dtype: torch.dtype | Non
         padded_vocab_size=manifest.padded_vocab_size,
     )
     # Before anyone builds the model this config describes: its size against the weights' own.
-    check_nemo_counts(Path(ckpt), manifest, config)
+    check_nemo_counts(checkpoint, config)
     return config
 
 
@@ -167,19 +173,17 @@ def build_mcore_model(config) -> torch.nn.Module:
     return model
 
 
-def load_weights(model: torch.nn.Module, ckpt: str | Path) -> None:
-    """Load the checkpoint's tensors into ``model``, whatever our layout (NeMo 2 saves the model
-    under the ``module.`` prefix, ``nemo/lightning/megatron_parallel.py``; Megatron-LM and
-    Megatron-Bridge without one).
+def load_weights(model: torch.nn.Module, ckpt: Checkpoint | str | Path) -> None:
+    """Load the checkpoint's tensors (a path is opened here) into ``model``, whatever our layout
+    (its key prefix: :attr:`porting.convert.layouts.base.Located.prefix`).
 
     Read through :class:`~porting.convert.dist_reader.DistCheckpointReader`, not Megatron's
     ``dist_checkpointing.load``: that one unpickles ``.metadata`` and the common state with plain
     ``pickle``, and a checkpoint trained elsewhere is not trusted code.
     """
-    from porting.convert.checkpoint import locate
     from porting.convert.dist_reader import CheckpointParameters, DistCheckpointReader
 
-    loc = locate(ckpt)
+    loc = open_checkpoint(ckpt).located
     reader = DistCheckpointReader(loc.weights)
     sharded = model.sharded_state_dict(prefix=loc.prefix)
     params = dict(model.named_parameters())
@@ -195,16 +199,18 @@ def load_weights(model: torch.nn.Module, ckpt: str | Path) -> None:
 
 
 def load_mcore_from_checkpoint(
-    ckpt: str | Path, family: Family, dtype: torch.dtype | None = None
+    ckpt: Checkpoint | str | Path, family: Family, dtype: torch.dtype | None = None
 ) -> tuple[torch.nn.Module, object]:
-    """Build the Megatron model of our checkpoint ``ckpt`` (from its manifest) and load its weights.
+    """Build the Megatron model of our checkpoint ``ckpt`` (from its manifest; a path is opened
+    here) and load its weights.
 
     Returns ``(mcore_model, config)``; the parallel state must be initialised first
     (:func:`init_parallel`). ``dtype`` casts the loaded model (e.g. fp32 for parity).
     """
-    config = checkpoint_config(ckpt, family, dtype)
+    checkpoint = open_checkpoint(ckpt)
+    config = checkpoint_config(checkpoint, family, dtype)
     model = build_mcore_model(config)
-    load_weights(model, ckpt)
+    load_weights(model, checkpoint)
     if dtype is not None:
         model = model.to(dtype)
     return model, config

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from porting.convert.mapping import EXPERT, LAYER, Ignore, Rename
+from porting.contract.family import Family
+from porting.contract.mapping import EXPERT, LAYER, Ignore, Rename
 from porting.errors import PortingError
-from porting.family import Family
+
+if TYPE_CHECKING:
+    from porting.convert.checkpoint import Checkpoint
 
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 _LAYER_FIELDS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
@@ -160,16 +162,13 @@ def check_hf_checkpoint(
     return hf_shapes
 
 
-def check_nemo_counts(ckpt: Path, manifest, config) -> None:
-    """Our checkpoint's manifest against its ``weights/`` metadata: the vocabulary sizes agree
+def check_nemo_counts(checkpoint: Checkpoint, config) -> None:
+    """The checkpoint's manifest against its torch_dist metadata: the vocabulary sizes agree
     with each other and with the embedding's rows, and every stacked layer tensor holds the
-    config's layer count. Reads ``.metadata`` only."""
-    from porting.convert.checkpoint import adopted, locate
+    layer count of ``config`` (the manifest's). Reads ``.metadata`` only."""
     from porting.convert.dist_reader import DistCheckpointReader
 
-    loc = locate(ckpt)
-    stand_in = adopted(ckpt)
-    where = stand_in.source if stand_in else loc.manifest_path
+    loc, manifest, where = checkpoint.located, checkpoint.manifest, checkpoint.source
     hf_vocab = manifest.hf_config.get("vocab_size")
     if hf_vocab != manifest.vocab_size:
         raise PortingError(

@@ -5,7 +5,7 @@ Reads go one tensor at a time through ``safetensors.safe_open`` (memory-mapped),
 Pickle checkpoints (``pytorch_model*.bin``) are refused unless the caller opts in, and even then are
 only read with ``torch.load(weights_only=True)``.
 
-Every file is checked before it is opened (:func:`porting.convert.config_map.model_file`: a regular
+Every file is checked before it is opened (:func:`porting.convert.hf_files.model_file`: a regular
 file inside the model directory), index entries must name files inside the directory, and every
 safetensors header is validated by :func:`read_safetensors_header` with the rules of the format's
 reference reader, so a malformed checkpoint is refused naming the file and the tensor instead of
@@ -27,7 +27,7 @@ from pathlib import Path, PurePath
 import torch
 from safetensors import SafetensorError, safe_open
 
-from porting.convert.config_map import model_file, no_duplicate_keys, read_json
+from porting.convert.hf_files import model_file, no_duplicate_keys, read_json
 from porting.errors import PortingError, check_finite
 
 SAFE_INDEX = "model.safetensors.index.json"

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from porting.convert.mapping import Fused, Ignore, Rename, expand, resolve_target_names
+from porting.contract.family import Family
+from porting.contract.mapping import Fused, Ignore, Rename, expand, resolve_target_names
 from porting.errors import PortingError
-from porting.family import Family
 
 
 def hf_meta_shapes(family: Family, hf_config: dict) -> dict[str, tuple[int, ...]]:

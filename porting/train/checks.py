@@ -654,20 +654,21 @@ def preflight(spec: TrainSpec) -> Preflight:
     layout (:func:`check_layout_change`) and a plan (:func:`check_plan`). Raises
     :class:`PortingError` naming the file and field; returns the warnings.
     """
-    from porting.convert.checkpoint import read_manifest
+    from porting.contract.registry import family_by_name
+    from porting.convert.checkpoint import open_checkpoint
     from porting.convert.context import check_io_json
     from porting.convert.megatron import checkpoint_config
-    from porting.registry import family_by_name
 
-    manifest = read_manifest(spec.checkpoint)
-    family = family_by_name(manifest.family)
+    checkpoint = open_checkpoint(spec.checkpoint)
+    manifest = checkpoint.manifest
+    family = family_by_name(checkpoint.family)
     # NeMo reads io.json of the restored checkpoint and of every checkpoint it may resume from
     # (artifacts, the tokenizer); each is checked before NeMo sees it. The model itself is built
     # from our manifest.
     check_io_json(spec.checkpoint, family)
     for resumable in sorted((Path(spec.out) / "checkpoints").glob("*/context")):
         check_io_json(resumable.parent, family)
-    config = checkpoint_config(spec.checkpoint, family)
+    config = checkpoint_config(checkpoint, family)
     check_memory(spec)
     check_run_dir(spec, manifest, config)
     warnings = validate(spec, config, manifest.vocab_size)

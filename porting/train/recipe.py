@@ -70,12 +70,13 @@ def recipe(spec: TrainSpec) -> Recipe:
     from nemo.lightning.pytorch.optim import CosineAnnealingScheduler, MegatronOptimizerModule
 
     from porting.convert.checkpoint import tokenizer_files
+    from porting.convert.connectors import model_class
 
     pre = preflight(spec)
     tok_files = tokenizer_files(spec.checkpoint, pre.manifest)
     if not tok_files:
         raise PortingError(f"{spec.checkpoint}: the manifest names no tokenizer; cannot train")
-    model = pre.family.model_cls(pre.config, tokenizer=AutoTokenizer(str(tok_files[0].parent)))
+    model = model_class(pre.family)(pre.config, tokenizer=AutoTokenizer(str(tok_files[0].parent)))
     warnings = pre.warnings
 
     gpu = cpu.cuda_available()

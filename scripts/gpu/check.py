@@ -300,7 +300,8 @@ def build_models(c: Check) -> dict:
     """
     import torch
 
-    from porting import proof, registry
+    from porting import proof
+    from porting.contract import registry
     from porting.testing import RELEASED_FALCON_LAYOUTS, make_falcon, make_llama
 
     dtype = torch.float32 if c.tiny else torch.bfloat16
@@ -407,9 +408,9 @@ def parity_worker(models: list[str], work: Path, device: str, bf16: bool, role: 
     import torch
     from transformers import AutoTokenizer
 
+    from porting.contract.registry import family_by_name
     from porting.convert.checkpoint import read_manifest
     from porting.parity import harness
-    from porting.registry import family_by_name
 
     # Full fp32 matmuls: TF32 would be a precision change, not a porting error.
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -874,7 +875,7 @@ def main(argv: list[str] | None = None) -> int:
     args.outdir.mkdir(parents=True, exist_ok=True)
     from importlib.metadata import entry_points
 
-    from porting.registry import GROUP
+    from porting.contract.registry import GROUP
 
     if not entry_points(group=GROUP):
         # The families are entry points, found through porting.egg-info (git-ignored, so a device

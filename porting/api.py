@@ -10,19 +10,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from porting.contract.registry import family_by_name
 from porting.convert.checkpoint import (
-    FORMATS,
+    Checkpoint,
     claimed_output,
+    open_checkpoint,
     prepare_output,
-    read_manifest,
     remove_stale,
     staged,
 )
-from porting.convert.connectors import export_into
-from porting.convert.layouts import to_megatron_layout
+from porting.convert.connectors import export_into, model_class
+from porting.convert.hf_files import family_for_hf_dir
+from porting.convert.layouts.registry import LAYOUTS, layout_named
 from porting.errors import PortingError
 from porting.guard import output_lock, refuse_overlap
-from porting.registry import family_by_name, family_for_hf_dir
 
 
 def import_hf(
@@ -44,7 +45,7 @@ def import_hf(
 ):
     """Import an HF directory into a checkpoint at ``out``; gate it on parity.
 
-    ``fmt``: the layout written, one of :data:`porting.convert.layouts.FORMATS` (NeMo 2 by
+    ``fmt``: the layout written, one of :data:`porting.convert.layouts.registry.NAMES` (NeMo 2 by
     default; Megatron-LM's or Megatron-Bridge's ``iter_0000000/``). ``family`` picks an installed family by name where more than one could read the checkpoint
     (it must still claim the config's architecture or model type). ``device``: where the
     gate's layers compute (:func:`porting.parity.harness.verify`).
@@ -54,17 +55,15 @@ def import_hf(
     from porting.parity import harness as parity
 
     refuse_overlap(out, [("HF directory", hf_dir)])
-    if fmt not in FORMATS:
-        raise PortingError(f"unknown checkpoint format {fmt!r}; one of {', '.join(FORMATS)}")
+    layout = layout_named(fmt)
     family, _ = family_for_hf_dir(hf_dir, family)
-    importer = family.model_cls.importer(f"hf://{Path(hf_dir).resolve()}")
+    importer = model_class(family).importer(f"hf://{Path(hf_dir).resolve()}")
     importer.dtype, importer.allow_pickle = dtype, allow_pickle
     importer.vocab_divisor, importer.show_progress = vocab_divisor, show_progress
     report = None
     with claimed_output(out, overwrite, "checkpoint") as tmp:
         manifest = importer.convert_into(tmp)
-        if fmt != "nemo2":
-            to_megatron_layout(tmp, fmt, family, manifest, vocab_divisor)
+        layout.write(tmp, _layout_config(family, manifest, vocab_divisor), manifest, family)
         if verify:
             report = parity.verify(
                 hf_dir,
@@ -83,7 +82,7 @@ def import_hf(
 
 
 def export_hf(
-    ckpt: str | Path,
+    ckpt: Checkpoint | str | Path,
     out: str | Path,
     *,
     overwrite: bool = False,
@@ -95,22 +94,25 @@ def export_hf(
     rtol: float | None = None,
     device: str = "cpu",
 ):
-    """Export our NeMo checkpoint to an HF directory at ``out``; gate it on parity.
+    """Export our checkpoint (in any layout; a path is opened here) to an HF directory at
+    ``out``; gate it on parity.
 
     Returns the parity report (``None`` with ``verify=False``). ``atol``, ``rtol``, ``device``:
     the gate's (:func:`porting.parity.harness.verify`).
     """
     from porting.parity import harness as parity
 
-    refuse_overlap(out, [("checkpoint", ckpt)])
+    given = ckpt.path if isinstance(ckpt, Checkpoint) else ckpt
+    refuse_overlap(out, [("checkpoint", given)])
     report = None
     with claimed_output(out, overwrite, "HF directory") as tmp:
-        family = family_by_name(read_manifest(ckpt).family)
-        export_into(Path(ckpt), tmp, family, max_shard_bytes)
+        checkpoint = open_checkpoint(ckpt)
+        family = family_by_name(checkpoint.family)
+        export_into(checkpoint, tmp, family, max_shard_bytes)
         if verify:
             report = parity.verify(
                 tmp,
-                ckpt,
+                given,
                 atol=parity.DEFAULT_ATOL if atol is None else atol,
                 rtol=parity.DEFAULT_RTOL if rtol is None else rtol,
                 whole_model=whole_model,
@@ -134,9 +136,7 @@ class ParityError(PortingError):
 def is_hf_dir(path: str | Path) -> bool:
     """Whether ``path`` is an HF model directory rather than one of our checkpoint layouts."""
     path = Path(path)
-    return (path / "config.json").is_file() and not (
-        (path / "weights").is_dir() or (path / "latest_checkpointed_iteration.txt").exists()
-    )
+    return (path / "config.json").is_file() and not any(layout.marks(path) for layout in LAYOUTS)
 
 
 def convert(
@@ -163,13 +163,13 @@ def convert(
     """
     from porting.convert.megatron import padded_vocab
 
-    if to not in FORMATS:
-        raise PortingError(f"unknown checkpoint format {to!r}; one of {', '.join(FORMATS)}")
+    layout_named(to)  # an unknown layout is refused before anything is read
     gate = dict(verify=verify, show_progress=show_progress, device=device, atol=atol, rtol=rtol)
     if is_hf_dir(src):
         return [import_hf(src, out, overwrite=overwrite, fmt=to, **gate)]
     refuse_overlap(out, [("checkpoint", src)])
-    manifest = read_manifest(src)
+    checkpoint = open_checkpoint(src)
+    manifest = checkpoint.manifest
     # Keep the source's vocabulary padding: Megatron's default divisor where it gives it, else
     # the padded size itself (a run with TP > 1 pads to 128 * TP).
     divisor = 128
@@ -182,14 +182,29 @@ def convert(
         remove_stale(out)
         with staged(out, "hf") as staging:
             hf = staging / "hf"
-            first = export_hf(src, hf, **gate)
+            first = export_hf(checkpoint, hf, **gate)
             second = import_hf(
                 hf,
                 out,
                 overwrite=overwrite,
                 fmt=to,
-                dtype=manifest.dtype,
+                dtype=checkpoint.dtype,
                 vocab_divisor=divisor,
                 **gate,
             )
     return [r for r in (first, second) if r is not None]
+
+
+def _layout_config(family, manifest, vocab_divisor: int):
+    """The family's Megatron config of the checkpoint just imported with ``manifest``: what a
+    layout writes beside the tensors (Megatron-LM's saved arguments, Bridge's provider)."""
+    from porting.convert.megatron import DTYPES, build_config
+
+    config, _ = build_config(
+        family,
+        manifest.hf_config,
+        DTYPES[manifest.dtype],
+        vocab_divisor,
+        padded_vocab_size=manifest.padded_vocab_size,
+    )
+    return config

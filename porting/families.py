@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 
@@ -54,14 +55,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_families(args) -> int:
-    from porting import cpu, quiet
+    from porting import quiet
+    from porting.contract import registry
 
+    # Our families load from the contract alone (no torch, no NeMo): the listing answers at once.
     quiet.offline()
-    cpu.hide_gpus()
-    quiet.quiet_nemo()
-    from porting import registry
-
     found = registry.installed()
+    if "nemo" in sys.modules:  # an outside family that imports NeMo with its tables
+        quiet.quiet_nemo()
     rows = [
         {
             "name": i.name,

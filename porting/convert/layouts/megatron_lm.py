@@ -1,22 +1,11 @@
-"""The three checkpoint layouts we write and read: NeMo 2, Megatron-LM and Megatron-Bridge.
+"""Megatron-LM's layout: ``<root>/latest_checkpointed_iteration.txt`` naming ``<root>/iter_NNNNNNN/``
+(keys ``decoder...``, ``megatron/training/checkpointing.py``: ``generate_state_dict`` saves
+``model.sharded_state_dict()`` unprefixed), its saved arguments in ``common.pt`` (or, as
+Megatron-Core 0.19 writes it, a ``common_state`` record inside the ``torch_dist`` files).
 
-All three keep the model in the same ``torch_dist`` format (``.metadata`` + ``*.distcp``); they
-differ in where that directory lies, the prefix of its keys and the metadata beside it:
-
-- ``nemo2``: ``<root>/weights/`` (keys ``module.decoder...``, NeMo's ``MegatronParallel``
-  wrapper), ``<root>/context/`` (NeMo's ``io.json``, our ``porting.json`` and the tokenizer);
-- ``megatron-lm``: ``<root>/latest_checkpointed_iteration.txt`` naming ``<root>/iter_NNNNNNN/``
-  (keys ``decoder...``, ``megatron/training/checkpointing.py``: ``generate_state_dict`` saves
-  ``model.sharded_state_dict()`` unprefixed), its saved arguments in ``common.pt`` (or, as
-  Megatron-Core 0.19 writes it, a ``common_state`` record inside the ``torch_dist`` files);
-- ``megatron-bridge``: the Megatron-LM layout (Bridge writes the same tracker) plus
-  ``iter_NNNNNNN/run_config.yaml`` (the model provider's fields) and ``train_state.pt``, with
-  ``latest_train_state.pt`` beside the iterations (``megatron/bridge/training/checkpointing.py``).
-
-In the two Megatron layouts our own files (``porting.json``, the tokenizer, HF extras) live in
-``<root>/porting/``, beside the iterations, so a run that trains on in the same directory keeps
-them. A checkpoint without them (trained elsewhere) is read with the HF config given by the user
-(:mod:`porting.convert.foreign`). Finding a layout is :func:`porting.convert.checkpoint.locate`.
+Our own files (``porting.json``, the tokenizer, HF extras) live in ``<root>/porting/``, beside the
+iterations, so a run that trains on in the same directory keeps them. Megatron-Bridge's layout is
+this one plus its own files (:mod:`porting.convert.layouts.megatron_bridge`).
 """
 
 from __future__ import annotations
@@ -27,14 +16,22 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
 import zipfile
 from pathlib import Path
 
-from porting.convert.checkpoint import OURS, RUN_CONFIG, TRACKER, Located, locate
-from porting.convert.untrusted import read_bytes, shown
+from porting.convert.bridge import RUN_CONFIG
+from porting.convert.layouts.base import Located
+from porting.convert.manifest import MANIFEST, Manifest, write_manifest
+from porting.convert.untrusted import checkpoint_dir, read_bytes, read_int
 from porting.errors import PortingError
 
+TRACKER = "latest_checkpointed_iteration.txt"
+OURS = "porting"  # our directory beside the iterations
+_ITER = re.compile(r"iter_(\d{7,})")
+# A converted checkpoint has not trained: Megatron-LM's first iteration.
+ITERATION = 0
 # Megatron-LM's checkpoint_version for torch_dist checkpoints (generate_state_dict).
 CHECKPOINT_VERSION = 3.0
 # Megatron-LM's saved arguments and counters are a few KB.
@@ -296,24 +293,22 @@ def write_common(weights: Path, args: argparse.Namespace, iteration: int = 0) ->
     )
 
 
-def nemo_to_megatron(tmp: Path, fmt: str, config, manifest, run_config: dict | None) -> None:
-    """Turn the finished NeMo 2 checkpoint at ``tmp`` into the ``fmt`` layout, in place.
+def from_nemo2(out: Path, config, manifest: Manifest) -> Path:
+    """Turn the NeMo 2 checkpoint at ``out`` into iteration :data:`ITERATION` of this layout, in
+    place, all but the tracker; returns the iteration directory.
 
     The tensors stay where they are; only ``.metadata`` is rewritten and NeMo's context replaced
-    by the target's own metadata and our ``porting/`` directory. ``tmp`` is a private directory
+    by Megatron-LM's common state and our ``porting/`` directory. ``out`` is a private directory
     that becomes the output only once the gate passes (``claimed_output``).
     """
-    from porting.convert.checkpoint import write_manifest
-
-    iteration = 0
-    weights = tmp / f"iter_{iteration:07d}"
-    (tmp / "weights").rename(weights)
+    weights = iteration_dir(out, ITERATION)
+    (out / "weights").rename(weights)
     rekey_metadata(weights, "module.", "")
     write_common(weights, megatron_args(config, manifest.padded_vocab_size, manifest.family))
-    ours = tmp / OURS
+    ours = out / OURS
     ours.mkdir()
-    ctx = tmp / "context"
-    shutil.move(str(ctx / "porting.json"), ours / "porting.json")
+    ctx = out / "context"
+    shutil.move(str(ctx / MANIFEST), ours / MANIFEST)
     tok = Path(manifest.tokenizer["path"]).name if manifest.tokenizer else None
     if tok:
         shutil.move(str(ctx / tok), ours / "tokenizer")
@@ -324,144 +319,85 @@ def nemo_to_megatron(tmp: Path, fmt: str, config, manifest, run_config: dict | N
         manifest = dataclasses.replace(
             manifest, tokenizer={"kind": "hf", "path": f"{OURS}/tokenizer"}
         )
-    write_manifest(tmp, manifest, ours)
-    if fmt == "megatron-bridge":
-        from porting.convert.bridge import write_bridge_files
-
-        write_bridge_files(tmp, weights, iteration, run_config)
-    (tmp / TRACKER).write_text(f"{iteration}\n")
+    write_manifest(out, manifest, ours)
+    return weights
 
 
-def check_saved_metadata(ckpt: str | os.PathLike, family=None) -> None:
-    """Refuse a checkpoint whose own metadata would run code when its owner loads it: NeMo 2's
-    ``io.json`` (:func:`porting.convert.context.check_io_json`), Megatron-LM's common state
-    (:func:`read_common`), Megatron-Bridge's ``run_config.yaml``
-    (:func:`porting.convert.bridge.check_run_config`). With ``family``, refuse one whose saved
-    architecture (Megatron layouts) or recorded tensor shapes (every layout,
-    :func:`check_recorded_shapes`) disagree with the manifest we read it by, before any model or
-    buffer is sized by either, and one whose tokenizer or HF extra files do not parse: every
-    command that reads the checkpoint refuses what any of them would."""
-    loc = locate(ckpt)
-    if loc.format == "nemo2":
-        from porting.convert.context import check_io_json
+# --- finding the layout --------------------------------------------------------------------------
 
-        check_io_json(loc.root, family)
-    else:
+
+def iteration_dir(root: Path, iteration: int) -> Path:
+    """Where Megatron-LM keeps ``iteration`` of the checkpoint at ``root``."""
+    return root / f"iter_{iteration:07d}"
+
+
+def _is_iteration(path: Path) -> bool:
+    """An iteration directory given for its checkpoint, by its name and ``.metadata``."""
+    return (path / ".metadata").is_file() and bool(
+        _ITER.fullmatch(path.name) or path.name == "release"
+    )
+
+
+def _tracked_iteration(root: Path) -> tuple[int | None, Path]:
+    """The iteration directory ``latest_checkpointed_iteration.txt`` names, checked to be one."""
+    tracked = read_int(root / TRACKER, root, "an iteration number", ("release",))
+    if tracked == "release":
+        return None, root / "release"
+    return tracked, iteration_dir(root, tracked)
+
+
+class MegatronLM:
+    """``--format megatron-lm``."""
+
+    name = "megatron-lm"
+    title = "Megatron-LM"
+    prefix = ""
+    adoptable = True
+    looks = f"a Megatron-LM one {TRACKER} and iter_NNNNNNN/"
+
+    def marks(self, path: Path) -> bool:
+        return (path / TRACKER).exists()
+
+    def root_of(self, path: Path) -> Path | None:
+        return path.parent if _is_iteration(path) else None
+
+    def owns(self, weights: Path) -> bool:
+        """Whether the Megatron iteration ``weights`` is this layout's rather than a refinement's:
+        one with Megatron-Bridge's run_config.yaml is Bridge's, even where that file is a link, so
+        that it is refused when read rather than skipped."""
+        return not os.path.lexists(weights / RUN_CONFIG)
+
+    def find(self, path: Path) -> Located | None:
+        iteration: int | None
+        if os.path.lexists(path / TRACKER):
+            iteration, weights = _tracked_iteration(path)
+            root = path
+        elif _is_iteration(path):
+            m = _ITER.fullmatch(path.name)
+            iteration, weights, root = (int(m.group(1)) if m else None), path, path.parent
+        else:
+            return None
+        if not os.path.lexists(weights):
+            raise PortingError(f"{weights}: the iteration the checkpoint names is missing")
+        checkpoint_dir(weights, root)
+        if not self.owns(weights):
+            return None
+        if os.path.lexists(root / OURS):
+            checkpoint_dir(root / OURS, root)
+        return Located(self, root, weights, root / OURS, iteration)
+
+    def check_saved(self, loc: Located, family=None) -> None:
         read_common(loc)
-    if loc.format == "megatron-bridge":
-        from porting.convert.bridge import check_run_config
 
-        check_run_config(loc.weights / RUN_CONFIG, loc.root, family)
-    if family is None:
-        return
-    from porting.convert.checkpoint import adopted, extra_file, read_manifest, tokenizer_files
-    from porting.convert.megatron import DTYPES, build_config
+    def saved_config(self, loc: Located) -> tuple[dict, str]:
+        args = read_common(loc).get("args")
+        if not isinstance(args, argparse.Namespace):
+            return {}, str(loc.weights)
+        return vars(args), f"{loc.weights}/common state (args)"
 
-    manifest = read_manifest(ckpt)
-    tokenizer_files(ckpt, manifest)
-    for name in manifest.extra_files:
-        extra_file(ckpt, name)
-    config, _ = build_config(
-        family,
-        manifest.hf_config,
-        DTYPES[manifest.dtype],
-        1,
-        padded_vocab_size=manifest.padded_vocab_size,
-    )
-    stand_in = adopted(ckpt)
-    where = stand_in.source if stand_in else str(loc.manifest_path)
-    if loc.format != "nemo2":
-        check_saved_shape(loc, config, where)
-    # The layer count and vocabulary first: named by the manifest's field, and a manifest claiming
-    # 10**5 layers is refused before even a meta model of that size is built.
-    from porting.convert.preflight import check_nemo_counts
-
-    check_nemo_counts(ckpt, manifest, config)
-    check_recorded_shapes(loc, config, where)
+    def write(self, out: Path, config, manifest: Manifest, family) -> None:
+        from_nemo2(out, config, manifest)
+        (out / TRACKER).write_text(f"{ITERATION}\n")
 
 
-def check_recorded_shapes(loc: Located, config, where: str) -> None:
-    """Every tensor of the model ``config`` (from ``where``) describes against the global shape
-    the checkpoint's ``.metadata`` records for it: one line naming the tensor and both shapes.
-
-    The model is built on the meta device, so a config claiming 2**40 rows costs nothing, and
-    ``.metadata`` has been checked against the bytes stored for each tensor
-    (:func:`porting.convert.dist_reader.read_metadata`), so either side that lies is caught here,
-    before a model is built for real or a tensor is read.
-    """
-    import torch
-
-    from porting.convert.dist_reader import DistCheckpointReader
-    from porting.convert.megatron import build_mcore_model, init_parallel
-    from porting.convert.preflight import check_nemo_layout
-
-    reader = DistCheckpointReader(loc.weights)
-    init_parallel()
-    # Megatron passes no device to torch.empty under CPU initialisation (on a GPU it names one).
-    config.use_cpu_initialization = True
-    with torch.device("meta"):
-        model = build_mcore_model(config)
-    check_nemo_layout(model.sharded_state_dict(prefix=loc.prefix), reader, where)
-
-
-def check_saved_shape(loc: Located, config, where: str) -> None:
-    """What the checkpoint saved about its architecture (:func:`saved_shape`) against ``config``
-    (from ``where``): the first disagreement is one line naming both files, the field and both
-    values."""
-    saved, source = saved_shape(loc)
-    for name, attr in _SAVED_SHAPE:
-        ours, theirs = getattr(config, attr, None), saved.get(name)
-        if name == "num_query_groups" and theirs is None:
-            theirs = saved.get("num_attention_heads")
-        if attr == "num_query_groups" and ours is None:
-            ours = config.num_attention_heads
-        if theirs is not None and ours is not None and theirs != ours:
-            raise PortingError(
-                f"{source}: {name} is {shown(theirs)}, but {where} makes it {ours!r}"
-            )
-
-
-def to_megatron_layout(tmp: Path, fmt: str, family, manifest, vocab_divisor: int) -> None:
-    """Turn the NeMo 2 checkpoint just written at ``tmp`` (with ``manifest``) into ``fmt``."""
-    from porting.convert.megatron import DTYPES, build_config
-
-    config, _ = build_config(
-        family,
-        manifest.hf_config,
-        DTYPES[manifest.dtype],
-        vocab_divisor,
-        padded_vocab_size=manifest.padded_vocab_size,
-    )
-    run_config = None
-    if fmt == "megatron-bridge":
-        from porting.convert.bridge import run_config_for
-
-        run_config = run_config_for(config, family)
-    nemo_to_megatron(tmp, fmt, config, manifest, run_config)
-
-
-# Saved architecture facts checked against the HF config's: (Megatron-LM argument or
-# Megatron-Bridge provider field, the family config's attribute).
-_SAVED_SHAPE = (
-    ("num_layers", "num_layers"),
-    ("hidden_size", "hidden_size"),
-    ("ffn_hidden_size", "ffn_hidden_size"),
-    ("num_attention_heads", "num_attention_heads"),
-    ("num_query_groups", "num_query_groups"),
-    ("kv_channels", "kv_channels"),
-    ("normalization", "normalization"),
-)
-
-
-def saved_shape(loc: Located) -> tuple[dict, str]:
-    """The architecture a Megatron checkpoint says it has (its saved arguments, or Bridge's
-    ``run_config.yaml`` model section), and the file that says it."""
-    if loc.format == "megatron-bridge":
-        from porting.convert.bridge import check_run_config
-
-        model = check_run_config(loc.weights / RUN_CONFIG, loc.root)
-        return model, f"{loc.weights / RUN_CONFIG} (model)"
-    args = read_common(loc).get("args")
-    if not isinstance(args, argparse.Namespace):
-        return {}, str(loc.weights)
-    return vars(args), f"{loc.weights}/common state (args)"
+MEGATRON_LM = MegatronLM()

@@ -1,4 +1,4 @@
-"""The family registry: every :class:`~porting.family.Family` installed, found through entry points.
+"""The family registry: every :class:`~porting.contract.family.Family` installed, found through entry points.
 
 A package ships a family by naming its ``Family`` object in the ``porting.families`` entry-point
 group (ours do so in ``pyproject.toml``, exactly as an outside package does)::
@@ -6,12 +6,13 @@ group (ours do so in ``pyproject.toml``, exactly as an outside package does)::
     [project.entry-points."porting.families"]
     tsuzumi = "converters.tsuzumi:FAMILY"
 
-The entry's name is the family's name. Loading a family imports its converter module, which also
-registers its NeMo ``io.ModelConnector`` importer/exporter; nothing is imported until a family is
-asked for, which keeps NeMo (slow to import) out of commands that do not need it.
+The entry's name is the family's name. Loading a family imports its converter module, which
+imports only the contract (:mod:`porting.contract`): listing the families costs no torch, NeMo or
+Megatron. Its Megatron side, and its NeMo ``io.ModelConnector`` importer/exporter, are loaded by
+the engine when a conversion needs them (:func:`porting.convert.connectors.model_class`).
 
 A family that fails to load (its import raises or calls ``sys.exit``, or its ``FAMILY`` is not a
-well-formed :class:`~porting.family.Family`) is kept with its error: ``porting families`` lists it
+well-formed :class:`~porting.contract.family.Family`) is kept with its error: ``porting families`` lists it
 and exits 2, a checkpoint only it could have claimed is refused naming it, and the other families
 work as before. Ctrl-C and SIGTERM during a slow import stop the command as anywhere else; a
 plugin calling ``os._exit`` ends the process, which no in-process loader can prevent.
@@ -23,12 +24,11 @@ import functools
 import importlib
 import importlib.metadata as md
 from dataclasses import dataclass
-from pathlib import Path
 
 from porting import guard
-from porting.convert.config_map import read_hf_config, to_mcore
+from porting.contract.config_map import to_mcore
+from porting.contract.family import Family
 from porting.errors import PortingError
-from porting.family import Family
 from porting.guard import Terminated
 
 GROUP = "porting.families"
@@ -107,16 +107,19 @@ def installed() -> tuple[Installed, ...]:
 
 def _check_claims(found: list[Installed]) -> None:
     owner: dict[str, Installed] = {}
-    by_model: dict[type, Installed] = {}
+    by_model: dict[str, Installed] = {}
     for inst in found:
         if inst.family is None:
             continue
         # NeMo finds a checkpoint's connectors through its model class: one class, one family.
-        other = by_model.setdefault(inst.family.model_cls, inst)
+        model = inst.family.model_cls
+        if isinstance(model, type):
+            model = f"{model.__module__}:{model.__qualname__}"
+        other = by_model.setdefault(model, inst)
         if other is not inst:
             raise PortingError(
                 f"families {other.name} ({other.value}) and {inst.name} ({inst.value}) share the "
-                f"model class {inst.family.model_cls.__qualname__}; each family needs its own "
+                f"model class {model.split(':')[1]}; each family needs its own "
                 "(a subclass is enough) so that NeMo finds its importer and exporter"
             )
         for key in inst.family.keys:
@@ -177,15 +180,15 @@ def family_for_config(hf_config: dict) -> Family:
     raise _not_found(f"unknown architecture {arch!r} (model_type {mtype!r})")
 
 
-def family_for_hf_dir(hf_dir: str | Path, family: str | None = None) -> tuple[Family, dict]:
-    """The family and parsed config of an HF model directory, the config checked by the family's
-    config map (:func:`porting.convert.config_map.to_mcore`); errors name its ``config.json``.
+def family_for_hf_config(
+    cfg: dict, where: str = "config.json", family: str | None = None
+) -> Family:
+    """The family of a parsed HF config, the config checked by the family's config map
+    (:func:`porting.contract.config_map.to_mcore`); errors name ``where``.
 
     ``family`` forces one by name (``porting import --family``); it must still claim the config,
     so a checkpoint cannot be read through a table written for another layout.
     """
-    cfg = read_hf_config(hf_dir)  # checks that architectures holds exactly one name
-    where = Path(hf_dir) / "config.json"
     if family is not None:
         fam = family_by_name(family)
         if not fam.claims(cfg):
@@ -200,5 +203,5 @@ def family_for_hf_dir(hf_dir: str | Path, family: str | None = None) -> tuple[Fa
             raise PortingError(f"{where}: {err}") from err
     # Every value and relation the family's config map checks, before any model is built or any
     # output made: the callers build from this config next.
-    to_mcore(cfg, fam.config_entries, str(where))
-    return fam, cfg
+    to_mcore(cfg, fam.config_entries, where)
+    return fam

@@ -9,11 +9,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from porting.errors import PortingError
+
+if TYPE_CHECKING:  # the contract imports no torch: a family's tables load for a listing
+    import torch
+
+
+def _cat(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
+    import torch
+
+    return torch.cat(tensors, dim=dim)
 
 
 def interleave_qkv(
@@ -53,7 +60,7 @@ def interleave_qkv(
     k = k.reshape(num_query_groups, head_dim, *rest)
     v = v.reshape(num_query_groups, head_dim, *rest)
     # [ng, (np/ng + 2)*hn, ...] -> [ng*(np/ng + 2)*hn, ...]
-    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+    return _cat([q, k, v], dim=1).reshape(-1, *rest)
 
 
 def split_qkv(
@@ -68,7 +75,7 @@ def split_qkv(
     rest = qkv.shape[1:]
     # [ng*(np/ng + 2)*hn, ...] -> [ng, (np/ng + 2)*hn, ...]
     grouped = qkv.reshape(num_query_groups, (heads_per_group + 2) * head_dim, *rest)
-    q, k, v = torch.split(grouped, [heads_per_group * head_dim, head_dim, head_dim], dim=1)
+    q, k, v = grouped.split([heads_per_group * head_dim, head_dim, head_dim], dim=1)
     return (
         q.reshape(num_heads * head_dim, *rest).contiguous(),
         k.reshape(num_query_groups * head_dim, *rest).contiguous(),
@@ -84,12 +91,12 @@ def concat_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """
     if gate.shape != up.shape:
         raise PortingError(f"gate/up shapes differ: {tuple(gate.shape)} vs {tuple(up.shape)}")
-    return torch.cat([gate, up], dim=0)
+    return _cat([gate, up], dim=0)
 
 
 def split_gate_up(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of :func:`concat_gate_up`."""
-    gate, up = torch.chunk(fc1, 2, dim=0)
+    gate, up = fc1.chunk(2, dim=0)
     return gate.contiguous(), up.contiguous()
 
 
@@ -105,7 +112,7 @@ def pad_vocab(weight: torch.Tensor, *, padded_vocab_size: int) -> torch.Tensor:
     if padded_vocab_size == vocab:
         return weight
     pad = weight.new_zeros((padded_vocab_size - vocab, *weight.shape[1:]))
-    return torch.cat([weight, pad], dim=0)
+    return _cat([weight, pad], dim=0)
 
 
 def unpad_vocab(weight: torch.Tensor, *, vocab_size: int) -> torch.Tensor:

@@ -1,7 +1,11 @@
 """What the engine knows of a model family: its tables, its config classes and its shape context.
 
 A family is a plugin: a :class:`Family` object in any importable module, named by an entry point
-in the ``porting.families`` group of the package that ships it (docs/families.md).
+in the ``porting.families`` group of the package that ships it (docs/families.md). The module that
+defines it imports only :mod:`porting.contract`: its Megatron classes are named
+(``"models.falcon:FalconConfig"``, :mod:`porting.contract.named`) and loaded by the engine when a
+conversion needs them, so that listing the families or refusing a config imports no torch, NeMo or
+Megatron.
 """
 
 from __future__ import annotations
@@ -12,9 +16,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from porting.convert.config_map import ConfigEntry
-from porting.convert.mapping import Entry
+from porting.contract.config_map import ConfigEntry
+from porting.contract.mapping import Entry
+from porting.contract.named import is_ref, load, module_of
 from porting.errors import PortingError
+
+
+def _class_or_ref(value: Any) -> bool:
+    return isinstance(value, type) or is_ref(value)
+
+
+def _load_class(family: Family, attr: str) -> type:
+    cls = load(getattr(family, attr))
+    if not isinstance(cls, type):
+        raise PortingError(
+            f"family {family.name}: Family.{attr} {getattr(family, attr)!r} names a "
+            f"{type(cls).__name__}, not a class"
+        )
+    return cls
 
 
 @dataclass(frozen=True)
@@ -67,10 +86,11 @@ class Family:
     Attributes:
         name: short family name used in manifests, messages and ``--family`` (``tsuzumi``).
         architectures: the ``config.json`` ``architectures[0]`` values the family converts.
-        config_entries: the HF config mapping and lint (:mod:`porting.convert.config_map`).
-        weights: the weight mapping table (:mod:`porting.convert.mapping`).
-        config_cls: the family's NeMo/Megatron config dataclass.
-        model_cls: the family's NeMo ``GPTModel`` subclass.
+        config_entries: the HF config mapping and lint (:mod:`porting.contract.config_map`).
+        weights: the weight mapping table (:mod:`porting.contract.mapping`).
+        config_cls: the family's NeMo/Megatron config dataclass, named ``"module:Class"`` (a
+            class is accepted too, at the price of importing it with the family).
+        model_cls: the family's NeMo ``GPTModel`` subclass, named likewise.
         shape_context: builds the :class:`ShapeContext` from a Megatron config.
         model_types: ``config.json`` ``model_type`` values the family also claims, for checkpoints
             whose architecture name is their own (``auto_map`` code, never run by us).
@@ -82,7 +102,8 @@ class Family:
             (transformers 4.57's eager Falcon adds ALiBi twice; its default, sdpa, once).
         variants: the layouts the family's tests prove, for ``porting families``.
         summary: one line for ``porting families``.
-        context_symbols: functions (or other non-class objects) the family's config names, which
+        context_symbols: functions (or other non-class objects; named ``"module:name"`` or given)
+            the family's config names, which
             NeMo writes into a checkpoint's ``context/io.json`` (a layer-spec function, an
             activation): the io.json check allows them, and the classes defined in the config's
             and model's modules, for this family's checkpoints.
@@ -92,8 +113,8 @@ class Family:
     architectures: tuple[str, ...]
     config_entries: tuple[ConfigEntry, ...]
     weights: tuple[Entry, ...]
-    config_cls: type
-    model_cls: type
+    config_cls: str | type
+    model_cls: str | type
     shape_context: Callable[[Any], ShapeContext]
     model_types: tuple[str, ...] = ()
     hf_model_class: str | type | None = None
@@ -119,8 +140,8 @@ class Family:
             ("model_types", tuple_of(str), "a tuple of strings"),
             ("config_entries", tuple_of(ConfigEntry), "a tuple of config_map entries"),
             ("weights", tuple_of(Entry), "a tuple of Rename, Fused, Ignore"),
-            ("config_cls", lambda v: isinstance(v, type), "a class"),
-            ("model_cls", lambda v: isinstance(v, type), "a class"),
+            ("config_cls", _class_or_ref, "a class or a 'module:Class' name"),
+            ("model_cls", _class_or_ref, "a class or a 'module:Class' name"),
             ("shape_context", callable, "a function"),
             ("hf_model_class", lambda v: v is None or isinstance(v, str | type), "a class name"),
             ("hf_attn_implementation", lambda v: isinstance(v, str), "a string"),
@@ -136,6 +157,19 @@ class Family:
                 )
         if not self.keys:
             raise PortingError("Family claims no architecture and no model type")
+
+    def config_class(self) -> type:
+        """The config class, imported now if it was named (this loads the Megatron side)."""
+        return _load_class(self, "config_cls")
+
+    def model_class(self) -> type:
+        """The model class, imported now if it was named (this loads the Megatron side)."""
+        return _load_class(self, "model_cls")
+
+    @property
+    def megatron_modules(self) -> frozenset[str]:
+        """The modules that define the config and model classes, known without importing them."""
+        return frozenset({module_of(self.config_cls), module_of(self.model_cls)})
 
     @property
     def keys(self) -> tuple[str, ...]:

@@ -36,12 +36,8 @@ from __future__ import annotations
 
 import copy
 import math
-import os
-import re
-import stat
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from porting.errors import PortingError
@@ -414,6 +410,8 @@ _BOOKKEEPING = (
 _DECODER_ONLY = "a decoder-only causal LM has no encoder or cross-attention"
 COMMON: tuple[ConfigEntry, ...] = (
     *(Carry(name) for name in _BOOKKEEPING),
+    # every causal LM's; padded on the Megatron side by the engine, restored exactly on export
+    Carry("vocab_size"),
     Carry("use_cache", check=BOOL),
     Carry("is_decoder", check=BOOL),  # the CausalLM classes read it nowhere
     NoOp("is_encoder_decoder", (False,), _DECODER_ONLY),
@@ -539,183 +537,3 @@ def to_hf(mcore_config: Any, original: dict, entries: Iterable[ConfigEntry]) -> 
                     f"config as {_json_text(v)}: the family's mapping of {k} does not invert"
                 )
     return copy.deepcopy(original)
-
-
-def _hub_blobs(model_dir: Path) -> Path | None:
-    """The ``blobs`` folder of a Hugging Face hub cache entry when ``model_dir`` is one of its
-    snapshots (``models--org--name/snapshots/<revision>``), else ``None``.
-
-    ``huggingface_hub`` stores every snapshot file as a symlink to ``../../blobs/<hash>``, so a
-    snapshot's files legitimately resolve outside the snapshot folder, into that one place.
-    """
-    if model_dir.parent.name == "snapshots" and model_dir.parent.parent.name.startswith("models--"):
-        return (model_dir.parent.parent / "blobs").resolve()
-    return None
-
-
-_NOT_REGULAR = (
-    (stat.S_ISFIFO, "a FIFO"),
-    (stat.S_ISDIR, "a directory"),
-    (stat.S_ISSOCK, "a socket"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-)
-
-
-def model_file(path: str | Path, model_dir: str | Path) -> Path:
-    """Check that ``path`` may be read as a file of the HF directory ``model_dir``; return it.
-
-    Refuses, naming the file, what ``open()`` would block on or misread (a FIFO, a device, a
-    socket, a directory) and a symlink that leaves the model directory (a checkpoint's files must
-    not reach elsewhere on the machine). The one exception is a Hugging Face hub cache snapshot,
-    whose files are symlinks into the entry's ``blobs`` folder (:func:`_hub_blobs`).
-    Call it before every ``open()`` of a file named by the checkpoint.
-    """
-    path = Path(path)
-    root = Path(model_dir).resolve()
-    try:
-        st = os.stat(path)  # follows symlinks: the kind of what open() would reach
-    except FileNotFoundError as err:
-        raise PortingError(f"{path}: missing (or a dangling symlink)") from err
-    except OSError as err:
-        raise PortingError(f"{path}: cannot be read ({err.strerror})") from err
-    if not stat.S_ISREG(st.st_mode):
-        kind = next((k for test, k in _NOT_REGULAR if test(st.st_mode)), "a special file")
-        raise PortingError(f"{path}: is {kind}, not a regular file; refusing to open it")
-    real = path.resolve()
-    blobs = _hub_blobs(root)
-    if not real.is_relative_to(root) and not (blobs is not None and real.is_relative_to(blobs)):
-        raise PortingError(
-            f"{path}: resolves to {real}, outside the model directory {root}; refusing to read it"
-        )
-    return path
-
-
-# What transformers' tokenizer loading parses in a model directory (tokenization_utils_base: the
-# tokenizer, its config, special and added tokens, chat templates; each class's vocabulary files:
-# vocab.json, merges.txt, tokenizer.model, spiece.model, ...).
-TOKENIZER_FILE = re.compile(
-    r"(tokenizer|special_tokens_map|added_tokens|chat_template|vocab|merges|spiece|"
-    r"sentencepiece).*"
-)
-
-
-def check_model_files(model_dir: str | Path) -> None:
-    """Every file of the HF directory ``model_dir`` may be read: each passes :func:`model_file`,
-    and each tokenizer file (:data:`TOKENIZER_FILE`) is at most
-    :data:`~porting.convert.checkpoint.MAX_TOKENIZER_JSON_BYTES` and, if JSON, parses within
-    :mod:`porting.convert.untrusted`'s bounds (UTF-8, depth, numbers): ``transformers`` and the
-    ``tokenizers`` library answer such files with a traceback, a hang or all the memory there is.
-    Subfolders are skipped: only an index reaches them, and it is checked there.
-    """
-    from porting.convert import untrusted
-    from porting.convert.checkpoint import MAX_TOKENIZER_JSON_BYTES
-
-    for entry in sorted(Path(model_dir).iterdir()):
-        if entry.is_dir():
-            continue
-        real = model_file(entry, model_dir).resolve()  # a hub snapshot's files link to its blobs
-        if not TOKENIZER_FILE.fullmatch(entry.name):
-            continue
-        size = real.stat().st_size
-        if size > MAX_TOKENIZER_JSON_BYTES:
-            raise PortingError(
-                f"{entry}: {size} bytes, more than the {MAX_TOKENIZER_JSON_BYTES} a tokenizer file "
-                "may hold"
-            )
-        if entry.suffix == ".json":
-            try:
-                untrusted.read_json(real, real.parent, max_bytes=MAX_TOKENIZER_JSON_BYTES)
-            except PortingError as err:
-                if not entry.is_symlink():
-                    raise
-                raise PortingError(f"{entry} -> {err}") from None
-
-
-def load_tokenizer(model_dir: str | Path):
-    """The ``transformers`` tokenizer of the HF directory ``model_dir``, its files checked first
-    (:func:`check_model_files`), never fetched and never running the directory's own code. A
-    failure to load is one :class:`PortingError` naming the directory: the ``tokenizers`` library
-    raises plain ``Exception`` for a ``tokenizer.json`` it cannot use, transformers ``OSError``,
-    ``ValueError`` or ``RecursionError`` for its other files."""
-    from transformers import AutoTokenizer
-
-    if not Path(model_dir).is_dir():
-        raise PortingError(f"{model_dir}: not a tokenizer directory")
-    check_model_files(model_dir)
-    try:
-        return AutoTokenizer.from_pretrained(
-            str(model_dir), local_files_only=True, trust_remote_code=False
-        )
-    except Exception as err:
-        said = (str(err).strip().splitlines() or [""])[0][:300]
-        raise PortingError(
-            f"{model_dir}: transformers cannot load its tokenizer ({type(err).__name__}: {said})"
-        ) from err
-
-
-def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
-    """``json.loads`` ``object_pairs_hook`` refusing a repeated key (``json`` keeps the last)."""
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"key {k!r} appears twice")
-        out[k] = v
-    return out
-
-
-def read_json(path: Path, model_dir: str | Path) -> Any:
-    """Parse a JSON file of the HF directory, naming the file on any failure.
-
-    Duplicate keys are refused (``json`` would silently keep the last one).
-    """
-    from porting.convert.untrusted import MAX_TEXT_BYTES, parse_json
-
-    model_file(path, model_dir)
-    try:
-        size = path.stat().st_size
-        if size > MAX_TEXT_BYTES:
-            raise PortingError(f"{path}: {size} bytes, more than the {MAX_TEXT_BYTES} it may hold")
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise PortingError(f"{path}: not UTF-8 text ({err})") from err
-    except OSError as err:
-        raise PortingError(f"{path}: cannot be read ({err.strerror})") from err
-    # The bounds our checkpoint reader applies (depth, number length, duplicate keys): what import
-    # carries into the manifest, export must be able to read back.
-    return parse_json(text, path)
-
-
-def read_hf_config(hf_dir: str | Path) -> dict:
-    """Read ``config.json`` of an HF model directory and check its shape.
-
-    Every file of the directory must pass :func:`check_model_files` first: the tokenizer and
-    generation files are opened by ``transformers`` and copied by us, and a FIFO among them would
-    hang the command. ``config.json`` must be a JSON object whose ``architectures`` names exactly one
-    architecture: porting converts one architecture per checkpoint, and a second entry would
-    otherwise be ignored.
-    """
-    path = Path(hf_dir) / "config.json"
-    if not Path(hf_dir).is_dir():
-        raise PortingError(f"{hf_dir}: not a directory")
-    if not path.exists() and not path.is_symlink():
-        raise PortingError(f"{path}: missing (is {hf_dir} a Hugging Face model directory?)")
-    check_model_files(hf_dir)
-    cfg = read_json(path, hf_dir)
-    if not isinstance(cfg, dict):
-        raise PortingError(f"{path}: must be a JSON object, not a JSON {_json_kind(cfg)}")
-    archs = cfg.get("architectures")
-    if not archs or not isinstance(archs, list):
-        raise PortingError(f"{path}: no 'architectures' list; cannot tell the model family")
-    if len(archs) != 1 or not isinstance(archs[0], str):
-        raise PortingError(
-            f"{path}: architectures={archs!r} must name exactly one architecture (a string); "
-            "porting converts one architecture per checkpoint"
-        )
-    return cfg
-
-
-def _json_kind(value: Any) -> str:
-    return {list: "list", str: "string", bool: "boolean", type(None): "null"}.get(
-        type(value), "number"
-    )

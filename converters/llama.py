@@ -1,0 +1,391 @@
+"""The Llama family <-> HF ``LlamaForCausalLM``: the Llama layout's config entries and weight table,
+which the families built on it (tsuzumi, Mistral, Qwen, MoE, Gemma, a scaffold) start from.
+
+The HF side uses the Llama checkpoint layout, so parity is checked against the third-party
+``transformers`` Llama implementation. Layout facts (see also ``porting/convert/transforms.py``):
+
+- HF keeps ``q_proj``, ``k_proj``, ``v_proj`` apart; Megatron fuses them per query group.
+- HF ``rotate_half`` rotary and Megatron's non-interleaved rotary are the same convention
+  (``transformers/models/llama/modeling_llama.py`` vs
+  ``megatron/core/models/common/embeddings/rope_utils.py``), so no q/k row permutation is needed.
+- HF ``gate_proj``/``up_proj`` stack into Megatron's gated ``linear_fc1``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from porting.contract.config_map import BOOL, POSITIVE_INT, Carry, Derived, Field, NoOp, Require
+from porting.contract.family import Family, ShapeContext, Variant
+from porting.contract.mapping import Fused, Ignore, Rename
+from porting.contract.transforms import GATED_MLP, QKV, VOCAB_PAD
+from porting.errors import PortingError
+
+if TYPE_CHECKING:  # annotations only: the family's tables load without its Megatron side
+    from models.llama import LlamaConfig
+
+
+def _query_groups_to_mcore(hf: dict) -> dict:
+    # that the KV heads divide the heads is the shared rule's (config_map.RELATIONS)
+    return {"num_query_groups": hf.get("num_key_value_heads") or hf["num_attention_heads"]}
+
+
+def _biases_to_mcore(hf: dict) -> dict:
+    attention, mlp = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
+    if attention != mlp:
+        # Megatron's add_bias_linear puts biases on all four linears at once; add_qkv_bias covers
+        # q/k/v only, but HF attention_bias also biases o_proj. No Megatron switch matches either mix.
+        raise PortingError(
+            f"config.json: attention_bias={attention} with mlp_bias={mlp} is not supported: "
+            "Megatron biases either all linear layers (add_bias_linear) or none"
+        )
+    return {"add_bias_linear": attention}
+
+
+def _biases_to_hf(c) -> dict:
+    return {"attention_bias": c.add_bias_linear, "mlp_bias": c.add_bias_linear}
+
+
+# The keys each rotary type reads besides rope_type / type: transformers 4.57's
+# modeling_rope_utils._validate_<type>_parameters (required and optional together). Any other key
+# is refused by name: transformers only warns, and a misspelt one would be dropped silently.
+_ROPE_KEYS = {
+    "default": frozenset(),
+    "linear": frozenset({"factor"}),
+    "llama3": frozenset(
+        {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+    ),
+    "yarn": frozenset(
+        {
+            "factor",
+            "original_max_position_embeddings",
+            "attention_factor",
+            "beta_fast",
+            "beta_slow",
+            "mscale",
+            "mscale_all_dim",
+            "truncate",
+        }
+    ),
+}
+# The types transformers knows that Megatron-Core's rotary embedding cannot compute, and why: it
+# computes one frequency table per model (RotaryEmbedding.inv_freq), the same for every length.
+# Up to max_position_embeddings dynamic NTK is the unscaled table: the gate's prompts could not tell.
+_ROPE_REFUSED = {
+    "dynamic": (
+        "dynamic NTK recomputes the frequencies from the running sequence length once it passes "
+        "max_position_embeddings, and Megatron-Core's rotary embedding computes one frequency "
+        "table for every length"
+    ),
+    "longrope": (
+        "LongRoPE switches between per-dimension short_factor and long_factor tables by sequence "
+        "length, and Megatron-Core's rotary embedding has one frequency table for every length"
+    ),
+}
+
+
+def _rope_number(
+    rs: dict,
+    key: str,
+    *,
+    at_least: float | None = None,
+    above: float | None = None,
+    integer: bool = False,
+):
+    """``rope_scaling[key]`` as transformers' ``rope_config_validation`` requires it (present, a
+    finite number, an integer where it must be, ``factor >= 1``), or one line naming it: a factor
+    of 0 divided by zero inside Megatron's rotary embedding, a negative one converted silently."""
+    v = rs.get(key)
+    ok = (
+        isinstance(v, int | float)
+        and not isinstance(v, bool)
+        and math.isfinite(v)
+        and (not integer or isinstance(v, int))
+        and (at_least is None or v >= at_least)
+        and (above is None or v > above)
+    )
+    if not ok:
+        kind = "an integer" if integer else "a finite number"
+        bound = f" >= {at_least:g}" if at_least is not None else ""
+        bound += f" > {above:g}" if above is not None else ""
+        raise PortingError(f"config.json: rope_scaling.{key} must be {kind}{bound}, not {v!r}")
+    return v
+
+
+def _rope_kind(rs: dict) -> str:
+    """The rotary type ``rs`` names. transformers' configs write the legacy ``type`` and the newer
+    ``rope_type`` both; they must agree, since its config classes copy ``type`` over
+    ``rope_type`` while its rotary validation reads ``rope_type`` first."""
+    if "type" in rs and "rope_type" in rs and rs["type"] != rs["rope_type"]:
+        raise PortingError(
+            f"config.json: rope_scaling.type ({rs['type']!r}) and rope_scaling.rope_type "
+            f"({rs['rope_type']!r}) disagree"
+        )
+    kind = rs.get("rope_type", rs.get("type"))
+    if not isinstance(kind, str):
+        raise PortingError(
+            f"config.json: rope_scaling.rope_type (or type) must name the scaling, not {kind!r}"
+        )
+    if kind in _ROPE_REFUSED:
+        raise PortingError(
+            f"config.json: rope_scaling type {kind!r} is not supported: {_ROPE_REFUSED[kind]}"
+        )
+    if kind not in _ROPE_KEYS:
+        raise PortingError(
+            f"config.json: rope_scaling type {kind!r} is not supported: Megatron-Core's rotary "
+            f"embedding has no such scaling (supported: {', '.join(map(repr, _ROPE_KEYS))})"
+        )
+    extra = sorted(set(rs) - {"rope_type", "type"} - _ROPE_KEYS[kind])
+    if extra:
+        reads = ", ".join(sorted(_ROPE_KEYS[kind])) or "nothing else"
+        raise PortingError(
+            f"config.json: rope_scaling key(s) {', '.join(map(repr, extra))} are not read by "
+            f"{kind!r} scaling (transformers reads {reads}); refused rather than dropped"
+        )
+    return kind
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    # transformers' get_mscale in _compute_yarn_parameters: the YaRN paper's 0.1 ln(s) + 1
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_to_mcore(rs: dict, hf: dict) -> dict:
+    """YaRN's keys, read as transformers' ``_compute_yarn_parameters`` reads them (null or absent
+    takes its default), into the config fields :func:`models.llama.yarn_inv_freq` and
+    :func:`models.llama.yarn_softmax_scale` use."""
+
+    def optional(key: str, **bounds):
+        return None if rs.get(key) is None else _rope_number(rs, key, **bounds)
+
+    factor = _rope_number(rs, "factor", at_least=1)
+    original = optional("original_max_position_embeddings", at_least=1, integer=True)
+    # beta 0 would be a log of infinity; transformers' validation warns below beta_fast > beta_slow
+    beta_fast = optional("beta_fast", above=0) or 32
+    beta_slow = optional("beta_slow", above=0) or 1
+    if beta_fast < beta_slow:
+        raise PortingError(
+            f"config.json: rope_scaling.beta_fast ({beta_fast!r}) must not be below beta_slow "
+            f"({beta_slow!r})"
+        )
+    truncate = rs.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise PortingError(
+            f"config.json: rope_scaling.truncate must be true or false, not {truncate!r}"
+        )
+    attention = optional("attention_factor", above=0)
+    if attention is None:
+        mscale, all_dim = optional("mscale"), optional("mscale_all_dim")
+        # transformers takes the ratio only when both are set and non-zero
+        if mscale and all_dim:
+            top, bottom = _yarn_mscale(factor, mscale), _yarn_mscale(factor, all_dim)
+            attention = top / bottom if bottom else math.inf
+        else:
+            attention = _yarn_mscale(factor)
+        if not (math.isfinite(attention) and attention > 0):
+            raise PortingError(
+                f"config.json: rope_scaling.mscale ({mscale!r}) and mscale_all_dim ({all_dim!r}) "
+                f"give an attention factor of {attention!r}; it must be a finite number > 0"
+            )
+    return {
+        "rope_scaling_type": "yarn",
+        "rope_scaling_factor": float(factor),
+        "rope_scaling_original_max_position_embeddings": original or hf["max_position_embeddings"],
+        "rope_scaling_beta_fast": float(beta_fast),
+        "rope_scaling_beta_slow": float(beta_slow),
+        "rope_scaling_truncate": truncate,
+        "rope_scaling_attention_factor": float(attention),
+    }
+
+
+def _rope_to_mcore(hf: dict) -> dict:
+    """``rope_scaling`` (null, or an object naming its type) to Megatron's rotary settings.
+
+    Every supported type changes the frequency table itself, the same for every length, so the
+    gate's prompts see it at every position past the first, however short they are: linear
+    divides every frequency by the factor; llama3 changes those whose wavelength passes
+    original_max_position_embeddings / high_freq_factor (a tiny 16-wide head's two longest at the
+    published 8192 and rope_theta 1e4); YaRN interpolates every channel pair past its correction
+    range's low end, and its attention factor scales every score. tests/test_rope.py's negative
+    control shows a tiny model's logits move far past the tolerance without the scaling.
+    """
+    rs = hf.get("rope_scaling")
+    if rs is None:
+        return {"rope_scaling_type": None}
+    if not isinstance(rs, dict):
+        raise PortingError(f"config.json: rope_scaling must be an object, not {rs!r}")
+    kind = _rope_kind(rs)
+    if kind == "default":
+        return {"rope_scaling_type": None}
+    if kind == "linear":
+        # HF divides inv_freq by the factor; Megatron divides positions by it: the same angles.
+        factor = _rope_number(rs, "factor", at_least=1)
+        return {"rope_scaling_type": "linear", "seq_len_interpolation_factor": float(factor)}
+    if kind == "yarn":
+        return _yarn_to_mcore(rs, hf)
+    low = _rope_number(rs, "low_freq_factor", at_least=0)
+    high = _rope_number(rs, "high_freq_factor", at_least=0)
+    if not low < high:
+        # transformers' llama3 rule divides by (high - low)
+        raise PortingError(
+            f"config.json: rope_scaling.low_freq_factor ({low!r}) must be below "
+            f"high_freq_factor ({high!r})"
+        )
+    return {
+        "rope_scaling_type": "llama3",
+        "rope_scaling_factor": float(_rope_number(rs, "factor", at_least=1)),
+        "rope_scaling_low_freq_factor": float(low),
+        "rope_scaling_high_freq_factor": float(high),
+        "rope_scaling_original_max_position_embeddings": _rope_number(
+            rs, "original_max_position_embeddings", at_least=1, integer=True
+        ),
+    }
+
+
+def _rope_to_hf(c) -> dict:
+    # The original rope_scaling object is carried verbatim by config_map.to_hf (no key added or
+    # re-derived): what was read is what is written back.
+    return {}
+
+
+QUERY_GROUPS = Derived(
+    ("num_key_value_heads",),  # null: transformers uses num_attention_heads
+    _query_groups_to_mcore,
+    lambda c: {"num_key_value_heads": c.num_query_groups},
+)
+ROPE_SCALING = Derived(("rope_scaling",), _rope_to_mcore, _rope_to_hf)
+# transformers' Llama-layout classes (Llama, Mistral, Qwen2/3, their MoE; Gemma too) shorten their
+# frequency table to partial_rotary_factor (modeling_rope_utils) but apply_rotary_pos_emb multiplies
+# the whole head by cos/sin, which then fails on the shapes: below 1 no such checkpoint runs there.
+PARTIAL_ROTARY = NoOp(
+    "partial_rotary_factor",
+    (1.0,),
+    "transformers' Llama-layout attention rotates the whole head (a factor below 1 shortens only "
+    "its frequency table, and its forward then fails), so there is no model to convert",
+)
+# For configs that may leave head_dim out or null (hidden/heads then): the original value is
+# carried back on export as it was, never replaced by the derived one.
+HEAD_DIM_OR_NULL = Derived(
+    ("head_dim",), lambda hf: {"kv_channels": hf.get("head_dim")}, lambda c: {}
+)
+
+# The fields every Llama-layout config shares (Llama, Mistral, Qwen2/3): families built on this
+# layout start from these and add their own. Each value's type and range is the rule every family
+# shares for that field (config_map.FIELD_RULES).
+LLAMA_LAYOUT = (
+    Field("num_hidden_layers", "num_layers"),
+    Field("hidden_size", "hidden_size"),
+    Field("intermediate_size", "ffn_hidden_size"),
+    Field("num_attention_heads", "num_attention_heads"),
+    QUERY_GROUPS,
+    Field("rms_norm_eps", "layernorm_epsilon"),
+    Field("rope_theta", "rotary_base", default=10000.0),
+    PARTIAL_ROTARY,
+    Field("tie_word_embeddings", "share_embeddings_and_output_weights", default=False),
+    Field("max_position_embeddings", "seq_length"),
+    Field("initializer_range", "init_method_std", default=0.02),
+    Field("attention_dropout", "attention_dropout", default=0.0),
+    Require("hidden_act", lambda v: v == "silu", "the family's MLP is SwiGLU (silu-gated)"),
+    # nanotron's leftovers (SmolLM2): a flag naming the config's kind, and its rotary convention,
+    # which transformers' Llama-layout classes never read
+    Carry("is_llama_config", check=BOOL),
+    # the first Llama conversions' name for the context length, which transformers never read
+    Carry("max_sequence_length", check=POSITIVE_INT),
+    NoOp(
+        "rope_interleaved",
+        (False,),
+        "interleaved rotary pairs are not the halves transformers' Llama-layout classes rotate",
+    ),
+)
+
+CONFIG = (
+    *LLAMA_LAYOUT,
+    Field("head_dim", "kv_channels", default=None),
+    Derived(("attention_bias", "mlp_bias"), _biases_to_mcore, _biases_to_hf),
+    ROPE_SCALING,
+    Require(
+        "pretraining_tp",
+        lambda v: v == 1 and not isinstance(v, bool),
+        "sliced-matmul emulation is not modelled",
+    ),
+    Require("model_type", lambda v: v == "llama", "the HF side is the Llama layout"),
+)
+
+_L = "model.layers.*."
+_M = "decoder.layers.*."
+
+
+def _biased(ctx: ShapeContext) -> bool:
+    return ctx.attention_bias
+
+
+WEIGHTS = (
+    Fused(("model.embed_tokens.weight",), "embedding.word_embeddings.weight", VOCAB_PAD),
+    Rename(_L + "input_layernorm.weight", _M + "input_layernorm.weight"),
+    Fused(
+        (
+            _L + "self_attn.q_proj.weight",
+            _L + "self_attn.k_proj.weight",
+            _L + "self_attn.v_proj.weight",
+        ),
+        _M + "self_attention.linear_qkv.weight",
+        QKV,
+    ),
+    Fused(
+        (_L + "self_attn.q_proj.bias", _L + "self_attn.k_proj.bias", _L + "self_attn.v_proj.bias"),
+        _M + "self_attention.linear_qkv.bias",
+        QKV,
+        when=_biased,
+    ),
+    Rename(_L + "self_attn.o_proj.weight", _M + "self_attention.linear_proj.weight"),
+    Rename(_L + "self_attn.o_proj.bias", _M + "self_attention.linear_proj.bias", when=_biased),
+    Rename(_L + "post_attention_layernorm.weight", _M + "pre_mlp_layernorm.weight"),
+    Fused(
+        (_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"),
+        _M + "mlp.linear_fc1.weight",
+        GATED_MLP,
+    ),
+    Fused(
+        (_L + "mlp.gate_proj.bias", _L + "mlp.up_proj.bias"),
+        _M + "mlp.linear_fc1.bias",
+        GATED_MLP,
+        when=_biased,
+    ),
+    Rename(_L + "mlp.down_proj.weight", _M + "mlp.linear_fc2.weight"),
+    Rename(_L + "mlp.down_proj.bias", _M + "mlp.linear_fc2.bias", when=_biased),
+    Rename("model.norm.weight", "decoder.final_layernorm.weight"),
+    Fused(("lm_head.weight",), "output_layer.weight", VOCAB_PAD, when=lambda c: not c.tied_output),
+    Ignore(
+        "lm_head.weight",
+        "tied to model.embed_tokens.weight; transformers ignores it too",
+        when=lambda c: c.tied_output,
+    ),
+    Ignore(_L + "self_attn.rotary_emb.inv_freq", "a buffer recomputed from rope_theta"),
+)
+
+
+def shape_context(config: LlamaConfig, vocab_size: int) -> ShapeContext:
+    """Shape facts of a Llama-layout config for the transforms (``vocab_size`` is the HF, unpadded one)."""
+    return ShapeContext.from_config(
+        config, vocab_size, attention_bias=config.add_bias_linear, mlp_bias=config.add_bias_linear
+    )
+
+
+FAMILY = Family(
+    name="llama",
+    architectures=("LlamaForCausalLM",),
+    config_entries=CONFIG,
+    weights=WEIGHTS,
+    config_cls="models.llama:LlamaConfig",
+    model_cls="models.llama:LlamaModel",
+    shape_context=shape_context,
+    summary="Llama-family decoder on the stock GPT spec (config knobs only)",
+    variants=(
+        Variant("gqa_untied", "GQA, untied output"),
+        Variant("tied", "tied output"),
+        Variant("biases", "attention_bias and mlp_bias (every linear biased)"),
+        Variant("head_dim", "head_dim apart from hidden/heads"),
+        Variant("rope_scaling", "linear or llama3 rotary scaling"),
+    ),
+)

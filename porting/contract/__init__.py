@@ -1,0 +1,15 @@
+"""The family contract: what a family is made of, and nothing else.
+
+- ``family``: :class:`Family`, :class:`ShapeContext`, :class:`Variant`;
+- ``registry``: the installed families, found through the ``porting.families`` entry points;
+- ``config_map``: config entries (``Field``, ``Derived``, ``Require``, ``Carry``, ``NoOp``,
+  ``Undecided``), the rules every family shares, and ``to_mcore`` / ``to_hf``;
+- ``mapping``: weight-table entries (``Rename``, ``Fused``, ``Ignore``) and their expansion;
+- ``transforms``: the paired layout transforms a table names (they compute on the tensors handed
+  to them and import torch only then);
+- ``named``: a family's Megatron classes and functions, named instead of imported.
+
+Imports only the core (``porting.errors``, ``porting.guard``) and the standard library: no torch,
+NeMo, Megatron or checkpoint I/O, so that listing the families and refusing a config answer at
+once (docs/architecture.md; tests/test_layout.py pins it).
+"""

@@ -1,0 +1,89 @@
+"""Our ``porting.json``: what a checkpoint written by ``porting import`` records beside its layout's
+own files (the family, the original HF ``config.json``, the vocabulary padding, the weight dtype,
+where the tokenizer lives). With it, export needs no HF model and no hub.
+
+Data only: the layouts (:mod:`porting.convert.layouts`) write it where each keeps our files, and
+:func:`porting.convert.checkpoint.open_checkpoint` reads it back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from porting.errors import PortingError
+
+MANIFEST = "porting.json"
+FORMAT = "porting-nemo2"
+VERSION = 1
+# HF files other than weights, config and tokenizer that export should hand back unchanged.
+EXTRA_HF_FILES = ("generation_config.json",)
+_DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class Manifest:
+    """What ``porting.json`` records."""
+
+    family: str
+    hf_architecture: str
+    hf_config: dict
+    vocab_size: int
+    padded_vocab_size: int
+    dtype: str
+    tokenizer: dict = field(default_factory=dict)
+    extra_files: list[str] = field(default_factory=list)
+    format: str = FORMAT
+    version: int = VERSION
+
+
+def write_manifest(
+    ckpt: str | os.PathLike, manifest: Manifest, meta: str | os.PathLike | None = None
+) -> None:
+    """Write ``porting.json`` (atomically) into ``meta``: by default the NeMo 2 ``context/``."""
+    path = Path(meta if meta is not None else Path(ckpt) / "context") / MANIFEST
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(asdict(manifest), indent=2) + "\n")
+    tmp.replace(path)
+
+
+def check_manifest(data, path: Path) -> Manifest:
+    """A :class:`Manifest` from parsed JSON, every field checked (the file may be hostile)."""
+
+    def bad(field_name: str, why: str) -> PortingError:
+        return PortingError(f"{path}: field {field_name!r} {why}")
+
+    if not isinstance(data, dict):
+        raise PortingError(f"{path}: not a JSON object")
+    if data.get("format") != FORMAT:
+        raise PortingError(f"{path}: unknown format {data.get('format')!r}")
+    known = set(Manifest.__dataclass_fields__)
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise PortingError(f"{path}: unknown field(s) {', '.join(unknown)}")
+    for name in ("family", "hf_architecture", "dtype"):
+        if not isinstance(data.get(name), str):
+            raise bad(name, "must be a string")
+    if not isinstance(data.get("hf_config"), dict):
+        raise bad("hf_config", "must be an object")
+    for name in ("vocab_size", "padded_vocab_size", "version"):
+        v = data.get(name)
+        if type(v) is not int or v <= 0:
+            raise bad(name, f"must be a positive integer, not {v!r}")
+    if data["version"] > VERSION:
+        raise bad("version", f"is {data['version']}; this porting reads up to {VERSION}")
+    if data["padded_vocab_size"] < data["vocab_size"]:
+        raise bad("padded_vocab_size", "is smaller than vocab_size")
+    if data["dtype"] not in _DTYPE_NAMES:
+        raise bad("dtype", f"must be one of {', '.join(_DTYPE_NAMES)}, not {data['dtype']!r}")
+    tok = data.get("tokenizer", {})
+    if not isinstance(tok, dict) or set(tok) - {"kind", "path"}:
+        raise bad("tokenizer", "must be an object with 'kind' and 'path'")
+    if tok and (tok.get("kind") != "hf" or not isinstance(tok.get("path"), str)):
+        raise bad("tokenizer", f"must be {{'kind': 'hf', 'path': DIR}}, not {tok!r}")
+    extras = data.get("extra_files", [])
+    if not isinstance(extras, list) or any(e not in EXTRA_HF_FILES for e in extras):
+        raise bad("extra_files", f"may only list {', '.join(EXTRA_HF_FILES)}, not {extras!r}")
+    return Manifest(**data)
