@@ -7,11 +7,18 @@ live here or in `porting.testing`, never in an importable `tests.` module.
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+# The gate's matmul rate is cached per machine (porting.parity.floor): the tests keep theirs in a
+# directory of this session, never in the user's ~/.cache, and the commands they start inherit
+# it. PORTING_CACHE_DIR, not XDG_CACHE_HOME: that would move other libraries' caches too.
+_CACHE = tempfile.TemporaryDirectory(prefix="porting-test-cache-")
+os.environ["PORTING_CACHE_DIR"] = _CACHE.name
 
 
 @pytest.fixture(scope="session")
@@ -27,7 +34,7 @@ def tiny_llama(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_nemo(tiny_llama, tmp_path_factory):
     """``tiny_llama`` imported with `porting import` (parity-gated)."""
-    from porting.convert.api import import_hf
+    from porting.api import import_hf
 
     out = tmp_path_factory.mktemp("nemo") / "ckpt"
     import_hf(tiny_llama, out, show_progress=False)

@@ -60,7 +60,13 @@ def workdir(tmp_path_factory, tiny_llama, tiny_nemo, slurm_host):
 
 
 def test_import_verify_export_print_only_our_lines(workdir, tiny_llama, slurm_host):
-    _assert_ours(_porting("import", str(tiny_llama), "--out", "ckpt", cwd=workdir, env=slurm_host))
+    imported = _porting("import", str(tiny_llama), "--out", "ckpt", cwd=workdir, env=slurm_host)
+    _assert_ours(imported)
+    # the import's summary is a line of ours, not a logger's record
+    (summary,) = [x for x in imported.stderr.splitlines() if "HF tensors ->" in x]
+    assert summary.startswith(f"imported {tiny_llama} ("), summary
+    assert not [x for x in imported.stdout.splitlines() if x.startswith("INFO ")]
+    assert not [x for x in imported.stderr.splitlines() if x.startswith("INFO ")]
     _assert_ours(_porting("verify", str(tiny_llama), "ckpt", cwd=workdir, env=slurm_host))
     _assert_ours(_porting("export", "ckpt", "--out", "hf-back", cwd=workdir, env=slurm_host))
 

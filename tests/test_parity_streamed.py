@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from porting.cli import main
-from porting.convert.transforms import TransformPair
+from porting.contract.transforms import TransformPair
 from porting.errors import PortingError
 from porting.parity import harness
 from porting.proof import broken_table, import_with_table
@@ -45,10 +45,10 @@ def llama4(tmp_path_factory):
     ids=["qkv_interleave_of_layer_2", "norm_of_layer_1"],
 )
 def test_a_broken_tsuzumi_layer_is_named(llama4, tmp_path, pattern, transform, layer):
-    from converters import tsuzumi
+    from converters import llama
 
-    table = broken_table(tsuzumi.WEIGHTS, pattern, layer, lambda _: transform, LAYERS)
-    ckpt = import_with_table(llama4, tmp_path / "ck", tsuzumi.FAMILY, table)
+    table = broken_table(llama.WEIGHTS, pattern, layer, lambda _: transform, LAYERS)
+    ckpt = import_with_table(llama4, tmp_path / "ck", llama.FAMILY, table)
     report = harness.verify(llama4, ckpt)
     assert not report.passed
     assert report.first_divergent_layer == layer
@@ -72,10 +72,10 @@ def test_a_broken_falcon_mlp_is_named(tmp_path):
 
 
 def test_verify_json_has_layers_and_plot_is_written(llama4, tmp_path, capsys):
-    from converters import tsuzumi
+    from converters import llama
 
-    table = broken_table(tsuzumi.WEIGHTS, "linear_qkv.weight", 2, lambda _: CONCAT, LAYERS)
-    ckpt = import_with_table(llama4, tmp_path / "ck", tsuzumi.FAMILY, table)
+    table = broken_table(llama.WEIGHTS, "linear_qkv.weight", 2, lambda _: CONCAT, LAYERS)
+    ckpt = import_with_table(llama4, tmp_path / "ck", llama.FAMILY, table)
     png = tmp_path / "layers.png"
     code = main(["verify", str(llama4), str(ckpt), "--json", "--plot", str(png)])
     out = capsys.readouterr().out

@@ -71,7 +71,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "KL(HF || Megatron), top-1 agreement. By default two decoder layers of one side are in "
         "memory at a time (any model size), and the report gives each layer's divergence and "
         "names the first layer that diverges, then the gate's wall time against its floor (both "
-        "sides' matmuls at this machine's measured fp32 rate). Exits 1 when the gate fails.",
+        "sides' matmuls at this machine's fp32 rate, measured once and cached in "
+        "~/.cache/porting). Exits 1 when the gate fails.",
     )
     p.add_argument("hf_dir", type=Path)
     p.add_argument("ckpt", type=Path, help="checkpoint root (any layout; docs/formats.md)")

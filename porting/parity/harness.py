@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
+from porting.parity.floor import FLOOR_MIN_S, format_rate, format_seconds, format_work
 from porting.parity.streamed import LAYER_RTOL
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,9 @@ class ParityReport:
     nonfinite_hf: int = 0
     nonfinite_megatron: int = 0
     # What the gate cost: where it ran, its wall time (from reading the inputs to the verdict),
-    # and its floor, both sides' matmuls at this device's measured fp32 rate (layer-streamed).
+    # and its floor, both sides' matmuls at this machine's fp32 rate (measured once and cached,
+    # porting.parity.floor; layer-streamed). The summary gives the ratio from a floor of
+    # FLOOR_MIN_S up only (below it the gate's fixed costs are what it measures).
     device: str = "cpu"
     wall_s: float | None = None
     floor_s: float | None = None
@@ -87,6 +90,25 @@ class ParityReport:
         """JSON-ready dict: strict JSON, a non-finite number (NaN, Inf) becomes ``null`` (the
         ``nonfinite_*`` counts say why)."""
         return _finite(asdict(self))
+
+    def _layers_line(self) -> str:
+        """How many layers streamed, how many left the tolerance on their own input (each of
+        those ran again on the HF layer's input), and the largest own error."""
+
+        def rel(value) -> float:  # NaN and Inf (null in a child's JSON) are the worst
+            return value if isinstance(value, float | int) and math.isfinite(value) else math.inf
+
+        n = len(self.layers)
+        past = sum(not rel(d["max_rel"]) <= LAYER_RTOL for d in self.layers)
+        worst = max(self.layers, key=lambda d: rel(d["own_max_rel"]))
+        value = worst["own_max_rel"]
+        largest = f"{math.nan if value is None else value:.1e}, layer {worst['layer']}"
+        if not past:
+            return f"{n} streamed, each within {LAYER_RTOL:g} on its own input (largest {largest})"
+        return (
+            f"{n} streamed, {past} past {LAYER_RTOL:g} on their own input, each run again on "
+            f"the HF layer's (largest own error {largest})"
+        )
 
     def summary(self) -> str:
         """Human-readable one-block summary."""
@@ -112,18 +134,21 @@ class ParityReport:
             f"  top-1 agree    {100 * self.top1_agreement:.2f}%   (gate: >= {100 * self.min_top1:.1f}%)"
         )
         if self.layers:
-            worst = max(self.layers, key=lambda d: d["own_max_rel"])
-            text += (
-                f"\n  layers         {len(self.layers)} streamed; largest own error at layer "
-                f"{worst['layer']}: {worst['own_max_rel']:.1e} relative"
-            )
+            text += f"\n  layers         {self._layers_line()}"
         if self.wall_s is not None:
-            text += f"\n  gate           {self.wall_s:.1f} s on {self.device}"
-            if self.floor_s:
+            text += f"\n  gate           {format_seconds(self.wall_s)} on {self.device}"
+            if self.floor_s and self.matmul_gflops:
                 text += (
-                    f"; floor {self.floor_s:.1f} s ({self.matmul_tflop:.2f} TFLOP of matmul at "
-                    f"{self.matmul_gflops:.0f} GFLOP/s): {self.floor_ratio:.1f}x"
+                    f"; floor {format_seconds(self.floor_s)} ({format_work(self.matmul_tflop)} "
+                    f"of matmul at {format_rate(self.matmul_gflops)})"
                 )
+                if self.floor_s >= FLOOR_MIN_S and self.floor_ratio is not None:
+                    text += f": {self.floor_ratio:.1f}x"
+                else:
+                    text += (
+                        f"; no ratio under a {FLOOR_MIN_S:g} s floor: fixed costs, not matmuls, "
+                        "set the time"
+                    )
         if self.first_divergent_layer is not None:
             d = self.layers[self.first_divergent_layer]
             text += (
@@ -248,7 +273,7 @@ def _long_prompt_cost(config, n: int, prompts: int) -> tuple[float, float]:
 def mapped_fields(family) -> set[str]:
     """The HF config fields the family's config map turns into Megatron fields (``Field`` and
     ``Derived`` entries; carried and no-op fields change nothing there)."""
-    from porting.convert.config_map import Derived, Field
+    from porting.contract.config_map import Derived, Field
 
     names: set[str] = set()
     for entry in family.config_entries:
@@ -525,9 +550,9 @@ def megatron_logits_from_checkpoint(
 ) -> list[torch.Tensor]:
     """Logits of the Megatron model loaded from ``ckpt`` (cast to ``dtype``, fp32 by default), cut
     to the HF vocabulary. The model lives where Megatron builds it: the GPU when CUDA is visible."""
+    from porting.contract.registry import family_by_name
     from porting.convert.checkpoint import read_manifest
     from porting.convert.megatron import init_parallel, load_mcore_from_checkpoint, mcore_logits
-    from porting.registry import family_by_name
 
     family = family_by_name(read_manifest(ckpt).family)
     init_parallel()
@@ -561,13 +586,13 @@ def verify(
     one line on stderr, and the verdict is the CPU's.
     """
 
+    from porting.contract.registry import family_by_name
     from porting.convert.checkpoint import read_manifest, tokenizer_files
-    from porting.convert.config_map import load_tokenizer, read_hf_config
+    from porting.convert.hf_files import load_tokenizer, read_hf_config
     from porting.convert.layouts import check_saved_metadata
     from porting.convert.megatron import build_config
     from porting.convert.preflight import check_float_dtypes, check_hf_checkpoint
     from porting.convert.safetensors_io import SafetensorsSource
-    from porting.registry import family_by_name
 
     if torch.device(device).type != "cpu":
         from porting import cpu

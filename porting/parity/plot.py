@@ -20,11 +20,20 @@ def write_plot(report, path: str | Path) -> Path:
         raise PortingError("--plot needs the layer-streamed check (drop --whole-model)")
     floor = 1e-12  # log scale: an exact layer is drawn at the floor
     layers = [d["layer"] for d in report.layers]
-    own = [max(d["own_max_rel"], floor) for d in report.layers]
+    # the layer alone where it ran on the HF layer's input: a layer within the gate's line on
+    # its own input does not run again (porting.parity.streamed)
+    alone = [d for d in report.layers if d.get("own_on_hf_input", True)]
+    own = [max(d["own_max_rel"], floor) for d in alone]
     carried = [max(d["max_rel"], floor) for d in report.layers]
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
     ax.semilogy(layers, carried, "o-", color="tab:blue", label="propagated (each side's own input)")
-    ax.semilogy(layers, own, "s--", color="tab:orange", label="layer alone (HF layer's input)")
+    ax.semilogy(
+        [d["layer"] for d in alone],
+        own,
+        "s--",
+        color="tab:orange",
+        label="layer alone (HF layer's input)",
+    )
     ax.axhline(LAYER_RTOL, color="tab:red", lw=1, label=f"gate: {LAYER_RTOL:g} relative")
     if report.first_divergent_layer is not None:
         ax.axvline(report.first_divergent_layer, color="tab:red", ls=":", lw=1)

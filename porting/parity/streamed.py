@@ -13,9 +13,11 @@ family-specific lives here:
   through the layout ``megatron.core.dist_checkpointing`` gives (what users get is what is checked).
 
 All prompts run as one right-padded batch (causal attention: no valid position sees a pad), so
-each layer is read once per side. Each Megatron layer also runs on the HF layer's input, which
-tells a broken layer from error carried in from earlier ones. Peak memory: embeddings and output
-layer of both sides, two layers of each (the one computing, the next being read), and the
+each layer is read once per side. A Megatron layer whose output leaves :data:`LAYER_RTOL` of the
+HF layer's on its own (propagated) input runs again on the HF layer's input, which tells a broken
+layer from error carried in from earlier ones; a layer within it on its own input computes HF's
+layer to fp32's precision there, and has nothing to tell apart. Peak memory: embeddings and
+output layer of both sides, two layers of each (the one computing, the next being read), and the
 per-layer hidden states.
 
 What makes it fast, none of it changing what is computed (docs/conversion.md, "What the gate
@@ -28,8 +30,10 @@ costs"):
   torch_dist records, whose pickles torch's weights-only unpickler reads) straight into one of two
   reused buffer sets (no fresh pages per layer), on a reader thread while the previous layer
   computes;
-- the Megatron layer's "own" run on the HF input is skipped where the two inputs are equal
-  bit for bit (the first layer): it would compute the same thing again.
+- a clean Megatron layer runs once: the run on the HF layer's input happens only where the
+  layer's output on its own input leaves the tolerance (and not where the two inputs are equal
+  bit for bit, as at the first layer: it would compute the same thing again). A clean gate's
+  matmul work is its floor's.
 
 On a device (``device="cuda"``) the layers stream host -> device one at a time and every tensor
 that the model computes with lives there; the comparison and its tolerances are those of fp32 with
@@ -40,7 +44,6 @@ from __future__ import annotations
 
 import logging
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
@@ -50,6 +53,7 @@ from pathlib import Path
 import torch
 
 from porting.errors import PortingError, check_finite
+from porting.parity.floor import machine_gflops
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +68,12 @@ class LayerDivergence:
     """How far one decoder layer's output differs between the two sides.
 
     ``max_abs`` / ``mean_abs`` / ``max_rel``: each side's layer on its own propagated input (what
-    the logits see). ``own_max_abs`` / ``own_max_rel``: the Megatron layer on the HF layer's input
-    (this layer's own error, nothing carried in).
+    the logits see). ``own_max_abs`` / ``own_max_rel``: this layer's own error. Where
+    ``own_on_hf_input``, the Megatron layer on the HF layer's input (nothing carried in): run
+    again there because ``max_rel`` left :data:`LAYER_RTOL`, or the same run where the two inputs
+    are equal bit for bit. Otherwise ``max_rel`` is within :data:`LAYER_RTOL` and these are its
+    figures: the layer computes HF's layer to fp32's precision on its own input, so no error,
+    its own or carried in, is there to tell apart.
     """
 
     layer: int
@@ -74,6 +82,7 @@ class LayerDivergence:
     max_rel: float
     own_max_abs: float
     own_max_rel: float
+    own_on_hf_input: bool = True
 
     @property
     def diverges(self) -> bool:
@@ -86,8 +95,9 @@ class GateCost:
     """The matmul work of one side and this machine's rate for it: the gate's floor.
 
     ``flop``: the HF side's linear layers and output head over the real positions (the Megatron
-    side does the same work). ``gflops``: fp32 ``F.linear`` on this device at the layers' shape
-    and the prompts' row count, timed in the same run. ``floor_s``: both sides at that rate.
+    side does the same work). ``gflops``: this device's fp32 ``F.linear`` rate, measured once per
+    machine and cached (:func:`porting.parity.floor.machine_gflops`). ``floor_s``: both sides at
+    that rate.
     """
 
     flop: float
@@ -303,7 +313,7 @@ def _to_device(model: torch.nn.Module, device: torch.device) -> None:
 def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device):
     from accelerate import init_empty_weights
 
-    from porting.convert.config_map import read_hf_config
+    from porting.convert.hf_files import read_hf_config
     from porting.convert.safetensors_io import SafetensorsSource
 
     # The family's class reads the config: AutoConfig would want the checkpoint's own code for a
@@ -410,28 +420,6 @@ def _megatron_side(ckpt: Path, family, device: torch.device):
     return _Side(model, layers, load_layer), config
 
 
-def matmul_gflops(device: torch.device, rows: int, k: int, n: int) -> float:
-    """fp32 ``F.linear`` GFLOP/s on ``device`` for ``[rows, k] x [n, k]^T`` (the best of 3 after
-    a warm-up: a floor is what the machine can do, and the 2 shared cores vary by 20% run to run).
-
-    ``n`` is cut so that the weight stays under 256 MB (a 7B's 4096 x 11008 is 180 MB).
-    """
-    n = max(1, min(n, 2**26 // max(k, 1)))
-    g = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(max(rows, 1), k, generator=g, device=device)
-    w = torch.randn(n, k, generator=g, device=device)
-    times = []
-    for _ in range(4):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t = time.perf_counter()
-        torch.nn.functional.linear(x, w)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t)
-    return 2.0 * x.shape[0] * k * n / min(times[1:]) / 1e9
-
-
 def _relative(diff_max: float, ref: torch.Tensor) -> float:
     scale = ref.abs().max().item()
     return diff_max / scale if scale > 0 else diff_max
@@ -493,7 +481,7 @@ def _streamed_logits(
         torch.backends.cudnn.allow_tf32 = False
     ids, valid = pad_batch(prompts)
     ids, valid = ids.to(device), valid.to(device)
-    hf, hf_config = _hf_side(Path(hf_dir), family, allow_pickle, device)
+    hf, _ = _hf_side(Path(hf_dir), family, allow_pickle, device)
     n = len(hf.layers)
     bar = tqdm(total=2 * n, desc="parity", unit="layer", leave=False, disable=not show_progress)
     # Each HF layer's input and output go to disk, not memory: the Megatron pass needs them one
@@ -526,22 +514,29 @@ def _streamed_logits(
             ref = saved["out"].to(device).transpose(0, 1)[mask]
             got = output[mask]
             diff = (got - ref).abs()
+            max_abs = diff.max().item()
+            max_rel = _relative(max_abs, ref)
             hf_in = saved["in"].to(device).transpose(0, 1).contiguous()
             given = kwargs.get("hidden_states", args[0] if args else None)
-            if given is not None and torch.equal(given, hf_in):
-                own = got  # the same layer on the same input: the same computation
+            same_input = given is not None and torch.equal(given, hf_in)
+            if same_input or max_rel <= LAYER_RTOL:  # NaN is not within: it runs again
+                # the same computation on the same input, or a layer within the tolerance on its
+                # own input: nothing carried in to tell from its own error
+                own_abs, own_rel = max_abs, max_rel
             else:
                 own_kwargs = dict(kwargs, hidden_states=hf_in)
                 own = _output(layer.forward(*args, **own_kwargs))[mask]
-            own_diff = (own - ref).abs().max().item()
+                own_abs = (own - ref).abs().max().item()
+                own_rel = _relative(own_abs, ref)
             report.append(
                 LayerDivergence(
                     layer=i,
-                    max_abs=diff.max().item(),
+                    max_abs=max_abs,
                     mean_abs=diff.mean().item(),
-                    max_rel=_relative(diff.max().item(), ref),
-                    own_max_abs=own_diff,
-                    own_max_rel=_relative(own_diff, ref),
+                    max_rel=max_rel,
+                    own_max_abs=own_abs,
+                    own_max_rel=own_rel,
+                    own_on_hf_input=same_input or not max_rel <= LAYER_RTOL,
                 )
             )
             bar.update()
@@ -552,13 +547,8 @@ def _streamed_logits(
         mc = None
     bar.close()
     mc_logits = mc_logits[..., :vocab_size].float().cpu()
-    # The rate at the layers' own shape, after the run: timed alone, not beside the reader.
-    rate = matmul_gflops(
-        device,
-        int(valid.sum()),
-        hf_config.hidden_size,
-        getattr(hf_config, "intermediate_size", None) or 4 * hf_config.hidden_size,
-    )
+    # Measured (where not cached) after the run: timed alone, not beside the reader.
+    rate = machine_gflops(device, work_flop=flop[0])
     return (
         unpad(hf_logits, prompts),
         unpad(mc_logits, prompts),
