@@ -112,7 +112,7 @@ def export_hf(
         if verify:
             report = parity.verify(
                 tmp,
-                given,
+                checkpoint,
                 atol=parity.DEFAULT_ATOL if atol is None else atol,
                 rtol=parity.DEFAULT_RTOL if rtol is None else rtol,
                 whole_model=whole_model,

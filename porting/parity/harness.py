@@ -543,18 +543,20 @@ def hf_logits(
 
 
 def megatron_logits_from_checkpoint(
-    ckpt: str | Path,
+    ckpt,
     prompts: list[torch.Tensor],
     vocab_size: int,
     dtype: torch.dtype = torch.float32,
 ) -> list[torch.Tensor]:
-    """Logits of the Megatron model loaded from ``ckpt`` (cast to ``dtype``, fp32 by default), cut
+    """Logits of the Megatron model loaded from ``ckpt`` (a path or an opened
+    :class:`~porting.convert.checkpoint.Checkpoint`; cast to ``dtype``, fp32 by default), cut
     to the HF vocabulary. The model lives where Megatron builds it: the GPU when CUDA is visible."""
     from porting.contract.registry import family_by_name
-    from porting.convert.checkpoint import read_manifest
+    from porting.convert.checkpoint import open_checkpoint
     from porting.convert.megatron import init_parallel, load_mcore_from_checkpoint, mcore_logits
 
-    family = family_by_name(read_manifest(ckpt).family)
+    ckpt = open_checkpoint(ckpt)
+    family = family_by_name(ckpt.family)
     init_parallel()
     model, _ = load_mcore_from_checkpoint(ckpt, family, dtype=dtype)
     out = [mcore_logits(model, p)[..., :vocab_size] for p in prompts]
@@ -565,7 +567,7 @@ def megatron_logits_from_checkpoint(
 
 def verify(
     hf_dir: str | Path,
-    ckpt: str | Path,
+    ckpt,
     atol: float = DEFAULT_ATOL,
     rtol: float = DEFAULT_RTOL,
     min_top1: float = DEFAULT_MIN_TOP1,
@@ -575,7 +577,8 @@ def verify(
     scratch_dir: str | Path | None = None,
     device: str = "cpu",
 ) -> ParityReport:
-    """Run the parity check of an HF directory against one of our NeMo checkpoints.
+    """Run the parity check of an HF directory against one of our checkpoints (``ckpt``: a path,
+    or the :class:`~porting.convert.checkpoint.Checkpoint` the caller opened).
 
     By default layer-streamed (:mod:`porting.parity.streamed`): two decoder layers of one side in
     memory at a time, per-layer divergence reported and the first diverging layer named. With
@@ -587,23 +590,26 @@ def verify(
     """
 
     from porting.contract.registry import family_by_name
-    from porting.convert.checkpoint import read_manifest, tokenizer_files
+    from porting.convert.checkpoint import open_checkpoint, tokenizer_files
     from porting.convert.hf_files import load_tokenizer, read_hf_config
     from porting.convert.layouts import check_saved_metadata
     from porting.convert.megatron import build_config
     from porting.convert.preflight import check_float_dtypes, check_hf_checkpoint
     from porting.convert.safetensors_io import SafetensorsSource
 
+    # Opened once (layout, manifest) and handed down; a child process opens it by its path.
+    checkpoint = open_checkpoint(ckpt)
+    ckpt = checkpoint.path
     if torch.device(device).type != "cpu":
         from porting import cpu
 
         if not cpu.cuda_available():  # hidden from this process for the conversion
             return _verify_in_child(hf_dir, ckpt, device, locals())
-    manifest = read_manifest(ckpt)
+    manifest = checkpoint.manifest
     family = family_by_name(manifest.family)  # imports NeMo: start-up, not the gate
     started = time.perf_counter()
     # Not read here, but a checkpoint whose metadata would run code on load is hostile.
-    check_saved_metadata(ckpt, family)
+    check_saved_metadata(checkpoint, family)
     # The HF side's config against its headers before either model is built (the Megatron
     # side's is checked as its config is rebuilt, checkpoint_config).
     hf_config = read_hf_config(hf_dir)
@@ -611,13 +617,13 @@ def verify(
     check_float_dtypes(family, source)
     _, ctx = build_config(family, hf_config, torch.float32, vocab_divisor=1)
     check_hf_checkpoint(family, hf_config, ctx, source, Path(hf_dir) / "config.json", "verify")
-    tok_files = tokenizer_files(ckpt, manifest)
+    tok_files = tokenizer_files(checkpoint)
     tokenizer = load_tokenizer(tok_files[0].parent) if tok_files else None
     reference = reference_config(family, hf_config)
     prompts = build_prompts(tokenizer, manifest.vocab_size, config=reference)
     probe = SiteProbe()
     if whole_model:
-        mc = megatron_logits_from_checkpoint(ckpt, prompts, manifest.vocab_size)
+        mc = megatron_logits_from_checkpoint(checkpoint, prompts, manifest.vocab_size)
         hf_cls = family.hf_class(manifest.hf_architecture)
         with probe:
             hf = hf_logits(hf_dir, hf_cls, prompts, family.hf_attn_implementation, device=device)
@@ -630,7 +636,7 @@ def verify(
         try:
             hf, mc, layers, cost = streamed_logits(
                 hf_dir,
-                ckpt,
+                checkpoint,
                 family,
                 prompts,
                 manifest.vocab_size,
@@ -639,6 +645,7 @@ def verify(
                 scratch_dir,
                 device,
                 hf_probe=probe,
+                hf_read=(hf_config, source),
             )
         except torch.OutOfMemoryError as err:
             if torch.device(device).type == "cpu":

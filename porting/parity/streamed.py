@@ -310,15 +310,18 @@ def _to_device(model: torch.nn.Module, device: torch.device) -> None:
                     setattr(module, name, value.to(device))
 
 
-def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device):
+def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, read=None):
+    """``read``: ``(config dict, SafetensorsSource)`` of ``hf_dir`` where the caller has them
+    (verify reads both before the gate starts); read here otherwise."""
     from accelerate import init_empty_weights
 
     from porting.convert.hf_files import read_hf_config
     from porting.convert.safetensors_io import SafetensorsSource
 
+    hf_config, source = read or (read_hf_config(hf_dir), None)
     # The family's class reads the config: AutoConfig would want the checkpoint's own code for a
     # model_type transformers does not know (an auto_map checkpoint).
-    cls = family.hf_class(read_hf_config(hf_dir)["architectures"][0])
+    cls = family.hf_class(hf_config["architectures"][0])
     config = cls.config_class.from_pretrained(str(hf_dir), local_files_only=True)
     with init_empty_weights():
         model = cls._from_config(
@@ -327,7 +330,7 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device):
     model.eval()
     _to_device(model, device)
     prefix, layers = _layer_list(model, config.num_hidden_layers)
-    source = SafetensorsSource(hf_dir, allow_pickle=allow_pickle)
+    source = source or SafetensorsSource(hf_dir, allow_pickle=allow_pickle)
     available = set(source.keys())
     buffers = _Buffers(device)
 
@@ -359,20 +362,21 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device):
     return _Side(model, layers, load_layer), config
 
 
-def _megatron_side(ckpt: Path, family, device: torch.device):
+def _megatron_side(ckpt, family, device: torch.device):
     from accelerate import init_empty_weights
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-    from porting.convert.checkpoint import locate
+    from porting.convert.checkpoint import open_checkpoint
     from porting.convert.dist_reader import DistCheckpointReader
     from porting.convert.megatron import build_mcore_model, checkpoint_config
     from porting.convert.preflight import check_nemo_layout
 
-    config = checkpoint_config(ckpt, family, torch.float32)  # the layers run in fp32
+    checkpoint = open_checkpoint(ckpt)
+    config = checkpoint_config(checkpoint, family, torch.float32)  # the layers run in fp32
     with init_empty_weights():
         model = build_mcore_model(config)
     _to_device(model, device)
-    loc = locate(ckpt)
+    loc = checkpoint.located
     weights = loc.weights
     reader = DistCheckpointReader(weights)
     # Every key, offset and factory of the checkpoint's layout, without data.
@@ -436,6 +440,7 @@ def streamed_logits(
     scratch_dir: str | Path | None = None,
     device: str | torch.device = "cpu",
     hf_probe=None,
+    hf_read=None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[LayerDivergence], GateCost]:
     """HF and Megatron logits (cut to the HF vocabulary, on the CPU), the per-layer divergence
     and the matmul work with this device's rate for it (the gate's floor).
@@ -446,7 +451,9 @@ def streamed_logits(
     export gives its partial output, so that a killed run leaves them with it. ``device``: where
     the layers compute (``cuda``: fp32 with TF32 off; a device that runs out of memory raises
     ``torch.OutOfMemoryError``, and the caller decides). ``hf_probe``: a context entered around
-    the HF side's forward only (:class:`porting.parity.harness.SiteProbe`).
+    the HF side's forward only (:class:`porting.parity.harness.SiteProbe`). ``ckpt``: a path or
+    the :class:`~porting.convert.checkpoint.Checkpoint` the caller opened; ``hf_read``: the HF
+    side's ``(config dict, SafetensorsSource)`` where the caller has read them.
     """
     return _streamed_logits(
         hf_dir,
@@ -459,6 +466,7 @@ def streamed_logits(
         scratch_dir,
         torch.device(device),
         hf_probe,
+        hf_read,
     )
 
 
@@ -473,15 +481,19 @@ def _streamed_logits(
     scratch_dir,
     device,
     hf_probe=None,
+    hf_read=None,
 ):
     from tqdm import tqdm
+
+    from porting.convert.checkpoint import open_checkpoint
 
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     ids, valid = pad_batch(prompts)
     ids, valid = ids.to(device), valid.to(device)
-    hf, _ = _hf_side(Path(hf_dir), family, allow_pickle, device)
+    hf, _ = _hf_side(Path(hf_dir), family, allow_pickle, device, hf_read)
+    hf_read = None  # the HF side's reader goes with the HF model
     n = len(hf.layers)
     bar = tqdm(total=2 * n, desc="parity", unit="layer", leave=False, disable=not show_progress)
     # Each HF layer's input and output go to disk, not memory: the Megatron pass needs them one
@@ -501,10 +513,11 @@ def _streamed_logits(
         hf_logits = hf_logits[..., :vocab_size].float().cpu()
         hf = None  # the HF model is released before the Megatron side is built
 
-        mc, _ = _megatron_side(Path(ckpt), family, device)
+        checkpoint = open_checkpoint(ckpt)
+        mc, _ = _megatron_side(checkpoint, family, device)
         if len(mc.layers) != n:
             raise PortingError(
-                f"{ckpt}: {len(mc.layers)} Megatron layers against {n} in {hf_dir}/config.json"
+                f"{checkpoint.path}: {len(mc.layers)} Megatron layers against {n} in {hf_dir}/config.json"
             )
         report: list[LayerDivergence] = []
         mask = valid.transpose(0, 1)  # Megatron's hidden states are [s, b, h]
