@@ -2,7 +2,7 @@
 which the families built on it (tsuzumi, Mistral, Qwen, MoE, Gemma, a scaffold) start from.
 
 The HF side uses the Llama checkpoint layout, so parity is checked against the third-party
-``transformers`` Llama implementation. Layout facts (see also ``porting/convert/transforms.py``):
+``transformers`` Llama implementation. Layout facts (see also ``porting/contract/transforms.py``):
 
 - HF keeps ``q_proj``, ``k_proj``, ``v_proj`` apart; Megatron fuses them per query group.
 - HF ``rotate_half`` rotary and Megatron's non-interleaved rotary are the same convention

@@ -4,7 +4,9 @@ tsuzumi checkpoints use the Llama layout (tensor names, config fields) under the
 architecture name, ``TsuzumiForCausalLM`` with ``model_type: tsuzumi``; the HF reference side is
 ``transformers``' Llama. Checkpoints that an earlier porting wrote from a ``LlamaForCausalLM``
 directory with ``family: tsuzumi`` in their manifest keep loading and exporting through this
-family (tests/test_tsuzumi.py reads one such checkpoint, shipped in tests/data).
+family (tests/test_tsuzumi.py reads one such checkpoint, shipped in tests/data). ``porting convert``
+of such a checkpoint re-imports it from the Llama directory it exports, so the result is a
+checkpoint of the llama family, which computes the same.
 """
 
 from __future__ import annotations

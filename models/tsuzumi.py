@@ -22,5 +22,8 @@ class TsuzumiModel(LlamaModel):
 
     def __init__(self, config=None, optim=None, tokenizer=None, model_transform=None):
         super().__init__(
-            config or TsuzumiConfig(), optim=optim, tokenizer=tokenizer, model_transform=model_transform
+            config or TsuzumiConfig(),
+            optim=optim,
+            tokenizer=tokenizer,
+            model_transform=model_transform,
         )

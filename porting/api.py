@@ -21,7 +21,7 @@ from porting.convert.checkpoint import (
 )
 from porting.convert.connectors import export_into, model_class
 from porting.convert.hf_files import family_for_hf_dir
-from porting.convert.layouts.registry import LAYOUTS, layout_named
+from porting.convert.layouts.registry import is_hf_dir, layout_named
 from porting.errors import PortingError
 from porting.guard import output_lock, refuse_overlap
 
@@ -131,12 +131,6 @@ class ParityError(PortingError):
     def __init__(self, report) -> None:
         super().__init__("parity check failed; no output written\n" + report.summary())
         self.report = report
-
-
-def is_hf_dir(path: str | Path) -> bool:
-    """Whether ``path`` is an HF model directory rather than one of our checkpoint layouts."""
-    path = Path(path)
-    return (path / "config.json").is_file() and not any(layout.marks(path) for layout in LAYOUTS)
 
 
 def convert(

@@ -57,8 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     quiet.install(args.verbose)
     # Our packages log at INFO; third-party libraries only from WARNING up unless -v.
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING)
-    logging.getLogger().handlers[0].setFormatter(_Voice(args.verbose))
+    handler = logging.StreamHandler()
+    handler.setFormatter(_Voice(args.verbose))
+    # does nothing where the root logger already has a handler (an application embedding us)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING, handlers=[handler]
+    )
     for name in _OWN_PACKAGES:
         logging.getLogger(name).setLevel(logging.DEBUG if args.verbose else logging.INFO)
     before = guard.child_pids()
@@ -113,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
 
 class _Voice(logging.Formatter):
     """Our packages' records read as the command's own lines (``resuming ...``,
-    ``warning: ...``), not as a logger's (``INFO porting.convert.checkpoint: ...``); a third-party
+    ``warning: ...``, ``error: ...``), not as a logger's (``INFO porting.convert.checkpoint: ...``); a third-party
     record keeps its origin, and with ``-v`` every record shows where it comes from."""
 
     def __init__(self, verbose: bool) -> None:
@@ -124,7 +128,7 @@ class _Voice(logging.Formatter):
         if self.verbose or record.name.partition(".")[0] not in _OWN_PACKAGES:
             return super().format(record)
         text = record.getMessage()
-        return text if record.levelno < logging.WARNING else f"warning: {text}"
+        return text if record.levelno < logging.WARNING else f"{record.levelname.lower()}: {text}"
 
 
 def _exit_source(exit_: SystemExit) -> str:

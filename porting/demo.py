@@ -97,7 +97,7 @@ def run_demo(workdir: Path) -> int:
 
     print()
     print(
-        "porting demo: tiny tsuzumi-style model (Llama layout, 2 layers, GQA 4/2, vocab 130->256)"
+        "porting demo: tiny Llama-layout model (llama family, 2 layers, GQA 4/2, vocab 130->256)"
     )
     print(
         "              tiny Falcon-style model (40B layout: parallel attention + MLP, two norms, "
@@ -128,7 +128,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "demo",
         help="end to end on tiny built-in models: build, import, verify, export, round trip",
-        description="Build a tiny random tsuzumi-style (Llama layout) and a tiny Falcon-style HF "
+        description="Build a tiny random Llama-layout and a tiny Falcon-style HF "
         "checkpoint locally, import each, verify parity, export it back and check the round "
         "trip; prints a short table.",
     )

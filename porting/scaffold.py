@@ -590,8 +590,8 @@ from __future__ import annotations
 import pytest
 
 from porting import proof
-from porting.contract import registry
 from porting.api import import_hf
+from porting.contract import registry
 
 ARCHITECTURE = {lit(plan.hf_class)}
 TINY = {{

@@ -294,7 +294,15 @@ def make_indexed_dataset(
 # demo's table, prep-data's summary, train's closing line. A line matching none of them came from a
 # library, and the quiet-output tests fail on it.
 OWN_OUTPUT_PATTERNS = (
-    r"(INFO|WARNING|ERROR) (porting|data_prep|converters|models)[.:]",
+    r"(INFO|WARNING|ERROR) (porting|data_prep|converters|models)[.:]",  # with -v
+    # our log records, as porting.cli prints them (no logger prefix): training, prep-data, outputs
+    r"(warning|error): ",
+    r"step \d+/\d+  loss ",
+    r"saved checkpoint \S",
+    r"tokenizer \S+ \(\w+, backend \w+, vocab \d+, eod \S+, dtype \w+\); \d+ input\(s\)$",
+    r"(resuming|replacing) ",
+    r"unit \d+ of \S+ is incomplete",
+    r"removing \S+, left by an earlier run",
     r"porting [a-z-]+: error: ",
     r"parity (PASS|FAIL): \d+ prompts",
     r"  (max \|dlogit\||mean \|dlogit\||KL\(HF\|\|Mcore\)|top-1 agree|layers|first divergence|gate) ",

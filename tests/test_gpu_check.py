@@ -49,7 +49,7 @@ def test_check_cut_short_by_its_budget_then_continued_passes_every_check(tmp_pat
         "checks"
     ]
     parity = report["steps"]["parity"]["result"]["models"]
-    assert set(parity) == {"tsuzumi-1b", "falcon-7b_mqa", "falcon-40b_gqa_two_norms",
+    assert set(parity) == {"llama-1b", "falcon-7b_mqa", "falcon-40b_gqa_two_norms",
                            "falcon-11b_gqa_one_norm_untied", "falcon-rw_alibi_biases"}  # fmt: skip
     for name, row in parity.items():
         # the CPU stands in for the device here, so the two fp32 runs must agree exactly
@@ -67,7 +67,7 @@ def test_check_cut_short_by_its_budget_then_continued_passes_every_check(tmp_pat
     assert plan["predicted_step_s"] > 0 and plan["comparable"] is False
     table = (tmp_path / "out2" / "report.md").read_text()
     assert "| falcon-rw_alibi_biases |" in table and "every" not in table
-    assert "===== train tsuzumi, resumed" in (tmp_path / "out2" / "check.log").read_text()
+    assert "===== train llama, resumed" in (tmp_path / "out2" / "check.log").read_text()
 
 
 def test_conversion_commands_run_with_no_gpu_visible(tiny_llama, tiny_nemo, tmp_path, monkeypatch):
@@ -94,7 +94,7 @@ def test_a_gpu_without_te_or_apex_keeps_only_the_fusions_it_has_kernels_for(monk
     """Plain PyTorch on a GPU (the lent machine's image): Megatron would refuse apply_rope_fusion,
     assert on persist_layer_norm and import a missing softmax kernel; the torch-code fusions stay."""
     from models.falcon import FalconConfig
-    from models.tsuzumi import TsuzumiConfig
+    from models.llama import LlamaConfig
     from porting import cpu
 
     missing = cpu.fusions_without_kernels()
@@ -105,13 +105,13 @@ def test_a_gpu_without_te_or_apex_keeps_only_the_fusions_it_has_kernels_for(monk
     }  # fmt: skip
     monkeypatch.setattr(cpu, "cuda_available", lambda: True)
     for config in (
-        TsuzumiConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4),
+        LlamaConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4),
         FalconConfig(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4),
     ):
         assert not any(getattr(config, name) for name in missing), type(config)
         assert config.bias_dropout_fusion, type(config)  # torch code (jit_fuser): kept
-        # Falcon's exact GELU has no fused form; the tsuzumi SwiGLU's fusion is torch code
-        assert config.bias_activation_fusion == isinstance(config, TsuzumiConfig), type(config)
+        # Falcon's exact GELU has no fused form; the Llama SwiGLU's fusion is torch code
+        assert config.bias_activation_fusion == isinstance(config, LlamaConfig), type(config)
         assert not config.use_cpu_initialization, type(config)
 
 

@@ -150,6 +150,19 @@ def test_a_family_s_context_symbols_are_allowed_for_its_checkpoints_only():
     assert not allowed("models.falcon", "alibi_bias", falcon.FAMILY)
 
 
+def test_a_family_s_named_context_symbols_are_allowed_in_a_bridge_run_config_for_it_only():
+    """Families name their symbols ("models.falcon:falcon_layer_spec"): Bridge's run_config.yaml
+    check admits them for that family's checkpoints and refuses them for another's."""
+    from converters import falcon, gemma
+    from porting.convert.bridge import _check_targets
+    from porting.errors import PortingError
+
+    spec = {"model": {"transformer_layer_spec": {"_target_": "models.falcon.falcon_layer_spec"}}}
+    _check_targets(spec, Path("run_config.yaml"), falcon.FAMILY)
+    with pytest.raises(PortingError, match="falcon_layer_spec"):
+        _check_targets(spec, Path("run_config.yaml"), gemma.FAMILY)
+
+
 def test_trust_remote_code_in_io_json_is_refused(ckpt):
     from porting.convert.context import check_io_json
     from porting.errors import PortingError

@@ -15,6 +15,6 @@
   parity gate).
 
 Imports the contract below it, never ``porting.parity``, ``porting.train`` or ``porting.planner``
-(only its ``cli``, the command edge, reaches up to :mod:`porting.api`). The package root imports
-nothing.
+(only its ``cli``, the command edge, reaches up to :mod:`porting.api` and
+:mod:`porting.parity.cli`). The package root imports nothing.
 """

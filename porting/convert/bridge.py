@@ -174,9 +174,10 @@ def _check_targets(data, path: Path, family) -> None:
     """Every ``_target_`` in ``data``, in document order. Each dict or list is checked once: an
     alias repeats the same object, and walking it once per repetition is what made a 1 KB alias
     bomb run for minutes."""
+    from porting.convert.context import context_symbol
     from porting.convert.untrusted import shown
 
-    declared = {_qualified(o) for o in family.context_symbols if callable(o)} if family else set()
+    declared = {".".join(context_symbol(o)) for o in family.context_symbols} if family else set()
     seen: set[int] = set()
     todo = [(data, "<root>")]
     while todo:

@@ -171,9 +171,36 @@ def _cmd_import(args) -> int:
     return 0
 
 
+def _open_early(args, ckpt) -> None:
+    """Refuse, before NeMo loads, a checkpoint that is not one or whose manifest does not read. One
+    trained elsewhere (``--hf-config``) is adopted by the conversion itself: that reads its
+    tokenizer through transformers."""
+    from porting.convert.checkpoint import open_checkpoint
+    from porting.convert.foreign import reading
+
+    if args.hf_config is None:
+        with reading(ckpt, args.src_format, None, args.tokenizer):
+            open_checkpoint(ckpt)
+
+
+def _refuse_source_early(args) -> None:
+    from porting.convert.hf_files import family_for_hf_dir
+    from porting.convert.layouts.registry import is_hf_dir
+
+    if not is_hf_dir(args.src):
+        _open_early(args, args.src)
+        return
+    if args.hf_config or args.tokenizer or args.src_format:
+        raise PortingError(
+            f"{args.src}: an HF directory; --format, --hf-config and --tokenizer are for checkpoints"
+        )
+    family_for_hf_dir(args.src)
+
+
 def _cmd_export(args) -> int:
     reads = source_inputs("checkpoint", args.ckpt, args)
-    with _converting(args, reads, "HF directory") as device:
+    early = lambda: _open_early(args, args.ckpt)  # noqa: E731
+    with _converting(args, reads, "HF directory", early) as device:
         from porting.api import export_hf
         from porting.convert.foreign import reading
 
@@ -198,16 +225,12 @@ def _cmd_export(args) -> int:
 
 def _cmd_convert(args) -> int:
     reads = source_inputs("source", args.src, args)
-    with _converting(args, reads, "checkpoint") as device:
-        from porting.api import convert, is_hf_dir
+    with _converting(args, reads, "checkpoint", lambda: _refuse_source_early(args)) as device:
+        from porting.api import convert
         from porting.convert.foreign import reading
+        from porting.convert.layouts.registry import is_hf_dir
 
         if is_hf_dir(args.src):
-            if args.hf_config or args.tokenizer or args.src_format:
-                raise PortingError(
-                    f"{args.src}: an HF directory; --format, --hf-config and "
-                    "--tokenizer are for checkpoints"
-                )
             context = contextlib.nullcontext()
         else:
             context = reading(args.src, args.src_format, args.hf_config, args.tokenizer)

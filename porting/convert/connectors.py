@@ -56,15 +56,6 @@ log = logging.getLogger(__name__)
 TOKENIZER_SUBDIR = "context/nemo_tokenizer"
 
 
-def _say(line: str) -> None:
-    """One line of the import's own output, in the command's voice (as ``parity PASS`` and
-    ``wrote``), not a log record's (``INFO porting.convert.connectors: ...``). On stderr: stdout
-    is the report's, and under ``--json`` holds exactly the JSON document."""
-    import sys
-
-    print(line, file=sys.stderr, flush=True)
-
-
 def resolve_dtype(source: SafetensorsSource, requested: str | None) -> torch.dtype:
     """The weight dtype of the import: the checkpoint's own unless the user asks for another.
 
@@ -207,7 +198,7 @@ class PortingImporter(io.ModelConnector):
                 f"one of family {family.name}'s ({', '.join(family.keys)})"
             )
         for line in config_map.notes(hf_config, family.config_entries, str(hf_dir / "config.json")):
-            _say(line)
+            log.info(line)
         source = self.source
         check_float_dtypes(family, source)
         dtype = resolve_dtype(source, self.dtype)
@@ -263,9 +254,14 @@ class PortingImporter(io.ModelConnector):
         manifest = self._write_extras(out, hf_dir, hf_config, ctx, dtype)
         if self._tokenizer_dir.is_relative_to(out):
             shutil.rmtree(self._tokenizer_dir.parent, ignore_errors=True)
-        _say(
-            f"imported {hf_dir} ({family.name}, {dtype_name(dtype)}): {report.consumed} HF "
-            f"tensors -> {report.written} Megatron parameters, {len(report.ignored)} ignored"
+        log.info(
+            "imported %s (%s, %s): %d HF tensors -> %d Megatron parameters, %d ignored",
+            hf_dir,
+            family.name,
+            dtype_name(dtype),
+            report.consumed,
+            report.written,
+            len(report.ignored),
         )
         return manifest
 

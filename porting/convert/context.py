@@ -45,7 +45,7 @@ def allowed(module: str, name: str, family=None) -> bool:
     if name in _EXACT.get(module, ()):
         return True
     if family is not None:
-        if any(_symbol(o) == (module, name) for o in family.context_symbols):
+        if any(context_symbol(o) == (module, name) for o in family.context_symbols):
             return True
         if module in family.megatron_modules:
             # the family's own installed module, not the checkpoint's: importing it runs no input
@@ -136,7 +136,7 @@ def check_io_json(ckpt: str | Path, family=None) -> None:
     _walk({k: v for k, v in data.items() if k != "objects"}, "<root>", path, family)
 
 
-def _symbol(obj) -> tuple[str, str]:
+def context_symbol(obj) -> tuple[str, str]:
     """(module, qualname) of a context symbol, given as an object or named ``"module:qualname"``."""
     if isinstance(obj, str):
         module, _, name = obj.partition(":")

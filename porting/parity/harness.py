@@ -606,7 +606,8 @@ def verify(
         if not cpu.cuda_available():  # hidden from this process for the conversion
             return _verify_in_child(hf_dir, ckpt, device, locals())
     manifest = checkpoint.manifest
-    family = family_by_name(manifest.family)  # imports NeMo: start-up, not the gate
+    family = family_by_name(manifest.family)
+    family.config_class()  # its Megatron side and NeMo: start-up, not the gate
     started = time.perf_counter()
     # Not read here, but a checkpoint whose metadata would run code on load is hostile.
     check_saved_metadata(checkpoint, family)

@@ -330,7 +330,8 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
     model.eval()
     _to_device(model, device)
     prefix, layers = _layer_list(model, config.num_hidden_layers)
-    source = source or SafetensorsSource(hf_dir, allow_pickle=allow_pickle)
+    if source is None:
+        source = SafetensorsSource(hf_dir, allow_pickle=allow_pickle)
     available = set(source.keys())
     buffers = _Buffers(device)
 
@@ -493,7 +494,6 @@ def _streamed_logits(
     ids, valid = pad_batch(prompts)
     ids, valid = ids.to(device), valid.to(device)
     hf, _ = _hf_side(Path(hf_dir), family, allow_pickle, device, hf_read)
-    hf_read = None  # the HF side's reader goes with the HF model
     n = len(hf.layers)
     bar = tqdm(total=2 * n, desc="parity", unit="layer", leave=False, disable=not show_progress)
     # Each HF layer's input and output go to disk, not memory: the Megatron pass needs them one
@@ -561,7 +561,7 @@ def _streamed_logits(
     bar.close()
     mc_logits = mc_logits[..., :vocab_size].float().cpu()
     # Measured (where not cached) after the run: timed alone, not beside the reader.
-    rate = machine_gflops(device, work_flop=flop[0])
+    rate = machine_gflops(device, work_flop=2 * flop[0])  # both sides, as GateCost counts it
     return (
         unpad(hf_logits, prompts),
         unpad(mc_logits, prompts),

@@ -5,7 +5,7 @@ Run on a GPU machine through ``scripts/gpu/check.sh OUTDIR`` (which installs the
 ``--tiny`` runs the same steps at test size on whatever device there is (the CPU here, which is how
 ``tests/test_gpu_check.py`` keeps this script working between GPU loans). Steps, in order:
 
-1. ``models``: random-init HF checkpoints saved in bf16: a ~1.1B tsuzumi-style (Llama layout,
+1. ``models``: random-init HF checkpoints saved in bf16: a ~1.1B Llama-layout (llama family,
    TinyLlama's shape), a Falcon of the 40B layout at equal FLOPs per token for the throughput
    comparison, and the four released Falcon layouts (7B, 40B, 11B, RW) at small width.
 2. ``import``: ``porting import`` of each, without its gate (the parity step runs the same
@@ -308,8 +308,8 @@ def build_models(c: Check) -> dict:
     hf = c.work / "hf"
     made = {}
     t = time.time()
-    make_llama(hf / "tsuzumi-1b", dtype=dtype, **c.sizes.llama)
-    made["tsuzumi-1b"] = round(time.time() - t, 1)
+    make_llama(hf / "llama-1b", dtype=dtype, **c.sizes.llama)
+    made["llama-1b"] = round(time.time() - t, 1)
     t = time.time()
     make_falcon(hf / "falcon-1b", dtype=dtype, **c.sizes.falcon_train)
     made["falcon-1b"] = round(time.time() - t, 1)
@@ -319,7 +319,11 @@ def build_models(c: Check) -> dict:
     # parity step compares each one's bf16 against transformers' own bf16 on the device.
     width = c.sizes.falcon_width
     for family in registry.families():
-        if family.name in ("tsuzumi", "falcon"):
+        if family.name in (
+            "llama",
+            "tsuzumi",
+            "falcon",
+        ):  # built above; tsuzumi is the llama tables
             continue
         for arch in family.architectures:
             fields = proof.tiny_fields(
@@ -397,7 +401,7 @@ def make_data(c: Check) -> dict:
     prefix = c.work / "data" / "corpus"
     c.porting(
         "prep-data", "--input", str(src), "--output-prefix", str(prefix),
-        "--tokenizer", str(c.work / "nemo" / "tsuzumi-1b"), "--append-eod", "--workers", "2",
+        "--tokenizer", str(c.work / "nemo" / "llama-1b"), "--append-eod", "--workers", "2",
         "--no-progress", what="prep-data",
     )  # fmt: skip
     return {"prefix": str(prefix) + "_text_document", "bytes": src.stat().st_size}
@@ -452,7 +456,7 @@ def parity(c: Check) -> dict:
     from porting.parity.harness import compare
     from porting.testing import RELEASED_FALCON_LAYOUTS
 
-    names = ["tsuzumi-1b", *(f"falcon-{n}" for n in RELEASED_FALCON_LAYOUTS)]
+    names = ["llama-1b", *(f"falcon-{n}" for n in RELEASED_FALCON_LAYOUTS)]
     (c.work / "logits").mkdir(exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     worker = [sys.executable, __file__, "--parity-worker", str(c.work), *names]
@@ -637,11 +641,11 @@ def _summary(c: Check, name: str, out: Path, seconds: float) -> dict:
 
 
 def train_stock(c: Check) -> dict:
-    """The 1.1B tsuzumi-style model, uninterrupted: loss, tokens/s, MFU, memory."""
-    out = c.work / "runs" / "tsuzumi"
+    """The 1.1B Llama-layout model, uninterrupted: loss, tokens/s, MFU, memory."""
+    out = c.work / "runs" / "llama"
     t = time.time()
-    c.run(_train_argv(c, c.work / "nemo" / "tsuzumi-1b", out, c.sizes.steps), "train tsuzumi")
-    result = _summary(c, "tsuzumi-1b", out, time.time() - t)
+    c.run(_train_argv(c, c.work / "nemo" / "llama-1b", out, c.sizes.steps), "train llama")
+    result = _summary(c, "llama-1b", out, time.time() - t)
     c.passed(
         "train: loss falls",
         result["loss_last"] < result["loss_first"],
@@ -656,11 +660,11 @@ def train_resume(c: Check) -> dict:
     """The same run SIGKILLed once its first checkpoint is complete, then the same command again."""
     from porting.testing import kill_at_first_checkpoint, train_losses
 
-    out = c.work / "runs" / "tsuzumi-resumed"
-    argv = _train_argv(c, c.work / "nemo" / "tsuzumi-1b", out, c.sizes.steps // 2)
+    out = c.work / "runs" / "llama-resumed"
+    argv = _train_argv(c, c.work / "nemo" / "llama-1b", out, c.sizes.steps // 2)
     kill_at_first_checkpoint(argv, out, timeout=max(c.left_s(), 30))
     before = train_losses(out)
-    c.run(argv, "train tsuzumi, resumed")
+    c.run(argv, "train llama, resumed")
     after = train_losses(out)
     ref = c.report["steps"]["train stock"]["result"]["losses"]
     resumed = [s for s in after if s not in before or after[s] != before[s]]
@@ -701,7 +705,7 @@ def train_falcon(c: Check) -> dict:
 
 def export_trained(c: Check) -> dict:
     """``porting export`` of the trained checkpoint; its gate runs on the CPU."""
-    ckpt = c.work / "runs" / "tsuzumi" / "checkpoints" / "last"
+    ckpt = c.work / "runs" / "llama" / "checkpoints" / "last"
     text = c.porting(
         "export", str(ckpt), "--out", str(c.work / "exported"), "--json", what="export trained"
     )
@@ -726,7 +730,7 @@ def plan(c: Check) -> dict:
         raise RuntimeError("no measured step time (the stock training step did not finish)")
     s = c.sizes
     args = [
-        "plan", "--model", str(c.work / "nemo" / "tsuzumi-1b"), "--cluster", str(CLUSTER),
+        "plan", "--model", str(c.work / "nemo" / "llama-1b"), "--cluster", str(CLUSTER),
         "--global-batch", str(s.global_batch), "--seq-length", str(s.seq_length),
         "--layout", f"tp=1,pp=1,mb={s.micro_batch},recompute=none", "--json",
     ]  # fmt: skip

@@ -48,3 +48,9 @@ def locate(ckpt: str | os.PathLike, fmt: str | None = None) -> Located:
     if wanted is not None and found.layout is not wanted:
         raise PortingError(f"{path}: a {found.format} checkpoint, not {wanted.name}")
     return found
+
+
+def is_hf_dir(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is an HF model directory rather than a checkpoint in one of the layouts."""
+    path = Path(path)
+    return (path / "config.json").is_file() and not any(layout.marks(path) for layout in LAYOUTS)
