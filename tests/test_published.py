@@ -118,4 +118,5 @@ def test_every_family_we_claim_is_in_the_catalogue():
 
     archs = {c["architectures"][0] for c in published.PUBLISHED.values()}
     claimed = {a for f in registry.families() for a in f.architectures}
-    assert claimed <= archs, claimed - archs
+    # tsuzumi is an in-house product: no checkpoint of it is published (tests/test_tsuzumi.py)
+    assert claimed - {"TsuzumiForCausalLM"} <= archs, claimed - archs
