@@ -96,9 +96,7 @@ def run_demo(workdir: Path) -> int:
     f_rt = step("falcon: round trip check", lambda: compare_hf_dirs(f_hf, fdir / "hf-back"))
 
     print()
-    print(
-        "porting demo: tiny Llama-layout model (llama family, 2 layers, GQA 4/2, vocab 130->256)"
-    )
+    print("porting demo: tiny Llama-layout model (llama family, 2 layers, GQA 4/2, vocab 130->256)")
     print(
         "              tiny Falcon-style model (40B layout: parallel attention + MLP, two norms, "
         "GQA 4/2, vocab 130->256)"
