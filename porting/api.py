@@ -52,7 +52,6 @@ def import_hf(
     Returns the parity report (``None`` with ``verify=False``). On a failed parity check the
     checkpoint is not left under ``out`` and :class:`PortingError` is raised with the report.
     """
-    from porting.parity import harness as parity
 
     refuse_overlap(out, [("HF directory", hf_dir)])
     layout = layout_named(fmt)
@@ -65,19 +64,9 @@ def import_hf(
         manifest = importer.convert_into(tmp)
         layout.write(tmp, _layout_config(family, manifest, vocab_divisor), manifest, family)
         if verify:
-            report = parity.verify(
-                hf_dir,
-                tmp,
-                atol=parity.DEFAULT_ATOL if atol is None else atol,
-                rtol=parity.DEFAULT_RTOL if rtol is None else rtol,
-                whole_model=whole_model,
-                show_progress=show_progress,
-                allow_pickle=allow_pickle,
-                scratch_dir=tmp,
-                device=device,
+            report = _gate(
+                hf_dir, tmp, tmp, atol, rtol, whole_model, show_progress, device, allow_pickle
             )
-            if not report.passed:
-                raise ParityError(report)
     return report
 
 
@@ -100,7 +89,6 @@ def export_hf(
     Returns the parity report (``None`` with ``verify=False``). ``atol``, ``rtol``, ``device``:
     the gate's (:func:`porting.parity.harness.verify`).
     """
-    from porting.parity import harness as parity
 
     given = ckpt.path if isinstance(ckpt, Checkpoint) else ckpt
     refuse_overlap(out, [("checkpoint", given)])
@@ -110,18 +98,30 @@ def export_hf(
         family = family_by_name(checkpoint.family)
         export_into(checkpoint, tmp, family, max_shard_bytes)
         if verify:
-            report = parity.verify(
-                tmp,
-                checkpoint,
-                atol=parity.DEFAULT_ATOL if atol is None else atol,
-                rtol=parity.DEFAULT_RTOL if rtol is None else rtol,
-                whole_model=whole_model,
-                show_progress=show_progress,
-                scratch_dir=tmp,
-                device=device,
-            )
-            if not report.passed:
-                raise ParityError(report)
+            report = _gate(tmp, checkpoint, tmp, atol, rtol, whole_model, show_progress, device)
+    return report
+
+
+def _gate(
+    hf_dir, ckpt, scratch, atol, rtol, whole_model, show_progress, device, allow_pickle=False
+):
+    """The parity gate on a finished temporary output (its hidden states wait in ``scratch``, so
+    that a killed run leaves them with it); a failure raises :class:`ParityError`."""
+    from porting.parity import harness as parity
+
+    report = parity.verify(
+        hf_dir,
+        ckpt,
+        atol=parity.DEFAULT_ATOL if atol is None else atol,
+        rtol=parity.DEFAULT_RTOL if rtol is None else rtol,
+        whole_model=whole_model,
+        show_progress=show_progress,
+        allow_pickle=allow_pickle,
+        scratch_dir=scratch,
+        device=device,
+    )
+    if not report.passed:
+        raise ParityError(report)
     return report
 
 
