@@ -312,3 +312,14 @@ def test_bad_model_and_layout_arguments(tmp_path, capsys):
     assert "--layout" in capsys.readouterr().err
     assert main([*BASE, "--cluster", str(ONE), "--layout", "tp=8,pp=3"]) == 2
     assert "--layout" in capsys.readouterr().err
+
+
+def test_a_sparse_sweep_takes_its_bandwidth_from_the_large_messages():
+    """Two rows, 64 KiB and 1 MiB: the small one passed a token-bucket link at burst speed. The
+    link's bandwidth is the large row's, not the best of the last three rows (which is both)."""
+    rows = ((65536, 0.0033, 19.9e6), (1048576, 0.0883, 11.9e6))
+    t = NcclTest("link-a-b_all_reduce.log", WAN, "a-b", None, "all_reduce", 2, 2, rows)
+    assert t.busbw == 11.9e6
+    dense = tuple((8 << i, 1.0, float(i)) for i in range(20))
+    t = NcclTest("node_all_reduce.log", NODE, None, None, "all_reduce", 8, 1, dense)
+    assert t.busbw == 19.0  # a doubling sweep: its last three rows, as before
