@@ -9,7 +9,15 @@ A family's mapping is one module-level tuple of typed entries:
 
 Patterns use ``*`` for the layer index and ``#`` for the expert index of mixture-of-experts
 layers. An entry may carry ``when``, a predicate on the shape
-context, for parts that exist only in some configs (biases, an untied output layer).
+context, for parts that exist only in some configs (biases, an untied output layer), and
+``layers``, a predicate ``(ctx, layer index)``, for parts that only some layers have (the dense
+MLP of a model whose first layers are dense and the rest mixtures of experts).
+
+An HF name ending in ``[#]`` reads one expert's slice of a tensor that stacks every expert along
+its first dimension (gpt-oss's ``mlp.experts.gate_up_proj``, ``(experts, hidden, 2 * ffn)``):
+``model.layers.*.mlp.experts.down_proj[#]`` is expert ``#``'s ``(ffn, hidden)`` slice. The engine
+reads the stacked tensor once for all its slices and, on export, stacks the slices back into one
+tensor in expert order (:func:`stacked_part`).
 
 Import and export are both driven by :func:`expand`; :mod:`porting.convert.mapping` applies the
 expanded table and accounts for every key. Pure: imports neither torch nor NeMo.
@@ -17,6 +25,7 @@ expanded table and accounts for every key. Pure: imports neither torch nor NeMo.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +33,7 @@ from typing import Any
 from porting.contract.transforms import IDENTITY, TransformPair
 
 Predicate = Callable[[Any], bool]
+LayerPredicate = Callable[[Any, int], bool]
 
 
 @dataclass(frozen=True)
@@ -33,6 +43,7 @@ class Rename:
     hf: str
     mcore: str
     when: Predicate | None = None
+    layers: LayerPredicate | None = None
 
 
 @dataclass(frozen=True)
@@ -43,6 +54,7 @@ class Fused:
     mcore: str
     transform: TransformPair
     when: Predicate | None = None
+    layers: LayerPredicate | None = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +92,21 @@ TE_FUSED_NORM_NAMES = {
 
 
 LAYER, EXPERT = "*", "#"
+_PART = re.compile(r"(.+)\[(\d+)\]\Z")
+
+
+def stacked_part(key: str) -> tuple[str, int] | None:
+    """``(tensor, index)`` for a concrete key naming one slice of a stacked tensor
+    (``'m.layers.0.mlp.experts.down_proj[3]'`` -> ``('m.layers.0.mlp.experts.down_proj', 3)``);
+    ``None`` for a whole tensor. No checkpoint names a tensor with brackets."""
+    m = _PART.match(key)
+    return None if m is None else (m[1], int(m[2]))
+
+
+def stored_key(key: str) -> str:
+    """The checkpoint tensor a concrete key reads: itself, or the stacked tensor it slices."""
+    part = stacked_part(key)
+    return key if part is None else part[0]
 
 
 def _fill(pattern: str, layer: int | None, expert: int | None) -> str:
@@ -95,8 +122,9 @@ def expand(
 ) -> tuple[list[Concrete], list[Ignore]]:
     """Expand the wildcards and drop entries whose ``when`` is false for ``ctx``.
 
-    ``*`` stands for the layer index (``num_layers``), ``#`` for the expert index
-    (``ctx.num_experts``, for mixture-of-experts families), in HF and Megatron names alike.
+    ``*`` stands for the layer index (``num_layers``, those the entry's ``layers`` admits), ``#``
+    for the expert index (``ctx.num_experts``, for mixture-of-experts families), in HF and
+    Megatron names alike.
     """
     concrete: list[Concrete] = []
     ignores: list[Ignore] = []
@@ -110,6 +138,8 @@ def expand(
         transform = IDENTITY if isinstance(entry, Rename) else entry.transform
         names = (entry.mcore, *hf)
         layers = range(num_layers) if any(LAYER in k for k in names) else [None]
+        if entry.layers is not None and layers != [None]:
+            layers = [i for i in layers if entry.layers(ctx, i)]
         experts = range(ctx.num_experts) if any(EXPERT in k for k in names) else [None]
         for layer in layers:
             for expert in experts:

@@ -16,7 +16,15 @@ from typing import Any, Protocol
 
 import torch
 
-from porting.contract.mapping import Concrete, Entry, Ignore, expand, resolve_target_names
+from porting.contract.mapping import (
+    Concrete,
+    Entry,
+    Ignore,
+    expand,
+    resolve_target_names,
+    stacked_part,
+    stored_key,
+)
 from porting.errors import PortingError
 
 log = logging.getLogger(__name__)
@@ -55,10 +63,13 @@ def plan_import(
             if k in claimed:
                 raise PortingError(f"mapping table claims source key {k!r} twice")
             claimed[k] = c.mcore
-    missing = [k for c in entries for k in c.hf if k not in source_set]
+    # a stacked tensor is claimed by its slices (``name[#]``)
+    stored = {stored_key(k) for k in claimed}
+    missing = list(dict.fromkeys(stored_key(k) for c in entries for k in c.hf))
+    missing = [k for k in missing if k not in source_set]
     ignored, unknown = [], []
     for k in source:
-        if k in claimed:
+        if k in stored:
             continue
         if any(fnmatch.fnmatchcase(k, i.hf) for i in ignores):
             ignored.append(k)
@@ -161,13 +172,70 @@ def export_weights(
             f"{len(left)} Megatron parameter(s) have no HF destination in the mapping table: "
             + ", ".join(repr(k) for k in left[:10])
         )
+    # each stacked tensor is yielded once its last slice is made, its slices in index order
+    parts: dict[str, dict[int, torch.Tensor]] = {}
+    count: dict[str, int] = {}
+    for c in entries:
+        for k in c.hf:
+            if (part := stacked_part(k)) is not None:
+                count[part[0]] = count.get(part[0], 0) + 1
     for c in entries:
         outs = c.transform.inverse(source[c.mcore], ctx)
         if len(outs) != len(c.hf):
             raise PortingError(
                 f"transform {c.transform.name} gave {len(outs)} tensors for {len(c.hf)} HF keys"
             )
-        yield from zip(c.hf, outs, strict=True)
+        for k, t in zip(c.hf, outs, strict=True):
+            part = stacked_part(k)
+            if part is None:
+                yield k, t
+                continue
+            name, index = part
+            slices = parts.setdefault(name, {})
+            slices[index] = t
+            if len(slices) == count[name]:
+                if sorted(slices) != list(range(len(slices))):
+                    raise PortingError(
+                        f"the mapping table makes slices {sorted(slices)} of {name!r}, not "
+                        f"0..{len(slices) - 1}"
+                    )
+                yield name, torch.stack([slices[i] for i in range(len(slices))])
+                del parts[name]
+
+
+class StackedReads:
+    """``source`` with the table's slice keys (``name[i]``) readable: a stacked tensor is read once,
+    kept while slices of it are still to be read, and dropped after its last one (so an import
+    holds about one layer's stacked experts)."""
+
+    def __init__(self, source: TensorSource, entries: Iterable[Concrete]) -> None:
+        self.source = source
+        self.left: dict[str, int] = {}
+        for c in entries:
+            for k in c.hf:
+                if (part := stacked_part(k)) is not None:
+                    self.left[part[0]] = self.left.get(part[0], 0) + 1
+        self.held: dict[str, torch.Tensor] = {}
+
+    def keys(self) -> list[str]:
+        return self.source.keys()
+
+    def get(self, key: str) -> torch.Tensor:
+        part = stacked_part(key)
+        if part is None:
+            return self.source.get(key)
+        name, index = part
+        stacked = self.held.get(name)
+        if stacked is None:
+            stacked = self.held[name] = self.source.get(name)
+        if index >= stacked.shape[0]:
+            raise PortingError(
+                f"tensor {name!r} stacks {stacked.shape[0]} experts; the table reads slice {index}"
+            )
+        self.left[name] -= 1
+        if not self.left[name]:
+            del self.held[name]
+        return stacked[index].clone()
 
 
 class WeightProducer:
@@ -197,7 +265,7 @@ class WeightProducer:
                 "mapping table writes parameter(s) the Megatron model does not have: "
                 + ", ".join(repr(k) for k in unknown[:10])
             )
-        self.source, self.ctx = source, ctx
+        self.source, self.ctx = StackedReads(source, entries), ctx
         self.shapes = {k: (tuple(v.shape), v.dtype) for k, v in target.items()}
         self.entries = {c.mcore: c for c in entries}
         self.produced: set[str] = set()

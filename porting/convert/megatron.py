@@ -187,6 +187,9 @@ def load_weights(model: torch.nn.Module, ckpt: Checkpoint | str | Path) -> None:
     reader = DistCheckpointReader(loc.weights)
     sharded = model.sharded_state_dict(prefix=loc.prefix)
     params = dict(model.named_parameters())
+    # persistent buffers are checkpoint state as well (a router's expert_bias)
+    saved = set(model.state_dict(keep_vars=True))
+    params |= {name: b for name, b in model.named_buffers() if name in saved}
     stored = CheckpointParameters(reader, sharded, params, loc.prefix)
     with torch.no_grad():
         for name, p in params.items():

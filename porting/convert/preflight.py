@@ -44,7 +44,8 @@ def _read_patterns(family: Family) -> list[re.Pattern]:
     for e in family.weights:
         if not isinstance(e, Ignore):
             names.extend((e.hf,) if isinstance(e, Rename) else e.hf)
-    return [_pattern(n) for n in dict.fromkeys(names)]
+    # a stacked tensor's slices (``name[#]``) are counted by its shape, not by its name
+    return [_pattern(n.removesuffix(f"[{EXPERT}]")) for n in dict.fromkeys(names)]
 
 
 def _field(hf_config: dict, candidates: tuple[str, ...], value: int, what: str) -> str:
@@ -181,9 +182,18 @@ def check_nemo_counts(checkpoint: Checkpoint, config) -> None:
             f"vocab_size {manifest.vocab_size}"
         )
     reader = DistCheckpointReader(loc.weights)
+    layers = loc.prefix + "decoder.layers."
     for key in reader.keys():
         shape = reader.global_shape(key)
-        if key.startswith(loc.prefix + "decoder.layers.") and shape[:1] != (config.num_layers,):
+        index = key[len(layers) :].partition(".")[0] if key.startswith(layers) else None
+        if index is not None and index.isdigit():
+            # a model whose layers differ (dense and MoE) is saved one key per layer
+            if int(index) >= config.num_layers:
+                field = _field(manifest.hf_config, _LAYER_FIELDS, config.num_layers, "layers")
+                raise PortingError(
+                    f"{where}: hf_config's {field}, but {reader.dir} holds layer {index} ({key!r})"
+                )
+        elif index is not None and shape[:1] != (config.num_layers,):
             field = _field(manifest.hf_config, _LAYER_FIELDS, config.num_layers, "layers")
             raise PortingError(
                 f"{where}: hf_config's {field}, but {reader.dir} holds {shape[0]} layers "

@@ -19,7 +19,14 @@ from typing import Any
 import torch
 
 from porting.contract.family import Family
-from porting.contract.mapping import Fused, Ignore, Rename, expand, resolve_target_names
+from porting.contract.mapping import (
+    Fused,
+    Ignore,
+    Rename,
+    expand,
+    resolve_target_names,
+    stacked_part,
+)
 from porting.errors import PortingError
 
 
@@ -66,6 +73,21 @@ def check_table(
         return PortingError(f"family {family.name} ({where}): {msg}")
 
     concrete, ignores = expand(family.weights, ctx, ctx.num_layers)
+    hf_shapes = dict(hf_shapes)
+    slices: dict[str, set[int]] = {}
+    for c in concrete:
+        for key in c.hf:
+            part = stacked_part(key)
+            if part is not None and part[0] in hf_shapes and hf_shapes[part[0]]:
+                # one expert's slice of a stacked tensor has the shape of its rows
+                hf_shapes[key] = hf_shapes[part[0]][1:]
+                slices.setdefault(part[0], set()).add(part[1])
+    for name, got in slices.items():
+        if got != set(range(hf_shapes[name][0])):
+            raise fail(
+                f"the table reads slices {sorted(got)} of HF tensor {name!r} {hf_shapes[name]}; "
+                f"it stacks {hf_shapes[name][0]}"
+            )
     reader: dict[str, int] = {}
     writer: dict[str, int] = {}
     for c in resolve_target_names(concrete, mcore_shapes):
@@ -105,6 +127,8 @@ def check_table(
                 f"{', '.join(c.hf)}, not {[hf_shapes[k] for k in c.hf]}"
             )
     for key, shape in hf_shapes.items():
+        if key in slices:
+            continue
         if key not in reader and not any(fnmatch.fnmatchcase(key, g.hf) for g in ignores):
             raise fail(
                 f"no entry of WEIGHTS reads HF tensor {key!r} {shape} (add one, or Ignore it)"
