@@ -8,6 +8,7 @@ before it is renamed into place.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from porting.contract.registry import family_by_name
@@ -24,6 +25,8 @@ from porting.convert.hf_files import family_for_hf_dir
 from porting.convert.layouts.registry import is_hf_dir, layout_named
 from porting.errors import PortingError
 from porting.guard import output_lock, refuse_overlap
+
+log = logging.getLogger(__name__)
 
 
 def import_hf(
@@ -82,14 +85,21 @@ def export_hf(
     atol: float | None = None,
     rtol: float | None = None,
     device: str = "cpu",
+    quantize: str | None = None,
 ):
     """Export our checkpoint (in any layout; a path is opened here) to an HF directory at
     ``out``; gate it on parity.
 
     Returns the parity report (``None`` with ``verify=False``). ``atol``, ``rtol``, ``device``:
-    the gate's (:func:`porting.parity.harness.verify`).
+    the gate's (:func:`porting.parity.harness.verify`). The weights are written in the
+    checkpoint's dtype (bf16 for an imported quantized release, whose ``quantization_config`` is
+    then dropped, saying so); ``quantize="fp8-block"`` writes FP8 with 128x128 block scales and
+    the ``quantization_config`` transformers reads, after the gate passed on the unquantized
+    export (FP8's rounding is no conversion error).
     """
 
+    if quantize not in (None, FP8_BLOCK):
+        raise PortingError(f"--quantize must be {FP8_BLOCK}, not {quantize!r}")
     given = ckpt.path if isinstance(ckpt, Checkpoint) else ckpt
     refuse_overlap(out, [("checkpoint", given)])
     report = None
@@ -97,9 +107,39 @@ def export_hf(
         checkpoint = open_checkpoint(ckpt)
         family = family_by_name(checkpoint.family)
         export_into(checkpoint, tmp, family, max_shard_bytes)
+        _unquantized_config(tmp, checkpoint.manifest.dtype)
         if verify:
             report = _gate(tmp, checkpoint, tmp, atol, rtol, whole_model, show_progress, device)
+        if quantize == FP8_BLOCK:
+            from porting.convert.quant_export import quantize_export
+
+            hf_class = family.hf_class(checkpoint.manifest.hf_architecture)
+            n = quantize_export(tmp, hf_class, max_shard_bytes)
+            log.info(
+                "%s: %d weights written as FP8 in 128x128 blocks (quantization_config fp8)", out, n
+            )
     return report
+
+
+FP8_BLOCK = "fp8-block"
+
+
+def _unquantized_config(hf_dir: Path, dtype: str) -> None:
+    """Drop a quantization_config the source release had from the export's ``config.json``: the
+    weights just written are unquantized, and transformers would read them as quantized."""
+    import json
+
+    path = Path(hf_dir) / "config.json"
+    config = json.loads(path.read_text())
+    if "quantization_config" in config:
+        method = config.pop("quantization_config").get("quant_method")
+        path.write_text(json.dumps(config, indent=2) + "\n")
+        log.info(
+            "config.json: the source's quantization_config (%s) is not written: the weights are "
+            "%s (--quantize fp8-block writes FP8)",
+            method,
+            dtype,
+        )
 
 
 def _gate(

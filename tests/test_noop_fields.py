@@ -117,8 +117,11 @@ def test_gemma_activation_fields_that_disagree_follow_the_reference_class_and_sa
 
 
 def test_an_unknown_field_is_still_refused():
-    with pytest.raises(PortingError, match="unsupported field.*quantization_config"):
-        _lint(_card("meta-llama/Llama-2-7b-hf", quantization_config={"quant_method": "fp8"}))
+    with pytest.raises(PortingError, match="unsupported field.*sparsity_config"):
+        _lint(_card("meta-llama/Llama-2-7b-hf", sparsity_config={"format": "2:4"}))
+    # a quantization_config is read (porting.convert.quant), but only a method we read
+    with pytest.raises(PortingError, match="quant_method='gptq' is not read"):
+        _lint(_card("meta-llama/Llama-2-7b-hf", quantization_config={"quant_method": "gptq"}))
 
 
 def test_cli_refuses_a_flipped_noop_with_nothing_written(tmp_path):

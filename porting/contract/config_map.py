@@ -154,6 +154,12 @@ FIELD_RULES: dict[str, Check] = {
     "use_sliding_window": BOOL,
     "max_window_layers": NON_NEGATIVE_INT,
     "layer_types": LAYER_TYPES.or_null(),
+    "sliding_window_pattern": POSITIVE_INT,  # Gemma 3: every n-th layer global
+    "rope_local_base_freq": POSITIVE_FLOAT,
+    "use_bidirectional_attention": BOOL,
+    "original_max_position_embeddings": POSITIVE_INT,  # LongRoPE's pretraining length (Phi-3)
+    "resid_pdrop": PROBABILITY,
+    "embd_pdrop": PROBABILITY,
     # experts
     "num_local_experts": POSITIVE_INT,
     "num_experts": POSITIVE_INT,
@@ -166,6 +172,8 @@ FIELD_RULES: dict[str, Check] = {
     "router_aux_loss_coef": NON_NEGATIVE_FLOAT,
     "router_jitter_noise": PROBABILITY,
     "output_router_logits": BOOL,
+    # OLMo / OLMoE: q, k and v clamped to [-clip_qkv, clip_qkv]; null: no clamp
+    "clip_qkv": POSITIVE_FLOAT.or_null(),
 }
 
 
@@ -408,8 +416,22 @@ _BOOKKEEPING = (
     "chunk_size_feed_forward",
 )  # fmt: skip
 _DECODER_ONLY = "a decoder-only causal LM has no encoder or cross-attention"
+
+
+class _Quantization(Check):
+    """How the weights are stored, not what they compute: the engine reads FP8 blocks and MXFP4
+    (:mod:`porting.convert.quant`), and refuses any other method by name before a tensor is read."""
+
+    def __call__(self, name: str, value: Any, where: str) -> None:
+        from porting.contract.quantization import read_quantization
+
+        read_quantization({name: value}, where)
+
+
+QUANTIZATION = _Quantization(lambda v: True, "a quantization_config porting reads")
 COMMON: tuple[ConfigEntry, ...] = (
     *(Carry(name) for name in _BOOKKEEPING),
+    Carry("quantization_config", check=QUANTIZATION),
     # every causal LM's; padded on the Megatron side by the engine, restored exactly on export
     Carry("vocab_size"),
     Carry("use_cache", check=BOOL),

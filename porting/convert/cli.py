@@ -83,6 +83,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument("--no-verify", action="store_true", help="skip the parity gate")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="safetensors shard size")
+    p.add_argument(
+        "--quantize",
+        choices=["fp8-block"],
+        help="write the Linear weights as FP8 (e4m3) with a float32 weight_scale_inv per 128x128 "
+        "block and config.json's quantization_config, as DeepSeek-V3 and the FP8 Qwen3 releases "
+        "ship them (the parity gate runs on the unquantized weights first). Default: the "
+        "checkpoint's dtype, without a quantization_config",
+    )
     add_source_flags(p)
     p.add_argument("--json", action="store_true", help="print the parity report as JSON")
     add_gate_flags(p)
@@ -216,6 +224,7 @@ def _cmd_export(args) -> int:
                 atol=args.atol,
                 rtol=args.rtol,
                 device=device,
+                quantize=args.quantize,
             )
     print_report(report, args.json)
     if not args.json:

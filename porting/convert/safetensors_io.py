@@ -238,13 +238,23 @@ def _safe_open(path: Path):
 class SafetensorsSource:
     """Lazy, one-tensor-at-a-time reader of an HF checkpoint directory.
 
+    A quantized checkpoint (``config.json``'s ``quantization_config``, :mod:`porting.convert.quant`)
+    presents each weight under its unquantized name, shape and compute dtype, dequantized when read;
+    its stored parts (FP8 weight and scale, MXFP4 blocks and scales) are not keys of their own.
+
     Args:
         model_dir: the HF directory.
         allow_pickle: read ``pytorch_model*.bin`` when no safetensors exist (``weights_only=True``).
+        dequantizer: what makes a quantized weight from its parts (default: ours,
+            :data:`porting.convert.quant.OURS`; the parity gate passes transformers').
     """
 
-    def __init__(self, model_dir: str | os.PathLike, allow_pickle: bool = False) -> None:
+    def __init__(
+        self, model_dir: str | os.PathLike, allow_pickle: bool = False, dequantizer=None
+    ) -> None:
         self.dir = Path(model_dir)
+        self._quant = None  # a QuantizedView where the checkpoint is quantized
+        self._dequantizer = dequantizer
         self._key_to_file: dict[str, Path] = {}
         self._headers: dict[Path, dict[str, TensorInfo]] = {}
         self._data_start: dict[Path, int] = {}  # where each file's data buffer begins
@@ -286,6 +296,46 @@ class SafetensorsSource:
             self._pickled = self._load_pickled()
         else:
             raise PortingError(f"{self.dir}: no weights found ({SAFE_SINGLE} or {SAFE_INDEX})")
+        if self._pickled is None:
+            self._plan_quantized()
+
+    def _plan_quantized(self) -> None:
+        """Read ``config.json``'s ``quantization_config`` and plan the dequantized weights; refused
+        here, before any tensor is read, where it or the stored parts are not what we read."""
+        from porting.contract.quantization import read_quantization
+        from porting.convert import quant
+
+        config = self.dir / "config.json"
+        hf_config = read_json(config, self.dir) if _present(config) else {}
+        if not isinstance(hf_config, dict):
+            hf_config = {}
+        method = read_quantization(hf_config, str(config))
+        stored = {
+            k: (self._headers[f][k].dtype, self._headers[f][k].shape, f)
+            for k, f in self._key_to_file.items()
+        }
+        if method is None and not any(dt.startswith("F8_") for dt, _, _ in stored.values()):
+            return
+        dtype = quant.compute_dtype(hf_config, str(config))
+        self._quant = quant.QuantizedView(stored, method, dtype, str(config))
+        self._quant.check_scales(
+            lambda key: self._view(key, _RAW_TORCH), lambda key: str(self._key_to_file[key])
+        )
+
+    def _planned(self, key: str):
+        return self._quant.planned.get(key) if self._quant is not None else None
+
+    def _dequantized(self, key: str) -> torch.Tensor:
+        from porting.convert import quant
+
+        def read(part: str) -> torch.Tensor:
+            # the view itself: it keeps its private mapping alive, and a copy would be one more
+            # full-size tensor
+            with self._view(part, _RAW_TORCH) as view:
+                return view
+
+        path = self._key_to_file[self._planned(key).parts[0]]
+        return self._quant.dequantize(key, read, self._dequantizer or quant.OURS, str(path))
 
     def _read_header(self, path: Path) -> dict[str, TensorInfo]:
         header = read_safetensors_header(path)
@@ -321,9 +371,11 @@ class SafetensorsSource:
         return out
 
     def keys(self) -> list[str]:
-        """All tensor names in the checkpoint."""
+        """All tensor names in the checkpoint (a quantized weight's unquantized name)."""
         if self._pickled is not None:
             return list(self._pickled)
+        if self._quant is not None:
+            return self._quant.keys(list(self._key_to_file))
         return list(self._key_to_file)
 
     def _unchanged(self, path: Path, key: str) -> None:
@@ -345,10 +397,18 @@ class SafetensorsSource:
         if self._pickled is not None:
             yield self._pickled[key]
             return
+        if self._planned(key) is not None:
+            yield self._dequantized(key)
+            return
+        with self._view(key, _ST_TO_TORCH) as view:
+            yield view
+
+    @contextmanager
+    def _view(self, key: str, dtypes: dict[str, torch.dtype]) -> Iterator[torch.Tensor]:
         path = self._key_to_file[key]
         self._unchanged(path, key)
         info = self._headers[path][key]
-        dtype = _ST_TO_TORCH.get(info.dtype)
+        dtype = dtypes.get(info.dtype)
         if dtype is None:
             raise PortingError(f"{path}: tensor {key!r} has dtype {info.dtype}, not a torch one")
         with open(path, "rb") as f:
@@ -373,6 +433,10 @@ class SafetensorsSource:
         if self._pickled is not None:
             check_finite(self._pickled[key], str(self.dir), key)
             return self._pickled[key]
+        if self._planned(key) is not None:
+            t = self._dequantized(key)
+            check_finite(t, str(self._key_to_file[self._planned(key).parts[0]]), key)
+            return t
         path = self._key_to_file[key]
         self._unchanged(path, key)
         # A handle per read: the mapped pages are released right after the copy, so resident
@@ -395,6 +459,9 @@ class SafetensorsSource:
         """A tensor's shape as its header (or loaded pickle) gives it, and the file holding it."""
         if self._pickled is not None:
             return tuple(self._pickled[key].shape), self.dir
+        plan = self._planned(key)
+        if plan is not None:
+            return plan.shape, self._key_to_file[plan.parts[0]]
         path = self._key_to_file[key]
         return self._headers[path][key].shape, path
 
@@ -404,6 +471,8 @@ class SafetensorsSource:
         if self._pickled is not None:
             dtype = self._pickled[key].dtype
             return _TORCH_TO_ST.get(dtype, str(dtype).removeprefix("torch.")), self.dir
+        if self._planned(key) is not None:
+            return _TORCH_TO_ST[self._quant.dtype], self._key_to_file[self._planned(key).parts[0]]
         path = self._key_to_file[key]
         return self._headers[path][key].dtype, path
 
@@ -411,12 +480,14 @@ class SafetensorsSource:
         """The set of floating dtypes in the checkpoint (read from headers only where possible)."""
         if self._pickled is not None:
             return {t.dtype for t in self._pickled.values() if t.is_floating_point()}
-        return {
+        parts = self._quant.parts if self._quant is not None else set()
+        found = {
             _ST_TO_TORCH[info.dtype]
             for header in self._headers.values()
-            for info in header.values()
-            if info.dtype in _ST_TO_TORCH
+            for key, info in header.items()
+            if info.dtype in _ST_TO_TORCH and key not in parts
         }
+        return found | ({self._quant.dtype} if self._quant is not None and parts else set())
 
     def close(self) -> None:
         """Drop the tensors of a pickle checkpoint (safetensors reads hold nothing open)."""
@@ -434,12 +505,18 @@ _ST_TO_TORCH = {
     "BF16": torch.bfloat16,
     "F64": torch.float64,
 }
+# what a quantized weight's stored parts are read as (never weights of their own)
+_RAW_TORCH = {**_ST_TO_TORCH, "F8_E4M3": torch.float8_e4m3fn, "U8": torch.uint8}
 
 
 # safetensors orders a file's tensors by dtype, widest first, then by name
 # (safetensors/src/tensor.rs, ``prepare``: the Dtype enum's order, descending).
-_ST_DTYPE_RANK = {"F64": 5, "F32": 4, "BF16": 3, "F16": 2, "I64": 6, "I32": 4, "U8": 0}
+_ST_DTYPE_RANK = {
+    "F64": 5, "F32": 4, "BF16": 3, "F16": 2, "I64": 6, "I32": 4, "F8_E4M3": 1, "U8": 0
+}  # fmt: skip
 _TORCH_TO_ST = {v: k for k, v in _ST_TO_TORCH.items()}
+# what an export writes: its weights' dtypes, and FP8 for ``--quantize fp8-block``
+_WRITE_ST = {**_TORCH_TO_ST, torch.float8_e4m3fn: "F8_E4M3"}
 
 
 class StreamingShardWriter:
@@ -471,7 +548,7 @@ class StreamingShardWriter:
             if key in seen:
                 raise PortingError(f"export produces HF key {key!r} twice")
             seen.add(key)
-            if dtype not in _TORCH_TO_ST:
+            if dtype not in _WRITE_ST:
                 raise PortingError(f"{key}: cannot write dtype {dtype} to safetensors")
             nbytes = math.prod(shape) * dtype.itemsize
             if shards[-1] and size + nbytes > max_shard_bytes:
@@ -483,12 +560,12 @@ class StreamingShardWriter:
         self._paths = [self.out_dir / f".shard-{i:05d}.safetensors" for i in range(len(shards))]
         self._keys = [[k for k, *_ in sh] for sh in shards]
         for i, shard in enumerate(shards):
-            ordered = sorted(shard, key=lambda t: (-_ST_DTYPE_RANK[_TORCH_TO_ST[t[2]]], t[0]))
+            ordered = sorted(shard, key=lambda t: (-_ST_DTYPE_RANK[_WRITE_ST[t[2]]], t[0]))
             header: dict = {"__metadata__": {"format": "pt"}}
             offset = 0
             for key, shape, dtype, nbytes in ordered:
                 header[key] = {
-                    "dtype": _TORCH_TO_ST[dtype],
+                    "dtype": _WRITE_ST[dtype],
                     "shape": list(shape),
                     "data_offsets": [offset, offset + nbytes],
                 }

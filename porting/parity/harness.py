@@ -526,15 +526,22 @@ def hf_logits(
     """
     import transformers
 
+    from porting.convert.hf_files import read_hf_config
+
     cls = (
         getattr(transformers, hf_model_class) if isinstance(hf_model_class, str) else hf_model_class
     )
-    model = cls.from_pretrained(
-        str(hf_dir),
-        dtype=dtype,
-        attn_implementation=attn_implementation,
-        local_files_only=True,
-    )
+    if "quantization_config" in read_hf_config(hf_dir):
+        from porting.parity.hf_dequant import load_whole
+
+        model = load_whole(hf_dir, cls, attn_implementation).to(dtype)
+    else:
+        model = cls.from_pretrained(
+            str(hf_dir),
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            local_files_only=True,
+        )
     model.to(device).eval()
     out = [model(p.to(device)).logits.float().cpu() for p in prompts]
     del model
@@ -596,6 +603,7 @@ def verify(
     from porting.convert.megatron import build_config
     from porting.convert.preflight import check_float_dtypes, check_hf_checkpoint
     from porting.convert.safetensors_io import SafetensorsSource
+    from porting.parity.hf_dequant import REFERENCE
 
     # Opened once (layout, manifest) and handed down; a child process opens it by its path.
     checkpoint = open_checkpoint(ckpt)
@@ -614,7 +622,8 @@ def verify(
     # The HF side's config against its headers before either model is built (the Megatron
     # side's is checked as its config is rebuilt, checkpoint_config).
     hf_config = read_hf_config(hf_dir)
-    source = SafetensorsSource(hf_dir, allow_pickle=allow_pickle)
+    # a quantized checkpoint's weights as the reference dequantizes them, not as the import did
+    source = SafetensorsSource(hf_dir, allow_pickle=allow_pickle, dequantizer=REFERENCE)
     check_float_dtypes(family, source)
     _, ctx = build_config(family, hf_config, torch.float32, vocab_divisor=1)
     check_hf_checkpoint(family, hf_config, ctx, source, Path(hf_dir) / "config.json", "verify")

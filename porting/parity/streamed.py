@@ -112,7 +112,18 @@ class GateCost:
 def _set_param(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
     parent, _, leaf = name.rpartition(".")
     owner = module.get_submodule(parent) if parent else module
-    owner._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
+    if leaf in owner._buffers:
+        owner._buffers[leaf] = value
+    else:
+        owner._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
+
+
+def _stored(module: torch.nn.Module):
+    """``(name, tensor)`` of what a checkpoint holds of ``module``: its parameters and its
+    persistent buffers (a router's expert bias)."""
+    saved = set(module.state_dict(keep_vars=True))
+    yield from module.named_parameters()
+    yield from ((n, b) for n, b in module.named_buffers() if n in saved)
 
 
 def _release(module: torch.nn.Module) -> None:
@@ -330,8 +341,10 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
     model.eval()
     _to_device(model, device)
     prefix, layers = _layer_list(model, config.num_hidden_layers)
-    if source is None:
-        source = SafetensorsSource(hf_dir, allow_pickle=allow_pickle)
+    if source is None:  # a quantized checkpoint dequantized by the reference, not the importer
+        from porting.parity.hf_dequant import REFERENCE
+
+        source = SafetensorsSource(hf_dir, allow_pickle=allow_pickle, dequantizer=REFERENCE)
     available = set(source.keys())
     buffers = _Buffers(device)
 
@@ -357,7 +370,7 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
     def load_layer(i: int) -> dict[str, torch.Tensor]:
         return {
             name: read(f"{prefix}.{i}.{name}", p.shape, buffers.take(i, name, p.shape))
-            for name, p in layers[i].named_parameters()
+            for name, p in _stored(layers[i])
         }
 
     return _Side(model, layers, load_layer), config
@@ -389,7 +402,7 @@ def _megatron_side(ckpt, family, device: torch.device):
         module_prefix: str, module: torch.nn.Module, layer: int | None = None
     ) -> dict[str, torch.Tensor]:
         out = {}
-        for name, p in module.named_parameters():
+        for name, p in _stored(module):
             key = module_prefix + name
             item = sharded.get(loc.prefix + key)
             if item is None or isinstance(item, ShardedObject):
