@@ -90,22 +90,35 @@ class SoftcapDotProductAttention(DotProductAttention):
         )
 
 
-def build_gemma_block_spec(config, *, sandwich: bool, softcap: bool, vp_stage=None) -> ModuleSpec:
-    """The decoder block spec: Gemma's layers (sandwich norms for Gemma 2) and its final norm."""
+def build_gemma_block_spec(
+    config,
+    *,
+    sandwich: bool,
+    softcap: bool,
+    vp_stage=None,
+    qk_norm: bool = False,
+    attention: type[SelfAttention] = SelfAttention,
+) -> ModuleSpec:
+    """The decoder block spec: Gemma's layers (sandwich norms for Gemma 2) and its final norm.
+
+    ``qk_norm`` and ``attention`` are Gemma 3's: a :class:`GemmaRMSNorm` on each query and key
+    head, and a ``SelfAttention`` subclass that picks its layer's rotary table
+    (:mod:`models.gemma3`)."""
     proj = PostNormRowParallelLinear if sandwich else RowParallelLinear
+    head_norm = GemmaRMSNorm if qk_norm else IdentityOp
     layer = ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=GemmaRMSNorm,
             self_attention=ModuleSpec(
-                module=SelfAttention,
+                module=attention,
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=ColumnParallelLinear,
                     core_attention=SoftcapDotProductAttention if softcap else DotProductAttention,
                     linear_proj=proj,
-                    q_layernorm=IdentityOp,
-                    k_layernorm=IdentityOp,
+                    q_layernorm=head_norm,
+                    k_layernorm=head_norm,
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,

@@ -58,6 +58,11 @@ _TINY_EXTRA = {
         head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
         attn_logit_softcapping=0.05, final_logit_softcapping=0.2,
     ),
+    "Gemma3ForCausalLM": dict(
+        head_dim=32, sliding_window=8, query_pre_attn_scalar=24, sliding_window_pattern=2,
+        rope_theta=1e6, rope_local_base_freq=100.0,
+    ),
+    "Phi3ForCausalLM": dict(sliding_window=8),
     "MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2),
     "Qwen2MoeForCausalLM": dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
@@ -66,6 +71,12 @@ _TINY_EXTRA = {
     "Qwen3MoeForCausalLM": dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
         head_dim=32,
+    ),
+    "OlmoeForCausalLM": dict(num_experts=4, num_experts_per_tok=2),
+    "DeepseekV3ForCausalLM": dict(
+        num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+        topk_group=1, n_shared_experts=1, moe_intermediate_size=48, first_k_dense_replace=1,
+        q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
     ),
 }  # fmt: skip
 _FALCON_NAMES = ("intermediate_size", "num_key_value_heads")
@@ -219,12 +230,16 @@ def prove_parity(hf_dir: str | Path, ckpt: str | Path, prompts=None) -> None:
 
 
 @torch.no_grad()
-def routing(hf_dir: str | Path, ckpt: str | Path, router_suffix: str, prompts=None):
+def routing(
+    hf_dir: str | Path, ckpt: str | Path, router_suffix: str, prompts=None, router_logits=None
+):
     """``(hf, megatron)``: per layer, per prompt, the sorted top-k expert ids of every token, and
     HF's smallest gap between the k-th and (k+1)-th router logit.
 
     ``router_suffix`` names the HF router modules (``block_sparse_moe.gate``, ``mlp.gate``); the
-    Megatron side is every ``TopKRouter``'s routing map.
+    Megatron side is every ``TopKRouter``'s routing map. ``router_logits(module, inputs, output)``
+    gives the logits of a router whose output is not them (gpt-oss's returns its top-k scores
+    and indices); by default the output is.
     """
     from megatron.core.transformer.moe.router import TopKRouter
 
@@ -239,10 +254,14 @@ def routing(hf_dir: str | Path, ckpt: str | Path, router_suffix: str, prompts=No
     k = hf_model.config.num_experts_per_tok
     routers = [mod for name, mod in hf_model.named_modules() if name.endswith(router_suffix)]
     hf_logits = [[] for _ in routers]
+    read = router_logits or (lambda mod, a, out: out)
+
+    def keep(i: int, mod, a, out) -> None:
+        got = read(mod, a, out)
+        hf_logits[i].append(got.reshape(-1, got.shape[-1]))
+
     hooks = [
-        r.register_forward_hook(
-            lambda mod, a, out, i=i: hf_logits[i].append(out.reshape(-1, out.shape[-1]))
-        )
+        r.register_forward_hook(lambda mod, a, out, i=i: keep(i, mod, a, out))
         for i, r in enumerate(routers)
     ]
     for p in prompts:
@@ -274,11 +293,13 @@ def routing(hf_dir: str | Path, ckpt: str | Path, router_suffix: str, prompts=No
     return hf_top, mc_top, min(gaps)
 
 
-def prove_routing(hf_dir: str | Path, ckpt: str | Path, router_suffix: str) -> None:
+def prove_routing(
+    hf_dir: str | Path, ckpt: str | Path, router_suffix: str, router_logits=None
+) -> None:
     """Both sides pick the same experts for every token of every prompt in every layer, and no
     HF top-k decision is within 1e-4 of a tie (a hundred times the fp32 rounding of router logits
     of order one, so rounding cannot decide it)."""
-    hf_top, mc_top, gap = routing(hf_dir, ckpt, router_suffix)
+    hf_top, mc_top, gap = routing(hf_dir, ckpt, router_suffix, router_logits=router_logits)
     assert gap > 1e-4, f"a routing near-tie ({gap:.2e}) in the test model; widen the router"
     assert len(hf_top) == len(mc_top) > 0
     for layer, (a, b) in enumerate(zip(hf_top, mc_top, strict=True)):

@@ -22,7 +22,7 @@ import torch
 
 from porting.api import export_hf, import_hf
 from porting.demo import compare_hf_dirs
-from porting.testing import make_tokenizer
+from porting.testing import make_tokenizer, quantize_hf_dir
 
 _spec = importlib.util.spec_from_file_location(
     "published_configs", Path(__file__).with_name("published_configs.py")
@@ -72,9 +72,28 @@ def shrink(cfg: dict) -> dict:
             c[key] = min(c[key], 4)
     if c.get("num_experts_per_tok"):
         c["num_experts_per_tok"] = min(c["num_experts_per_tok"], 2)
+    if c.get("experts_per_token"):  # gpt-oss's original name for the same count
+        c["experts_per_token"] = min(c["experts_per_token"], 2)
     if "n_head" in c:  # an early Falcon name for the same count
         c["n_head"] = HEADS
+    # multi-latent attention (DeepSeek-V3): its ranks and head widths an eighth (128 -> HEAD)
+    for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                "v_head_dim"):  # fmt: skip
+        if c.get(key):
+            c[key] = max(8, c[key] // 8)
+    if c.get("n_routed_experts"):
+        c["n_routed_experts"] = min(c["n_routed_experts"], 4)
+    if (c.get("n_group") or 1) > 1:  # still grouped: 2 groups of 2, the best one chosen, top-2
+        c["n_group"], c["topk_group"] = 2, 1
+    if c.get("first_k_dense_replace"):  # dense first layers, and sparse ones after
+        c["first_k_dense_replace"] = min(c["first_k_dense_replace"], LAYERS - 1)
     c["vocab_size"] = VOCAB
+    # the embedding's padding_idx must lie inside the shrunk vocabulary (Phi-3 pads with 32000)
+    if isinstance(c.get("pad_token_id"), int) and c["pad_token_id"] >= VOCAB:
+        c["pad_token_id"] = VOCAB - 1
+    if (c.get("quantization_config") or {}).get("quant_method") == "mxfp4":
+        for key in ("hidden_size", "intermediate_size"):  # MXFP4 groups 32 values of each
+            c[key] = -(-c[key] // 32) * 32
     return c
 
 
@@ -86,7 +105,8 @@ def make_published(out: Path, cfg: dict) -> Path:
     make_tokenizer(out, vocab_size=120)
     cls = getattr(transformers, cfg["architectures"][0])
     # a deep copy: transformers writes rope_type into a nested rope_scaling object
-    fields = {k: v for k, v in copy.deepcopy(cfg).items() if k not in ("architectures", "auto_map")}
+    skip = ("architectures", "auto_map", "quantization_config")  # quantized after, as released
+    fields = {k: v for k, v in copy.deepcopy(cfg).items() if k not in skip}
     config = cls.config_class(**fields)
     torch.manual_seed(0)
     model = cls(config)
@@ -94,9 +114,14 @@ def make_published(out: Path, cfg: dict) -> Path:
         for p in model.parameters():
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.1)
-    dtype = DTYPES[cfg.get("torch_dtype") or cfg.get("dtype") or "float32"]
+    # a quantized release without torch_dtype (gpt-oss) ships its other tensors in bf16, the
+    # compute dtype its quantized ones are read as
+    default = "bfloat16" if cfg.get("quantization_config") else "float32"
+    dtype = DTYPES[cfg.get("torch_dtype") or cfg.get("dtype") or default]
     model.to(dtype).save_pretrained(str(out), safe_serialization=True)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    if "quantization_config" in cfg:
+        quantize_hf_dir(out)
     return out
 
 
@@ -107,6 +132,8 @@ def test_published_config_imports_with_the_gate_and_comes_back_identical(hub_id,
     import_hf(hf, tmp_path / "nemo", verify=True, show_progress=False)
     export_hf(tmp_path / "nemo", tmp_path / "back", verify=False)
     back = json.loads((tmp_path / "back" / "config.json").read_text())
+    # a quantized release comes back in its compute dtype, without its quantization_config
+    cfg = {k: v for k, v in cfg.items() if k != "quantization_config"}
     assert back == cfg  # every key and value, nothing added
     assert list(back) == list(cfg)  # in the original's order
     rt = compare_hf_dirs(hf, tmp_path / "back")

@@ -1,0 +1,101 @@
+"""gpt-oss on Megatron-Core's MoE layer (the stock layer spec, config knobs only).
+
+Block equation, per layer: ``h = x + o(attn(norm(x)))`` with ``attn`` a GQA softmax over the
+scores and one learnable sink logit per head (the sink's probability is dropped: Megatron's
+``softmax_type="learnable"``, ``SoftmaxOne`` with the core attention's ``softmax_offset``), on a
+window of ``sliding_window`` keys in the layers ``layer_types`` names sliding
+(``window_attn_skip_freq`` as a per-layer list); then ``h + sum_k p_k E_k(norm(h))`` with ``p``
+the softmax of the top-k biased router logits and each expert
+``E(y) = W2 ((clamp(u, -7, 7) + 1) * quick_gelu(clamp(g, max=7))) + b2``, ``[g; u] = W1 y + b1``.
+Differences from :class:`models.moe.MoEConfig`'s Mixtral: every linear biased
+(``add_bias_linear``: q/k/v, o, router, experts), the sinks, the clamped and offset GLU
+(``activation_func_clamp_value``, ``glu_linear_offset``), YaRN (:class:`models.llama.LlamaConfig`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from megatron.core.fusions.fused_bias_geglu import quick_gelu
+from megatron.core.tensor_parallel.layers import RowParallelLinear
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.utils import get_pg_size
+from nemo.collections.llm.gpt.model.base import GPTModel
+
+from models.moe import MoEConfig, moe_layer_spec
+
+
+class ExpertRowParallelLinear(RowParallelLinear):
+    """An expert's ``linear_fc2`` whose bias counts once under expert tensor parallelism.
+
+    An expert's row-parallel output is summed over the expert-TP ranks by the token dispatcher's
+    combine, after ``MLP.forward`` has added the whole bias on every rank
+    (megatron/core/transformer/mlp.py, ``output += output_bias * per_token_scale``), so upstream
+    counts the bias once per rank. Each rank hands out ``bias / ranks`` instead: the ranks' sum is
+    the bias (exactly, for a power-of-two rank count). Unchanged at one rank.
+    """
+
+    def forward(self, input_, *args, **kwargs):
+        output, bias = super().forward(input_, *args, **kwargs)
+        ranks = get_pg_size(self.tp_group) if self.explicit_expert_comm else 1
+        if bias is not None and ranks > 1:
+            bias = bias / ranks
+        return output, bias
+
+
+def gpt_oss_layer_spec(config: GptOssConfig) -> ModuleSpec:
+    """The MoE family's layer spec with the experts' ``linear_fc2`` biased once per token under
+    expert tensor parallelism (:class:`ExpertRowParallelLinear`)."""
+    spec = moe_layer_spec(config)
+    experts = spec.submodules.mlp.submodules.experts.submodules
+    if experts.linear_fc2 is RowParallelLinear:
+        experts.linear_fc2 = ExpertRowParallelLinear
+    elif (config.expert_tensor_parallel_size or config.tensor_model_parallel_size) > 1:
+        raise ValueError(
+            f"expert tensor parallelism with {experts.linear_fc2.__name__} experts would add "
+            "each expert's output bias once per rank; run experts at expert_tensor_parallel_size=1"
+        )
+    return spec
+
+
+@dataclass
+class GptOssConfig(MoEConfig):
+    """Megatron GPT config for gpt-oss (defaults: gpt-oss-20b's)."""
+
+    num_layers: int = 24
+    hidden_size: int = 2880
+    ffn_hidden_size: int = 2880
+    num_attention_heads: int = 64
+    num_query_groups: int = 8
+    kv_channels: int | None = 64
+    num_moe_experts: int = 32
+    moe_router_topk: int = 4
+    moe_ffn_hidden_size: int = 2880
+    moe_aux_loss_coeff: float = 0.9
+    rotary_base: float = 150000.0
+    layernorm_epsilon: float = 1e-5
+    add_bias_linear: bool = True
+    softmax_type: str = "learnable"
+    # GptOssExperts: gate * sigmoid(1.702 gate) is quick_gelu; (up + 1) is the offset
+    activation_func: Callable = quick_gelu
+    activation_func_clamp_value: float | None = 7.0
+    glu_linear_offset: float = 1.0
+    # the router takes the top-k logits, then their softmax (GptOssTopKRouter)
+    moe_router_pre_softmax: bool = False
+    hf_mlp_layout: str = "gpt_oss"
+    transformer_layer_spec: ModuleSpec | object = gpt_oss_layer_spec
+
+
+class GptOssModel(GPTModel):
+    """NeMo 2.0 model for gpt-oss (a ``GPTModel`` with :class:`GptOssConfig`)."""
+
+    def __init__(
+        self, config: GptOssConfig | None = None, optim=None, tokenizer=None, model_transform=None
+    ):
+        super().__init__(
+            config or GptOssConfig(),
+            optim=optim,
+            tokenizer=tokenizer,
+            model_transform=model_transform,
+        )

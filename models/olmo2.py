@@ -1,0 +1,117 @@
+"""OLMo 2 as a NeMo 2.0 model on a custom Megatron-Core spec.
+
+The block equation (``transformers`` 4.57, ``Olmo2DecoderLayer``), with no norm before either
+sublayer::
+
+    h = x + post_attention_layernorm(attention(x))
+    y = h + post_feedforward_layernorm(mlp(h))
+
+where GPT's is ``h = x + attention(input_layernorm(x))``, ``y = h + mlp(pre_mlp_layernorm(h))``.
+The two norms sit on the output of ``linear_proj`` / ``linear_fc2``, before the residual add, so
+they live inside those modules as ``post_layernorm`` (the place Gemma 2's sandwich norms have in
+:mod:`models.gemma_spec`, with OLMo's plain-``w`` RMSNorm in place of Gemma's ``1 + w``); the
+attention norms q and k over the whole projection (:mod:`models.olmo_attention`). Local modules on
+every device: Transformer Engine's fused norm+linear has no place in a post-norm layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttentionSubmodules
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlock,
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+)
+from nemo.collections.llm.gpt.model.base import GPTModel
+
+from models.llama import LlamaConfig
+from models.olmo_attention import FullQKNormSelfAttention, RMSNorm
+
+
+class PostNormRowParallelLinear(RowParallelLinear):
+    """A row-parallel linear layer whose (reduced) output is normed by :class:`RMSNorm`: OLMo 2's
+    norm after attention (in ``linear_proj``) and after the MLP (in ``linear_fc2``)."""
+
+    def __init__(self, input_size: int, output_size: int, *, config, **kwargs) -> None:
+        super().__init__(input_size, output_size, config=config, **kwargs)
+        self.post_layernorm = RMSNorm(config, output_size, config.layernorm_epsilon)
+
+    def forward(self, input_: torch.Tensor):
+        """``(post_layernorm(x W^T), bias)``; OLMo 2 has no linear biases."""
+        output, bias = super().forward(input_)
+        return self.post_layernorm(output), bias
+
+
+def olmo2_block_spec(config: Olmo2Config, vp_stage=None) -> ModuleSpec:
+    """The decoder block spec: post-norm layers with full-width q/k norms, and a final norm."""
+    layer = ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            self_attention=ModuleSpec(
+                module=FullQKNormSelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=ColumnParallelLinear,
+                    core_attention=DotProductAttention,
+                    linear_proj=PostNormRowParallelLinear,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            mlp=ModuleSpec(
+                module=MLP,
+                submodules=MLPSubmodules(
+                    linear_fc1=ColumnParallelLinear, linear_fc2=PostNormRowParallelLinear
+                ),
+            ),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return ModuleSpec(
+        module=TransformerBlock,
+        submodules=TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=RMSNorm),
+    )
+
+
+@dataclass
+class Olmo2Config(LlamaConfig):
+    """Megatron GPT config for OLMo 2 (defaults: OLMo-2-1124-7B); the Llama fields, rotary
+    scaling included, on :func:`olmo2_block_spec`."""
+
+    num_layers: int = 32
+    hidden_size: int = 4096
+    ffn_hidden_size: int = 11008
+    num_attention_heads: int = 32
+    num_query_groups: int = 32
+    seq_length: int = 4096
+    rotary_base: float = 500000.0
+    layernorm_epsilon: float = 1e-6
+    transformer_layer_spec: ModuleSpec | Callable = olmo2_block_spec
+
+
+class Olmo2Model(GPTModel):
+    """NeMo 2.0 model for the OLMo 2 family (a ``GPTModel`` with :class:`Olmo2Config`)."""
+
+    def __init__(
+        self, config: Olmo2Config | None = None, optim=None, tokenizer=None, model_transform=None
+    ):
+        super().__init__(
+            config or Olmo2Config(),
+            optim=optim,
+            tokenizer=tokenizer,
+            model_transform=model_transform,
+        )

@@ -1,0 +1,316 @@
+"""DeepSeek family (DeepseekV3ForCausalLM: DeepSeek-V3, Kimi K2, Moonlight): the full proof
+(porting.proof) on tiny random-init models, the routing decisions compared token by token, the
+expert-permutation negative control, and the configs and checkpoints it refuses.
+
+Tolerance: fp32, atol=rtol=1e-5 on every logit, 100% top-1 (porting.proof.assert_parity).
+
+The tiny models are DeepSeek-V3's shape at toy sizes: multi-latent attention with q and kv LoRA
+ranks (or one q_proj), the first layer dense and the others 4 routed experts, top-2, in 2 groups
+of which 1 is chosen, plus 1 shared expert. The routers are scaled up (x10) so that sigmoid
+scores spread over (0, 1), and every ``e_score_correction_bias`` is set to a random value in
+[0, 0.5): the expert bias then decides some tokens' groups (its negative control is the features
+check), and every choice score stays above transformers' 0-fill of unchosen groups (see
+models/deepseek.py). Ties are avoided and checked: every group and expert decision of every token
+is more than 1e-4 from a tie.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from converters import deepseek
+from porting import proof
+from porting.cli import main
+from porting.contract.mapping import Fused, Rename
+
+ARCH = "DeepseekV3ForCausalLM"
+LAYERS, EXPERTS = 3, 4
+YARN = {
+    "type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.8,
+}
+VARIANTS = {
+    "v3": {},
+    # an eps far from the latent norms' fixed 1e-6 (Moonlight's is 1e-5), so that using it there
+    # would show
+    "q_full": dict(q_lora_rank=None, rms_norm_eps=1e-2),
+    "yarn": dict(rope_scaling=YARN),
+    "v3_bf16": dict(dtype=torch.bfloat16),
+}
+
+
+def _edit(model) -> None:
+    gen = torch.Generator().manual_seed(7)
+    for name, mod in model.named_modules():
+        if name.endswith("mlp.gate"):
+            mod.weight.mul_(10.0)
+            mod.e_score_correction_bias.copy_(0.5 * torch.rand(EXPERTS, generator=gen))
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """``converted(variant) -> (hf_dir, ckpt)``, each built and imported once per module."""
+
+    def make(directory, variant):
+        fields = proof.tiny_fields(ARCH) | VARIANTS[variant]
+        return proof.make_hf(directory, ARCH, seed=len(variant), edit=_edit, **fields)
+
+    return proof.imported_variants(tmp_path_factory, make)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_parity_against_transformers(variant, converted):
+    proof.prove_parity(*converted(variant))
+
+
+def test_latent_norms_at_the_config_eps_fail(converted, monkeypatch):
+    """The negative control of the latent norms' fixed epsilon: built at the config's
+    rms_norm_eps (as Megatron-Core's spec would), the q_full model misses the tolerance."""
+    from porting.parity import harness
+
+    monkeypatch.setattr("models.deepseek.LATENT_NORM_EPS", 1e-2)
+    hf, mc = proof.logits(*converted("q_full"))
+    assert harness.compare(hf, mc).max_abs_diff > 100 * proof.ATOL
+
+
+def _choice(margins: list[float]):
+    """``router_logits`` for proof.prove_routing: the scores transformers' DeepseekV3TopkRouter
+    takes its top-k of, recomputed from its input (sigmoid, expert bias, the best ``topk_group``
+    groups by their top two scores, 0 for the other groups' experts) and checked against the
+    indices it returned; ``margins`` collects each call's smallest group-choice gap."""
+
+    def choice(mod, args, out):
+        hidden = args[0].reshape(-1, mod.weight.shape[1])
+        scores = F.linear(hidden.float(), mod.weight.float()).sigmoid()
+        biased = scores + mod.e_score_correction_bias
+        groups = biased.view(-1, mod.n_group, EXPERTS // mod.n_group).topk(2, -1)[0].sum(-1)
+        ranked = groups.sort(-1, descending=True).values
+        margins.append((ranked[:, mod.topk_group - 1] - ranked[:, mod.topk_group]).min().item())
+        chosen = torch.zeros_like(groups).scatter(1, groups.topk(mod.topk_group, -1).indices, 1)
+        keep = chosen.repeat_interleave(EXPERTS // mod.n_group, -1).bool()
+        decided = biased.masked_fill(~keep, 0.0)
+        top = decided.topk(mod.top_k, -1).indices
+        assert torch.equal(top.sort(-1).values, out[0].sort(-1).values)
+        return decided
+
+    return choice
+
+
+@pytest.mark.parametrize("variant", ["v3", "yarn"])
+def test_routing_decisions_match_token_by_token(variant, converted):
+    margins: list[float] = []
+    proof.prove_routing(*converted(variant), "mlp.gate", router_logits=_choice(margins))
+    assert margins and min(margins) > 1e-4, f"a group-choice near-tie ({min(margins):.2e})"
+
+
+def test_the_variants_map_as_deepseek_routes(converted):
+    """Sigmoid routing with the expert bias, groups, scaling, dense first layer, shared expert,
+    MLA widths, and the rotary each variant implies."""
+    from porting.testing import checkpoint_config
+
+    for variant in ("v3", "q_full", "yarn"):
+        c = checkpoint_config(converted(variant)[1])
+        assert c.multi_latent_attention and c.moe_router_score_function == "sigmoid"
+        assert c.moe_router_enable_expert_bias and c.moe_router_topk_scaling_factor == 2.5
+        assert (c.moe_router_num_groups, c.moe_router_group_topk, c.moe_router_topk) == (2, 1, 2)
+        assert c.moe_layer_freq == [0, 1, 1] and c.num_moe_experts == EXPERTS
+        assert (c.ffn_hidden_size, c.moe_ffn_hidden_size) == (96, 48)
+        assert c.moe_shared_expert_intermediate_size == 48
+        assert (c.kv_lora_rank, c.qk_head_dim, c.qk_pos_emb_head_dim, c.v_head_dim) == (
+            16, 16, 8, 16,
+        )  # fmt: skip
+        assert c.q_lora_rank == (None if variant == "q_full" else 32)
+        assert c.rope_type == ("yarn" if variant == "yarn" else "rope")
+    yarn = checkpoint_config(converted("yarn")[1])
+    assert (yarn.rotary_scaling_factor, yarn.mscale, yarn.mscale_all_dim) == (4.0, 1.0, 0.8)
+    assert yarn.original_max_position_embeddings == 16
+
+
+def test_permuted_experts_fail_and_the_layer_is_named(converted, tmp_path):
+    """Experts 0 and 1 of layer 1 swapped in the table: parity fails there."""
+    hf, _ = converted("v3")
+    swapped = proof.swapped_experts_table(deepseek.WEIGHTS, 1, 0, 1, LAYERS, EXPERTS)
+
+    def dense_layer_expert(e) -> bool:  # the swap writes every layer's; layer 0 has none
+        names = (e.hf,) if isinstance(e, Rename) else e.hf if isinstance(e, Fused) else ()
+        return any(n.startswith("model.layers.0.mlp.experts.") for n in names)
+
+    table = tuple(e for e in swapped if not dense_layer_expert(e))
+    proof.prove_table_fault_named(hf, tmp_path / "ck", deepseek.FAMILY, table, 1)
+
+
+@pytest.mark.parametrize(
+    "variant,layer,pattern",
+    [
+        ("v3", 2, "self_attention.linear_q_up_proj.weight"),
+        ("v3", 1, "self_attention.kv_layernorm.weight"),
+        ("q_full", 0, "self_attention.linear_proj.weight"),
+    ],
+)
+def test_planted_fault_is_named(variant, layer, pattern, converted, tmp_path):
+    hf, _ = converted(variant)
+    proof.prove_fault_named(hf, tmp_path / "ck", deepseek.FAMILY, layer, LAYERS, pattern)
+
+
+def test_tensor_parallel_2_matches_tp_1(converted, tmp_path):
+    proof.prove_tp2([converted(v)[1] for v in ("v3", "q_full", "yarn")], tmp_path)
+
+
+@pytest.mark.parametrize("variant", ["v3_bf16", "q_full", "yarn"])
+def test_round_trip_is_exact(variant, converted, tmp_path):
+    proof.prove_round_trip(*converted(variant), tmp_path / "hf-back")
+
+
+def test_every_layout_round_trips_exactly(converted, tmp_path):
+    proof.prove_formats(converted("v3")[0], tmp_path, formats=("megatron-lm",))
+    proof.prove_bridge_refused(converted("v3")[0], tmp_path, ["q_lora_rank"])
+
+
+def _damaged(converted, tmp_path, change):
+    hf = tmp_path / "hf"
+    shutil.copytree(converted("v3")[0], hf)
+    tensors = load_file(hf / "model.safetensors")
+    change(tensors)
+    save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
+    return hf
+
+
+def _mtp_layer(tensors) -> None:
+    # what a published DeepSeek-V3 checkpoint adds at index num_hidden_layers
+    tensors["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
+    tensors["model.layers.3.input_layernorm.weight"] = torch.ones(64)
+
+
+@pytest.mark.parametrize(
+    "change,needles",
+    [
+        (
+            lambda t: t.pop("model.layers.1.mlp.experts.3.down_proj.weight"),
+            ["missing from the checkpoint", "layers.1.mlp.experts.3.down_proj.weight"],
+        ),
+        (
+            lambda t: t.pop("model.layers.2.mlp.gate.e_score_correction_bias"),
+            ["missing from the checkpoint", "layers.2.mlp.gate.e_score_correction_bias"],
+        ),
+        (
+            lambda t: t.update(
+                {"model.layers.0.mlp.experts.0.up_proj.weight": torch.zeros(48, 64)}
+            ),
+            ["model.layers.0.mlp.experts.0.up_proj.weight"],
+        ),
+    ],
+    ids=["missing_expert", "missing_expert_bias", "expert_in_dense_layer"],
+)
+def test_damaged_checkpoint_is_located_and_nothing_written(
+    change, needles, converted, tmp_path, capsys
+):
+    hf = _damaged(converted, tmp_path, change)
+    out = tmp_path / "out"
+    code = main(["import", str(hf), "--out", str(out), "--no-verify"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    for needle in needles:
+        assert needle in err, err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "changes,needles",
+    [
+        ({"norm_topk_prob": False}, ["norm_topk_prob=False"]),
+        ({"rope_interleave": False}, ["rope_interleave=false"]),
+        ({"attention_bias": True}, ["attention_bias=true"]),
+        ({"num_key_value_heads": 2}, ["num_key_value_heads=2"]),
+        ({"n_group": 4, "topk_group": 2}, ["n_group=4", "top 2 experts", "top 1"]),
+        ({"n_group": 3}, ["n_group=3", "n_routed_experts=4"]),
+        ({"num_experts_per_tok": 1}, ["num_experts_per_tok=1"]),
+        ({"first_k_dense_replace": 4}, ["first_k_dense_replace=4"]),
+        ({"qk_head_dim": 20}, ["qk_head_dim=20"]),
+        ({"scoring_func": "softmax"}, ['scoring_func="softmax"']),
+        ({"topk_method": "greedy"}, ['topk_method="greedy"']),
+        ({"moe_layer_freq": 2}, ["moe_layer_freq=2"]),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, ["'linear'"]),
+        ({"rope_scaling": YARN | {"attention_factor": 1.2}}, ["attention_factor=1.2"]),
+        ({"rope_scaling": YARN | {"mscale": 0}}, ["mscale_all_dim=0.8 without mscale"]),
+        ({"model_type": "deepseek_v2"}, ["model_type"]),
+    ],
+    ids=[
+        "norm_topk",
+        "interleave",
+        "attention_bias",
+        "kv_heads",
+        "group_score",
+        "groups",
+        "topk1",
+        "dense_layers",
+        "qk_head_dim",
+        "scoring",
+        "topk_method",
+        "moe_layer_freq",
+        "rope_linear",
+        "attention_factor",
+        "mscale",
+        "model_type",
+    ],
+)
+def test_config_lint_names_the_field(changes, needles, converted, tmp_path):
+    err = proof.refused_import(converted("v3")[0], changes, tmp_path)
+    for needle in needles:
+        assert needle in err, err
+
+
+def _set(name: str, value):
+    def perturb(config) -> dict | None:
+        return {name: value} if getattr(config, name, None) != value else None
+
+    return perturb
+
+
+FEATURES = proof.FEATURES | {
+    "routed_scaling_factor": _set("routed_scaling_factor", 1.0),
+    "norm_topk_prob": _set("norm_topk_prob", False),
+    "topk_group": _set("topk_group", 2),
+}
+
+
+@pytest.mark.parametrize("variant", ["v3", "yarn"])
+def test_every_mapped_feature_is_seen_or_named(variant, converted):
+    """Each mapped feature (rope_theta, YaRN, the routing switches), perturbed on the HF side
+    alone, moves the gate's logits past its tolerance, or the gate's report names it."""
+    seen, report = proof.prove_features_named(*converted(variant)[:2], features=FEATURES)
+    assert report.passed
+    assert {"routed_scaling_factor", "norm_topk_prob", "topk_group"} <= set(seen.observed)
+    if variant == "yarn":
+        assert "rope_scaling" in seen.observed
+
+
+def test_multi_token_prediction_layer_is_refused_not_dropped(converted, tmp_path, capsys):
+    """A checkpoint as DeepSeek-V3 publishes it, with num_nextn_predict_layers and the MTP layer's
+    tensors at index num_hidden_layers: the import says the layer is not converted (its note), and
+    refuses the checkpoint rather than drop its tensors."""
+    import json
+
+    from porting.contract import config_map
+
+    hf = _damaged(converted, tmp_path, _mtp_layer)
+    cfg = json.loads((hf / "config.json").read_text()) | {"num_nextn_predict_layers": 1}
+    (hf / "config.json").write_text(json.dumps(cfg))
+    (note,) = config_map.notes(cfg, deepseek.FAMILY.config_entries)
+    assert "num_nextn_predict_layers=1 is carried" in note
+    assert "(model.layers.3.* onwards) are not part of transformers' model" in note
+    out = tmp_path / "out"
+    code = main(["import", str(hf), "--out", str(out), "--no-verify"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "num_hidden_layers is 3" in err and "layers 0..3 (4)" in err, err
+    assert not out.exists()
