@@ -110,6 +110,18 @@ def test_long_table_parity(variant, converted):
     proof.assert_parity(*proof.logits(hf_dir, ckpt, _with_long_prompt(ckpt)))
 
 
+def test_the_gate_names_the_long_table_its_prompts_never_reach(converted):
+    """The gate's prompts stop short of original_max_position_embeddings (160 here, 4096 on the
+    128k releases): the long factors are never used there, and the report says so."""
+    from porting.parity import harness
+
+    report = harness.verify(*converted("longrope"), atol=proof.ATOL, rtol=proof.RTOL)
+    assert report.passed, report.summary()
+    named = {u["field"]: u["why"] for u in report.unobserved}
+    assert "long_factor" in named.get("rope_scaling", ""), report.unobserved
+    assert "original_max_position_embeddings=160" in named["rope_scaling"]
+
+
 def _mcore_logits_with(ckpt, prompts, **changes):
     from porting.convert.megatron import (
         build_mcore_model,

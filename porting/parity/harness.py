@@ -359,6 +359,27 @@ def _window_unseen(sight: Sight, name: str) -> str | None:
     )
 
 
+def _long_rope_unseen(sight: Sight, name: str) -> str | None:
+    scaling = getattr(sight.config, name, None)
+    if not isinstance(scaling, dict):
+        return None
+    kind = scaling.get("rope_type", scaling.get("type"))
+    original = getattr(sight.config, "original_max_position_embeddings", None)
+    if kind not in ("longrope", "su") or not isinstance(original, int):
+        return None
+    longest = max(sight.prompt_lengths, default=0)
+    if longest > original:
+        return None
+    # transformers switches to long_factor only past original_max_position_embeddings (4096 on
+    # the 128k Phi-3 releases): prompts that long would make the gate cost what a long-context
+    # evaluation does
+    return (
+        f"{name} ({kind}): the longest prompt is {longest} tokens, within "
+        f"original_max_position_embeddings={original}, so only short_factor was used; "
+        "long_factor and the switch to it were not compared"
+    )
+
+
 def _final_cap_unseen(sight: Sight, name: str) -> str | None:
     cap = getattr(sight.config, name, None)
     if not isinstance(cap, int | float) or isinstance(cap, bool) or not cap > 0:
@@ -439,8 +460,10 @@ def _gelu_unseen(sight: Sight, name: str) -> str | None:
 # without the post-MLP norm, 60x smaller), so they are named unless their change at that site is
 # over SITE_MARGIN times the tolerance. That names a GELU variant at any size (exact and tanh GELU
 # never differ by more than 4.7e-4) unless the gate's tolerance is under about 5e-6.
-# rope_theta, rope_scaling and query_pre_attn_scalar are never named: porting.proof's
-# prove_features_observed measures them (and these rules) on tiny models by perturbing the config.
+# LongRoPE's long table is named when no prompt passes original_max_position_embeddings (it is then
+# never used). rope_theta, the other rope_scaling kinds and query_pre_attn_scalar are never named:
+# porting.proof's prove_features_observed measures them (and these rules) on tiny models by
+# perturbing the config.
 SITE_MARGIN = 100
 UNSEEN = {
     "sliding_window": _window_unseen,
@@ -449,6 +472,7 @@ UNSEEN = {
     "final_logit_softcapping": _final_cap_unseen,
     "hidden_activation": _gelu_unseen,
     "hidden_act": _gelu_unseen,
+    "rope_scaling": _long_rope_unseen,
 }
 
 

@@ -67,13 +67,17 @@ class NcclTest:
         largest, which in nccl-tests' doubling sweep are its last three. Counting rows instead
         let a sparse sweep's small message, which a token-bucket link passes at burst speed,
         stand for the link's bandwidth (fitted efficiencies above 1)."""
-        top = self.rows[-1][0]
-        return max(r[2] for r in self.rows if r[0] * 4 >= top)
+        return max(r[2] for r in large_rows(self.rows))
 
     @property
     def small_time(self) -> float:
         """Time of the smallest message (seconds): the latency term."""
         return self.rows[0][1]
+
+
+def large_rows(rows):
+    """The sorted rows within a factor 4 of the largest message: the bandwidth regime."""
+    return [r for r in rows if r[0] * 4 >= rows[-1][0]]
 
 
 def parse_nccl_test(path: str | Path) -> NcclTest:
@@ -127,7 +131,7 @@ def parse_nccl_test(path: str | Path) -> NcclTest:
     if len(hosts) < 2 and found.group(1) != "sendrecv":
         raise PortingError(f"{p}: {len(hosts)} rank; a collective over one rank measures nothing")
     rows.sort()
-    if rows[-1][0] <= 0 or max(r[2] for r in rows[-3:]) <= 0:
+    if rows[-1][0] <= 0 or max(r[2] for r in large_rows(rows)) <= 0:
         raise PortingError(f"{p}: the largest messages show no bandwidth (size or busbw 0)")
     return NcclTest(
         path=str(p),
