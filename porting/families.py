@@ -25,12 +25,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "new-family",
         help="write a family package skeleton from an HF model directory",
-        description="Write an installable family package started from HF_DIR's config.json and "
-        "tensor names (no tensor is read, no checkpoint code run): pyproject.toml with the "
-        "porting.families entry point, model.py, converter.py with every config field placed "
-        "(mapped, carried, required as seen, or Undecided), and a test that builds a tiny random "
-        "model of the config and runs the full proof. The family claims HF_DIR's architecture, "
-        "or its model_type when another family has the architecture. See docs/families.md.",
+        description="Write an installable family package started from HF_DIR's config.json, "
+        "the tensor names of the HF model it describes (built on the meta device) and the "
+        "checkpoint's tensor names (no tensor is read, no checkpoint code run), starting from the "
+        "closest installed family (scored by the HF tensors its table reads and the config fields "
+        "it places as they are; the scores are printed): pyproject.toml with the "
+        "porting.families entry point, model.py, converter.py importing the base's entries and "
+        "table with every config field placed (as the base does, carried, required as seen, or "
+        "Undecided), the base's required fields the checkpoint lacks and every HF tensor the "
+        "base's table does not read each Undecided, and a test that builds tiny random models of "
+        "the config and of a variant and runs the full proof. The family claims HF_DIR's "
+        "architecture, or its model_type when another family has the architecture. See "
+        "docs/families.md.",
     )
     p.add_argument(
         "name",
@@ -50,6 +56,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="CLASS",
         help="the transformers class of the HF reference side, where the checkpoint's "
         "architecture is not one (auto_map checkpoints; their own code is never run)",
+    )
+    p.add_argument(
+        "--base",
+        metavar="FAMILY",
+        help="the installed family to start from (default: the closest; see porting families)",
     )
     p.set_defaults(func=_cmd_new_family)
 
@@ -111,6 +122,8 @@ def _cmd_new_family(args) -> int:
     cpu.hide_gpus()
     quiet.quiet_nemo()
     out = args.out or Path(f"porting-family-{name.replace('_', '-')}")
-    done = new_family(name, args.hf_dir, out, overwrite=args.overwrite, hf_class=args.hf_class)
+    done = new_family(
+        name, args.hf_dir, out, overwrite=args.overwrite, hf_class=args.hf_class, base=args.base
+    )
     print(done.summary())
     return 0

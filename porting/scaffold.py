@@ -1,18 +1,22 @@
 """``porting new-family``: a family package skeleton written from an HF model directory.
 
-From the directory's ``config.json`` and its tensor names (safetensors headers only; no tensor is
-read, no code of the checkpoint is run) it writes an installable package:
+From the directory's ``config.json``, the HF model that config describes (built on the meta
+device: names and shapes, no memory) and the checkpoint's tensor names (safetensors headers only;
+no tensor is read, no code of the checkpoint is run) it writes an installable package started
+from the closest installed family (the *base*, :func:`closest`; ``--base`` picks one):
 
 - ``pyproject.toml`` with the ``porting.families`` entry point;
-- ``<package>/model.py``: the Megatron config and NeMo model (the Llama layout's, to start from);
-- ``<package>/converter.py``: the config entries, every HF field placed as mapped, carried,
-  required or :class:`~porting.contract.config_map.Undecided`; the weight table (the Llama layout's
-  entries, the tensor names it does not cover listed); the family object and NeMo connectors;
-- ``tests/test_<name>.py``: builds a tiny random model of the same config locally and runs the
-  full proof (:mod:`porting.proof`).
+- ``<package>/model.py``: the Megatron config and NeMo model, subclasses of the base's;
+- ``<package>/converter.py``: the base's config entries and weight table, imported and extended:
+  every HF field placed as the base places it, carried, required or
+  :class:`~porting.contract.config_map.Undecided` (with the Megatron-Core field it usually sets);
+  the base's fields this checkpoint lacks and every HF tensor no entry of the base's table reads,
+  each also ``Undecided``; the family object;
+- ``tests/test_<name>.py``: builds tiny random models of the config and of a variant with its
+  optional features toggled, locally, and runs the full proof (:mod:`porting.proof`).
 
-A family with undecided fields or unmapped tensors is refused when used, with everything left
-listed at once, so the author sees what is left rather than one failure at a time.
+A family with anything undecided is refused when used, with everything left listed at once, so
+the author sees what is left rather than one failure at a time.
 
 The checkpoint is untrusted, and whoever installs the package imports what was generated from it:
 nothing read from the checkpoint (a field, its value, the architecture, the model type, a tensor
@@ -20,8 +24,10 @@ name) may become code. Every such value reaches the files through one writer, :f
 (the printable-ASCII Python literal of plain data, which can close no string, comment or line),
 and every generated module is parsed back and compared with the same templates rendered with a
 numbered placeholder for each value: the trees must be the same but for each placeholder's place,
-which must hold exactly its value. The family name is checked before any path is made from it,
-and ``--out`` may not overlap the input (:func:`porting.guard.refuse_overlap`).
+which must hold exactly its value. The base's module and class names come from the installed
+families' entry points, not from the checkpoint, and are written only if they are dotted Python
+names. The family name is checked before any path is made from it, and ``--out`` may not overlap
+the input (:func:`porting.guard.refuse_overlap`).
 """
 
 from __future__ import annotations
@@ -47,32 +53,8 @@ def _common_fields() -> set[str]:
     return known_fields(COMMON)
 
 
-# Fields the Llama layout places (converters.llama.LLAMA_LAYOUT) and the entries for the rest
-# that the scaffold knows how to place for the values it sees. The value picks the entry; none of
-# it is written into the entry's text.
-_LLAMA_LAYOUT = {
-    "num_hidden_layers",
-    "hidden_size",
-    "intermediate_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "rms_norm_eps",
-    "rope_theta",
-    "tie_word_embeddings",
-    "max_position_embeddings",
-    "initializer_range",
-    "attention_dropout",
-    "hidden_act",
-    "architectures",
-    "vocab_size",
-    "bos_token_id",
-    "eos_token_id",
-    "pad_token_id",
-    "torch_dtype",
-    "dtype",
-    "transformers_version",
-    "use_cache",
-}
+# Entries the scaffold knows how to place for fields the base does not, for the values it sees.
+# The value picks the entry; none of it is written into the entry's text.
 _KNOWN = {
     "head_dim": lambda v: "HEAD_DIM_OR_NULL",
     "rope_scaling": lambda v: "ROPE_SCALING",
@@ -99,11 +81,81 @@ _KNOWN = {
     ),
 }
 
+# HF config keys and the Megatron-Core ``TransformerConfig`` fields they usually set: written beside
+# each Undecided field, and the guide's table (docs/families.md, "HF config keys and Megatron-Core
+# fields"; a test keeps the two the same). Checked against the families here and Megatron-Bridge's
+# CONFIG_MAPPING (megatron/bridge/models/conversion/model_bridge.py).
+HINTS: dict[str, str] = {
+    "num_hidden_layers": "num_layers",
+    "hidden_size": "hidden_size",
+    "intermediate_size": "ffn_hidden_size",
+    "num_attention_heads": "num_attention_heads",
+    "num_key_value_heads": "num_query_groups",
+    "head_dim": "kv_channels",
+    "vocab_size": "vocab_size (padded to make_vocab_size_divisible_by)",
+    "max_position_embeddings": "seq_length",
+    "initializer_range": "init_method_std",
+    "rms_norm_eps": "layernorm_epsilon, with normalization='RMSNorm'",
+    "layer_norm_eps": "layernorm_epsilon; a norm with a bias is normalization='LayerNorm'",
+    "layer_norm_epsilon": "layernorm_epsilon; a norm with a bias is normalization='LayerNorm'",
+    "norm_eps": "layernorm_epsilon",
+    "rope_theta": "rotary_base",
+    "partial_rotary_factor": "rotary_percent (rotates the first part of each head)",
+    "rotary_pct": "rotary_percent",
+    "rope_scaling": "rope_scaling / seq_len_interpolation_factor / a replaced rotary table",
+    "tie_word_embeddings": "share_embeddings_and_output_weights",
+    "hidden_act": "activation_func, with gated_linear_unit=True for a gated MLP (silu: SwiGLU)",
+    "attention_bias": "add_qkv_bias (an o_proj bias too: add_bias_linear, which also biases the "
+    "MLP)",
+    "use_qkv_bias": "add_qkv_bias",
+    "qkv_bias": "add_qkv_bias",
+    "mlp_bias": "add_bias_linear",
+    "qk_layernorm": "qk_layernorm (per head; a norm over all heads needs a custom layer)",
+    "use_qk_norm": "qk_layernorm",
+    "attention_dropout": "attention_dropout (0 for parity)",
+    "hidden_dropout": "hidden_dropout (0 for parity)",
+    "sliding_window": "window_size=(sliding_window - 1, 0)",
+    "layer_types": "window_attn_skip_freq (which layers the window applies to)",
+    "use_parallel_residual": "a parallel attention+MLP block: a custom layer spec",
+    "query_pre_attn_scalar": "softmax_scale = query_pre_attn_scalar ** -0.5",
+    "attn_logit_softcapping": "a soft-capped core attention: a custom layer spec",
+    "final_logit_softcapping": "a soft-capped output layer (the model's configure_model)",
+    "num_local_experts": "num_moe_experts",
+    "num_experts": "num_moe_experts",
+    "n_routed_experts": "num_moe_experts",
+    "num_experts_per_tok": "moe_router_topk",
+    "moe_intermediate_size": "moe_ffn_hidden_size",
+    "shared_expert_intermediate_size": "moe_shared_expert_intermediate_size",
+    "n_shared_experts": "moe_shared_expert_intermediate_size = n * moe_intermediate_size",
+    "norm_topk_prob": "moe_router_pre_softmax (false renormalises the top-k)",
+    "router_aux_loss_coef": "moe_aux_loss_coeff",
+    "scoring_func": "moe_router_score_function",
+    "routed_scaling_factor": "moe_router_topk_scaling_factor",
+    "n_group": "moe_router_num_groups",
+    "topk_group": "moe_router_group_topk",
+    "first_k_dense_replace": "moe_layer_freq (a list: 0 for each dense layer)",
+    "q_lora_rank": "q_lora_rank (multi-latent attention)",
+    "kv_lora_rank": "kv_lora_rank (multi-latent attention)",
+    "qk_nope_head_dim": "qk_head_dim",
+    "qk_rope_head_dim": "qk_pos_emb_head_dim",
+    "v_head_dim": "v_head_dim",
+}
+
 # The family name becomes a directory, the package porting_family_NAME, class names and an entry
 # point; the bound keeps every file name made from it far below the file systems' 255 bytes.
 NAME_MAX = 64
 # CPython's parser stops at 200 nested brackets; no published config nests a field this deep.
 _DEPTH_MAX = 32
+# Building the HF model on the meta device costs time per module: past these, the tensor names
+# come from the checkpoint alone.
+_LAYERS_MAX = 1024
+_EXPERTS_MAX = 1024
+# The guide's sections the generated files point to (tests/test_new_family.py checks each is a
+# heading of docs/families.md).
+GUIDE_KEYS = "hf-config-keys-and-megatron-core-fields"
+GUIDE_TABLE = "the-weight-table"
+GUIDE_MEGATRON = "the-megatron-side"
+GUIDE_START = "start-one-porting-new-family"
 
 
 @dataclass
@@ -111,26 +163,46 @@ class Scaffold:
     """What :func:`new_family` wrote and what is left for the author."""
 
     root: Path
+    base: str = ""
+    scores: list[tuple[str, int, int, int, int]] = field(default_factory=list)
     mapped: list[str] = field(default_factory=list)
     required: list[str] = field(default_factory=list)
     undecided: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
     uncovered_tensors: list[str] = field(default_factory=list)
+    conditional_tensors: list[str] = field(default_factory=list)
+    hints: list[str] = field(default_factory=list)
+    tensors_from: str = ""
     claims: str = ""
 
     def summary(self) -> str:
-        """Lines for the terminal: what was written, what is left."""
+        """Lines for the terminal: what was written, from which base and why, what is left."""
 
         def names(items: list[str]) -> str:
             return ", ".join(map(_shown, items)) or "none"
 
+        def score(row: tuple[str, int, int, int, int]) -> str:
+            fam, tensors, tensors_of, fields, fields_of = row
+            return f"{fam} (tensors {tensors}/{tensors_of}, fields {fields}/{fields_of})"
+
         lines = [
             f"wrote {self.root}",
             f"  claims: {self.claims}",
+            f"  started from family {self.base}: the HF tensors its table reads and the config "
+            "fields it places as they are, of this checkpoint's; closest first: "
+            + ", ".join(map(score, self.scores[:4])),
             f"  config fields mapped or carried: {len(self.mapped)}",
             f"  config fields required to keep their value: {names(self.required)}",
             f"  config fields still to decide: {names(self.undecided)}",
-            f"  tensor names the Llama table does not cover: {names(self.uncovered_tensors)}",
-            f"next: pip install -e {self.root} && pytest {self.root / 'tests'}",
+            f"  fields the base requires that this checkpoint lacks (Undecided): {names(self.missing)}",
+            f"  HF tensors no entry of the base's table reads (Undecided): "
+            f"{names(self.uncovered_tensors)}",
+            f"  HF tensors the base's table reads only as its Megatron config says (a when): "
+            f"{names(self.conditional_tensors)}",
+            f"  HF tensor names from: {self.tensors_from}",
+            *(f"  hint: {h}" for h in self.hints),
+            f"next: decide each Undecided in converter.py (docs/families.md#{GUIDE_KEYS}), then "
+            f"pip install -e {self.root} && pytest {self.root / 'tests'}",
         ]
         return "\n".join(lines)
 
@@ -273,39 +345,250 @@ def _check_generated(files: dict[str, str], template: dict[str, str], values: li
 
 @dataclass
 class _Plan:
-    """What the files are rendered from. Only ``name`` (checked) is written as text; every other
-    field is written through :class:`_Values`."""
+    """What the files are rendered from. ``name`` (checked) and ``base`` (an installed family's
+    dotted names, checked) are written as text; every other field through :class:`_Values`."""
 
     name: str
+    base: _Base
     hf_class: str
     architectures: tuple[str, ...]
     model_types: tuple[str, ...]
+    replaced: list[str]
     entries: list[Callable[[_Values], str]]
+    comments: dict[int, str]
     imports: set[str]
+    missing: list[str]
     uncovered: list[str]
     tiny: dict[str, Any]
+    toggled: dict[str, Any]
     summary: str
 
 
-def _patterns(keys) -> list[str]:
+_DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+def _ref(value: Any, what: str, family: str) -> tuple[str, str]:
+    """``(module, attribute)`` of an installed family's ``"module:Name"`` (or a class), refused
+    unless both are dotted Python names: they are written into the package as code."""
+    if isinstance(value, type):
+        module, attr = value.__module__, value.__qualname__
+    else:
+        module, _, attr = str(value).partition(":")
+    if not (_DOTTED.fullmatch(module) and attr.isidentifier() and attr.isascii()):
+        raise PortingError(
+            f"family {family}'s {what} {_quoted(str(value))} is not module:Name; choose another "
+            "--base"
+        )
+    return module, attr
+
+
+@dataclass
+class _Base:
+    """The installed family the new one starts from."""
+
+    family: Any
+    module: str
+    attr: str
+    config_cls: tuple[str, str]
+    model_cls: tuple[str, str]
+
+
+def _base(installed: Any) -> _Base:
+    fam = installed.family
+    module, attr = _ref(installed.value, "entry point", fam.name)
+    return _Base(
+        family=fam,
+        module=module,
+        attr=attr,
+        config_cls=_ref(fam.config_cls, "config_cls", fam.name),
+        model_cls=_ref(fam.model_cls, "model_cls", fam.name),
+    )
+
+
+def _pattern(key: str) -> str:
+    """A tensor name as a table writes it: its first index ``*`` (the layer), the next ``#``."""
+    parts = key.split(".")
+    seen = 0
+    for i, part in enumerate(parts):
+        if part.isdigit() and part.isascii() and 0 < i < len(parts) - 1:
+            parts[i] = "*" if seen == 0 else "#"
+            seen += 1
+    return ".".join(parts)
+
+
+def _coverage(family: Any, patterns: list[str]) -> tuple[list[str], list[str], int]:
+    """Of ``patterns`` (the checkpoint's HF tensors, as table patterns): those no entry of the
+    family's table reads, those read only under a ``when`` (the family's Megatron config decides),
+    and how many tensor patterns the table reads unconditionally that the checkpoint lacks.
+
+    Entries sharing one ``when`` are one condition: it counts as met only if the checkpoint has
+    every tensor those entries read (Llama's all-linear-biases condition reads an ``o_proj`` bias
+    too, so it does not cover a checkpoint that biases q/k/v alone). A stacked tensor's ``[#]``
+    slices count as the tensor."""
+    import fnmatch
+
+    from porting.contract.mapping import Ignore
+
+    have = set(patterns)
+    read, conditional, absent = set(), set(), set()
+    groups: dict[int, set[str]] = {}
+    ignores = []
+    for e in family.weights:
+        if isinstance(e, Ignore):
+            ignores.append(e.hf)
+            continue
+        names = {re.sub(r"\[#\]\Z", "", n) for n in ((e.hf,) if isinstance(e.hf, str) else e.hf)}
+        if e.when is None:
+            read |= names & have
+            absent |= names - have
+        else:
+            groups.setdefault(id(e.when), set()).update(names)
+    for names in groups.values():
+        if names <= have:
+            read |= names
+            conditional |= names
+    uncovered = [
+        p for p in patterns if p not in read and not any(fnmatch.fnmatchcase(p, g) for g in ignores)
+    ]
+    return uncovered, sorted(conditional), len(absent)
+
+
+def _hf_tensor_names(hf_class: str, cfg: dict) -> tuple[list[str], str]:
+    """The state-dict names of ``hf_class`` built on the meta device from ``cfg``, and where the
+    names came from; ``[]`` with the reason where transformers cannot build it (or it would have
+    too many modules to build quickly)."""
+    import copy
+
+    layers = cfg.get("num_hidden_layers")
+    experts = [v for k, v in cfg.items() if "expert" in k and type(v) is int]
+    if type(layers) is not int or not 0 < layers <= _LAYERS_MAX:
+        return [], f"num_hidden_layers is not an integer from 1 to {_LAYERS_MAX}"
+    if any(v > _EXPERTS_MAX for v in experts):
+        return [], f"an expert count above {_EXPERTS_MAX}"
+    import torch
+    import transformers
+    from accelerate import init_empty_weights
+
+    cls = getattr(transformers, hf_class)
+    try:
+        config = cls.config_class.from_dict(copy.deepcopy(cfg))
+        with init_empty_weights(include_buffers=True):
+            model = cls._from_config(config, dtype=torch.float32)
+        names = list(model.state_dict())
+    except Exception as err:  # the reference class refuses this config: the gate will say so
+        return (
+            [],
+            f"transformers' {hf_class} cannot be built from config.json ({type(err).__name__})",
+        )
+    return names, ""
+
+
+def _refused(entries: list, cfg: dict, where: str) -> set[str]:
+    """The fields of ``cfg`` that ``entries`` (a family's config entries) or the shared rules
+    refuse at the values seen, each entry asked on its own."""
+    from porting.contract.config_map import (
+        FIELD_RULES,
+        Carry,
+        Derived,
+        Field,
+        NoOp,
+        Require,
+        known_fields,
+    )
+
     out = set()
-    for k in keys:
-        k = re.sub(r"\.layers\.\d+\.", ".layers.*.", k)
-        out.add(re.sub(r"\.experts\.\d+\.", ".experts.#.", k))
-    return sorted(out)
+    # A family's functions may do work per layer (a per-layer pattern list): past the bound they
+    # are not run, and only the checks and requirements speak.
+    layers = cfg.get("num_hidden_layers")
+    run = type(layers) is int and 0 < layers <= _LAYERS_MAX
+    for name, value in cfg.items():
+        if name in FIELD_RULES:
+            try:
+                FIELD_RULES[name](name, value, where)
+            except Exception:
+                out.add(name)
+    for e in entries:
+        present = [n for n in sorted(known_fields((e,))) if n in cfg]
+        if not present:
+            continue
+        try:
+            if isinstance(e, Require):
+                ok = bool(e.ok(cfg[e.hf]))
+            elif isinstance(e, NoOp):
+                ok = e.is_noop(cfg)
+            else:
+                if isinstance(e, Field | Derived | Carry) and e.check is not None:
+                    for n in present:
+                        e.check(n, cfg[n], where)
+                if isinstance(e, Field) and run:
+                    e.to_mcore(cfg[e.hf])
+                elif isinstance(e, Derived) and run:
+                    e.to_mcore(cfg)
+                ok = True
+        except Exception:
+            ok = False
+        if not ok:
+            out.update(present)
+    return out
 
 
-def _llama_hf_names() -> set[str]:
-    from converters.llama import WEIGHTS
+def _score(
+    family: Any, cfg: dict, patterns: list[str], where: str
+) -> tuple[int, int, set[str], int]:
+    """``(tensors its table reads, config fields it places as seen, fields it refuses, tensors
+    its table always reads that the checkpoint lacks)``."""
+    from porting.contract.config_map import known_fields
 
-    names = set()
-    for e in WEIGHTS:
-        names.update((e.hf,) if isinstance(e.hf, str) else e.hf)
-    return names
+    own = {k for k in cfg if k not in _common_fields()}
+    refused = _refused(list(family.config_entries), cfg, where)
+    placed = own & known_fields(family.config_entries) - refused
+    uncovered, _, absent = _coverage(family, patterns)
+    return len(patterns) - len(uncovered), len(placed), refused, absent
 
 
-def _tiny(cfg: dict) -> dict:
-    """The config's own fields at test size (the HF reference class builds it locally)."""
+def _missing(family: Any, cfg: dict) -> list[str]:
+    """The fields the family's entries require (a ``Field`` with no default) that ``cfg`` lacks."""
+    from porting.contract.config_map import _MISSING, Field
+
+    return sorted(
+        e.hf
+        for e in family.config_entries
+        if isinstance(e, Field) and e.default is _MISSING and e.hf not in cfg
+    )
+
+
+def closest(
+    cfg: dict, patterns: list[str], arch: str, where: str = "config.json"
+) -> list[tuple[Any, tuple[int, int, int, int], set[str]]]:
+    """Every installed family that loads, closest to the checkpoint first, each with ``(tensors
+    its table reads, of all, config fields it places as they are, of all)`` and the fields it
+    refuses. Closest: the highest sum of the two fractions; then one that claims the
+    architecture, then the fewest tensors and required fields it has that the checkpoint lacks,
+    then by name."""
+    from porting.contract import registry
+
+    own = len([k for k in cfg if k not in _common_fields()]) or 1
+    rows = []
+    for inst in registry.installed():
+        fam = inst.family
+        if fam is None:
+            continue
+        tensors, fields, refused, absent = _score(fam, cfg, patterns, where)
+        rank = (
+            -(tensors / (len(patterns) or 1) + fields / own),
+            arch not in fam.architectures,
+            absent + len(_missing(fam, cfg)),
+            fam.name,
+        )
+        rows.append((rank, inst, (tensors, len(patterns), fields, own), refused))
+    rows.sort(key=lambda r: r[0])
+    return [(inst, score, refused) for _, inst, score, refused in rows]
+
+
+def _tiny(cfg: dict) -> tuple[dict, dict]:
+    """The config's own fields at test size (the HF reference class builds it locally), and the
+    fields of a second variant: the output tied the other way, the query heads grouped the other
+    way."""
     heads = cfg.get("num_attention_heads") or 4
     kv = cfg.get("num_key_value_heads") or heads
     tiny = {
@@ -330,7 +613,10 @@ def _tiny(cfg: dict) -> dict:
         tiny["head_dim"] = 16 if whole and head_dim * heads == cfg.get("hidden_size") else 32
     if "layer_types" in tiny and isinstance(tiny["layer_types"], list):
         tiny["layer_types"] = (tiny["layer_types"] * 3)[:3]
-    return tiny
+    toggled = {"num_key_value_heads": 2 if tiny["num_key_value_heads"] == 4 else 4}
+    if type(cfg.get("tie_word_embeddings")) is bool:
+        toggled["tie_word_embeddings"] = not cfg["tie_word_embeddings"]
+    return tiny, toggled
 
 
 def _hf_model_class(hf_class: str, arch: str, config: Path) -> str:
@@ -351,8 +637,11 @@ def _hf_model_class(hf_class: str, arch: str, config: Path) -> str:
     return hf_class
 
 
-def _plan(name: str, hf_dir: Path, hf_class: str | None, result: Scaffold) -> _Plan:
+def _plan(
+    name: str, hf_dir: Path, hf_class: str | None, base_name: str | None, result: Scaffold
+) -> _Plan:
     from porting.contract import registry
+    from porting.contract.config_map import known_fields, native_architecture
     from porting.convert.hf_files import read_hf_config
     from porting.convert.safetensors_io import SafetensorsSource
 
@@ -383,20 +672,75 @@ def _plan(name: str, hf_dir: Path, hf_class: str | None, result: Scaffold) -> _P
             f"{_quoted(arch)} and model_type {_quoted(str(mtype))} are both claimed (by "
             f"{taken.get(arch)}, {taken.get(mtype)}); give the checkpoint its own architecture name"
         )
-    from porting.contract.config_map import native_architecture
+
+    # Every tensor the HF class has for this config, and every one the checkpoint holds (which
+    # the import must account for too).
+    names, why = _hf_tensor_names(hf_class, cfg)
+    source = SafetensorsSource(hf_dir, allow_pickle=False)
+    try:
+        stored = list(source.keys())
+    finally:
+        source.close()
+    result.tensors_from = (
+        f"the {hf_class} model built on the meta device from config.json, and the checkpoint"
+        if names
+        else f"the checkpoint alone ({why})"
+    )
+    patterns = sorted({_pattern(k) for k in [*names, *stored]})
+
+    ranked = closest(cfg, patterns, arch, str(config))
+    result.scores = [(i.name, *score) for i, score, _ in ranked]
+    if base_name is None:
+        if not ranked:
+            raise PortingError("no installed family loads: there is none to start from")
+        chosen = ranked[0]
+    else:
+        found = [r for r in ranked if r[0].name == base_name]
+        if not found:
+            raise PortingError(
+                f"--base {_quoted(base_name)}: no installed family of that name loads (installed: "
+                f"{', '.join(r[0].name for r in ranked)})"
+            )
+        chosen = found[0]
+        result.scores.sort(key=lambda row: row[0] != base_name)
+    base = _base(chosen[0])
+    fam, refused = base.family, chosen[2]
+    result.base = fam.name
+
+    # The base's entries for these fields are left out and each field placed afresh: the fields
+    # it refuses at this checkpoint's values, those it requires that the checkpoint lacks, and
+    # the other fields of any entry so left out.
+    result.missing = _missing(fam, cfg)
+    replaced = set(refused) | set(result.missing)
+    while True:
+        grown = {
+            n
+            for e in fam.config_entries
+            if known_fields((e,)) & replaced
+            for n in known_fields((e,))
+        }
+        if grown <= replaced:
+            break
+        replaced |= grown
+    base_fields = known_fields(fam.config_entries) - replaced
 
     # the engine refuses auto_map on an architecture transformers lacks: the author decides it
     remote = not native_architecture(arch)
-    entries: list[Callable[[_Values], str]] = [lambda lit: "*LLAMA_LAYOUT"]
-    imports = {"LLAMA_LAYOUT"}
+    entries: list[Callable[[_Values], str]] = []
+    # the Megatron-Core field an Undecided entry's HF field usually sets (HINTS: our text only)
+    comments: dict[int, str] = {}
+    imports: set[str] = set()
     for key in sorted(cfg):
         value = cfg[key]
-        known = _KNOWN[key](value) if key in _KNOWN else None
-        if key in _LLAMA_LAYOUT:
+        decide = key == "auto_map" and remote
+        if not decide and key in base_fields:
             result.mapped.append(key)
-        elif key in _common_fields() and key not in _KNOWN and not (key == "auto_map" and remote):
+            continue
+        if not decide and key in _common_fields() and key not in _KNOWN.keys() | replaced:
             result.mapped.append(key)  # the engine's rule for every family (config_map.COMMON)
-        elif key == "model_type":
+            continue
+        known = _KNOWN[key](value) if key in _KNOWN and not decide else None
+        if key == "model_type":
             entries.append(
                 lambda lit, v=value: (
                     f"Require('model_type', lambda v: v == {lit(v)}, {lit(f'the {v} layout')})"
@@ -409,24 +753,40 @@ def _plan(name: str, hf_dir: Path, hf_class: str | None, result: Scaffold) -> _P
             imports.update(n for n in ("HEAD_DIM_OR_NULL", "ROPE_SCALING", "Require") if n in known)
             (result.required if known.startswith("Require") else result.mapped).append(key)
         else:
+            hint = HINTS.get(key)
             entries.append(lambda lit, k=key, v=value: f"Undecided({lit(k)}, {lit(v)})")
+            comments[len(entries) - 1] = "" if hint is None else f"  # Megatron-Core: {hint}"
             imports.add("Undecided")
             result.undecided.append(key)
-    source = SafetensorsSource(hf_dir, allow_pickle=False)
-    try:
-        covered = _llama_hf_names()
-        result.uncovered_tensors = [p for p in _patterns(source.keys()) if p not in covered]
-    finally:
-        source.close()
+    result.uncovered_tensors, result.conditional_tensors, _ = _coverage(fam, patterns)
+    norm_bias = [p for p in result.uncovered_tensors if re.search(r"norm[^.]*\.bias\Z", p)]
+    if norm_bias:
+        result.hints.append(
+            f"{len(norm_bias)} norm bias tensor(s) ({_shown(norm_bias[0])}, ...): a LayerNorm "
+            "with a bias is Megatron-Core's normalization='LayerNorm' (set it in model.py's "
+            "config; its tables name the bias ...layernorm.bias)"
+        )
+    for key in result.missing:
+        result.hints.append(
+            f"{key}: the base {fam.name} requires it and this checkpoint has none; the Megatron "
+            f"field it sets is {HINTS.get(key, 'in the base family converter')} "
+            f"(docs/families.md#{GUIDE_KEYS})"
+        )
+    tiny, toggled = _tiny(cfg)
     return _Plan(
         name=name,
+        base=base,
         hf_class=hf_class,
         architectures=architectures,
         model_types=model_types,
+        replaced=sorted(replaced),
         entries=entries,
+        comments=comments,
         imports=imports,
+        missing=result.missing,
         uncovered=result.uncovered_tensors,
-        tiny=_tiny(cfg),
+        tiny=tiny,
+        toggled=toggled,
         summary=f"started by porting new-family from a {mtype or arch} checkpoint",
     )
 
@@ -437,11 +797,13 @@ def new_family(
     out: str | Path,
     overwrite: bool = False,
     hf_class: str | None = None,
+    base: str | None = None,
 ) -> Scaffold:
     """Write the package skeleton for family ``name`` started from ``hf_dir`` at ``out``.
 
     ``hf_class``: the ``transformers`` class for the HF reference side, where the checkpoint's
     architecture is not one (an ``auto_map`` checkpoint whose own code we never run).
+    ``base``: the installed family to start from; by default the closest (:func:`closest`).
     """
     from porting.convert.checkpoint import claimed_output
 
@@ -462,7 +824,7 @@ def new_family(
         raise PortingError(f"cannot write {out}: {err.strerror or err}; nothing written") from err
     _refuse_taken(name)
     result = Scaffold(out)
-    plan = _plan(name, hf_dir, hf_class, result)
+    plan = _plan(name, hf_dir, hf_class, base, result)
     placeholders = _Values(placeholders=True)
     files = _render(plan, _Values(placeholders=False))
     _check_generated(files, _render(plan, placeholders), placeholders.seen)
@@ -503,27 +865,29 @@ dependencies = ["porting"]
 packages = ["{pkg}"]
 """
     files[f"{pkg}/__init__.py"] = f'"""The {name} family for porting."""\n'
+    bmod, (cmod, ccls), (mmod, mcls) = plan.base.module, plan.base.config_cls, plan.base.model_cls
+    base_name = plan.base.family.name
     files[
         f"{pkg}/model.py"
-    ] = f'''"""The {name} decoder as a NeMo 2.0 model: the Llama layout on the stock GPT spec, to start
-from. Change the config's fields here, or give ``transformer_layer_spec`` a spec of your own
-where the maths differs (docs/families.md: "A family with a custom layer")."""
+    ] = f'''"""The {name} decoder as a NeMo 2.0 model: the {base_name} family's, to start from.
+Set the Megatron-Core fields that differ here (docs/families.md#{GUIDE_KEYS}: a LayerNorm with a
+bias is ``normalization = "LayerNorm"``), or give ``transformer_layer_spec`` a spec of your own
+where the maths differs (docs/families.md#{GUIDE_MEGATRON})."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nemo.collections.llm.gpt.model.base import GPTModel
-
-from models.llama import LlamaConfig
+from {cmod} import {ccls} as BaseConfig
+from {mmod} import {mcls} as BaseModel
 
 
 @dataclass
-class {cls}Config(LlamaConfig):
+class {cls}Config(BaseConfig):
     """Megatron GPT config of the {name} family."""
 
 
-class {cls}Model(GPTModel):
+class {cls}Model(BaseModel):
     """NeMo 2.0 model of the {name} family; its own class, so NeMo finds its connectors."""
 
     def __init__(self, config=None, optim=None, tokenizer=None, model_transform=None):
@@ -531,39 +895,63 @@ class {cls}Model(GPTModel):
             config or {cls}Config(), optim=optim, tokenizer=tokenizer, model_transform=model_transform
         )
 '''
-    config_lines = "\n".join(f"    {entry(lit)}," for entry in plan.entries)
-    ours = ", ".join(
-        n for n in ("HEAD_DIM_OR_NULL", "LLAMA_LAYOUT", "ROPE_SCALING") if n in plan.imports
+    config_lines = "\n".join(
+        f"    {entry(lit)},{plan.comments.get(i, '')}" for i, entry in enumerate(plan.entries)
     )
-    kinds = ", ".join(k for k in ("Require", "Undecided") if k in plan.imports)
+    ours = ", ".join(n for n in ("HEAD_DIM_OR_NULL", "ROPE_SCALING") if n in plan.imports)
+    kinds = ", ".join(k for k in ("Require", "Undecided") if k in plan.imports | {"Undecided"})
     imports = (
-        f"from converters.llama import {ours}, shape_context\n"
-        "from converters.llama import WEIGHTS as LLAMA_WEIGHTS\n"
-        + (f"from porting.contract.config_map import {kinds}\n" if kinds else "")
+        f"from {bmod} import {plan.base.attr} as BASE\n"
+        + (f"from converters.llama import {ours}\n" if ours else "")
+        + f"from porting.contract.config_map import {kinds}, known_fields\n"
         + "from porting.contract.family import Family\n"
     )
-    # Each name as its literal, which holds no line break, so it cannot end the comment.
-    uncovered = "".join(f"#   {lit(p)}\n" for p in plan.uncovered) or "#   none\n"
+
+    def names(items: list[str]) -> str:
+        return "".join(f"    {lit(n)},\n" for n in items)
+
     files[
         f"{pkg}/converter.py"
     ] = f'''"""The {name} family: config entries, weight table, family object (its Megatron side, in
-``model.py``, is named and loaded when a conversion needs it).
+``model.py``, is named and loaded when a conversion needs them).
 
-Written by ``porting new-family`` from an HF checkpoint. Every config field is placed: the Llama
-layout's, ``Require`` for values kept as seen, ``Undecided`` for what is left to decide (the
-family is refused, all of them listed, until none is left). See docs/families.md.
+Written by ``porting new-family`` from an HF checkpoint, started from the {base_name} family, the
+closest installed one: its entries and table, imported and extended. Every config field is placed:
+as the base places it, ``Require`` for values kept as seen, ``Undecided`` for what is left to
+decide; each HF tensor no entry of the base's table reads is ``Undecided`` too. The family is
+refused, everything left listed at once, until nothing is undecided. The Megatron-Core field each
+HF key usually sets: docs/families.md#{GUIDE_KEYS}.
 """
 
 from __future__ import annotations
 
 {imports}
+# Fields the base's entries place differently from this checkpoint (they refuse its value, it
+# lacks one they require, or they share an entry with such a field): the base's entries for
+# them are left out, and each is placed below.
+REPLACED = (
+{names(plan.replaced)})
+
+# Fields the base requires that this checkpoint lacks: decide what sets their Megatron fields in
+# this family (map another field of this checkpoint onto it, or set it in model.py's config),
+# then delete the name here.
+MISSING = (
+{names(plan.missing)})
+
+# The HF tensors of this checkpoint's HF class and files that no entry of the base's table reads
+# (as table patterns: * the layer, # the expert). Give each an entry in WEIGHTS (Rename, Fused) or
+# an Ignore with its reason, then delete it here (docs/families.md#{GUIDE_TABLE}).
+TENSORS_TO_DECIDE = (
+{names(plan.uncovered)})
+
 CONFIG = (
+    *(e for e in BASE.config_entries if not known_fields((e,)) & set(REPLACED)),
 {config_lines}
+    *(Undecided(f, "absent from the checkpoint; the base family requires it") for f in MISSING),
+    *(Undecided(t, "an HF tensor no entry of WEIGHTS reads") for t in TENSORS_TO_DECIDE),
 )
 
-# The Llama layout's table. Tensor names of the checkpoint it does not cover (the table check
-# names each one, with its shape, until an entry reads it or Ignores it):
-{uncovered}WEIGHTS = LLAMA_WEIGHTS
+WEIGHTS = (*BASE.weights,)
 
 FAMILY = Family(
     name={name!r},
@@ -573,17 +961,21 @@ FAMILY = Family(
     weights=WEIGHTS,
     config_cls="{pkg}.model:{cls}Config",
     model_cls="{pkg}.model:{cls}Model",
-    shape_context=shape_context,
+    shape_context=BASE.shape_context,
+    context_symbols=BASE.context_symbols,
     hf_model_class={lit(plan.hf_class)},
     summary={lit(plan.summary)},
 )
 '''
     tiny = "".join(f"    {lit(k)}: {lit(v)},\n" for k, v in sorted(plan.tiny.items()))
+    toggled = "".join(f"    {lit(k)}: {lit(v)},\n" for k, v in sorted(plan.toggled.items()))
     files[
         f"tests/test_{name}.py"
-    ] = f'''"""The full proof of the {name} family (porting.proof) on a tiny random model of its config,
+    ] = f'''"""The full proof of the {name} family (porting.proof) on tiny random models of its config,
 built here (no hub): fp32 full-logit parity (atol=rtol=1e-5, 100% top-1), the streamed gate,
-tensor parallel 2, an exact round trip, and a planted fault named by layer."""
+tensor parallel 2, an exact round trip, a planted fault named by layer; and parity and the round
+trip again on a second variant with the config's optional features toggled. Add the published
+configs your family converts as further variants (docs/families.md#{GUIDE_START})."""
 
 from __future__ import annotations
 
@@ -596,14 +988,27 @@ from porting.contract import registry
 ARCHITECTURE = {lit(plan.hf_class)}
 TINY = {{
 {tiny}}}
+# The same config with its optional features the other way: the output tied or not, the query
+# heads grouped differently.
+TOGGLED = {{
+    **TINY,
+{toggled}}}
+
+
+def _converted(root, fields):
+    hf = proof.make_hf(root / "hf", ARCHITECTURE, **fields)
+    import_hf(hf, root / "nemo", verify=False, show_progress=False, family={name!r})
+    return hf, root / "nemo"
 
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    root = tmp_path_factory.mktemp("{name}")
-    hf = proof.make_hf(root / "hf", ARCHITECTURE, **TINY)
-    import_hf(hf, root / "nemo", verify=False, show_progress=False, family={name!r})
-    return hf, root / "nemo"
+    return _converted(tmp_path_factory.mktemp("{name}"), TINY)
+
+
+@pytest.fixture(scope="module")
+def toggled(tmp_path_factory):
+    return _converted(tmp_path_factory.mktemp("{name}_toggled"), TOGGLED)
 
 
 def test_the_family_is_installed():
@@ -629,5 +1034,13 @@ def test_every_layout_round_trips_exactly(converted, tmp_path):
 def test_planted_fault_is_named(converted, tmp_path):
     family = registry.family_by_name({name!r})
     proof.prove_fault_named(converted[0], tmp_path / "ck", family, 1, TINY["num_hidden_layers"])
+
+
+def test_toggled_variant_parity(toggled):
+    proof.prove_parity(*toggled)
+
+
+def test_toggled_variant_round_trip_is_exact(toggled, tmp_path):
+    proof.prove_round_trip(*toggled, tmp_path / "hf-back")
 '''
     return files
