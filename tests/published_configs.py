@@ -520,6 +520,42 @@ PUBLISHED: dict[str, dict] = {
         "use_sliding_window": False,
         "vocab_size": 151936,
     },
+    # https://huggingface.co/Qwen/Qwen3-8B-FP8/blob/main/config.json: Qwen3-8B's, plus the
+    # quantization_config; its weight_scale_inv tensors are bf16 (SCALE_DTYPE below)
+    "Qwen/Qwen3-8B-FP8": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 12288,
+        "max_position_embeddings": 40960,
+        "max_window_layers": 36,
+        "model_type": "qwen3",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 36,
+        "num_key_value_heads": 8,
+        "quantization_config": {
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "quant_method": "fp8",
+            "weight_block_size": [128, 128],
+        },
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 1000000,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.51.0",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+    },
     # https://huggingface.co/Qwen/Qwen3-0.6B/blob/main/config.json
     # checked: ai-dynamo/aiconfigurator model_configs/Qwen--Qwen3-0.6B_config.json
     "Qwen/Qwen3-0.6B": {
@@ -1718,7 +1754,11 @@ PUBLISHED: dict[str, dict] = {
     },
 }
 
+# the dtype a release stores its FP8 block scales in, where it is not float32 (DeepSeek-V3's)
+SCALE_DTYPE = {"Qwen/Qwen3-8B-FP8": "bfloat16"}
+
 FAMILY: dict[str, str] = {
+    "Qwen/Qwen3-8B-FP8": "qwen",
     "google/gemma-3-1b-it": "gemma3",
     "google/gemma-3-270m": "gemma3",
     "microsoft/Phi-3-mini-4k-instruct": "phi3",

@@ -97,8 +97,9 @@ def shrink(cfg: dict) -> dict:
     return c
 
 
-def make_published(out: Path, cfg: dict) -> Path:
-    """A random-init HF directory whose ``config.json`` is exactly ``cfg``."""
+def make_published(out: Path, cfg: dict, scale_dtype: str = "float32") -> Path:
+    """A random-init HF directory whose ``config.json`` is exactly ``cfg`` (quantized as released,
+    FP8 block scales in ``scale_dtype``)."""
     import transformers
 
     out.mkdir(parents=True)
@@ -121,14 +122,14 @@ def make_published(out: Path, cfg: dict) -> Path:
     model.to(dtype).save_pretrained(str(out), safe_serialization=True)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     if "quantization_config" in cfg:
-        quantize_hf_dir(out)
+        quantize_hf_dir(out, scale_dtype=scale_dtype)
     return out
 
 
 @pytest.mark.parametrize("hub_id", sorted(published.PUBLISHED))
 def test_published_config_imports_with_the_gate_and_comes_back_identical(hub_id, tmp_path):
     cfg = shrink(published.PUBLISHED[hub_id])
-    hf = make_published(tmp_path / "hf", cfg)
+    hf = make_published(tmp_path / "hf", cfg, published.SCALE_DTYPE.get(hub_id, "float32"))
     import_hf(hf, tmp_path / "nemo", verify=True, show_progress=False)
     export_hf(tmp_path / "nemo", tmp_path / "back", verify=False)
     back = json.loads((tmp_path / "back" / "config.json").read_text())
