@@ -151,25 +151,29 @@ RELEASED_FALCON_LAYOUTS = (
 )
 
 
-def quantize_hf_dir(path: str | Path) -> Path:
-    """Rewrite a tiny HF directory's weights as a quantized release ships them, by its
-    ``config.json``'s ``quantization_config`` (:mod:`porting.convert.quant`); one
-    ``model.safetensors`` after.
+def quantize_hf_dir(
+    path: str | Path, scale_dtype: str = "float32", max_shard_bytes: int = 4 * 2**30
+) -> Path:
+    """Rewrite an HF directory's weights as a quantized release ships them, by its
+    ``config.json``'s ``quantization_config`` (:mod:`porting.convert.quant`), one tensor at a
+    time (the benchmarks' real-width checkpoints pass through here too).
 
     ``fp8``: every weight transformers' FP8 loader converts (each ``nn.Linear`` but ``lm_head`` and
-    ``modules_to_not_convert``) as ``float8_e4m3fn`` with a float32 ``weight_scale_inv`` per
-    block. ``mxfp4``: the gpt-oss experts' ``mlp.experts.gate_up_proj`` / ``down_proj``
-    (``[E, in, out]``) as ``*_blocks`` (two E2M1 codes a byte, low nibble first) and ``*_scales``
-    (the block's exponent + 127), grouped along ``in`` as ``convert_moe_packed_tensors`` reads them.
+    ``modules_to_not_convert``) as ``float8_e4m3fn`` with a ``weight_scale_inv`` per block, in
+    ``scale_dtype`` (DeepSeek-V3: float32; the FP8 Qwen3 releases: bfloat16). ``mxfp4``: the
+    gpt-oss experts' ``mlp.experts.gate_up_proj`` / ``down_proj`` (``[E, in, out]``) as
+    ``*_blocks`` (two E2M1 codes a byte, low nibble first) and ``*_scales`` (the block's exponent
+    + 127), grouped along ``in`` as ``convert_moe_packed_tensors`` reads them.
     """
     import json
+    import math
+    import shutil
 
     import transformers
-    from safetensors.torch import save_file
 
     from porting.contract.quantization import FP8, read_quantization
     from porting.convert import quant
-    from porting.convert.safetensors_io import SAFE_INDEX, SAFE_SINGLE, SafetensorsSource
+    from porting.convert.safetensors_io import SAFE_INDEX, SafetensorsSource, StreamingShardWriter
 
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
@@ -177,50 +181,78 @@ def quantize_hf_dir(path: str | Path) -> Path:
     if method is None:
         raise ValueError(f"{path}/config.json has no quantization_config")
     source = SafetensorsSource(path)  # nothing quantized yet: every tensor is itself
-    state = {k: source.get(k) for k in source.keys()}
-    out: dict[str, torch.Tensor] = {}
+    targets: set[str] = set()
+    experts = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
     if method.method == FP8:
         targets = quant.fp8_targets(getattr(transformers, config["architectures"][0]), config)
-        for key, t in state.items():
-            if key in targets:
-                out[key], out[key + quant.SCALE_SUFFIX] = quant.quantize_fp8_block(t, method.block)
-            else:
-                out[key] = t
     else:
-        for key, t in state.items():
-            if key.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
-                out[key + quant.BLOCKS], out[key + quant.SCALES] = _mxfp4_pack(t)
-            else:
-                out[key] = t
-    for name in (SAFE_INDEX, SAFE_SINGLE):
-        (path / name).unlink(missing_ok=True)
-    for shard in path.glob("model-*-of-*.safetensors"):
-        shard.unlink()
-    save_file(
-        {k: v.contiguous() for k, v in out.items()}, str(path / SAFE_SINGLE), {"format": "pt"}
-    )
+        targets = {k for k in source.keys() if k.endswith(experts)}
+    scale = getattr(torch, scale_dtype)
+    specs = []
+    for key in source.keys():
+        (shape, _), (stored, _) = source.shape(key), source.stored_dtype(key)
+        dtype = getattr(torch, quant.FLOAT_NAMES[stored])
+        if key not in targets:
+            specs.append((key, shape, dtype))
+        elif method.method == FP8:
+            blocks = tuple(math.ceil(d / b) for d, b in zip(shape, method.block, strict=True))
+            specs += [(key, shape, torch.float8_e4m3fn), (key + quant.SCALE_SUFFIX, blocks, scale)]
+        else:
+            n, k, rows = shape
+            groups = k // quant.MXFP4_BLOCK
+            specs += [
+                (key + quant.BLOCKS, (n, rows, groups, quant.MXFP4_BLOCK // 2), torch.uint8),
+                (key + quant.SCALES, (n, rows, groups), torch.uint8),
+            ]
+    staging = path / ".quantized"
+    staging.mkdir()
+    writer = StreamingShardWriter(staging, specs, max_shard_bytes)
+    for key in source.keys():
+        t = source.get(key)
+        if key not in targets:
+            writer.write(key, t)
+        elif method.method == FP8:
+            q, s = quant.quantize_fp8_block(t, method.block)
+            writer.write(key, q)
+            writer.write(key + quant.SCALE_SUFFIX, s.to(scale))
+        else:
+            b, s = _mxfp4_pack(t)
+            writer.write(key + quant.BLOCKS, b)
+            writer.write(key + quant.SCALES, s)
+        del t
+    written = writer.close()
+    for old in [*path.glob("*.safetensors"), path / SAFE_INDEX]:
+        old.unlink(missing_ok=True)
+    for new in [*written, staging / SAFE_INDEX]:
+        if new.exists():
+            new.rename(path / new.name)
+    shutil.rmtree(staging)
     return path
 
 
 def _mxfp4_pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight`` ``[E, K, R]`` as MXFP4 blocks ``[E, R, K / 32, 16]`` and scales
-    ``[E, R, K / 32]``: each block of 32 along ``K`` scaled by the power of two that brings its largest magnitude to
-    at most 6, every value rounded to the nearest E2M1 code."""
+    ``[E, R, K / 32]``: each block of 32 along ``K`` scaled by the power of two that brings its
+    largest magnitude to at most 6, every value rounded to the nearest E2M1 code. One expert at a
+    time: the nearest-code search holds eight float32 copies of what it packs."""
     from porting.convert.quant import MXFP4_BIAS, MXFP4_BLOCK
 
     n, k, rows = weight.shape
     if k % MXFP4_BLOCK:
         raise ValueError(f"MXFP4 groups {MXFP4_BLOCK} values; {k} is not a multiple")
-    w = weight.to(torch.float32).transpose(1, 2).reshape(n, rows, k // MXFP4_BLOCK, MXFP4_BLOCK)
-    amax = w.abs().amax(dim=-1)
-    exp = torch.ceil(torch.log2(torch.clamp(amax, min=2.0**-120) / 6.0)).clamp(-127, 127)
-    scaled = w / torch.exp2(exp).unsqueeze(-1)
     magnitudes = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-    code = (scaled.abs().unsqueeze(-1) - magnitudes).abs().argmin(dim=-1)
-    code = code | torch.where(scaled < 0, 8, 0)
-    code = code.to(torch.uint8)
-    blocks = code[..., 0::2] | (code[..., 1::2] << 4)
-    return blocks.contiguous(), (exp + MXFP4_BIAS).to(torch.uint8)
+    blocks = torch.empty(n, rows, k // MXFP4_BLOCK, MXFP4_BLOCK // 2, dtype=torch.uint8)
+    scales = torch.empty(n, rows, k // MXFP4_BLOCK, dtype=torch.uint8)
+    for e in range(n):
+        w = weight[e].to(torch.float32).T.reshape(rows, k // MXFP4_BLOCK, MXFP4_BLOCK)
+        amax = w.abs().amax(dim=-1)
+        exp = torch.ceil(torch.log2(torch.clamp(amax, min=2.0**-120) / 6.0)).clamp(-127, 127)
+        scaled = w / torch.exp2(exp).unsqueeze(-1)
+        code = (scaled.abs().unsqueeze(-1) - magnitudes).abs().argmin(dim=-1)
+        code = (code | torch.where(scaled < 0, 8, 0)).to(torch.uint8)
+        blocks[e] = code[..., 0::2] | (code[..., 1::2] << 4)
+        scales[e] = (exp + MXFP4_BIAS).to(torch.uint8)
+    return blocks, scales
 
 
 def make_falcon(

@@ -25,7 +25,7 @@ from porting import proof
 from porting.api import ParityError, export_hf, import_hf
 from porting.cli import main
 from porting.convert import quant
-from porting.convert.safetensors_io import SafetensorsSource
+from porting.convert.safetensors_io import SafetensorsSource, read_safetensors_header
 from porting.parity.hf_dequant import REFERENCE, load_whole
 from porting.testing import quantize_hf_dir
 
@@ -80,11 +80,13 @@ def test_fp8_block_dequantization_is_bit_identical_to_the_references(dtype):
     np_dtype = {torch.bfloat16: ml_dtypes.bfloat16, torch.float16: np.float16}.get(
         dtype, np.float32
     )
-    for w, s in _fp8_cases():
-        ours = quant.dequantize_fp8_block(w, s, (128, 128), dtype)
-        _same_bits(ours, REFERENCE.fp8_block(w, s, (128, 128), dtype))
-        ref = torch.from_numpy(_numpy_fp8_block(w, s, np_dtype).view(np.uint8).copy())
-        _same_bits(ours, ref.view(dtype).reshape(w.shape))
+    for w, s32 in _fp8_cases():
+        # float32 scales as DeepSeek-V3 ships them, bf16 as the FP8 Qwen3 releases do
+        for s in (s32, s32.to(torch.bfloat16)):
+            ours = quant.dequantize_fp8_block(w, s, (128, 128), dtype)
+            _same_bits(ours, REFERENCE.fp8_block(w, s, (128, 128), dtype))
+            ref = _numpy_fp8_block(w, s.to(torch.float32), np_dtype).view(np.uint8).copy()
+            _same_bits(ours, torch.from_numpy(ref).view(dtype).reshape(w.shape))
     # stacked: leading dims go block matrix by block matrix
     w, s = next(_fp8_cases())
     ours = quant.dequantize_fp8_block(
@@ -128,6 +130,17 @@ def fp8(tmp_path_factory):
     quantize_hf_dir(hf)
     report = import_hf(hf, root / "ckpt", show_progress=False)
     return hf, root / "ckpt", report
+
+
+def test_bf16_scales_as_the_fp8_qwen3_releases_ship_them_import_with_the_gate(tmp_path):
+    hf = proof.make_hf(tmp_path / "hf", "Qwen3ForCausalLM", dtype=torch.bfloat16, **QWEN3)
+    cfg = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps(cfg | {"quantization_config": FP8_CONFIG}))
+    quantize_hf_dir(hf, scale_dtype="bfloat16")
+    header = read_safetensors_header(hf / "model.safetensors")
+    assert {v.dtype for k, v in header.items() if k.endswith("_scale_inv")} == {"BF16"}
+    report = import_hf(hf, tmp_path / "ckpt", show_progress=False)
+    assert report.passed and report.first_divergent_layer is None, report.summary()
 
 
 def test_an_fp8_checkpoint_imports_with_the_gate_and_equals_the_reference_exactly(fp8, tmp_path):
@@ -234,7 +247,7 @@ def _nan_scale(t):
         (dict(edit_tensors=lambda t: t.pop(SCALE)), ["has no scale", repr(SCALE)]),
         (
             dict(edit_tensors=lambda t: t.update({SCALE: t[SCALE].repeat(1, 2)})),
-            [repr(SCALE), "F32 (2, 2)", "needs F32 (2, 1)"],
+            [repr(SCALE), "F32 (2, 2)", "needs (2, 1) in F32/BF16/F16"],
         ),
         (dict(edit_tensors=_nan_scale), [repr(SCALE), "1 non-finite value"]),
         (
@@ -315,10 +328,6 @@ def test_an_mxfp4_checkpoint_reads_as_transformers_loads_it(mxfp4):
 
 
 def test_an_mxfp4_gpt_oss_imports_with_the_gate(mxfp4, tmp_path):
-    from porting.contract import registry
-
-    if not any("GptOssForCausalLM" in f.architectures for f in registry.families()):
-        pytest.skip("no installed family converts GptOssForCausalLM")
     report = import_hf(mxfp4, tmp_path / "ckpt", show_progress=False)
     assert report.passed and report.first_divergent_layer is None, report.summary()
     # and with the whole model loaded by transformers' own MXFP4 loader (dequantize=True)
@@ -329,7 +338,7 @@ def test_an_mxfp4_gpt_oss_imports_with_the_gate(mxfp4, tmp_path):
 
 _PEAK = """
 import resource, sys
-from porting.convert.safetensors_io import SafetensorsSource
+from porting.convert.safetensors_io import SafetensorsSource, read_safetensors_header
 source = SafetensorsSource(sys.argv[1])
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 weight = source.get("w.weight")

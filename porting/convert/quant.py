@@ -41,6 +41,7 @@ from porting.errors import PortingError
 if TYPE_CHECKING:  # torch is imported where tensors are made: config.json is refused without it
     import torch
 
+SCALE_DTYPES = ("F32", "BF16", "F16")
 SCALE_SUFFIX = "_scale_inv"  # DeepSeek's name: the scale that multiplies the stored value
 BLOCKS, SCALES = "_blocks", "_scales"
 MXFP4_BLOCK = 32  # E2M1 values per shared exponent (OCP MX)
@@ -208,10 +209,13 @@ class QuantizedView:
                 *(math.ceil(d / b) for d, b in zip(shape[-2:], block, strict=True)),
             )
             sdt, sshape, sf = stored[scale]
-            if sdt != "F32" or tuple(sshape) != want:
+            # DeepSeek-V3 ships float32 scales, the FP8 Qwen3 releases bf16 (some f16): all widen
+            # to float32 exactly
+            if sdt not in SCALE_DTYPES or tuple(sshape) != want:
                 raise PortingError(
                     f"{sf}: scale {scale!r} is {sdt} {tuple(sshape)}; FP8 tensor {key!r} of shape "
-                    f"{shape} in {block[0]}x{block[1]} blocks needs F32 {want}"
+                    f"{shape} in {block[0]}x{block[1]} blocks needs {want} in "
+                    f"{'/'.join(SCALE_DTYPES)}"
                 )
             self.planned[key] = Planned(FP8, (key, scale), tuple(shape))
         for key, (_, _, f) in stored.items():

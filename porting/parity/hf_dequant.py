@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from porting.convert.quant import FP8, Dequantizer
+from porting.contract.quantization import FP8
+from porting.convert.quant import Dequantizer
 
 
 def _fp8_block(
@@ -30,7 +31,8 @@ def _fp8_block(
     bm, bn = block
     rows, cols = weight.shape[-2:]
     w = weight.reshape(-1, rows, cols)
-    s = scale_inv.reshape(-1, *scale_inv.shape[-2:])
+    # bf16 / f16 scales (the FP8 Qwen3 releases) widen to float32 exactly, as DeepSeek's kernel reads them
+    s = scale_inv.reshape(-1, *scale_inv.shape[-2:]).to(torch.float32)
     out = torch.empty(w.shape, dtype=dtype)
     for m in range(w.shape[0]):
         for i, r0 in enumerate(range(0, rows, bm)):
@@ -74,8 +76,9 @@ def load_whole(hf_dir, cls, attn_implementation: str) -> torch.nn.Module:
     loader cannot read without a GPU, from :data:`REFERENCE`'s weights into the model class."""
     import transformers
 
+    from porting.contract.quantization import MXFP4, read_quantization
     from porting.convert.hf_files import read_hf_config
-    from porting.convert.quant import MXFP4, compute_dtype, read_quantization
+    from porting.convert.quant import compute_dtype
     from porting.convert.safetensors_io import SafetensorsSource
     from porting.errors import PortingError
 
