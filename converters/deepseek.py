@@ -16,7 +16,9 @@ rest a sigmoid router over ``n_routed_experts`` experts of ``moe_intermediate_si
 group-limited top-k of DeepSeek-V3 and a shared expert of ``n_shared_experts`` times that width
 (Megatron's ``moe_layer_freq`` as a per-layer list). The router's ``e_score_correction_bias``
 buffer is Megatron's ``expert_bias`` (the table maps it like a weight, in fp32 as Megatron
-keeps it). The routing maths is in
+keeps it); the releases store it as F32 beside BF16 weights, so it is one of the family's
+``fp32_tensors``: no vote on the import dtype, never cast, and F32 again on export. The routing
+maths is in
 :mod:`models.deepseek`; what the family refuses, by name, is in :func:`_moe_to_mcore`,
 :func:`_mla_to_mcore` and :func:`_rope_to_mcore`.
 
@@ -352,7 +354,7 @@ def _q_lora(c: DeepseekShapeContext) -> bool:
 
 
 # Megatron-Core keeps the expert bias in fp32 whatever the weights' dtype (TopKRouter's
-# _maintain_float32_expert_bias); export casts it back to the checkpoint's dtype, exactly
+# _maintain_float32_expert_bias); export writes it back in the dtype the source stored it in
 TO_FP32 = TransformPair("to_fp32", lambda t, ctx: t.float(), lambda t, ctx: (t,))
 
 
@@ -430,6 +432,8 @@ FAMILY = Family(
     model_cls="models.deepseek:DeepseekModel",
     shape_context=shape_context,
     context_symbols=("models.deepseek:deepseek_block_spec",),
+    # DeepSeek-V3's and Kimi K2's safetensors hold it as F32 beside BF16 (and FP8) weights
+    fp32_tensors=(_L + "mlp.gate.e_score_correction_bias",),
     summary="multi-latent attention and sigmoid-routed experts on Megatron-Core's MLA and MoE "
     "layers: DeepSeek-V3, Kimi K2, Moonlight (first layers dense, group-limited top-k, expert "
     "bias, shared expert, YaRN)",

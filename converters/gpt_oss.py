@@ -6,7 +6,9 @@ What differs from the Llama layout (:mod:`converters.llama`), each a Megatron-Co
 - a learnable attention sink per head (``self_attn.sinks``): one more logit in every softmax row,
   dropped after it (``softmax_type="learnable"``, the core attention's ``softmax_offset``);
 - the ``layer_types`` pattern of sliding and full attention (``window_size`` with
-  ``window_attn_skip_freq`` as a per-layer list) and YaRN (:data:`converters.llama.ROPE_SCALING`);
+  ``window_attn_skip_freq`` as a per-layer list) and YaRN (:data:`converters.llama.ROPE_SCALING`;
+  a config.json without ``rope_scaling`` has ``GptOssConfig``'s YaRN default, an explicit null
+  none);
 - biases on q/k/v, o_proj, the router and every expert (``add_bias_linear``);
 - the router: top-k of the biased logits, then the softmax of those k (``moe_router_pre_softmax``
   false), as ``GptOssTopKRouter`` does;
@@ -85,6 +87,25 @@ def _layout_to_mcore(hf: dict) -> dict:
     }
 
 
+# GptOssConfig's rope_scaling where config.json has no such key (transformers 4.57)
+DEFAULT_ROPE_SCALING = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
+
+
+def _rope_to_mcore(hf: dict) -> dict:
+    # only an absent key takes the default: an explicit null is no scaling, as in GptOssConfig;
+    # export carries the original config.json back, so no key is added there
+    if "rope_scaling" not in hf:
+        hf = hf | {"rope_scaling": DEFAULT_ROPE_SCALING}
+    return ROPE_SCALING.to_mcore(hf)
+
+
 def _head_dim_to_mcore(hf: dict) -> dict:
     # GptOssConfig: an absent head_dim is 64, a null one hidden_size / num_attention_heads
     head_dim = hf.get("head_dim", 64)
@@ -110,7 +131,7 @@ CONFIG = (
         if getattr(e, "hf", None) not in ("rope_theta", "hidden_act", "intermediate_size")
     ),
     Field("rope_theta", "rotary_base", default=150000.0),
-    ROPE_SCALING,
+    Derived(("rope_scaling",), _rope_to_mcore, ROPE_SCALING.to_hf),
     Derived(("head_dim",), _head_dim_to_mcore, lambda c: {}),  # carried as the original has it
     Derived(_LAYOUT_FIELDS, _layout_to_mcore, lambda c: {}),
     NoOp(

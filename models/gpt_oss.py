@@ -32,8 +32,11 @@ class ExpertRowParallelLinear(RowParallelLinear):
     An expert's row-parallel output is summed over the expert-TP ranks by the token dispatcher's
     combine, after ``MLP.forward`` has added the whole bias on every rank
     (megatron/core/transformer/mlp.py, ``output += output_bias * per_token_scale``), so upstream
-    counts the bias once per rank. Each rank hands out ``bias / ranks`` instead: the ranks' sum is
-    the bias (exactly, for a power-of-two rank count). Unchanged at one rank.
+    counts the bias once per rank. Each rank hands out ``bias / ranks`` instead, so that the ranks'
+    sum counts it once. At 2 ranks that is exact (``b / 2`` is exact and ``b / 2 + b / 2 == b``);
+    at more, ``b / ranks`` is still exact for a power of two, but the combine adds the shares one
+    after another and a partial sum such as ``3 * b / 4`` can round: the bias comes back up to
+    rounding, as the split matmul's partial sums do. Unchanged at one rank.
     """
 
     def forward(self, input_, *args, **kwargs):
@@ -83,7 +86,6 @@ class GptOssConfig(MoEConfig):
     glu_linear_offset: float = 1.0
     # the router takes the top-k logits, then their softmax (GptOssTopKRouter)
     moe_router_pre_softmax: bool = False
-    hf_mlp_layout: str = "gpt_oss"
     transformer_layer_spec: ModuleSpec | object = gpt_oss_layer_spec
 
 

@@ -176,13 +176,49 @@ def test_every_layout_round_trips_exactly(converted, tmp_path):
     proof.prove_bridge_refused(converted("v3")[0], tmp_path, ["q_lora_rank"])
 
 
-def _damaged(converted, tmp_path, change):
+def _damaged(converted, tmp_path, change, variant="v3"):
     hf = tmp_path / "hf"
-    shutil.copytree(converted("v3")[0], hf)
+    shutil.copytree(converted(variant)[0], hf)
     tensors = load_file(hf / "model.safetensors")
     change(tensors)
     save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
     return hf
+
+
+def _f32_expert_bias(tensors) -> None:
+    # as the DeepSeek-V3 and Kimi K2 releases store it beside BF16 weights; values bf16 cannot
+    # hold, so that a cast anywhere on the way shows in the round trip
+    gen = torch.Generator().manual_seed(11)
+    for key in sorted(tensors):
+        if key.endswith("mlp.gate.e_score_correction_bias"):
+            tensors[key] = 0.5 * torch.rand(EXPERTS, generator=gen, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_f32_expert_bias_beside_bf16_weights_is_kept_and_exported_f32(dtype, converted, tmp_path):
+    """A bf16 checkpoint holding every e_score_correction_bias as F32 (the family's fp32_tensors):
+    the import needs no --dtype (the bias does not vote) and, with --dtype bfloat16 too, keeps it
+    fp32 into Megatron; it passes the gate, and export gives every tensor back bit for bit, the
+    bias as F32 and the rest as BF16."""
+    from safetensors import safe_open
+
+    from porting.api import import_hf
+    from porting.convert.checkpoint import open_checkpoint
+
+    hf = _damaged(converted, tmp_path, _f32_expert_bias, "v3_bf16")
+    with safe_open(hf / "model.safetensors", "pt") as f:
+        stored = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+    biases = sorted(k for k in stored if k.endswith("e_score_correction_bias"))
+    assert biases and {stored[k] for k in biases} == {"F32"}
+    assert {v for k, v in stored.items() if k not in biases} == {"BF16"}
+    ckpt = tmp_path / "nemo"
+    import_hf(hf, ckpt, dtype=dtype, show_progress=False)
+    manifest = open_checkpoint(ckpt).manifest
+    assert (manifest.dtype, manifest.fp32_tensors) == ("bfloat16", biases)
+    proof.prove_parity(hf, ckpt)
+    proof.prove_round_trip(hf, ckpt, tmp_path / "hf-back")
+    with safe_open(tmp_path / "hf-back" / "model.safetensors", "pt") as f:
+        assert {k: f.get_slice(k).get_dtype() for k in f.keys()} == stored
 
 
 def _mtp_layer(tensors) -> None:

@@ -11,6 +11,9 @@ that the clamp at 7 cuts (checked below), the sinks and every bias off their zer
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -44,6 +47,8 @@ VARIANTS = {
     "yarn": dict(rope_scaling=YARN),
     "no_scaling": dict(rope_scaling=None),
     "yarn_bf16": dict(rope_scaling=YARN, dtype=torch.bfloat16),
+    # config.json without the key: GptOssConfig's YaRN default (factor 32 over 4096 positions)
+    "rope_absent": {},
 }
 ROUTER = "mlp.router"
 
@@ -74,9 +79,16 @@ def converted(tmp_path_factory):
 
     def make(directory, variant):
         fields = dict(VARIANTS[variant])
-        return proof.make_hf(
-            directory, "GptOssForCausalLM", seed=len(variant), edit=_edit, **COMMON, **fields
+        hf = Path(
+            proof.make_hf(
+                directory, "GptOssForCausalLM", seed=len(variant), edit=_edit, **COMMON, **fields
+            )
         )
+        if variant == "rope_absent":
+            cfg = json.loads((hf / "config.json").read_text())
+            del cfg["rope_scaling"]
+            (hf / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        return hf
 
     return proof.imported_variants(tmp_path_factory, make)
 
@@ -103,6 +115,14 @@ def test_the_config_is_gpt_oss(converted):
     assert config.add_bias_linear and not config.moe_router_pre_softmax
     assert config.num_moe_experts == EXPERTS and config.moe_router_topk == 2
     assert config.rope_scaling_type == "yarn" and config.rope_scaling_truncate is False
+    absent = checkpoint_config(converted("rope_absent")[1])
+    assert "rope_scaling" not in json.loads(
+        (converted("rope_absent")[0] / "config.json").read_text()
+    )
+    assert (absent.rope_scaling_type, absent.rope_scaling_factor) == ("yarn", 32.0)
+    assert absent.rope_scaling_original_max_position_embeddings == 4096
+    assert not absent.rope_scaling_truncate
+    assert checkpoint_config(converted("no_scaling")[1]).rope_scaling_type is None
 
 
 def test_the_clamp_cuts_in_the_test_model(converted):

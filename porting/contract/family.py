@@ -10,6 +10,8 @@ Megatron.
 
 from __future__ import annotations
 
+import functools
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from porting.contract.config_map import ConfigEntry
-from porting.contract.mapping import Entry
+from porting.contract.mapping import EXPERT, LAYER, Entry
 from porting.contract.named import is_ref, load, module_of
 from porting.errors import PortingError
 
@@ -34,6 +36,13 @@ def _load_class(family: Family, attr: str) -> type:
             f"{type(cls).__name__}, not a class"
         )
     return cls
+
+
+@functools.cache
+def _hf_pattern(pattern: str) -> re.Pattern:
+    """An HF key pattern of the weight table (``*`` a layer, ``#`` an expert) as a regex."""
+    parts = re.split(f"({re.escape(LAYER)}|{re.escape(EXPERT)})", pattern)
+    return re.compile("".join(r"\d+" if p in (LAYER, EXPERT) else re.escape(p) for p in parts))
 
 
 @dataclass(frozen=True)
@@ -107,6 +116,11 @@ class Family:
             NeMo writes into a checkpoint's ``context/io.json`` (a layer-spec function, an
             activation): the io.json check allows them, and the classes defined in the config's
             and model's modules, for this family's checkpoints.
+        fp32_tensors: HF key patterns (the table's ``*`` layer and ``#`` expert wildcards) of
+            tensors a checkpoint may keep in float32 whatever its weight dtype (DeepSeek-V3's
+            ``e_score_correction_bias``): stored as F32, they take no part in choosing the import
+            dtype, are never cast on import (the Megatron parameter must be fp32 too) and are
+            written back as F32 on export.
     """
 
     name: str
@@ -122,6 +136,7 @@ class Family:
     variants: tuple[Variant, ...] = ()
     summary: str = ""
     context_symbols: tuple[Any, ...] = ()
+    fp32_tensors: tuple[str, ...] = ()
 
     def check(self) -> None:
         """Raise :class:`PortingError` naming the first attribute of the wrong kind.
@@ -148,6 +163,7 @@ class Family:
             ("variants", tuple_of(Variant), "a tuple of Variant"),
             ("summary", lambda v: isinstance(v, str), "a string"),
             ("context_symbols", lambda v: isinstance(v, tuple), "a tuple"),
+            ("fp32_tensors", tuple_of(str), "a tuple of strings"),
         )
         for attr, ok, what in rules:
             value = getattr(self, attr)
@@ -157,6 +173,10 @@ class Family:
                 )
         if not self.keys:
             raise PortingError("Family claims no architecture and no model type")
+
+    def keeps_fp32(self, key: str) -> bool:
+        """Whether HF tensor ``key`` matches one of :attr:`fp32_tensors`."""
+        return any(_hf_pattern(p).fullmatch(key) for p in self.fp32_tensors)
 
     def config_class(self) -> type:
         """The config class, imported now if it was named (this loads the Megatron side)."""

@@ -56,17 +56,18 @@ log = logging.getLogger(__name__)
 TOKENIZER_SUBDIR = "context/nemo_tokenizer"
 
 
-def resolve_dtype(source: SafetensorsSource, requested: str | None) -> torch.dtype:
+def resolve_dtype(source: SafetensorsSource, requested: str | None, family: Family) -> torch.dtype:
     """The weight dtype of the import: the checkpoint's own unless the user asks for another.
 
     A checkpoint mixing floating dtypes is refused without an explicit ``--dtype``: picking one
-    would silently change some tensors.
+    would silently change some tensors. The family's ``fp32_tensors`` do not vote: a release keeps
+    them in float32 beside weights of another dtype, and so does the import.
     """
     if requested is not None:
         if requested not in DTYPES:
             raise PortingError(f"--dtype must be one of {', '.join(DTYPES)}, not {requested!r}")
         return DTYPES[requested]
-    found = source.dtypes()
+    found = source.dtypes(skip=family.keeps_fp32)
     if len(found) != 1:
         names = ", ".join(sorted(dtype_name(d) for d in found)) or "none"
         raise PortingError(
@@ -75,18 +76,27 @@ def resolve_dtype(source: SafetensorsSource, requested: str | None) -> torch.dty
     return found.pop()
 
 
-class _CastingSource:
-    """A tensor source that casts to the import dtype; used only when the user chose ``--dtype``."""
+def kept_fp32(source: SafetensorsSource, family: Family) -> list[str]:
+    """The HF tensors of ``source`` that ``family`` declares ``fp32_tensors`` and that are stored
+    as float32: never cast on import, written back as F32 on export (the manifest lists them)."""
+    return sorted(
+        k for k in source.keys() if family.keeps_fp32(k) and source.stored_dtype(k)[0] == "F32"
+    )
 
-    def __init__(self, inner: SafetensorsSource, dtype: torch.dtype) -> None:
-        self.inner, self.dtype = inner, dtype
+
+class _CastingSource:
+    """A tensor source that casts to the import dtype; used only when the user chose ``--dtype``.
+    The ``keep`` tensors stay as stored (the family's float32 ones)."""
+
+    def __init__(self, inner: SafetensorsSource, dtype: torch.dtype, keep: frozenset[str]) -> None:
+        self.inner, self.dtype, self.keep = inner, dtype, keep
 
     def keys(self) -> list[str]:
         return self.inner.keys()
 
     def get(self, key: str) -> torch.Tensor:
         t = self.inner.get(key)
-        return t.to(self.dtype) if t.is_floating_point() else t
+        return t.to(self.dtype) if t.is_floating_point() and key not in self.keep else t
 
 
 def _nemo_tokenizer(hf_dir: Path, staging: Path):
@@ -152,7 +162,7 @@ class PortingImporter(io.ModelConnector):
     @property
     def config(self):
         """The family's Megatron config (padded vocabulary, checkpoint dtype)."""
-        dtype = resolve_dtype(self.source, self.dtype)
+        dtype = resolve_dtype(self.source, self.dtype, self.FAMILY)
         return build_config(self.FAMILY, self.hf_config, dtype, self.vocab_divisor)[0]
 
     @property
@@ -201,8 +211,9 @@ class PortingImporter(io.ModelConnector):
             log.info(line)
         source = self.source
         check_float_dtypes(family, source)
-        dtype = resolve_dtype(source, self.dtype)
-        reader = _CastingSource(source, dtype) if self.dtype else source
+        dtype = resolve_dtype(source, self.dtype, family)
+        fp32 = kept_fp32(source, family)
+        reader = _CastingSource(source, dtype, frozenset(fp32)) if self.dtype else source
         config, ctx = build_config(family, hf_config, dtype, self.vocab_divisor)
         # What the config claims against the checkpoint's headers, before any model exists: a
         # config that lies about its size must not be built first and refused after.
@@ -251,7 +262,7 @@ class PortingImporter(io.ModelConnector):
         teardown(trainer, model)
         del trainer, model
         gc.collect()
-        manifest = self._write_extras(out, hf_dir, hf_config, ctx, dtype)
+        manifest = self._write_extras(out, hf_dir, hf_config, ctx, dtype, fp32)
         if self._tokenizer_dir.is_relative_to(out):
             shutil.rmtree(self._tokenizer_dir.parent, ignore_errors=True)
         log.info(
@@ -266,7 +277,13 @@ class PortingImporter(io.ModelConnector):
         return manifest
 
     def _write_extras(
-        self, out: Path, hf_dir: Path, hf_config: dict, ctx: ShapeContext, dtype: torch.dtype
+        self,
+        out: Path,
+        hf_dir: Path,
+        hf_config: dict,
+        ctx: ShapeContext,
+        dtype: torch.dtype,
+        fp32: list[str],
     ) -> Manifest:
         tok_dir = out / TOKENIZER_SUBDIR
         if not tok_dir.is_dir():
@@ -291,6 +308,7 @@ class PortingImporter(io.ModelConnector):
             dtype=dtype_name(dtype),
             tokenizer={"kind": "hf", "path": TOKENIZER_SUBDIR},
             extra_files=extras,
+            fp32_tensors=fp32,
         )
         write_manifest(out, manifest)
         return manifest
@@ -385,11 +403,17 @@ def export_into(
         k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")
     }
     check_table(family, ctx, hf_meta_shapes(family, manifest.hf_config), _shapes(meta))
-    dtype = DTYPES[manifest.dtype]  # training keeps fp32 master weights; HF gets the import dtype
+    # Training keeps fp32 master weights; HF gets the import dtype, and the tensors the source
+    # stored in float32 beside them (the manifest's fp32_tensors) float32 again.
+    fp32 = frozenset(manifest.fp32_tensors)
+
+    def dtype_of(key: str) -> torch.dtype:
+        return torch.float32 if key in fp32 else DTYPES[manifest.dtype]
+
     # The transforms run on meta tensors first: every HF tensor's name, shape and dtype, before
     # any data, so the shards and their headers are planned up front.
     specs = [
-        (key, tuple(t.shape), dtype)
+        (key, tuple(t.shape), dtype_of(key))
         for key, t in export_weights(meta, family.weights, ctx, ctx.num_layers)
     ]
     writer = StreamingShardWriter(out, specs, max_shard_bytes)
@@ -399,7 +423,7 @@ def export_into(
     check_nemo_layout(sharded, reader, str(loc.manifest_path))
     params = CheckpointParameters(reader, sharded, meta, loc.prefix)
     for key, tensor in export_weights(params, family.weights, ctx, ctx.num_layers):
-        writer.write(key, tensor.to(dtype))
+        writer.write(key, tensor.to(dtype_of(key)))
         del tensor
     writer.close()
     del model, meta

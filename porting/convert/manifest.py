@@ -35,6 +35,8 @@ class Manifest:
     dtype: str
     tokenizer: dict = field(default_factory=dict)
     extra_files: list[str] = field(default_factory=list)
+    # HF tensors the source stored in float32 beside weights of ``dtype`` (Family.fp32_tensors)
+    fp32_tensors: list[str] = field(default_factory=list)
     format: str = FORMAT
     version: int = VERSION
 
@@ -86,4 +88,7 @@ def check_manifest(data, path: Path) -> Manifest:
     extras = data.get("extra_files", [])
     if not isinstance(extras, list) or any(e not in EXTRA_HF_FILES for e in extras):
         raise bad("extra_files", f"may only list {', '.join(EXTRA_HF_FILES)}, not {extras!r}")
+    fp32 = data.get("fp32_tensors", [])
+    if not isinstance(fp32, list) or not all(isinstance(k, str) for k in fp32):
+        raise bad("fp32_tensors", f"must be a list of tensor names, not {fp32!r:.80}")
     return Manifest(**data)

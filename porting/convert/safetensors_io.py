@@ -19,7 +19,7 @@ import math
 import mmap
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePath
@@ -476,16 +476,19 @@ class SafetensorsSource:
         path = self._key_to_file[key]
         return self._headers[path][key].dtype, path
 
-    def dtypes(self) -> set[torch.dtype]:
-        """The set of floating dtypes in the checkpoint (read from headers only where possible)."""
+    def dtypes(self, skip: Callable[[str], bool] = lambda key: False) -> set[torch.dtype]:
+        """The set of floating dtypes in the checkpoint, but for the tensors ``skip`` names (read
+        from headers only where possible)."""
         if self._pickled is not None:
-            return {t.dtype for t in self._pickled.values() if t.is_floating_point()}
+            return {
+                t.dtype for k, t in self._pickled.items() if t.is_floating_point() and not skip(k)
+            }
         parts = self._quant.parts if self._quant is not None else set()
         found = {
             _ST_TO_TORCH[info.dtype]
             for header in self._headers.values()
             for key, info in header.items()
-            if info.dtype in _ST_TO_TORCH and key not in parts
+            if info.dtype in _ST_TO_TORCH and key not in parts and not skip(key)
         }
         return found | ({self._quant.dtype} if self._quant is not None and parts else set())
 
@@ -515,8 +518,8 @@ _ST_DTYPE_RANK = {
     "F64": 5, "F32": 4, "BF16": 3, "F16": 2, "I64": 6, "I32": 4, "F8_E4M3": 1, "U8": 0
 }  # fmt: skip
 _TORCH_TO_ST = {v: k for k, v in _ST_TO_TORCH.items()}
-# what an export writes: its weights' dtypes, and FP8 for ``--quantize fp8-block``
-_WRITE_ST = {**_TORCH_TO_ST, torch.float8_e4m3fn: "F8_E4M3"}
+# what a writer writes: weights' dtypes, FP8 for ``--quantize fp8-block``, and MXFP4's bytes
+_WRITE_ST = {**_TORCH_TO_ST, torch.float8_e4m3fn: "F8_E4M3", torch.uint8: "U8"}
 
 
 class StreamingShardWriter:
