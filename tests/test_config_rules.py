@@ -43,6 +43,12 @@ ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "GptOssForCausalLM",
+    "Gemma3ForCausalLM",
+    "Olmo2ForCausalLM",
+    "OlmoeForCausalLM",
+    "Phi3ForCausalLM",
 )
 
 
@@ -51,6 +57,12 @@ def tiny(tmp_path_factory) -> dict[str, Path]:
     """A tiny random HF checkpoint of every architecture the installed families claim."""
     root = tmp_path_factory.mktemp("tiny")
     return {a: proof.make_hf(root / a, a, **proof.tiny_fields(a)) for a in ARCHITECTURES}
+
+
+def test_every_architecture_a_family_claims_is_tried():
+    claimed = {a for f in registry.families() for a in f.architectures}
+    # tsuzumi's class is the Llama one under its own name (tests/test_tsuzumi.py)
+    assert claimed - {"TsuzumiForCausalLM"} <= set(ARCHITECTURES), claimed - set(ARCHITECTURES)
 
 
 def _config(hf: Path) -> dict:
@@ -176,8 +188,14 @@ def test_windows_follow_one_rule_in_every_family_with_one(configs):
         if "sliding_window" not in cfg:  # Gemma 1 lists it only to refuse it as Gemma 2's
             continue
         config_map.to_mcore(cfg | {"sliding_window": 2**31 - 1}, family.config_entries)
-        if arch != "Gemma2ForCausalLM":  # its sliding layers need a window (refused by name)
+        if arch in SLIDING_LAYERS:  # its sliding layers need a window (refused by name)
+            assert "sliding_window" in _refusal(family, cfg | {"sliding_window": None})
+        else:
             config_map.to_mcore(cfg | {"sliding_window": None}, family.config_entries)
+
+
+# layer_types / a pattern make some layers sliding: they need a window
+SLIDING_LAYERS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM")
 
 
 def _known(family) -> set[str]:
@@ -190,14 +208,17 @@ def _moe(configs):
 
 def test_top_k_above_the_expert_count_is_refused_in_every_moe_layout(configs):
     archs = _moe(configs)
-    assert len(archs) == 3
+    assert len(archs) == 6
     for arch in archs:
         family, cfg = configs[arch]
-        experts = "num_local_experts" if "num_local_experts" in cfg else "num_experts"
+        experts = next(
+            k for k in ("num_local_experts", "num_experts", "n_routed_experts") if k in cfg
+        )
         n = cfg[experts]
         said = _refusal(family, cfg | {"num_experts_per_tok": n + 1})
         assert said == f"num_experts_per_tok={n + 1} must be at most {experts}={n}"
-        config_map.to_mcore(cfg | {"num_experts_per_tok": n}, family.config_entries)
+        if arch != "DeepseekV3ForCausalLM":  # its groups fix k (group top-2, refused by name)
+            config_map.to_mcore(cfg | {"num_experts_per_tok": n}, family.config_entries)
 
 
 def test_kv_heads_must_divide_heads_in_every_family(configs):
@@ -213,7 +234,8 @@ def test_heads_must_divide_hidden_unless_head_dim_is_given(configs):
         changed |= {"num_attention_heads": 3}
         for kv in ("num_key_value_heads", "num_kv_heads"):
             if kv in changed:
-                changed[kv] = 1
+                # multi-latent attention gives every head its own keys (refused otherwise)
+                changed[kv] = 3 if arch == "DeepseekV3ForCausalLM" else 1
         if arch.startswith("Gemma"):  # transformers' Gemma needs its head_dim
             assert _refusal(family, changed) == "required field 'head_dim' is missing"
             continue
@@ -221,7 +243,11 @@ def test_heads_must_divide_hidden_unless_head_dim_is_given(configs):
             _refusal(family, changed)
             == "hidden_size=64 must be a multiple of num_attention_heads=3"
         )
-        if "head_dim" in _known(family) and arch != "Qwen2MoeForCausalLM":
+        # Qwen2-MoE's attention is hidden_size wide; DeepSeek's head_dim is its rope width
+        if "head_dim" in _known(family) and arch not in (
+            "Qwen2MoeForCausalLM",
+            "DeepseekV3ForCausalLM",
+        ):
             config_map.to_mcore(changed | {"head_dim": 16}, family.config_entries)
 
 

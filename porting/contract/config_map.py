@@ -163,6 +163,7 @@ FIELD_RULES: dict[str, Check] = {
     # experts
     "num_local_experts": POSITIVE_INT,
     "num_experts": POSITIVE_INT,
+    "n_routed_experts": POSITIVE_INT,
     "num_experts_per_tok": POSITIVE_INT,
     "moe_intermediate_size": POSITIVE_INT,
     "shared_expert_intermediate_size": NON_NEGATIVE_INT.or_null(),  # 0 or null: none
@@ -232,6 +233,9 @@ RELATIONS = (
         "num_experts_per_tok", "num_local_experts", lambda k, n: k <= n, "{a} must be at most {b}"
     ),
     Relation("num_experts_per_tok", "num_experts", lambda k, n: k <= n, "{a} must be at most {b}"),
+    Relation(
+        "num_experts_per_tok", "n_routed_experts", lambda k, n: k <= n, "{a} must be at most {b}"
+    ),
     # transformers' layer_type_validation raises on any other length
     Relation(
         "layer_types",
