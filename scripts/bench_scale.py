@@ -10,6 +10,12 @@ weights, no model built in memory), then runs each command in a fresh process un
     moe       Mixtral layout: hidden 2048, 4 layers, 8 experts of FFN 5632 (top-2), GQA 16/8,
               vocab 32000                                                        (1.3B, 2.6 GB)
     moe-deep  the same with 16 layers                                            (4.8B, 9.6 GB)
+    deepseek-v3    DeepSeek-V3's published config (MLA, hidden 7168, vocab 129280) with 1 dense
+                   + 2 MoE layers of 16 of its 256 experts, in FP8 with 128x128 block scales
+    gpt-oss-20b-4  gpt-oss-20b's published config (hidden 2880, 32 experts, vocab 201088) with 4
+                   of its 24 layers, experts in MXFP4
+
+The frontier sizes are written from the HF class (every tensor it has) and quantized as released.
 
 ``--nemo`` also runs NeMo 2.7.3's own ``HFLlamaImporter`` (``llm.import_ckpt``) on the same
 checkpoint. Outputs are deleted as soon as the next step no longer needs them (disk).
@@ -40,6 +46,24 @@ SIZES = {
     "1b-deep": dict(hidden=2048, layers=32, ffn=5632, heads=16, kv=16, vocab=32000),
     "moe": dict(hidden=2048, layers=4, ffn=5632, heads=16, kv=8, vocab=32000, experts=8),
     "moe-deep": dict(hidden=2048, layers=16, ffn=5632, heads=16, kv=8, vocab=32000, experts=8),
+}
+# Frontier shapes at their real widths: the published config.json (tests/published_configs.py,
+# as on the model card) with fewer layers, built from the HF class itself (names and shapes from
+# the model on the meta device) and written as it ships: DeepSeek-V3 in FP8 with 128x128 block
+# scales, gpt-oss's experts in MXFP4. A DeepSeek-V3 MoE layer holds 256 experts (11.3B
+# parameters, 22.5 GB in bf16), more than this machine's memory bound allows per layer (the issue
+# on giant layers): that size keeps every width and cuts the expert count, which the table says.
+ARCH_SIZES = {
+    "deepseek-v3": (
+        "deepseek-ai/DeepSeek-V3",
+        dict(num_hidden_layers=3, n_routed_experts=16),
+        "DeepSeek-V3 (MLA, hidden 7168; 1 dense + 2 MoE layers of 16 of its 256 experts), FP8",
+    ),
+    "gpt-oss-20b-4": (
+        "openai/gpt-oss-20b",
+        dict(num_hidden_layers=4),
+        "gpt-oss-20b (hidden 2880, 32 experts, vocab 201088), 4 of its 24 layers, MXFP4 experts",
+    ),
 }
 SHARD_BYTES = 4 * 2**30
 LAYOUT_STEPS = (
@@ -149,6 +173,82 @@ def write_checkpoint(out: Path, hidden, layers, ffn, heads, kv, vocab, experts=0
     return sum(f.stat().st_size for f in out.glob("*.safetensors"))
 
 
+def published_config(hub_id: str) -> dict:
+    """A published ``config.json`` as the suite's catalogue holds it."""
+    import copy
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "tests" / "published_configs.py"
+    spec = importlib.util.spec_from_file_location("published_configs", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return copy.deepcopy(module.PUBLISHED[hub_id])
+
+
+def write_arch_checkpoint(out: Path, size: str) -> int:
+    """A random checkpoint of an ``ARCH_SIZES`` shape at ``out``: every tensor the HF class has
+    (read from the model built on the meta device, so nothing of its size is allocated), written
+    shard by shard in bf16, then quantized as the shape's ``quantization_config`` says, the way
+    the published checkpoint ships. Returns bytes on disk."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    from porting.testing import make_tokenizer, quantize_hf_dir
+
+    hub_id, changes, _ = ARCH_SIZES[size]
+    fields = published_config(hub_id) | changes
+    if "layer_types" in fields:
+        fields["layer_types"] = fields["layer_types"][: fields["num_hidden_layers"]]
+    arch = fields["architectures"][0]
+    out.mkdir(parents=True, exist_ok=True)
+    make_tokenizer(out)
+    cls = getattr(transformers, arch)
+    skip = ("architectures", "auto_map", "quantization_config")
+    config = cls.config_class(**{k: v for k, v in fields.items() if k not in skip})
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in cls(config).state_dict().items()}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    g = torch.Generator().manual_seed(0)
+    shards, buf, size_now, total, weight_map = [], {}, 0, 0, {}
+
+    def flush():
+        nonlocal buf, size_now
+        name = f"shard-{len(shards):05d}.safetensors"
+        save_file(buf, str(out / name), metadata={"format": "pt"})
+        shards.append(name)
+        weight_map.update(dict.fromkeys(buf, name))
+        buf, size_now = {}, 0
+
+    for key, shape in shapes.items():
+        if key.endswith("norm.weight") or key.endswith("layernorm.weight"):
+            t = 1 + torch.randn(shape, generator=g) * 0.1
+        else:
+            t = torch.randn(shape, generator=g) * 0.02
+        # DeepSeek-V3 ships its routers' expert bias in float32 beside bf16 weights
+        t = t.to(torch.float32 if key.endswith("e_score_correction_bias") else torch.bfloat16)
+        if buf and size_now + t.nbytes > SHARD_BYTES:
+            flush()
+        buf[key] = t
+        size_now += t.nbytes
+        total += t.nbytes
+    flush()
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+    )
+    (out / "config.json").write_text(json.dumps(fields, indent=1))
+    if "quantization_config" in fields:
+        quantize_hf_dir(out)
+    return sum(f.stat().st_size for f in out.glob("*.safetensors"))
+
+
+def write_sized(out: Path, size: str) -> int:
+    if size in ARCH_SIZES:
+        return write_arch_checkpoint(out, size)
+    return write_checkpoint(out, **SIZES[size])
+
+
 def timed(cmd: list[str], log: Path) -> dict:
     """Run ``cmd`` under /usr/bin/time -v; wall seconds, peak RSS bytes, exit code, and the
     parity gate's wall, floor and ratio when the command printed its report as JSON."""
@@ -208,7 +308,7 @@ llm.import_ckpt(model=llm.LlamaModel(placeholder), source="hf://" + sys.argv[1],
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--sizes", nargs="+", default=["7b", "7b-deep"], choices=list(SIZES))
+    p.add_argument("--sizes", nargs="+", default=["7b", "7b-deep"], choices=[*SIZES, *ARCH_SIZES])
     p.add_argument("--workdir", type=Path, default=Path("bench-out/scale"))
     p.add_argument("--nemo", action="store_true", help="also run NeMo's own HFLlamaImporter")
     p.add_argument(
@@ -230,7 +330,7 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
         t = time.perf_counter()
-        weights = write_checkpoint(work / "hf", **SIZES[size])
+        weights = write_sized(work / "hf", size)
         print(
             f"{size}: wrote {weights / 1e9:.2f} GB in {time.perf_counter() - t:.0f} s", flush=True
         )
@@ -289,10 +389,10 @@ def main() -> int:
             if r["rc"] != 0:
                 break
         shutil.rmtree(work / "hf-out", ignore_errors=True)
-        if args.nemo:
+        if args.nemo and size in SIZES:  # NeMo's importer here is its Llama one
             shutil.rmtree(work / "nemo", ignore_errors=True)
             if not (work / "hf").exists():
-                write_checkpoint(work / "hf", **SIZES[size])
+                write_sized(work / "hf", size)
             code = NEMO_IMPORT
             r = timed(
                 [
@@ -313,7 +413,7 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     print()
     print(
-        f"{'size':<9}{'step':<22}{'wall s':>8}{'peak RSS GiB':>14}{'peak/weights':>14}"
+        f"{'size':<15}{'step':<22}{'wall s':>8}{'peak RSS GiB':>14}{'peak/weights':>14}"
         f"{'gate s':>8}{'floor s':>9}{'gate/floor':>12}  result"
     )
     for r in rows:
@@ -330,7 +430,7 @@ def main() -> int:
             )
         )
         print(
-            f"{r['size']:<9}{r['step']:<22}{r['wall_s']:>8.0f}{peak / 2**30:>14.2f}"
+            f"{r['size']:<15}{r['step']:<22}{r['wall_s']:>8.0f}{peak / 2**30:>14.2f}"
             f"{peak / r['weights']:>14.2f}{gate}  {result}"
         )
     if args.json:
