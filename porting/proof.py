@@ -207,6 +207,28 @@ def logits(hf_dir: str | Path, ckpt: str | Path, prompts=None):
     return hf, mc
 
 
+def megatron_logits_with(ckpt: str | Path, prompts, **changes) -> list[torch.Tensor]:
+    """fp32 Megatron logits of ``ckpt`` per prompt, cut to the HF vocabulary, with ``changes``
+    set on its config before the model is built: a family's negative controls (one feature
+    switched off on the Megatron side alone must break parity)."""
+    from porting.convert.megatron import (
+        build_mcore_model,
+        init_parallel,
+        load_weights,
+        mcore_logits,
+    )
+    from porting.testing import checkpoint_config
+
+    _, m = checkpoint_family(ckpt)
+    init_parallel()
+    config = checkpoint_config(ckpt)
+    for key, value in changes.items():
+        setattr(config, key, value)
+    model = build_mcore_model(config)
+    load_weights(model, ckpt)
+    return [mcore_logits(model.float(), p)[..., : m.vocab_size] for p in prompts]
+
+
 def assert_parity(hf, mc, atol: float = ATOL, rtol: float = RTOL) -> None:
     """Every logit of every position of every prompt within tolerance, and the same top-1."""
     assert len(hf) == len(mc) >= 4

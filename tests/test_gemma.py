@@ -63,24 +63,6 @@ def test_parity_against_transformers(variant, converted):
     proof.prove_parity(*converted(variant))
 
 
-def _mcore_logits_with(ckpt, prompts, **changes):
-    from porting.convert.megatron import (
-        build_mcore_model,
-        init_parallel,
-        load_weights,
-        mcore_logits,
-    )
-    from porting.testing import checkpoint_config
-
-    init_parallel()
-    config = checkpoint_config(ckpt)
-    for k, v in changes.items():
-        setattr(config, k, v)
-    model = build_mcore_model(config)
-    load_weights(model, ckpt)
-    return [mcore_logits(model.float(), p)[..., :130] for p in prompts]
-
-
 @pytest.mark.parametrize(
     "variant,changes",
     [
@@ -104,7 +86,7 @@ def test_each_gemma_piece_matters(variant, changes, converted):
 
     hf_dir, ckpt = converted(variant)
     prompts = proof.prompts_of(ckpt)
-    mc = _mcore_logits_with(ckpt, prompts, **changes)
+    mc = proof.megatron_logits_with(ckpt, prompts, **changes)
     hf, _ = proof.logits(hf_dir, ckpt, prompts)
     report = harness.compare(hf, mc)
     assert not report.passed and report.max_abs_diff > 1e-3

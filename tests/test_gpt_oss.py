@@ -142,24 +142,6 @@ def test_the_clamp_cuts_in_the_test_model(converted):
     assert (gate_up[..., 1::2].abs() > gpt_oss.SWIGLU_LIMIT).any()
 
 
-def _mcore_logits_with(ckpt, prompts, **changes):
-    from porting.convert.megatron import (
-        build_mcore_model,
-        init_parallel,
-        load_weights,
-        mcore_logits,
-    )
-    from porting.testing import checkpoint_config
-
-    init_parallel()
-    config = checkpoint_config(ckpt)
-    for k, v in changes.items():
-        setattr(config, k, v)
-    model = build_mcore_model(config)
-    load_weights(model, ckpt)
-    return [mcore_logits(model.float(), p)[..., : COMMON["vocab_size"]] for p in prompts]
-
-
 @pytest.mark.parametrize(
     "changes",
     [
@@ -178,7 +160,7 @@ def test_each_piece_matters(changes, converted):
 
     hf_dir, ckpt = converted("yarn")
     prompts = proof.prompts_of(ckpt)
-    mc = _mcore_logits_with(ckpt, prompts, **changes)
+    mc = proof.megatron_logits_with(ckpt, prompts, **changes)
     hf, _ = proof.logits(hf_dir, ckpt, prompts)
     report = harness.compare(hf, mc)
     assert not report.passed and report.max_abs_diff > 1e-3

@@ -122,24 +122,6 @@ def test_the_gate_names_the_long_table_its_prompts_never_reach(converted):
     assert "original_max_position_embeddings=160" in named["rope_scaling"]
 
 
-def _mcore_logits_with(ckpt, prompts, **changes):
-    from porting.convert.megatron import (
-        build_mcore_model,
-        init_parallel,
-        load_weights,
-        mcore_logits,
-    )
-    from porting.testing import checkpoint_config
-
-    init_parallel()
-    config = checkpoint_config(ckpt)
-    for k, v in changes.items():
-        setattr(config, k, v)
-    model = build_mcore_model(config)
-    load_weights(model, ckpt)
-    return [mcore_logits(model.float(), p)[..., :130] for p in prompts]
-
-
 @pytest.mark.parametrize(
     "variant,changes",
     [
@@ -174,7 +156,7 @@ def test_each_phi3_piece_matters(variant, changes, converted):
 
     hf_dir, ckpt = converted(variant)
     prompts = _with_long_prompt(ckpt)
-    mc = _mcore_logits_with(ckpt, prompts, **changes)
+    mc = proof.megatron_logits_with(ckpt, prompts, **changes)
     hf, _ = proof.logits(hf_dir, ckpt, prompts)
     report = harness.compare(hf, mc)
     assert not report.passed and report.max_abs_diff > 1e-3
