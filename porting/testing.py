@@ -413,7 +413,8 @@ OWN_OUTPUT_PATTERNS = (
     r"wrote \S",
     # the import's own lines (porting.convert.connectors): a config note, and its summary
     r"\S*config\.json: ",
-    r"imported .+ \(\S+, \w+\): \d+ HF tensors -> \d+ Megatron parameters, \d+ ignored$",
+    r"imported .+ \(\S+, \w+(; \d+ \w+ weights dequantized)?\): \d+ HF tensors -> \d+ Megatron "
+    r"parameters, \d+ ignored$",
     r"(export|import) \(\S+ -> \S+\):$",
     r"done: checkpoints in ",
     r"porting demo: |              tiny |step +seconds$|check +result$|(OK|FAILED): outputs in ",

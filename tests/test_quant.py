@@ -241,6 +241,22 @@ def _nan_scale(t):
     t[SCALE][0, 0] = float("nan")
 
 
+def test_the_import_says_what_it_dequantized_and_prints_nothing_else(fp8, tmp_path):
+    import subprocess
+    import sys
+
+    from porting.testing import child_env, foreign_lines
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "porting.cli", "import", str(fp8[0]), "--out", str(tmp_path / "o")],
+        capture_output=True, text=True, timeout=600, env=child_env(),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (summary,) = [x for x in proc.stderr.splitlines() if "HF tensors ->" in x]
+    assert "(qwen, bfloat16; 14 fp8 weights dequantized)" in summary, summary  # 7 per layer
+    assert foreign_lines(proc.stdout + proc.stderr) == []
+
+
 @pytest.mark.parametrize(
     "damage, needles",
     [

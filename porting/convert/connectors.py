@@ -257,6 +257,7 @@ class PortingImporter(io.ModelConnector):
             report = import_weights(reader, target, family.weights, ctx, ctx.num_layers, progress)
             del target
             self.nemo_save(out, trainer)
+        method, count = source.dequantized() or ("", 0)
         source.close()
         self._source = None  # a pickle checkpoint's tensors go with it
         teardown(trainer, model)
@@ -266,10 +267,11 @@ class PortingImporter(io.ModelConnector):
         if self._tokenizer_dir.is_relative_to(out):
             shutil.rmtree(self._tokenizer_dir.parent, ignore_errors=True)
         log.info(
-            "imported %s (%s, %s): %d HF tensors -> %d Megatron parameters, %d ignored",
+            "imported %s (%s, %s%s): %d HF tensors -> %d Megatron parameters, %d ignored",
             hf_dir,
             family.name,
             dtype_name(dtype),
+            f"; {count} {method} weights dequantized" if count else "",
             report.consumed,
             report.written,
             len(report.ignored),

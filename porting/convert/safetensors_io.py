@@ -322,6 +322,12 @@ class SafetensorsSource:
             lambda key: self._view(key, _RAW_TORCH), lambda key: str(self._key_to_file[key])
         )
 
+    def dequantized(self) -> tuple[str, int] | None:
+        """``(quant_method, number of weights)`` this reader dequantizes; ``None`` for none."""
+        if self._quant is None or not self._quant.planned:
+            return None
+        return self._quant.quant.method, len(self._quant.planned)
+
     def _planned(self, key: str):
         return self._quant.planned.get(key) if self._quant is not None else None
 
