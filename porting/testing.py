@@ -184,7 +184,8 @@ def quantize_hf_dir(
     targets: set[str] = set()
     experts = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
     if method.method == FP8:
-        targets = quant.fp8_targets(getattr(transformers, config["architectures"][0]), config)
+        cls = getattr(transformers, config["architectures"][0])
+        targets = quant.fp8_targets(cls, config, source.keys())
     else:
         targets = {k for k in source.keys() if k.endswith(experts)}
     scale = getattr(torch, scale_dtype)
@@ -370,7 +371,7 @@ def assert_streamed_agrees(hf_dir, ckpt, family, prompts, hf, mc, atol: float = 
     from porting.parity.streamed import streamed_logits
 
     vocab = hf[0].shape[-1]
-    hf_s, mc_s, layers, _cost = streamed_logits(hf_dir, ckpt, family, prompts, vocab)
+    hf_s, mc_s, layers, _cost, _mtp = streamed_logits(hf_dir, ckpt, family, prompts, vocab)
     for streamed, whole in zip(hf_s + mc_s, hf + mc, strict=True):
         torch.testing.assert_close(streamed, whole, atol=atol, rtol=0)
     assert compare(hf_s, mc_s).passed == compare(hf, mc).passed

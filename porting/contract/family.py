@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from porting.contract.config_map import ConfigEntry
-from porting.contract.mapping import EXPERT, LAYER, Entry
+from porting.contract.mapping import EXPERT, LAYER, MTP, Entry
 from porting.contract.named import is_ref, load, module_of
 from porting.errors import PortingError
 
@@ -40,9 +40,11 @@ def _load_class(family: Family, attr: str) -> type:
 
 @functools.cache
 def _hf_pattern(pattern: str) -> re.Pattern:
-    """An HF key pattern of the weight table (``*`` a layer, ``#`` an expert) as a regex."""
-    parts = re.split(f"({re.escape(LAYER)}|{re.escape(EXPERT)})", pattern)
-    return re.compile("".join(r"\d+" if p in (LAYER, EXPERT) else re.escape(p) for p in parts))
+    """An HF key pattern of the weight table (``*`` a layer, ``#`` an expert, ``@`` an MTP layer)
+    as a regex."""
+    wild = (LAYER, EXPERT, MTP)
+    parts = re.split("(" + "|".join(map(re.escape, wild)) + ")", pattern)
+    return re.compile("".join(r"\d+" if p in wild else re.escape(p) for p in parts))
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,7 @@ class ShapeContext:
     tied_output: bool
     attention_bias: bool = False
     mlp_bias: bool = False
+    mtp_layers: int = 0  # Megatron-Core's multi-token-prediction layers (``mtp_num_layers``)
 
     @classmethod
     def from_config(cls, config: Any, vocab_size: int, **extra: Any) -> ShapeContext:
@@ -76,6 +79,7 @@ class ShapeContext:
             vocab_size=vocab_size,
             padded_vocab_size=config.vocab_size,
             tied_output=config.share_embeddings_and_output_weights,
+            mtp_layers=getattr(config, "mtp_num_layers", None) or 0,
             **extra,
         )
 

@@ -8,7 +8,9 @@ A family's mapping is one module-level tuple of typed entries:
 - :class:`Ignore` - an HF key that is deliberately not carried (a buffer recomputed from config).
 
 Patterns use ``*`` for the layer index and ``#`` for the expert index of mixture-of-experts
-layers. An entry may carry ``when``, a predicate on the shape
+layers, and ``@`` for a multi-token-prediction layer of Megatron-Core's MTP block
+(``ctx.mtp_layers`` of them): ``i`` in Megatron names (``mtp.layers.@.``), ``num_layers + i`` in HF
+names, where checkpoints that carry such layers put them (DeepSeek-V3's ``model.layers.61.*``). An entry may carry ``when``, a predicate on the shape
 context, for parts that exist only in some configs (biases, an untied output layer), and
 ``layers``, a predicate ``(ctx, layer index)``, for parts that only some layers have (the dense
 MLP of a model whose first layers are dense and the rest mixtures of experts).
@@ -91,7 +93,7 @@ TE_FUSED_NORM_NAMES = {
 }
 
 
-LAYER, EXPERT = "*", "#"
+LAYER, EXPERT, MTP = "*", "#", "@"
 _PART = re.compile(r"(.+)\[(\d+)\]\Z")
 
 
@@ -109,12 +111,18 @@ def stored_key(key: str) -> str:
     return key if part is None else part[0]
 
 
-def _fill(pattern: str, layer: int | None, expert: int | None) -> str:
+def _fill(pattern: str, layer: int | None, expert: int | None, mtp: int | None = None) -> str:
+    if mtp is not None:
+        pattern = pattern.replace(MTP, str(mtp))
     if layer is not None:
         pattern = pattern.replace(LAYER, str(layer))
     if expert is not None:
         pattern = pattern.replace(EXPERT, str(expert))
     return pattern
+
+
+def _hf_mtp(num_layers: int, mtp: int | None) -> int | None:
+    return None if mtp is None else num_layers + mtp
 
 
 def expand(
@@ -124,7 +132,8 @@ def expand(
 
     ``*`` stands for the layer index (``num_layers``, those the entry's ``layers`` admits), ``#``
     for the expert index (``ctx.num_experts``, for mixture-of-experts families), in HF and
-    Megatron names alike.
+    Megatron names alike; ``@`` for each of ``ctx.mtp_layers`` multi-token-prediction layers,
+    ``num_layers + i`` in HF names and ``i`` in Megatron's.
     """
     concrete: list[Concrete] = []
     ignores: list[Ignore] = []
@@ -141,16 +150,18 @@ def expand(
         if entry.layers is not None and layers != [None]:
             layers = [i for i in layers if entry.layers(ctx, i)]
         experts = range(ctx.num_experts) if any(EXPERT in k for k in names) else [None]
+        mtps = range(getattr(ctx, "mtp_layers", 0)) if any(MTP in k for k in names) else [None]
         for layer in layers:
             for expert in experts:
-                concrete.append(
-                    Concrete(
-                        tuple(_fill(k, layer, expert) for k in hf),
-                        _fill(entry.mcore, layer, expert),
-                        transform,
-                        index,
+                for m in mtps:
+                    concrete.append(
+                        Concrete(
+                            tuple(_fill(k, layer, expert, _hf_mtp(num_layers, m)) for k in hf),
+                            _fill(entry.mcore, layer, expert, m),
+                            transform,
+                            index,
+                        )
                     )
-                )
     return concrete, ignores
 
 

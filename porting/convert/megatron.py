@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -219,19 +221,70 @@ def load_mcore_from_checkpoint(
     return model, config
 
 
+@contextmanager
+def main_head_only(model: torch.nn.Module) -> Iterator[None]:
+    """Run ``model`` without its multi-token-prediction block: Megatron-Core 0.15.3 runs the block
+    only towards a loss (``GPTModel._postprocess`` clones the labels), and logits are the main
+    head's."""
+    had = getattr(model, "mtp_process", False)
+    model.mtp_process = False
+    try:
+        yield
+    finally:
+        model.mtp_process = had
+
+
+def _gathered(out: torch.Tensor) -> torch.Tensor:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        out = gather_from_tensor_model_parallel_region(out)
+    return out.float().cpu()
+
+
+def _positions(model: torch.nn.Module, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    device = next(model.parameters()).device
+    ids = input_ids.to(device)
+    return ids, torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(ids)
+
+
 @torch.no_grad()
 def mcore_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     """Full logits ``[batch, seq, padded_vocab]`` of a Megatron GPT model (causal, no mask given).
 
     Under tensor parallelism the vocabulary-parallel logits are gathered across the TP group.
     """
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    ids, positions = _positions(model, input_ids)
+    with main_head_only(model):
+        out = model(ids, positions, None)
+    return _gathered(out)
 
-    device = next(model.parameters()).device
-    ids = input_ids.to(device)
-    positions = torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(ids)
-    out = model(ids, positions, None)
-    if parallel_state.get_tensor_model_parallel_world_size() > 1:
-        out = gather_from_tensor_model_parallel_region(out)
-    return out.float().cpu()
+
+@torch.no_grad()
+def mtp_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> list[torch.Tensor]:
+    """The logits ``[batch, seq, padded_vocab]`` of each multi-token-prediction layer of a
+    Megatron GPT model: layer ``k``'s at position ``i`` predict token ``i + k + 2`` from tokens
+    up to ``i + k + 1`` (its last ``k + 1`` positions read a rolled-in pad and mean nothing).
+
+    The block's output (the main hidden states and each layer's, stacked along the sequence) is
+    taken where the model makes it, and each layer's put through the shared output layer, as
+    ``GPTModel._postprocess`` does for its loss.
+    """
+    n = getattr(model.config, "mtp_num_layers", None) or 0
+    if not getattr(model, "mtp_process", False) or not n:
+        raise PortingError("the model has no multi-token-prediction block")
+    ids, positions = _positions(model, input_ids)
+    seen: list[torch.Tensor] = []
+    hook = model.mtp.register_forward_hook(lambda mod, args, out: seen.append(out))
+    try:
+        model(ids, positions, None, labels=ids)  # the block runs only towards a loss
+    finally:
+        hook.remove()
+    tied = model.share_embeddings_and_output_weights
+    weight = model.shared_embedding_or_output_weight() if tied else None
+    out = []
+    for hidden in torch.chunk(seen[0], 1 + n, dim=0)[1:]:
+        logits, _ = model.output_layer(hidden, weight=weight)
+        out.append(_gathered(logits.transpose(0, 1).contiguous()))
+    return out

@@ -22,7 +22,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from porting.contract.family import Family
-from porting.contract.mapping import EXPERT, LAYER, Ignore, Rename
+from porting.contract.mapping import EXPERT, LAYER, MTP, Ignore, Rename
 from porting.errors import PortingError
 
 if TYPE_CHECKING:
@@ -35,7 +35,8 @@ _BYTES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
 
 
 def _pattern(name: str) -> re.Pattern:
-    rx = re.escape(name).replace(re.escape(LAYER), r"(?P<layer>\d+)")
+    # an MTP layer (``@``) sits after the decoder's layers, in the same HF numbering
+    rx = re.escape(name.replace(MTP, LAYER)).replace(re.escape(LAYER), r"(?P<layer>\d+)")
     return re.compile(rx.replace(re.escape(EXPERT), r"(?P<expert>\d+)") + r"\Z")
 
 
@@ -80,10 +81,20 @@ def check_hf_counts(family: Family, hf_config: dict, ctx: Any, names, config_pat
                 if "expert" in p.groupindex:
                     experts.add(int(m["expert"]))
                 break
-    if any("layer" in p.groupindex for p in patterns) and layers != set(range(ctx.num_layers)):
+    mtp = getattr(ctx, "mtp_layers", 0)
+    if any("layer" in p.groupindex for p in patterns) and layers != set(
+        range(ctx.num_layers + mtp)
+    ):
+        what = _field(hf_config, _LAYER_FIELDS, ctx.num_layers, "layers")
+        if mtp:
+            # transformers' classes build no MTP layer: its save_pretrained writes none
+            what += (
+                f" and {mtp} multi-token-prediction layer(s) follow (as layers {ctx.num_layers}.."
+                f"{ctx.num_layers + mtp - 1}; a checkpoint saved by transformers has none: set the "
+                "config's count of them to 0 to import without)"
+            )
         raise PortingError(
-            f"{config_path}: {_field(hf_config, _LAYER_FIELDS, ctx.num_layers, 'layers')}, but "
-            f"the checkpoint's tensors hold layers {_span(layers)}"
+            f"{config_path}: {what}, but the checkpoint's tensors hold layers {_span(layers)}"
         )
     n_experts = getattr(ctx, "num_experts", 0) or 0
     if any("expert" in p.groupindex for p in patterns) and experts != set(range(n_experts)):

@@ -31,7 +31,8 @@ Export writes bf16 by default; :func:`quantize_fp8_block` makes FP8 blocks and t
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -333,10 +334,15 @@ def fp8_config(block: tuple[int, int] = (128, 128), skip: list[str] | None = Non
     return qc
 
 
-def fp8_targets(hf_class, hf_config: dict) -> set[str]:
+def fp8_targets(hf_class, hf_config: dict, keys: Iterable[str] = ()) -> set[str]:
     """The weight names transformers' FP8 loader expects in FP8: every ``nn.Linear`` of the model
     (built on the meta device from ``hf_config``) but ``lm_head`` and ``modules_to_not_convert``
-    (``replace_with_fp8_linear``'s rule: a module whose dotted name contains one is skipped)."""
+    (``replace_with_fp8_linear``'s rule: a module whose dotted name contains one is skipped).
+
+    Of ``keys`` (a checkpoint's), those of a layer past ``num_hidden_layers`` (a
+    multi-token-prediction layer, DeepSeek-V3's ``model.layers.61``), which no class builds, are
+    FP8 where the last decoder layer's same weight is: the layer is a decoder layer, and its own
+    projections (``eh_proj``) stay as they are, as vLLM's DeepSeek MTP reads them."""
     import torch
     from accelerate import init_empty_weights
 
@@ -348,8 +354,18 @@ def fp8_targets(hf_class, hf_config: dict) -> set[str]:
         "lm_head",
         *((hf_config.get("quantization_config") or {}).get("modules_to_not_convert") or []),
     ]
-    return {
+    targets = {
         f"{name}.weight"
         for name, module in model.named_modules()
         if isinstance(module, torch.nn.Linear) and not any(s in name for s in skip)
     }
+    last = hf_config.get("num_hidden_layers")
+    for key in keys:
+        m = _LAYER_KEY.match(key)
+        if m and isinstance(last, int) and int(m[2]) >= last:
+            if f"{m[1]}{last - 1}.{m[3]}" in targets:
+                targets.add(key)
+    return targets
+
+
+_LAYER_KEY = re.compile(r"(.*\.layers\.)(\d+)\.(.+)\Z")

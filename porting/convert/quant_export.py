@@ -32,8 +32,8 @@ def quantize_export(out_dir, hf_class, max_shard_bytes: int, block=(128, 128)) -
     out_dir = Path(out_dir)
     config_path = out_dir / "config.json"
     hf_config = json.loads(config_path.read_text())
-    targets = fp8_targets(hf_class, hf_config)
     source = SafetensorsSource(out_dir)
+    targets = fp8_targets(hf_class, hf_config, source.keys())
     specs = []
     for key in source.keys():
         (shape, _), (st, _) = source.shape(key), source.stored_dtype(key)

@@ -20,6 +20,7 @@ import torch
 
 from porting.contract.family import Family
 from porting.contract.mapping import (
+    MTP,
     Fused,
     Ignore,
     Rename,
@@ -88,9 +89,20 @@ def check_table(
                 f"the table reads slices {sorted(got)} of HF tensor {name!r} {hf_shapes[name]}; "
                 f"it stacks {hf_shapes[name][0]}"
             )
+    concrete = resolve_target_names(concrete, mcore_shapes)
+    for c in concrete:
+        # transformers' classes build no multi-token-prediction layer: the HF shapes of an MTP
+        # entry's tensors are those its inverse makes from Megatron's MTP block
+        e = family.weights[c.entry]
+        names = (e.hf,) if isinstance(e, Rename) else e.hf
+        lacking = [k for k in c.hf if k not in hf_shapes]
+        if lacking and any(MTP in n for n in names) and c.mcore in mcore_shapes:
+            made = c.transform.inverse(torch.empty(mcore_shapes[c.mcore], device="meta"), ctx)
+            for k, t in zip(c.hf, made, strict=True):
+                hf_shapes.setdefault(k, tuple(t.shape))
     reader: dict[str, int] = {}
     writer: dict[str, int] = {}
-    for c in resolve_target_names(concrete, mcore_shapes):
+    for c in concrete:
         i = c.entry
         for key in c.hf:
             if key in reader:
