@@ -47,7 +47,7 @@ def test_real_rows_only_computes_what_each_prompt_alone_does(tiny_llama, tiny_ne
     family = family_by_name(manifest.family)
     prompts = _prompts_of_several_lengths(manifest.vocab_size)
     init_parallel()
-    hf, mc, layers, cost = streamed_logits(
+    hf, mc, layers, cost, _ = streamed_logits(
         tiny_llama, tiny_nemo, family, prompts, manifest.vocab_size
     )
     alone = harness.hf_logits(tiny_llama, "LlamaForCausalLM", prompts)
@@ -109,7 +109,7 @@ def test_a_clean_gate_runs_each_megatron_layer_once(tiny_llama, tiny_nemo, megat
     manifest = read_manifest(tiny_nemo)
     init_parallel()
     prompts = _prompts_of_several_lengths(manifest.vocab_size)
-    _, _, layers, _ = streamed_logits(
+    _, _, layers, _, _ = streamed_logits(
         tiny_llama, tiny_nemo, family_by_name(manifest.family), prompts, manifest.vocab_size
     )
     assert len(megatron_layer_runs) == len(layers) == 2

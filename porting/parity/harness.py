@@ -85,6 +85,10 @@ class ParityReport:
     # The mapped features the prompts could not see (``{"field", "value", "why"}`` each, see
     # :func:`unobserved_features`): a conversion that dropped one would pass all the same.
     unobserved: list[dict] = field(default_factory=list)
+    # Each multi-token-prediction layer's logits, compared as the main logits are
+    # (``{"layer", "max_abs_diff", "top1_agreement", "passed"}``, porting.parity.mtp); the verdict
+    # needs every one to pass.
+    mtp: list[dict] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         """JSON-ready dict: strict JSON, a non-finite number (NaN, Inf) becomes ``null`` (the
@@ -135,6 +139,11 @@ class ParityReport:
         )
         if self.layers:
             text += f"\n  layers         {self._layers_line()}"
+        for m in self.mtp:
+            text += (
+                f"\n  MTP layer {m['layer']:<4} max |dlogit| {m['max_abs_diff']:.3e}, top-1 "
+                f"{100 * m['top1_agreement']:.2f}%{'' if m['passed'] else ': FAIL'}"
+            )
         if self.wall_s is not None:
             text += f"\n  gate           {format_seconds(self.wall_s)} on {self.device}"
             if self.floor_s and self.matmul_gflops:
@@ -668,7 +677,7 @@ def verify(
 
         init_parallel()
         try:
-            hf, mc, layers, cost = streamed_logits(
+            hf, mc, layers, cost, mtp = streamed_logits(
                 hf_dir,
                 checkpoint,
                 family,
@@ -693,6 +702,17 @@ def verify(
             torch.cuda.empty_cache()
             return _verify_in_child(hf_dir, ckpt, "cpu", locals())
         report = compare(hf, mc, atol=atol, rtol=rtol, min_top1=min_top1)
+        for k, (hf_k, mc_k) in enumerate(mtp):
+            r = compare(hf_k, mc_k, atol=atol, rtol=rtol, min_top1=min_top1)
+            report.mtp.append(
+                {
+                    "layer": k,
+                    "max_abs_diff": r.max_abs_diff,
+                    "top1_agreement": r.top1_agreement,
+                    "passed": r.passed,
+                }
+            )
+            report.passed = report.passed and r.passed
         report.mode = "layer-streamed"
         report.matmul_tflop = cost.flop * 2 / 1e12
         report.matmul_gflops = cost.gflops
@@ -704,6 +724,15 @@ def verify(
             report.passed = False
     sight = Sight(reference, [p.shape[1] for p in prompts], hf, probe, atol, rtol)
     report.unobserved = unobserved_features(sight, mapped_fields(family))
+    if whole_model and ctx.mtp_layers:
+        report.unobserved.append(
+            {
+                "field": "mtp_num_layers",
+                "value": ctx.mtp_layers,
+                "why": f"the {ctx.mtp_layers} multi-token-prediction layer(s): --whole-model "
+                "compares the main logits only (the layer-streamed gate compares theirs too)",
+            }
+        )
     report.device = torch.device(device).type
     report.wall_s = time.perf_counter() - started
     if report.floor_s:

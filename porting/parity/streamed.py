@@ -35,6 +35,11 @@ costs"):
   bit for bit, as at the first layer: it would compute the same thing again). A clean gate's
   matmul work is its floor's.
 
+A checkpoint with multi-token-prediction layers (Megatron-Core's MTP block) has them checked
+after the main pass, one layer per side in memory, on the final hidden states both passes made
+(:mod:`porting.parity.mtp`); the main logits are the main head's (the block runs only towards a
+loss in Megatron-Core 0.15.3).
+
 On a device (``device="cuda"``) the layers stream host -> device one at a time and every tensor
 that the model computes with lives there; the comparison and its tolerances are those of fp32 with
 TF32 off, as on the CPU.
@@ -54,6 +59,7 @@ import torch
 
 from porting.errors import PortingError, check_finite
 from porting.parity.floor import machine_gflops
+from porting.parity.modules import release, set_param, stored_tensors
 
 log = logging.getLogger(__name__)
 
@@ -107,29 +113,6 @@ class GateCost:
     def floor_s(self) -> float:
         """Seconds both sides' matmuls take at the measured rate."""
         return 2 * self.flop / (self.gflops * 1e9)
-
-
-def _set_param(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
-    parent, _, leaf = name.rpartition(".")
-    owner = module.get_submodule(parent) if parent else module
-    if leaf in owner._buffers:
-        owner._buffers[leaf] = value
-    else:
-        owner._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
-
-
-def _stored(module: torch.nn.Module):
-    """``(name, tensor)`` of what a checkpoint holds of ``module``: its parameters and its
-    persistent buffers (a router's expert bias)."""
-    saved = set(module.state_dict(keep_vars=True))
-    yield from module.named_parameters()
-    yield from ((n, b) for n, b in module.named_buffers() if n in saved)
-
-
-def _release(module: torch.nn.Module) -> None:
-    """Put ``module``'s parameters back on the meta device (frees their memory)."""
-    for name, p in list(module.named_parameters()):
-        _set_param(module, name, torch.empty(p.shape, dtype=p.dtype, device="meta"))
 
 
 def _check_shape(where: str, key: str, got: torch.Size, want: torch.Size) -> None:
@@ -210,6 +193,9 @@ class _Side:
     model: torch.nn.Module
     layers: torch.nn.ModuleList
     load_layer: Callable[[int], dict[str, torch.Tensor]]
+    # HF: one tensor by name, in fp32 (shape None: as stored); Megatron: a module's tensors by
+    # their checkpoint prefix. For what is not a decoder layer (the MTP layers).
+    read: Callable | None = None
 
     @torch.no_grad()
     def run(self, call: Callable[[], torch.Tensor], on_layer) -> torch.Tensor:
@@ -224,13 +210,13 @@ class _Side:
             future = pending.pop(i, None)
             params = future.result() if future is not None else self.load_layer(i)
             for name, value in params.items():
-                _set_param(mod, name, value)
+                set_param(mod, name, value)
             if i + 1 < n:  # its buffers are those of layer i - 1, released already
                 pending[i + 1] = reader.submit(self.load_layer, i + 1)
 
         def post(mod, args, kwargs, output, i):
             on_layer(i, mod, args, kwargs, _output(output))
-            _release(mod)
+            release(mod)
 
         for i, layer in enumerate(self.layers):
             handles.append(
@@ -348,10 +334,12 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
     available = set(source.keys())
     buffers = _Buffers(device)
 
-    def read(key: str, want: torch.Size, buf: torch.Tensor | None = None) -> torch.Tensor:
+    def read(key: str, want: torch.Size | None, buf: torch.Tensor | None = None) -> torch.Tensor:
         if key not in available:
             raise PortingError(f"{hf_dir}: tensor {key!r} is missing")
-        _check_shape(str(hf_dir), key, torch.Size(source.shape(key)[0]), want)
+        stored = torch.Size(source.shape(key)[0])
+        want = stored if want is None else want
+        _check_shape(str(hf_dir), key, stored, want)
         if buf is None:
             buf = torch.empty(want, dtype=torch.float32, device=device)
         with source.mapped(key) as stored:
@@ -363,17 +351,17 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
     for name, p in model.named_parameters():
         if not any(name.startswith(lp) for lp in layer_params):
             if name in available or not getattr(config, "tie_word_embeddings", False):
-                _set_param(model, name, read(name, p.shape))
+                set_param(model, name, read(name, p.shape))
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
 
     def load_layer(i: int) -> dict[str, torch.Tensor]:
         return {
             name: read(f"{prefix}.{i}.{name}", p.shape, buffers.take(i, name, p.shape))
-            for name, p in _stored(layers[i])
+            for name, p in stored_tensors(layers[i])
         }
 
-    return _Side(model, layers, load_layer), config
+    return _Side(model, layers, load_layer, read), config
 
 
 def _megatron_side(ckpt, family, device: torch.device):
@@ -402,7 +390,7 @@ def _megatron_side(ckpt, family, device: torch.device):
         module_prefix: str, module: torch.nn.Module, layer: int | None = None
     ) -> dict[str, torch.Tensor]:
         out = {}
-        for name, p in _stored(module):
+        for name, p in stored_tensors(module):
             key = module_prefix + name
             item = sharded.get(loc.prefix + key)
             if item is None or isinstance(item, ShardedObject):
@@ -424,18 +412,23 @@ def _megatron_side(ckpt, family, device: torch.device):
 
     layers = model.decoder.layers
     for name, module in model.named_children():
-        if name != "decoder":
+        if name not in ("decoder", "mtp"):  # the gate runs the main head (main_head_only)
             for pname, value in params_of(f"{name}.", module).items():
-                _set_param(module, pname, value)
+                set_param(module, pname, value)
     for name, module in model.decoder.named_children():
         if name != "layers":
             for pname, value in params_of(f"decoder.{name}.", module).items():
-                _set_param(module, pname, value)
+                set_param(module, pname, value)
 
     def load_layer(i: int) -> dict[str, torch.Tensor]:
         return params_of(f"decoder.layers.{i}.", layers[i], i)
 
-    return _Side(model, layers, load_layer), config
+    def load_module(name: str) -> None:
+        module = model.get_submodule(name)
+        for pname, value in params_of(f"{name}.", module).items():
+            set_param(module, pname, value)
+
+    return _Side(model, layers, load_layer, load_module), config
 
 
 def _relative(diff_max: float, ref: torch.Tensor) -> float:
@@ -455,9 +448,11 @@ def streamed_logits(
     device: str | torch.device = "cpu",
     hf_probe=None,
     hf_read=None,
-) -> tuple[list[torch.Tensor], list[torch.Tensor], list[LayerDivergence], GateCost]:
-    """HF and Megatron logits (cut to the HF vocabulary, on the CPU), the per-layer divergence
-    and the matmul work with this device's rate for it (the gate's floor).
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[LayerDivergence], GateCost, list]:
+    """HF and Megatron logits (cut to the HF vocabulary, on the CPU), the per-layer divergence,
+    the matmul work with this device's rate for it (the gate's floor), and for each
+    multi-token-prediction layer of the checkpoint the pair (HF, Megatron) of its logits
+    (:mod:`porting.parity.mtp`; none for a model without).
 
     The parallel state must be initialised (:func:`porting.convert.megatron.init_parallel`).
     ``allow_pickle``: the HF side may be ``pytorch_model*.bin`` (read with ``weights_only=True``).
@@ -500,14 +495,18 @@ def _streamed_logits(
     from tqdm import tqdm
 
     from porting.convert.checkpoint import open_checkpoint
+    from porting.convert.megatron import main_head_only
 
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     ids, valid = pad_batch(prompts)
     ids, valid = ids.to(device), valid.to(device)
-    hf, _ = _hf_side(Path(hf_dir), family, allow_pickle, device, hf_read)
+    hf, hf_config = _hf_side(Path(hf_dir), family, allow_pickle, device, hf_read)
     n = len(hf.layers)
+    # what an MTP layer's HF side needs of this pass (porting.parity.mtp): the arguments of the
+    # last decoder layer and the head's input, the final hidden state after its norm
+    last: dict = {}
     bar = tqdm(total=2 * n, desc="parity", unit="layer", leave=False, disable=not show_progress)
     # Each HF layer's input and output go to disk, not memory: the Megatron pass needs them one
     # layer at a time, and kept in RAM they would grow with the depth.
@@ -518,16 +517,24 @@ def _streamed_logits(
     def on_hf_layer(i, layer, args, kwargs, output):
         hidden = args[0] if args else kwargs["hidden_states"]
         torch.save({"in": hidden.detach().cpu(), "out": output.detach().cpu()}, kept / f"{i}.pt")
+        if i == n - 1:
+            last["kwargs"] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
         bar.update()
+
+    head = hf.model.get_output_embeddings()
+    grab = head.register_forward_pre_hook(lambda m, a: last.update(normed=a[0]))
 
     with scratch:
         with _real_rows_only(hf.model, valid, (torch.nn.Linear,), flop), hf_probe or nullcontext():
             hf_logits = hf.run(lambda: hf.model(input_ids=ids, use_cache=False).logits, on_hf_layer)
+        grab.remove()
         hf_logits = hf_logits[..., :vocab_size].float().cpu()
+        hf_prefix = next(name for name, m in hf.model.named_modules() if m is hf.layers)
+        hf_last, hf_read = hf.layers[-1], hf.read
         hf = None  # the HF model is released before the Megatron side is built
 
         checkpoint = open_checkpoint(ckpt)
-        mc, _ = _megatron_side(checkpoint, family, device)
+        mc, mc_config = _megatron_side(checkpoint, family, device)
         if len(mc.layers) != n:
             raise PortingError(
                 f"{checkpoint.path}: {len(mc.layers)} Megatron layers against {n} in {hf_dir}/config.json"
@@ -568,8 +575,43 @@ def _streamed_logits(
             bar.update()
 
         positions = torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(ids)
+        decoder: dict = {}
+        watch = mc.model.decoder.register_forward_hook(
+            lambda m, a, k, o: decoder.update(out=_output(o), kwargs=k), with_kwargs=True
+        )
         with _real_rows_only(mc.model, mask, _megatron_linear_types(), [0.0]):
-            mc_logits = mc.run(lambda: mc.model(ids, positions, None), on_mc_layer)
+            with main_head_only(mc.model):
+                mc_logits = mc.run(lambda: mc.model(ids, positions, None), on_mc_layer)
+            watch.remove()
+            ctx = family.shape_context(mc_config, vocab_size)
+            mtp = []
+            if ctx.mtp_layers:
+                from porting.parity import mtp as mtp_check
+
+                got = mtp_check.megatron_mtp_logits(
+                    mc.model,
+                    lambda: mc.read("mtp"),
+                    ids,
+                    positions,
+                    decoder["out"],
+                    decoder["kwargs"],
+                )
+                want = mtp_check.hf_mtp_logits(
+                    mtp_check.mtp_names(family, ctx, hf_prefix),
+                    hf_read,
+                    hf_last,
+                    hf_config,
+                    ids,
+                    last["normed"],
+                    last["kwargs"],
+                )
+                mtp = [
+                    (
+                        unpad(w[..., :vocab_size].float().cpu(), prompts),
+                        unpad(g[..., :vocab_size].float().cpu(), prompts),
+                    )
+                    for w, g in zip(want, got, strict=True)
+                ]
         mc = None
     bar.close()
     mc_logits = mc_logits[..., :vocab_size].float().cpu()
@@ -580,4 +622,5 @@ def _streamed_logits(
         unpad(mc_logits, prompts),
         report,
         GateCost(flop=flop[0], gflops=rate),
+        mtp,
     )
