@@ -23,10 +23,15 @@ maths is in
 :func:`_mla_to_mcore` and :func:`_rope_to_mcore`.
 
 Multi-token prediction: published DeepSeek-V3 checkpoints carry ``num_nextn_predict_layers``
-extra layers at index ``num_hidden_layers`` (``model.layers.61.*``), which transformers' class
-neither builds nor loads. The field is carried and the import says so in one line; a checkpoint
-holding such tensors is refused (its layers outnumber ``num_hidden_layers``), since this family
-does not convert them into Megatron-Core's MTP block: nothing is dropped.
+(one) extra layer at index ``num_hidden_layers`` (``model.layers.61.*``), which transformers'
+class neither builds nor loads. It becomes Megatron-Core's MTP block (``mtp_num_layers``):
+``enorm`` / ``hnorm`` / ``eh_proj`` by name, the decoder layer as ``transformer_layer``,
+``shared_head.norm`` as ``final_layernorm``. The layer's own ``embed_tokens`` and
+``shared_head.head`` are copies of the model's (DeepSeek-V3 shares them, and so does Megatron's
+block): the import checks that they are equal, bit for bit, and export writes the copies back.
+Megatron-Core concatenates ``[enorm(embedding of the next token), hnorm(hidden)]`` before
+``eh_proj``, the order of DeepSeek's layout (``e`` then ``h``). The gate checks the layer's logits
+(:mod:`porting.parity.mtp`) against transformers' decoder layer assembled the same way.
 """
 
 from __future__ import annotations
@@ -269,15 +274,49 @@ def _moe_to_mcore(hf: dict) -> dict:
     }
 
 
+def _mtp_to_mcore(hf: dict) -> dict:
+    n = hf.get("num_nextn_predict_layers", 0)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise PortingError(
+            f"config.json: num_nextn_predict_layers must be an integer >= 0, not {n!r}"
+        )
+    if not n:
+        return {"mtp_num_layers": None}
+    layers = hf["num_hidden_layers"]
+    if n > 1:
+        # each layer would carry its own copies of the embedding and head: no release has them
+        raise PortingError(
+            f"config.json: num_nextn_predict_layers={n} is not supported: this family converts "
+            "one multi-token-prediction layer (DeepSeek-V3's), whose embedding and head copies "
+            "it checks against the model's"
+        )
+    if hf.get("tie_word_embeddings", False):
+        raise PortingError(
+            "config.json: num_nextn_predict_layers with tie_word_embeddings=true is not "
+            "supported: the layer's shared_head.head copies an untied lm_head"
+        )
+    if hf.get("first_k_dense_replace", _DEFAULTS["first_k_dense_replace"]) >= layers:
+        # transformers would make layer num_hidden_layers a mixture of experts; Megatron-Core
+        # builds the MTP layer as the decoder's last, which is dense
+        raise PortingError(
+            f"config.json: num_nextn_predict_layers={n} needs the last decoder layer to be a "
+            f"mixture of experts, as the prediction layer is (first_k_dense_replace="
+            f"{hf.get('first_k_dense_replace')} makes all {layers} dense)"
+        )
+    # DeepSeek-V3's weight of the prediction loss for its last 4.8T tokens (arXiv 2412.19437,
+    # section 4.2); training only
+    return {"mtp_num_layers": n, "mtp_loss_scaling_factor": 0.1}
+
+
 def _mtp_note(hf: dict) -> str | None:
     n = hf.get("num_nextn_predict_layers")
     if not n:
         return None
     last = hf["num_hidden_layers"]
     return (
-        f"config.json: num_nextn_predict_layers={n} is carried; its multi-token-prediction "
-        f"layers (model.layers.{last}.* onwards) are not part of transformers' model and are not "
-        "converted: a checkpoint holding them is refused"
+        f"config.json: num_nextn_predict_layers={n}: the multi-token-prediction layer "
+        f"(model.layers.{last}.*, which transformers' model does not run) becomes Megatron-Core's "
+        "MTP block (mtp.layers.0.*), and the gate compares its logits too"
     )
 
 
@@ -321,7 +360,12 @@ CONFIG = (
     NoOp("moe_layer_freq", (1,), _REMOTE),
     Carry("ep_size"),  # the remote code's expert-parallel degree: placement, not maths
     Carry("pretraining_tp"),  # read by neither the native class nor the remote code's forward
-    Derived(("num_nextn_predict_layers",), lambda hf: {}, lambda c: {}, note=_mtp_note),
+    Derived(
+        ("num_nextn_predict_layers",),
+        _mtp_to_mcore,
+        lambda c: {"num_nextn_predict_layers": c.mtp_num_layers} if c.mtp_num_layers else {},
+        note=_mtp_note,
+    ),
     Carry("output_router_logits", check=BOOL),
 )
 
@@ -353,13 +397,37 @@ def _q_lora(c: DeepseekShapeContext) -> bool:
     return c.q_lora
 
 
+def _mtp(c: DeepseekShapeContext) -> bool:
+    return c.mtp_layers > 0
+
+
+def _same(main, copy, where: str):
+    import torch
+
+    if main.shape != copy.shape or (main.device.type != "meta" and not torch.equal(main, copy)):
+        raise PortingError(
+            f"the multi-token-prediction layer's {where} differs from the model's; Megatron-Core's "
+            "MTP block shares the model's, so a different copy cannot be kept"
+        )
+    return main
+
+
+def _shared(where: str) -> TransformPair:
+    """The model's tensor and the MTP layer's copy of it into one padded Megatron tensor; export
+    writes the copy back."""
+    return TransformPair(
+        f"mtp_shared_{where}",
+        lambda main, copy, ctx: VOCAB_PAD.forward(_same(main, copy, where), ctx),
+        lambda t, ctx: (lambda hf: (hf, hf.clone()))(VOCAB_PAD.inverse(t, ctx)[0]),
+    )
+
+
 # Megatron-Core keeps the expert bias in fp32 whatever the weights' dtype (TopKRouter's
 # _maintain_float32_expert_bias); export writes it back in the dtype the source stored it in
 TO_FP32 = TransformPair("to_fp32", lambda t, ctx: t.float(), lambda t, ctx: (t,))
 
 
-WEIGHTS = (
-    Fused(("model.embed_tokens.weight",), "embedding.word_embeddings.weight", VOCAB_PAD),
+_LAYER_WEIGHTS = (
     Rename(_L + "input_layernorm.weight", _M + "input_layernorm.weight"),
     Rename(_A + "q_a_proj.weight", _SA + "linear_q_down_proj.weight", when=_q_lora),
     Rename(_A + "q_a_layernorm.weight", _SA + "q_layernorm.weight", when=_q_lora),
@@ -402,13 +470,62 @@ WEIGHTS = (
         _M + "mlp.shared_experts.linear_fc2.weight",
         layers=_sparse,
     ),
+)
+
+
+def _as_mtp(entry: Rename | Fused) -> Rename | Fused:
+    """A decoder layer's entry as the MTP layer's (``model.layers.@.`` -> its
+    ``transformer_layer``), which is a mixture-of-experts layer."""
+
+    def move(name: str) -> str:
+        return name.replace(_L, _H).replace(_M, _T + "transformer_layer.")
+
+    def when(c, own=entry.when) -> bool:
+        return _mtp(c) and (own is None or own(c))
+
+    if isinstance(entry, Rename):
+        return Rename(move(entry.hf), move(entry.mcore), when=when)
+    return Fused(tuple(map(move, entry.hf)), move(entry.mcore), entry.transform, when=when)
+
+
+_H, _T = "model.layers.@.", "mtp.layers.@."
+WEIGHTS = (
+    Fused(
+        ("model.embed_tokens.weight",),
+        "embedding.word_embeddings.weight",
+        VOCAB_PAD,
+        when=lambda c: not _mtp(c),
+    ),
+    Fused(
+        ("model.embed_tokens.weight", _H + "embed_tokens.weight"),
+        "embedding.word_embeddings.weight",
+        _shared("embed_tokens"),
+        when=_mtp,
+    ),
+    *_LAYER_WEIGHTS,
     Rename("model.norm.weight", "decoder.final_layernorm.weight"),
-    Fused(("lm_head.weight",), "output_layer.weight", VOCAB_PAD, when=lambda c: not c.tied_output),
+    Fused(
+        ("lm_head.weight",),
+        "output_layer.weight",
+        VOCAB_PAD,
+        when=lambda c: not c.tied_output and not _mtp(c),
+    ),
+    Fused(
+        ("lm_head.weight", _H + "shared_head.head.weight"),
+        "output_layer.weight",
+        _shared("shared_head.head"),
+        when=_mtp,  # with an untied head only (the config lint)
+    ),
     Ignore(
         "lm_head.weight",
         "tied to model.embed_tokens.weight; transformers ignores it too",
         when=lambda c: c.tied_output,
     ),
+    Rename(_H + "enorm.weight", _T + "enorm.weight", when=_mtp),
+    Rename(_H + "hnorm.weight", _T + "hnorm.weight", when=_mtp),
+    Rename(_H + "eh_proj.weight", _T + "eh_proj.weight", when=_mtp),
+    *(_as_mtp(e) for e in _LAYER_WEIGHTS if e.layers is not _dense),
+    Rename(_H + "shared_head.norm.weight", _T + "final_layernorm.weight", when=_mtp),
 )
 
 

@@ -11,7 +11,8 @@ weights, no model built in memory), then runs each command in a fresh process un
               vocab 32000                                                        (1.3B, 2.6 GB)
     moe-deep  the same with 16 layers                                            (4.8B, 9.6 GB)
     deepseek-v3    DeepSeek-V3's published config (MLA, hidden 7168, vocab 129280) with 1 dense
-                   + 2 MoE layers of 16 of its 256 experts, in FP8 with 128x128 block scales
+                   + 2 MoE layers of 16 of its 256 experts and its multi-token-prediction layer,
+                   in FP8 with 128x128 block scales
     gpt-oss-20b-4  gpt-oss-20b's published config (hidden 2880, 32 experts, vocab 201088) with 4
                    of its 24 layers, experts in MXFP4
 
@@ -36,6 +37,7 @@ import shutil
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 SIZES = {
@@ -56,8 +58,9 @@ SIZES = {
 ARCH_SIZES = {
     "deepseek-v3": (
         "deepseek-ai/DeepSeek-V3",
-        dict(num_hidden_layers=3, n_routed_experts=16),
-        "DeepSeek-V3 (MLA, hidden 7168; 1 dense + 2 MoE layers of 16 of its 256 experts), FP8",
+        dict(num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=16),
+        "DeepSeek-V3 (MLA, hidden 7168; 1 dense + 2 MoE layers of 16 of its 256 experts, and its "
+        "MTP layer), FP8",
     ),
     "gpt-oss-20b-4": (
         "openai/gpt-oss-20b",
@@ -210,7 +213,9 @@ def write_arch_checkpoint(out: Path, size: str) -> int:
         shapes = {k: tuple(v.shape) for k, v in cls(config).state_dict().items()}
     if config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)
-    g = torch.Generator().manual_seed(0)
+    extra = mtp_shapes(shapes, fields) if fields.get("num_nextn_predict_layers") else {}
+    copies = {k: v for k, v in extra.items() if isinstance(v, str)}
+    shapes |= {k: shapes[v] if isinstance(v, str) else v for k, v in extra.items()}
     shards, buf, size_now, total, weight_map = [], {}, 0, 0, {}
 
     def flush():
@@ -222,6 +227,9 @@ def write_arch_checkpoint(out: Path, size: str) -> int:
         buf, size_now = {}, 0
 
     for key, shape in shapes.items():
+        # a tensor's values from its name (a copy's from its original's): the MTP layer's
+        # embedding and head equal the model's, bit for bit
+        g = torch.Generator().manual_seed(zlib.crc32(copies.get(key, key).encode()))
         if key.endswith("norm.weight") or key.endswith("layernorm.weight"):
             t = 1 + torch.randn(shape, generator=g) * 0.1
         else:
@@ -241,6 +249,20 @@ def write_arch_checkpoint(out: Path, size: str) -> int:
     if "quantization_config" in fields:
         quantize_hf_dir(out)
     return sum(f.stat().st_size for f in out.glob("*.safetensors"))
+
+
+def mtp_shapes(shapes: dict, fields: dict) -> dict:
+    """DeepSeek-V3's multi-token-prediction layer, which the HF class does not build: the last
+    decoder layer's tensors at index ``num_hidden_layers`` (an MoE layer), its own norms and
+    ``eh_proj``, and copies of the embedding and head (name -> shape, or -> the copied name)."""
+    n, h = fields["num_hidden_layers"], fields["hidden_size"]
+    last, mtp = f"model.layers.{n - 1}.", f"model.layers.{n}."
+    out: dict = {mtp + k[len(last) :]: shapes[k] for k in shapes if k.startswith(last)}
+    out |= {mtp + f"{k}.weight": (h,) for k in ("enorm", "hnorm", "shared_head.norm")}
+    out[mtp + "eh_proj.weight"] = (h, 2 * h)
+    out[mtp + "embed_tokens.weight"] = "model.embed_tokens.weight"
+    out[mtp + "shared_head.head.weight"] = "lm_head.weight"
+    return out
 
 
 def write_sized(out: Path, size: str) -> int:

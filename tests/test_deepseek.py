@@ -16,7 +16,9 @@ is more than 1e-4 from a tie.
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +29,12 @@ from converters import deepseek
 from porting import proof
 from porting.cli import main
 from porting.contract.mapping import Fused, Rename
+
+_spec = importlib.util.spec_from_file_location(
+    "deepseek_mtp", Path(__file__).with_name("deepseek_mtp.py")
+)
+deepseek_mtp = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(deepseek_mtp)
 
 ARCH = "DeepseekV3ForCausalLM"
 LAYERS, EXPERTS = 3, 4
@@ -46,6 +54,9 @@ VARIANTS = {
     "q_full": dict(q_lora_rank=None, rms_norm_eps=1e-2),
     "yarn": dict(rope_scaling=YARN),
     "v3_bf16": dict(dtype=torch.bfloat16),
+    # DeepSeek-V3 as published: one multi-token-prediction layer after the decoder's (added by
+    # tests/deepseek_mtp.py, since transformers writes none)
+    "mtp": {},
 }
 
 
@@ -63,7 +74,10 @@ def converted(tmp_path_factory):
 
     def make(directory, variant):
         fields = proof.tiny_fields(ARCH) | VARIANTS[variant]
-        return proof.make_hf(directory, ARCH, seed=len(variant), edit=_edit, **fields)
+        hf = proof.make_hf(directory, ARCH, seed=len(variant), edit=_edit, **fields)
+        if variant == "mtp":
+            deepseek_mtp.add_mtp_layer(hf, seed=5)
+        return hf
 
     return proof.imported_variants(tmp_path_factory, make)
 
@@ -163,10 +177,10 @@ def test_planted_fault_is_named(variant, layer, pattern, converted, tmp_path):
 
 
 def test_tensor_parallel_2_matches_tp_1(converted, tmp_path):
-    proof.prove_tp2([converted(v)[1] for v in ("v3", "q_full", "yarn")], tmp_path)
+    proof.prove_tp2([converted(v)[1] for v in ("v3", "q_full", "yarn", "mtp")], tmp_path)
 
 
-@pytest.mark.parametrize("variant", ["v3_bf16", "q_full", "yarn"])
+@pytest.mark.parametrize("variant", ["v3_bf16", "q_full", "yarn", "mtp"])
 def test_round_trip_is_exact(variant, converted, tmp_path):
     proof.prove_round_trip(*converted(variant), tmp_path / "hf-back")
 
@@ -221,12 +235,6 @@ def test_f32_expert_bias_beside_bf16_weights_is_kept_and_exported_f32(dtype, con
         assert {k: f.get_slice(k).get_dtype() for k in f.keys()} == stored
 
 
-def _mtp_layer(tensors) -> None:
-    # what a published DeepSeek-V3 checkpoint adds at index num_hidden_layers
-    tensors["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
-    tensors["model.layers.3.input_layernorm.weight"] = torch.ones(64)
-
-
 @pytest.mark.parametrize(
     "change,needles",
     [
@@ -279,6 +287,16 @@ def test_damaged_checkpoint_is_located_and_nothing_written(
         ({"rope_scaling": YARN | {"attention_factor": 1.2}}, ["attention_factor=1.2"]),
         ({"rope_scaling": YARN | {"mscale": 0}}, ["mscale_all_dim=0.8 without mscale"]),
         ({"model_type": "deepseek_v2"}, ["model_type"]),
+        ({"num_nextn_predict_layers": 2}, ["num_nextn_predict_layers=2", "one"]),
+        ({"num_nextn_predict_layers": -1}, ["num_nextn_predict_layers must be"]),
+        (
+            {"num_nextn_predict_layers": 1, "first_k_dense_replace": 3},
+            ["first_k_dense_replace=3", "mixture of experts"],
+        ),
+        (
+            {"num_nextn_predict_layers": 1, "tie_word_embeddings": True},
+            ["tie_word_embeddings=true"],
+        ),
     ],
     ids=[
         "norm_topk",
@@ -297,6 +315,10 @@ def test_damaged_checkpoint_is_located_and_nothing_written(
         "attention_factor",
         "mscale",
         "model_type",
+        "mtp_two",
+        "mtp_negative",
+        "mtp_dense",
+        "mtp_tied",
     ],
 )
 def test_config_lint_names_the_field(changes, needles, converted, tmp_path):
@@ -330,23 +352,111 @@ def test_every_mapped_feature_is_seen_or_named(variant, converted):
         assert "rope_scaling" in seen.observed
 
 
-def test_multi_token_prediction_layer_is_refused_not_dropped(converted, tmp_path, capsys):
-    """A checkpoint as DeepSeek-V3 publishes it, with num_nextn_predict_layers and the MTP layer's
-    tensors at index num_hidden_layers: the import says the layer is not converted (its note), and
-    refuses the checkpoint rather than drop its tensors."""
-    import json
+def _mtp_logits(ckpt, prompts) -> list[torch.Tensor]:
+    from porting.convert.megatron import init_parallel, load_mcore_from_checkpoint, mtp_logits
 
-    from porting.contract import config_map
+    init_parallel()
+    model, _ = load_mcore_from_checkpoint(ckpt, deepseek.FAMILY, torch.float32)
+    return [mtp_logits(model, p)[0][..., :VOCAB] for p in prompts]
 
-    hf = _damaged(converted, tmp_path, _mtp_layer)
-    cfg = json.loads((hf / "config.json").read_text()) | {"num_nextn_predict_layers": 1}
-    (hf / "config.json").write_text(json.dumps(cfg))
-    (note,) = config_map.notes(cfg, deepseek.FAMILY.config_entries)
-    assert "num_nextn_predict_layers=1 is carried" in note
-    assert "(model.layers.3.* onwards) are not part of transformers' model" in note
+
+def _hf_mtp_logits(hf, prompts) -> list[torch.Tensor]:
+    return [deepseek_mtp.hf_mtp_logits(hf, p) for p in prompts]
+
+
+VOCAB = proof.tiny_fields(ARCH)["vocab_size"]
+
+
+def test_multi_token_prediction_layer_matches_transformers_modules(converted):
+    """The published layout's prediction layer (model.layers.3.*) imported into Megatron-Core's
+    MTP block: its logits at every position equal those of transformers' own DeepseekV3 decoder
+    layer and RMSNorm wired as the DeepSeek-V3 report defines the module (tests/deepseek_mtp.py),
+    atol=rtol=1e-5 on every logit."""
+    from porting.testing import checkpoint_config
+
+    hf, ckpt = converted("mtp")
+    c = checkpoint_config(ckpt)
+    assert (c.mtp_num_layers, c.mtp_loss_scaling_factor) == (1, 0.1)
+    prompts = proof.prompts_of(ckpt)
+    proof.assert_parity(_hf_mtp_logits(hf, prompts), _mtp_logits(ckpt, prompts))
+
+
+def test_the_gate_compares_the_multi_token_prediction_logits(converted):
+    """The gate runs the MTP layer on both sides (porting.parity.mtp) and reports it."""
+    from porting.parity.harness import verify
+
+    report = verify(*converted("mtp"))
+    assert report.passed and [m["layer"] for m in report.mtp] == [0], report.summary()
+    assert report.mtp[0]["max_abs_diff"] < proof.ATOL and "MTP layer 0" in report.summary()
+
+
+@pytest.mark.parametrize(
+    "swap", [("enorm", "hnorm"), ("shared_head.norm", "hnorm")], ids=["e_h", "head_h"]
+)
+def test_multi_token_prediction_fault_fails_the_gate(swap, converted, tmp_path):
+    """Negative control: two of the layer's norms swapped in the checkpoint import cleanly (same
+    shapes); against the original, the main logits still pass and the MTP layer's fail the gate,
+    and miss transformers' modules (the test's own reference) by far."""
+    from porting.api import import_hf
+    from porting.parity import harness
+
+    hf, ckpt = converted("mtp")
+    bad = tmp_path / "hf"
+    shutil.copytree(hf, bad)
+    path = bad / deepseek_mtp.MTP_FILE
+    tensors = load_file(path)
+    a, b = (f"model.layers.{LAYERS}.{n}.weight" for n in swap)
+    tensors[a], tensors[b] = tensors[b], tensors[a]
+    save_file(tensors, path, metadata={"format": "pt"})
+    import_hf(bad, tmp_path / "nemo", verify=False, show_progress=False)
+    report = harness.verify(hf, tmp_path / "nemo")
+    assert not report.passed and not report.mtp[0]["passed"], report.summary()
+    assert report.max_abs_diff < proof.ATOL  # the main head is untouched
+    assert "MTP layer 0" in report.summary() and "FAIL" in report.summary()
+    prompts = proof.prompts_of(ckpt)
+    diff = harness.compare(
+        _hf_mtp_logits(hf, prompts), _mtp_logits(tmp_path / "nemo", prompts)
+    ).max_abs_diff
+    assert diff > 100 * proof.ATOL
+
+
+@pytest.mark.parametrize("copy", ["embed_tokens", "shared_head.head"])
+def test_a_copy_that_differs_from_the_model_is_refused(copy, converted, tmp_path, capsys):
+    """The layer's embedding and head are the model's, shared in Megatron-Core's block: a copy one
+    value off is refused by name, and nothing is written."""
+    hf = tmp_path / "hf"
+    shutil.copytree(converted("mtp")[0], hf)
+    path = hf / deepseek_mtp.MTP_FILE
+    tensors = load_file(path)
+    key = f"model.layers.{LAYERS}.{copy}.weight"
+    tensors[key][3, 5] += 1e-3
+    save_file(tensors, path, metadata={"format": "pt"})
     out = tmp_path / "out"
     code = main(["import", str(hf), "--out", str(out), "--no-verify"])
     err = capsys.readouterr().err
     assert code == 2, err
-    assert "num_hidden_layers is 3" in err and "layers 0..3 (4)" in err, err
+    assert key in err and f"layer's {copy} differs from the model's" in err, err
+    assert not out.exists()
+
+
+def test_a_declared_layer_that_is_absent_is_refused_with_the_remedy(converted, tmp_path, capsys):
+    """num_nextn_predict_layers=1 on a checkpoint without the layer (as transformers'
+    save_pretrained writes a DeepSeek-V3 it loaded): refused, saying where the layer should be
+    and how to import without it; nothing written."""
+    import json
+
+    from porting.contract import config_map
+
+    hf = tmp_path / "hf"
+    shutil.copytree(converted("v3")[0], hf)
+    cfg = json.loads((hf / "config.json").read_text()) | {"num_nextn_predict_layers": 1}
+    (hf / "config.json").write_text(json.dumps(cfg))
+    (note,) = config_map.notes(cfg, deepseek.FAMILY.config_entries)
+    assert f"(model.layers.{LAYERS}.*" in note and "MTP block (mtp.layers.0.*)" in note
+    out = tmp_path / "out"
+    code = main(["import", str(hf), "--out", str(out), "--no-verify"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "1 multi-token-prediction layer(s) follow" in err, err
+    assert "set the config's count of them to 0" in err and "layers 0..2 (3)" in err, err
     assert not out.exists()

@@ -29,6 +29,11 @@ _spec = importlib.util.spec_from_file_location(
 )
 published = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(published)
+_spec = importlib.util.spec_from_file_location(
+    "deepseek_mtp", Path(__file__).with_name("deepseek_mtp.py")
+)
+deepseek_mtp = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(deepseek_mtp)
 
 HEAD = 16  # head width of the shrunk models
 HEADS = 8
@@ -99,7 +104,8 @@ def shrink(cfg: dict) -> dict:
 
 def make_published(out: Path, cfg: dict, scale_dtype: str = "float32") -> Path:
     """A random-init HF directory whose ``config.json`` is exactly ``cfg`` (quantized as released,
-    FP8 block scales in ``scale_dtype``)."""
+    FP8 block scales in ``scale_dtype``, with the multi-token-prediction layer a DeepSeek-V3
+    config declares)."""
     import transformers
 
     out.mkdir(parents=True)
@@ -121,6 +127,8 @@ def make_published(out: Path, cfg: dict, scale_dtype: str = "float32") -> Path:
     dtype = DTYPES[cfg.get("torch_dtype") or cfg.get("dtype") or default]
     model.to(dtype).save_pretrained(str(out), safe_serialization=True)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    if cfg.get("num_nextn_predict_layers"):  # as DeepSeek-V3 ships: its MTP layer after the rest
+        deepseek_mtp.add_mtp_layer(out)
     if "quantization_config" in cfg:
         quantize_hf_dir(out, scale_dtype=scale_dtype)
     return out
