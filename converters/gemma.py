@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from converters.llama import LLAMA_LAYOUT
+from converters.llama import FULL, LLAMA_LAYOUT, SLIDING, check_model_type, layer_windows
 from converters.llama import WEIGHTS as LLAMA_WEIGHTS
 from porting.contract.config_map import POSITIVE_INT, Carry, Derived, Field, NoOp
 from porting.contract.family import Family, ShapeContext, Variant
@@ -49,12 +49,7 @@ def _activation_fields(hf: dict) -> tuple[str, str]:
 
 def _layout_to_mcore(hf: dict) -> dict:
     """model_type, the activation fields and the Gemma 2 switches, checked together."""
-    arch, mtype = hf["architectures"][0], hf.get("model_type")
-    if _MODEL_TYPES.get(arch) != mtype:
-        raise PortingError(
-            f"config.json: model_type={mtype!r} does not match architecture {arch!r} "
-            f"(expected {_MODEL_TYPES.get(arch)!r})"
-        )
+    mtype = check_model_type(hf, _MODEL_TYPES)
     if hf.get("attention_bias", False) is not False:
         raise PortingError(
             f"config.json: attention_bias={hf['attention_bias']!r} is not supported: it biases "
@@ -79,25 +74,15 @@ def _layout_to_mcore(hf: dict) -> dict:
         return out
     # types, ranges and the layer count are the shared rules' (config_map.FIELD_RULES, RELATIONS)
     n = hf["num_hidden_layers"]
-    types = hf.get("layer_types") or [
-        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)
-    ]
-    if set(types) - {"sliding_attention", "full_attention"}:
-        raise PortingError(
-            f"config.json: layer_types={types!r} must name full_attention or sliding_attention "
-            f"for each of the {n} layers"
-        )
-    window = hf.get("sliding_window", 4096)
-    if "sliding_attention" in types and window is None:
-        raise PortingError("config.json: layer_types has sliding layers but sliding_window is null")
+    types = hf.get("layer_types") or [SLIDING if (i + 1) % 2 else FULL for i in range(n)]
+    window, pattern = layer_windows(hf, types, 4096)
     scalar = hf.get("query_pre_attn_scalar", 256)
     return out | {
         "softmax_scale": float(scalar) ** -0.5,
         "attn_logit_softcapping": hf.get("attn_logit_softcapping", 50.0),
         "final_logit_softcapping": hf.get("final_logit_softcapping", 30.0),
-        # HF's window W admits keys i-W+1 .. i: Megatron's (W-1, 0) (see models.mistral)
-        "window_size": None if "sliding_attention" not in types else (window - 1, 0),
-        "window_attn_skip_freq": [int(t == "sliding_attention") for t in types],
+        "window_size": window,
+        "window_attn_skip_freq": pattern,
     }
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from converters import gemma
-from converters.llama import ROPE_SCALING
+from converters.llama import FULL, ROPE_SCALING, SLIDING, check_model_type, layer_windows
 from porting.contract.config_map import POSITIVE_INT, Carry, Derived, Field, NoOp
 from porting.contract.family import Family, Variant
 from porting.contract.mapping import Rename
@@ -23,8 +23,6 @@ from porting.errors import PortingError
 
 if TYPE_CHECKING:  # annotations only: the family's tables load without its Megatron side
     from models.gemma3 import Gemma3Config
-
-_KINDS = ("sliding_attention", "full_attention")
 
 
 def _layer_types(hf: dict) -> list[str]:
@@ -35,12 +33,7 @@ def _layer_types(hf: dict) -> list[str]:
     types = hf.get("layer_types")
     if types is None:
         pattern = hf.get("sliding_window_pattern", 6)
-        types = [_KINDS[(i + 1) % pattern == 0] for i in range(n)]
-    if set(types) - set(_KINDS):
-        raise PortingError(
-            f"config.json: layer_types={types!r} must name full_attention or sliding_attention "
-            f"for each of the {n} layers"
-        )
+        types = [(SLIDING, FULL)[(i + 1) % pattern == 0] for i in range(n)]
     return types
 
 
@@ -61,28 +54,20 @@ def _rope_to_mcore(hf: dict) -> dict:
 def _layout_to_mcore(hf: dict) -> dict:
     """model_type, the activation, the layer kinds with their window and rotary tables, and
     Gemma 2's scale and caps, checked together (types and ranges: config_map.FIELD_RULES)."""
-    if hf.get("model_type") != "gemma3_text":
-        raise PortingError(
-            f"config.json: model_type={hf.get('model_type')!r} does not match architecture "
-            "'Gemma3ForCausalLM' (expected 'gemma3_text')"
-        )
+    check_model_type(hf, {"Gemma3ForCausalLM": "gemma3_text"})
     if hf.get("attention_bias", False) is not False:
         raise PortingError(
             f"config.json: attention_bias={hf['attention_bias']!r} is not supported: it biases "
             "o_proj without the MLP, which Megatron cannot express"
         )
-    types = _layer_types(hf)
-    window = hf.get("sliding_window", 4096)
-    if "sliding_attention" in types and window is None:
-        raise PortingError("config.json: layer_types has sliding layers but sliding_window is null")
+    window, pattern = layer_windows(hf, _layer_types(hf), 4096)
     act = hf.get("hidden_activation", "gelu_pytorch_tanh")
     return {
         "activation_func": gemma._activation(act, "hidden_activation"),
         "softmax_scale": float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
         "final_logit_softcapping": hf.get("final_logit_softcapping"),
-        # HF's window W admits keys i-W+1 .. i: Megatron's (W-1, 0) (see models.mistral)
-        "window_size": None if "sliding_attention" not in types else (window - 1, 0),
-        "window_attn_skip_freq": [int(t == "sliding_attention") for t in types],
+        "window_size": window,
+        "window_attn_skip_freq": pattern,
         "rotary_base_local": float(hf.get("rope_local_base_freq", 10_000.0)),
         **_rope_to_mcore(hf),
     }

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from converters.llama import LLAMA_LAYOUT, ROPE_SCALING
+from converters.llama import FULL, LLAMA_LAYOUT, ROPE_SCALING, SLIDING, layer_windows
 from porting.contract.config_map import Carry, Derived, Field, NoOp, Require
 from porting.contract.family import Family, ShapeContext, Variant
 from porting.contract.mapping import Fused, Ignore, Rename
@@ -43,7 +43,6 @@ if TYPE_CHECKING:  # annotations only: the family's tables load without its Mega
 
 # GptOssExperts (transformers 4.57) fixes these; the original release's config names the limit
 SWIGLU_LIMIT = 7.0
-_LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 def _layout_to_mcore(hf: dict) -> dict:
@@ -63,26 +62,16 @@ def _layout_to_mcore(hf: dict) -> dict:
             f"clamps at {SWIGLU_LIMIT} whatever the config says, so no reference computes it"
         )
     n = hf["num_hidden_layers"]
-    types = hf.get("layer_types") or [_LAYER_TYPES[i % 2] for i in range(n)]
-    if set(types) - set(_LAYER_TYPES):
-        raise PortingError(
-            f"config.json: layer_types={types!r} must name full_attention or sliding_attention "
-            f"for each of the {n} layers"
-        )
-    window = hf.get("sliding_window", 128)
-    pattern = [int(t == "sliding_attention") for t in types]
-    sliding = any(pattern)
-    if sliding and window is None:
-        raise PortingError("config.json: layer_types has sliding layers but sliding_window is null")
+    types = hf.get("layer_types") or [(SLIDING, FULL)[i % 2] for i in range(n)]
+    window, pattern = layer_windows(hf, types, 128)
     return {
         "num_moe_experts": hf["num_local_experts"],
         "moe_router_topk": k,
         "moe_ffn_hidden_size": hf["intermediate_size"],
         "ffn_hidden_size": hf["intermediate_size"],  # every layer's MLP is the experts
         "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.9)),
-        # HF admits keys i-W+1 .. i: Megatron's (W-1, 0), on the layers layer_types names
-        "window_size": (window - 1, 0) if sliding else None,
-        "window_attn_skip_freq": pattern if sliding else None,
+        "window_size": window,
+        "window_attn_skip_freq": pattern if window else None,
         "activation_func_clamp_value": SWIGLU_LIMIT,
     }
 

@@ -113,6 +113,41 @@ def _rope_number(
     return v
 
 
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def check_model_type(hf: dict, expected: dict[str, str]) -> str:
+    """The config's ``model_type``, which must be the one transformers pairs with its
+    architecture (``expected``: architecture -> model_type)."""
+    arch, mtype = hf["architectures"][0], hf.get("model_type")
+    if expected.get(arch) != mtype:
+        raise PortingError(
+            f"config.json: model_type={mtype!r} does not match architecture {arch!r} "
+            f"(expected {expected.get(arch)!r})"
+        )
+    return mtype
+
+
+def layer_windows(
+    hf: dict, types: list[str], default_window: int | None
+) -> tuple[tuple[int, int] | None, list[int]]:
+    """HF's per-layer attention kinds (``layer_types``) and ``sliding_window`` as Megatron's
+    ``window_size`` and ``window_attn_skip_freq`` (1 on each sliding layer). HF's window ``W``
+    admits keys ``i-W+1 .. i``: Megatron's ``(W-1, 0)`` (see models.mistral); ``None`` where no
+    layer slides. ``default_window``: the HF config class's value where the key is absent."""
+    n = hf["num_hidden_layers"]
+    if set(types) - {SLIDING, FULL}:
+        raise PortingError(
+            f"config.json: layer_types={types!r} must name full_attention or sliding_attention "
+            f"for each of the {n} layers"
+        )
+    window = hf.get("sliding_window", default_window)
+    pattern = [int(t == SLIDING) for t in types]
+    if any(pattern) and window is None:
+        raise PortingError("config.json: layer_types has sliding layers but sliding_window is null")
+    return ((window - 1, 0) if any(pattern) else None), pattern
+
+
 def _rope_kind(rs: dict) -> str:
     """The rotary type ``rs`` names. transformers' configs write the legacy ``type`` and the newer
     ``rope_type`` both; they must agree, since its config classes copy ``type`` over

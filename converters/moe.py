@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from converters import qwen
-from converters.llama import HEAD_DIM_OR_NULL, LLAMA_LAYOUT, ROPE_SCALING
+from converters.llama import HEAD_DIM_OR_NULL, LLAMA_LAYOUT, ROPE_SCALING, check_model_type
 from porting.contract.config_map import Carry, Derived
 from porting.contract.family import Family, Variant
 from porting.contract.mapping import Fused, Rename
@@ -67,12 +67,7 @@ def _not_here(hf: dict, names, which: str) -> None:
 
 
 def _moe_to_mcore(hf: dict) -> dict:
-    arch, mtype = hf["architectures"][0], hf.get("model_type")
-    if _MODEL_TYPES.get(arch) != mtype:
-        raise PortingError(
-            f"config.json: model_type={mtype!r} does not match architecture {arch!r} "
-            f"(expected {_MODEL_TYPES.get(arch)!r})"
-        )
+    mtype = check_model_type(hf, _MODEL_TYPES)
     out = {
         "moe_router_topk": _required(hf, "num_experts_per_tok"),
         "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.001)),

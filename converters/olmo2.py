@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from converters.llama import LLAMA_LAYOUT, ROPE_SCALING
+from converters.llama import LLAMA_LAYOUT, ROPE_SCALING, check_model_type
 from converters.llama import WEIGHTS as LLAMA_WEIGHTS
 from porting.contract.config_map import Derived
 from porting.contract.family import Family, ShapeContext, Variant
@@ -26,11 +26,7 @@ if TYPE_CHECKING:  # annotations only: the family's tables load without its Mega
 
 def attention_to_mcore(hf: dict, model_type: str) -> dict:
     """``model_type`` and ``attention_bias`` checked (OLMo 2 and OLMoE alike); no Megatron field."""
-    if hf.get("model_type") != model_type:
-        raise PortingError(
-            f"config.json: model_type={hf.get('model_type')!r} does not match architecture "
-            f"{hf['architectures'][0]!r} (expected {model_type!r})"
-        )
+    check_model_type(hf, {hf["architectures"][0]: model_type})
     if hf.get("attention_bias", False) is not False:
         raise PortingError(
             f"config.json: attention_bias={hf['attention_bias']!r} is not supported: it biases "

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from converters.llama import HEAD_DIM_OR_NULL, LLAMA_LAYOUT, ROPE_SCALING
+from converters.llama import HEAD_DIM_OR_NULL, LLAMA_LAYOUT, ROPE_SCALING, check_model_type
 from converters.llama import WEIGHTS as LLAMA_WEIGHTS
 from porting.contract.config_map import Derived, NoOp
 from porting.contract.family import Family, ShapeContext, Variant
@@ -30,12 +30,7 @@ if TYPE_CHECKING:  # annotations only: the family's tables load without its Mega
 
 
 def _attention_to_mcore(hf: dict) -> dict:
-    arch, mtype = hf["architectures"][0], hf.get("model_type")
-    if _MODEL_TYPES.get(arch) != mtype:
-        raise PortingError(
-            f"config.json: model_type={mtype!r} does not match architecture {arch!r} "
-            f"(expected {_MODEL_TYPES.get(arch)!r})"
-        )
+    mtype = check_model_type(hf, _MODEL_TYPES)
     if mtype == "qwen2":
         if "attention_bias" in hf:
             raise PortingError(
