@@ -116,27 +116,28 @@ def hf_mtp_logits(
     out, hidden = [], normed
     for n in names:
         ids = next_tokens(ids)
-        index = int(n.layer_prefix.rstrip(".").rsplit(".", 1)[1])
-        with init_empty_weights():
-            layer = type(last_layer)(config, layer_idx=index)
-        layer.eval()
-        for name, p in list(stored_tensors(layer)):
-            set_param(layer, name, read(n.layer_prefix + name, p.shape))
 
         def norm(key: str) -> torch.nn.Module:
             module = copy.deepcopy(norm_kind)
             set_param(module, "weight", read(key, None))
             return module
 
+        # one large tensor at a time: the embedding, the layer, then the head
         embedded = F.embedding(ids, read(n.embedding, None))
         x = F.linear(
             torch.cat([norm(n.enorm)(embedded), norm(n.hnorm)(hidden)], dim=-1),
             read(n.eh_proj, None),
         )
+        index = int(n.layer_prefix.rstrip(".").rsplit(".", 1)[1])
+        with init_empty_weights():
+            layer = type(last_layer)(config, layer_idx=index)
+        layer.eval()
+        for name, p in list(stored_tensors(layer)):
+            set_param(layer, name, read(n.layer_prefix + name, p.shape))
         y = layer(x, **layer_kwargs)
+        release(layer)
         hidden = norm(n.final_norm)(y[0] if isinstance(y, tuple) else y)
         out.append(F.linear(hidden, read(n.head, None)))
-        release(layer)
     return out
 
 

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from porting.errors import PortingError, check_finite
 from porting.parity.floor import machine_gflops
@@ -100,8 +101,9 @@ class LayerDivergence:
 class GateCost:
     """The matmul work of one side and this machine's rate for it: the gate's floor.
 
-    ``flop``: the HF side's linear layers and output head over the real positions (the Megatron
-    side does the same work). ``gflops``: this device's fp32 ``F.linear`` rate, measured once per
+    ``flop``: the HF side's linear layers and output head over the real positions, and its other
+    matrix products (experts computed as ``x @ w``, attention's scores: :class:`_MatmulWork`);
+    the Megatron side does the same work. ``gflops``: this device's fp32 ``F.linear`` rate, measured once per
     machine and cached (:func:`porting.parity.floor.machine_gflops`). ``floor_s``: both sides at
     that rate.
     """
@@ -177,6 +179,11 @@ class _Buffers:
             buf = buffers[name] = torch.empty(shape, dtype=torch.float32, device=self.device)
         return buf
 
+    def clear(self) -> None:
+        """Free both sets (the pass is over: what runs after it holds its own tensors)."""
+        for buffers in self._sets:
+            buffers.clear()
+
 
 def _cast_into(buf: torch.Tensor, value: torch.Tensor) -> None:
     """Copy ``value`` (any float dtype, on the host) into ``buf``, cast on ``buf``'s device."""
@@ -196,6 +203,7 @@ class _Side:
     # HF: one tensor by name, in fp32 (shape None: as stored); Megatron: a module's tensors by
     # their checkpoint prefix. For what is not a decoder layer (the MTP layers).
     read: Callable | None = None
+    buffers: _Buffers | None = None
 
     @torch.no_grad()
     def run(self, call: Callable[[], torch.Tensor], on_layer) -> torch.Tensor:
@@ -237,6 +245,8 @@ class _Side:
             for future in pending.values():
                 future.cancel()
             reader.shutdown(wait=True)
+            if self.buffers is not None:
+                self.buffers.clear()
 
 
 def _megatron_linear_types() -> tuple[type, ...]:
@@ -290,6 +300,35 @@ def _real_rows_only(
     finally:
         for module in patched:
             del module.forward
+
+
+class _MatmulWork(TorchFunctionMode):
+    """Adds to ``flop`` the work of the matrix products that no linear layer makes: an expert
+    computed as ``x @ w`` (transformers' GptOssExperts on the CPU), attention's scores. The
+    linear layers are counted by :func:`_real_rows_only` (``F.linear`` is not one of these)."""
+
+    _PRODUCTS = frozenset(
+        {
+            torch.matmul,
+            torch.bmm,
+            torch.mm,
+            torch.Tensor.matmul,
+            torch.Tensor.__matmul__,
+            torch.Tensor.bmm,
+            torch.Tensor.mm,
+        }
+    )
+
+    def __init__(self, flop: list[float]) -> None:
+        super().__init__()
+        self.flop = flop
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self._PRODUCTS and isinstance(out, torch.Tensor) and out.dim() >= 1:
+            # [..., m, k] @ [..., k, n]: each of the output's values is k multiply-adds
+            self.flop[0] += 2.0 * out.numel() * args[0].shape[-1]
+        return out
 
 
 def _to_device(model: torch.nn.Module, device: torch.device) -> None:
@@ -361,7 +400,7 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
             for name, p in stored_tensors(layers[i])
         }
 
-    return _Side(model, layers, load_layer, read), config
+    return _Side(model, layers, load_layer, read, buffers), config
 
 
 def _megatron_side(ckpt, family, device: torch.device):
@@ -428,7 +467,7 @@ def _megatron_side(ckpt, family, device: torch.device):
         for pname, value in params_of(f"{name}.", module).items():
             set_param(module, pname, value)
 
-    return _Side(model, layers, load_layer, load_module), config
+    return _Side(model, layers, load_layer, load_module, buffers), config
 
 
 def _relative(diff_max: float, ref: torch.Tensor) -> float:
@@ -525,7 +564,11 @@ def _streamed_logits(
     grab = head.register_forward_pre_hook(lambda m, a: last.update(normed=a[0]))
 
     with scratch:
-        with _real_rows_only(hf.model, valid, (torch.nn.Linear,), flop), hf_probe or nullcontext():
+        with (
+            _real_rows_only(hf.model, valid, (torch.nn.Linear,), flop),
+            _MatmulWork(flop),
+            hf_probe or nullcontext(),
+        ):
             hf_logits = hf.run(lambda: hf.model(input_ids=ids, use_cache=False).logits, on_hf_layer)
         grab.remove()
         hf_logits = hf_logits[..., :vocab_size].float().cpu()
@@ -584,7 +627,7 @@ def _streamed_logits(
                 mc_logits = mc.run(lambda: mc.model(ids, positions, None), on_mc_layer)
             watch.remove()
             ctx = family.shape_context(mc_config, vocab_size)
-            mtp = []
+            got = []
             if ctx.mtp_layers:
                 from porting.parity import mtp as mtp_check
 
@@ -596,23 +639,23 @@ def _streamed_logits(
                     decoder["out"],
                     decoder["kwargs"],
                 )
-                want = mtp_check.hf_mtp_logits(
-                    mtp_check.mtp_names(family, ctx, hf_prefix),
-                    hf_read,
-                    hf_last,
-                    hf_config,
-                    ids,
-                    last["normed"],
-                    last["kwargs"],
-                )
-                mtp = [
-                    (
-                        unpad(w[..., :vocab_size].float().cpu(), prompts),
-                        unpad(g[..., :vocab_size].float().cpu(), prompts),
-                    )
-                    for w, g in zip(want, got, strict=True)
-                ]
-        mc = None
+                got = [g[..., :vocab_size].float().cpu() for g in got]
+        mc = decoder = None  # released before the HF side's MTP layers are read
+        mtp = []
+        if got:
+            want = mtp_check.hf_mtp_logits(
+                mtp_check.mtp_names(family, ctx, hf_prefix),
+                hf_read,
+                hf_last,
+                hf_config,
+                ids,
+                last["normed"],
+                last["kwargs"],
+            )
+            mtp = [
+                (unpad(w[..., :vocab_size].float().cpu(), prompts), unpad(g, prompts))
+                for w, g in zip(want, got, strict=True)
+            ]
     bar.close()
     mc_logits = mc_logits[..., :vocab_size].float().cpu()
     # Measured (where not cached) after the run: timed alone, not beside the reader.
