@@ -388,3 +388,29 @@ def test_the_whole_model_gate_reads_fp8_through_the_reference(fp8):
 
     hf, ckpt, _ = fp8
     assert verify(hf, ckpt, whole_model=True).passed
+
+
+def test_fp8_targets_reach_a_layer_past_the_decoder_as_its_last_layer_is():
+    """DeepSeek-V3's multi-token-prediction layer (model.layers.{num_hidden_layers}) is built by
+    no transformers class: its decoder-layer weights are FP8 where the last layer's are, and its
+    own eh_proj and its embedding and head copies stay as they are (vLLM's DeepSeek MTP reads
+    them unquantized)."""
+    import transformers
+
+    cfg = proof.tiny_fields("DeepseekV3ForCausalLM") | {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
+    }
+    n = cfg["num_hidden_layers"]
+    extra = [
+        f"model.layers.{n}.self_attn.kv_b_proj.weight",
+        f"model.layers.{n}.mlp.experts.0.down_proj.weight",
+        f"model.layers.{n}.eh_proj.weight",
+        f"model.layers.{n}.shared_head.head.weight",
+        f"model.layers.{n}.embed_tokens.weight",
+        f"model.layers.{n}.enorm.weight",
+    ]
+    targets = quant.fp8_targets(transformers.DeepseekV3ForCausalLM, cfg, extra)
+    assert set(extra) & targets == set(extra[:2])
+    assert f"model.layers.{n - 1}.self_attn.kv_b_proj.weight" in targets
+    assert "lm_head.weight" not in targets
