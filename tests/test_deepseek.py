@@ -12,6 +12,11 @@ scores spread over (0, 1), and every ``e_score_correction_bias`` is set to a ran
 check), and every choice score stays above transformers' 0-fill of unchosen groups (see
 models/deepseek.py). Ties are avoided and checked: every group and expert decision of every token
 is more than 1e-4 from a tie.
+
+The ``mtp`` variant is DeepSeek-V3 as published: one multi-token-prediction layer after the
+decoder's (tests/deepseek_mtp.py writes it, since transformers writes none), imported into
+Megatron-Core's MTP block; its logits are compared with transformers' own decoder layer and norms
+wired as the DeepSeek-V3 report defines the module, and by the gate.
 """
 
 from __future__ import annotations
