@@ -232,6 +232,11 @@ def write_arch_checkpoint(out: Path, size: str) -> int:
         g = torch.Generator().manual_seed(zlib.crc32(copies.get(key, key).encode()))
         if key.endswith("norm.weight") or key.endswith("layernorm.weight"):
             t = 1 + torch.randn(shape, generator=g) * 0.1
+        elif key.endswith("e_score_correction_bias"):
+            # non-negative, as the tests' (tests/test_deepseek.py): a chosen expert whose biased
+            # score falls below 0 is routed otherwise by transformers' router (0 for the
+            # unchosen groups) than by DeepSeek's own code and Megatron-Core's (-inf)
+            t = 0.5 * torch.rand(shape, generator=g)
         else:
             t = torch.randn(shape, generator=g) * 0.02
         # DeepSeek-V3 ships its routers' expert bias in float32 beside bf16 weights
