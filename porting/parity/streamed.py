@@ -400,7 +400,11 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
             for name, p in stored_tensors(layers[i])
         }
 
-    return _Side(model, layers, load_layer, read, buffers), config
+    # The reader (and the mapped files behind it) outlives the pass only for layers past the
+    # decoder's (MTP layers, porting.parity.mtp): otherwise its pages would stay resident
+    # through the Megatron pass.
+    beyond = any(k.startswith(f"{prefix}.{config.num_hidden_layers}.") for k in available)
+    return _Side(model, layers, load_layer, read if beyond else None, buffers), config
 
 
 def _megatron_side(ckpt, family, device: torch.device):
@@ -630,6 +634,13 @@ def _streamed_logits(
             got = []
             if ctx.mtp_layers:
                 from porting.parity import mtp as mtp_check
+
+                if hf_read is None:
+                    raise PortingError(
+                        f"{checkpoint.path} has {ctx.mtp_layers} multi-token-prediction "
+                        f"layer(s); {hf_dir} has no tensors past its decoder's "
+                        f"{hf_prefix}.{n - 1}"
+                    )
 
                 got = mtp_check.megatron_mtp_logits(
                     mc.model,
