@@ -564,8 +564,9 @@ def _streamed_logits(
             last["kwargs"] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
         bar.update()
 
-    head = hf.model.get_output_embeddings()
-    grab = head.register_forward_pre_hook(lambda m, a: last.update(normed=a[0]))
+    grab = hf.model.get_output_embeddings().register_forward_pre_hook(
+        lambda m, a: last.update(normed=a[0])
+    )
 
     with scratch:
         with (
