@@ -103,9 +103,9 @@ class GateCost:
 
     ``flop``: the HF side's linear layers and output head over the real positions, and its other
     matrix products (experts computed as ``x @ w``, attention's scores: :class:`_MatmulWork`);
-    the Megatron side does the same work. ``gflops``: this device's fp32 ``F.linear`` rate, measured once per
-    machine and cached (:func:`porting.parity.floor.machine_gflops`). ``floor_s``: both sides at
-    that rate.
+    the Megatron side does the same work. ``gflops``: this device's fp32 ``F.linear`` rate,
+    measured once per machine and cached (:func:`porting.parity.floor.machine_gflops`).
+    ``floor_s``: both sides at that rate.
     """
 
     flop: float
@@ -325,9 +325,14 @@ class _MatmulWork(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in self._PRODUCTS and isinstance(out, torch.Tensor) and out.dim() >= 1:
+        first = args[0] if args else None
+        if (
+            func in self._PRODUCTS
+            and isinstance(first, torch.Tensor)
+            and isinstance(out, torch.Tensor)
+        ):
             # [..., m, k] @ [..., k, n]: each of the output's values is k multiply-adds
-            self.flop[0] += 2.0 * out.numel() * args[0].shape[-1]
+            self.flop[0] += 2.0 * out.numel() * first.shape[-1]
         return out
 
 
