@@ -500,8 +500,9 @@ def test_ctrl_c_during_a_plugin_import_stops_the_command(site, tiny, tmp_path, c
     with no signal behind it is a broken plugin, BROKEN_PLUGINS["interrupt"].)"""
     _install(site, "interrupted", "import os, signal\nos.kill(os.getpid(), signal.SIGINT)\n")
     registry.refresh()
-    # as in a fresh `porting` process: an earlier in-process test of a full run may leave another
-    # SIGINT handler behind (the suite failed here once: the import ran on to exit 0)
+    # as in a `porting` process started from a terminal: a runner started as a background job of
+    # a non-interactive shell inherits SIGINT ignored (POSIX), and the import then ran on to exit
+    # 0 (the suite failed here so once)
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     out = tmp_path / "out"
     try:
