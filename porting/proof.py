@@ -13,6 +13,8 @@ our checkpoints imported from it, and asserts what its name says:
   import parity-gated);
 - :func:`prove_routing` (mixture-of-experts families): every layer sends every token to the same
   experts on both sides, with no near-tie that rounding could flip;
+- :func:`prove_experts_streamed` (mixture-of-experts families): the streamed gate holds a layer's
+  experts one at a time on each side (two with the one being read), never the whole mixture;
 - :func:`prove_fault_named`: the negative control. One layer's entry of the table is broken, the
   checkpoint written through the normal importer; parity must fail by 100x the tolerance and
   more, and the streamed gate must name that layer first;
@@ -329,6 +331,48 @@ def prove_routing(
             assert torch.equal(x, y), f"layer {layer}, prompt {prompt}: experts differ"
     # the routing really varies: several experts are used
     assert len(torch.cat([t.flatten() for t in hf_top[0]]).unique()) > 1
+
+
+def prove_experts_streamed(hf_dir: str | Path, ckpt: str | Path, prompts=None) -> dict[str, int]:
+    """The streamed gate's memory bound below a layer, observed on both sides (and in a
+    multi-token-prediction check): each time an expert returns, it is the only expert of its
+    layer holding tensors, so neither the layer's read nor the prefetch of the next expert has
+    bound more. The gate's verdict is the whole model's (:func:`prove_parity`). Returns how many
+    experts ran in each kind of module streaming them (the class of the layer or block)."""
+    from contextlib import contextmanager
+
+    from porting.parity import modules, mtp, streamed
+
+    seen: dict[str, list[int]] = {}
+    real = modules.experts_streamed
+
+    @contextmanager
+    def observed(layers, load):
+        layers = list(layers)
+        every = [x for _, layer in layers for _, xs in modules.expert_lists(layer) for x in xs]
+
+        def returned(module, args, output):
+            live = sum(any(p.device.type != "meta" for p in x.parameters()) for x in every)
+            seen.setdefault(type(layers[0][1]).__name__, []).append(live)
+
+        # registered first, so they run before the stream releases the expert
+        handles = [x.register_forward_hook(returned) for x in every]
+        try:
+            with real(layers, load):
+                yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    streamed.experts_streamed = mtp.experts_streamed = observed
+    try:
+        prove_parity(hf_dir, ckpt, prompts)
+    finally:
+        streamed.experts_streamed = mtp.experts_streamed = real
+    assert len(seen) >= 2, f"experts seen running in {sorted(seen)} only"
+    for kind, live in seen.items():
+        assert set(live) == {1}, f"{kind}: experts holding tensors when one returned: {live}"
+    return {kind: len(live) for kind, live in seen.items()}
 
 
 def swapped_experts_table(table, layer: int, a: int, b: int, num_layers: int, num_experts: int):

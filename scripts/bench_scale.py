@@ -67,6 +67,32 @@ ARCH_SIZES = {
         dict(num_hidden_layers=4),
         "gpt-oss-20b (hidden 2880, 32 experts, vocab 201088), 4 of its 24 layers, MXFP4 experts",
     ),
+    # One Qwen3-Coder-480B-A35B layer (its config.json's widths on Qwen3-30B-A3B's catalogued
+    # config: 160 experts of 6144 x 2560, 96 heads of 128, 8 KV groups), 7.6B parameters and
+    # 15.1 GB in bf16, with a 32,000-token vocabulary so that the layer, not the embedding, is
+    # what the memory bound is about.
+    "qwen3-coder-480b-1": (
+        "Qwen/Qwen3-30B-A3B",
+        dict(
+            num_hidden_layers=1,
+            hidden_size=6144,
+            num_attention_heads=96,
+            num_key_value_heads=8,
+            head_dim=128,
+            intermediate_size=8192,
+            moe_intermediate_size=2560,
+            num_experts=160,
+            num_experts_per_tok=8,
+            max_position_embeddings=262144,
+            max_window_layers=62,
+            rope_theta=10000000.0,
+            vocab_size=32000,
+            bos_token_id=0,
+            eos_token_id=1,
+        ),
+        "one Qwen3-Coder-480B-A35B layer (hidden 6144, 160 experts of 2560, top-8; 15.1 GB), "
+        "vocab 32000",
+    ),
 }
 SHARD_BYTES = 4 * 2**30
 LAYOUT_STEPS = (

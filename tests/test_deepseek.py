@@ -132,6 +132,15 @@ def test_routing_decisions_match_token_by_token(variant, converted):
     assert margins and min(margins) > 1e-4, f"a group-choice near-tie ({min(margins):.2e})"
 
 
+def test_the_gate_holds_one_expert_at_a_time(converted):
+    """A dense first layer, then MoE layers with a shared expert: only the routed experts
+    stream, and the MTP variant's main pass too."""
+    kinds = proof.prove_experts_streamed(*converted("v3"))
+    assert set(kinds) == {"DeepseekV3DecoderLayer", "TransformerLayer"}, kinds
+    kinds = proof.prove_experts_streamed(*converted("mtp"))
+    assert "MultiTokenPredictionBlock" in kinds, kinds  # the MTP check streams its experts too
+
+
 def test_the_variants_map_as_deepseek_routes(converted):
     """Sigmoid routing with the expert bias, groups, scaling, dense first layer, shared expert,
     MLA widths, and the rotary each variant implies."""

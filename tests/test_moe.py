@@ -101,6 +101,11 @@ def test_the_variants_route_as_hf_does(converted):
         assert config.moe_ffn_hidden_size == (96 if variant == "mixtral" else 48)
 
 
+@pytest.mark.parametrize("variant", ["mixtral", "qwen2_moe"])
+def test_the_gate_holds_one_expert_at_a_time(variant, converted):
+    proof.prove_experts_streamed(*converted(variant))
+
+
 def test_permuted_experts_fail_and_the_layer_is_named(converted, tmp_path):
     """Experts 0 and 1 of layer 1 swapped in the table: parity fails there."""
     hf, _ = converted("mixtral")

@@ -74,6 +74,10 @@ def test_routing_decisions_match_token_by_token(variant, converted):
     proof.prove_routing(*converted(variant), ROUTER)
 
 
+def test_the_gate_holds_one_expert_at_a_time(converted):
+    proof.prove_experts_streamed(*converted("olmoe_norm_clip"))
+
+
 def test_the_variants_route_and_clamp_as_hf_does(converted):
     from porting.testing import checkpoint_config
 

@@ -3,6 +3,10 @@ before it runs and frees it after (:mod:`porting.parity.streamed`, :mod:`porting
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
+
 import torch
 
 
@@ -15,15 +19,90 @@ def set_param(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
         owner._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
 
 
-def stored_tensors(module: torch.nn.Module):
+def stored_tensors(module: torch.nn.Module, skip: tuple[str, ...] = ()):
     """``(name, tensor)`` of what a checkpoint holds of ``module``: its parameters and its
-    persistent buffers (a router's expert bias)."""
+    persistent buffers (a router's expert bias); none under the submodule prefixes ``skip``
+    (``"mlp.experts."``)."""
     saved = set(module.state_dict(keep_vars=True))
-    yield from module.named_parameters()
-    yield from ((n, b) for n, b in module.named_buffers() if n in saved)
+    for name, t in module.named_parameters():
+        if not (skip and name.startswith(skip)):
+            yield name, t
+    for name, t in module.named_buffers():
+        if name in saved and not (skip and name.startswith(skip)):
+            yield name, t
+
+
+def expert_lists(layer: torch.nn.Module) -> list[tuple[str, torch.nn.ModuleList]]:
+    """``(prefix, list)`` of the mixtures' experts in a decoder layer: each ``ModuleList`` of two
+    or more modules of one class with parameters (HF's ``mlp.experts``, Megatron-Core's
+    ``mlp.experts.local_experts``). Each expert runs as a module call, so the streamed gate can
+    load it just before it runs and release it after: what one layer holds is then a bounded
+    number of experts, not all of them."""
+    found = []
+    for name, module in layer.named_modules():
+        if not isinstance(module, torch.nn.ModuleList) or len(module) < 2:
+            continue
+        kinds = {type(m) for m in module}
+        if len(kinds) == 1 and any(True for _ in module[0].parameters()):
+            found.append((f"{name}.", module))
+    return found
 
 
 def release(module: torch.nn.Module) -> None:
     """Put ``module``'s parameters back on the meta device (frees their memory)."""
     for name, p in list(module.named_parameters()):
         set_param(module, name, torch.empty(p.shape, dtype=p.dtype, device="meta"))
+
+
+# ``load(i, sub, e, expert, read)``: the stored tensors of expert ``e`` of the list at ``sub``
+# (``"mlp.experts."``) in layer ``i``; with ``read`` false, buffers of their shapes, unread.
+ExpertLoad = Callable[[int, str, int, torch.nn.Module, bool], dict[str, torch.Tensor]]
+
+
+@contextmanager
+def experts_streamed(layers: Iterable[tuple[int, torch.nn.Module]], load: ExpertLoad) -> Iterator:
+    """While inside, each expert of ``layers`` (:func:`expert_lists`) is loaded by ``load`` when
+    the model calls it and released when it returns; expert ``e + 1`` of the same list is read on
+    a thread while ``e`` computes. So a layer's experts are in memory two at a time, whatever
+    their number. ``load`` alternates two buffer sets by ``e``'s parity."""
+    reader = ThreadPoolExecutor(1, thread_name_prefix="porting-parity-expert")
+    guessed: dict[tuple, Future] = {}
+    handles = []
+
+    def pre(module, args, i, sub, e, experts):
+        future = guessed.pop((i, sub, e), None)
+        # A wrong guess of which expert runs next (HF calls only the experts some position
+        # chose) ends before its buffers can be taken again.
+        for other in guessed.values():
+            other.cancel()
+        wait(list(guessed.values()))
+        guessed.clear()
+        if future is not None:
+            params = future.result()
+        else:
+            # No position chose it (Megatron-Core calls every expert): nothing it returns depends
+            # on its values, so none are read.
+            empty = bool(args) and isinstance(args[0], torch.Tensor) and args[0].numel() == 0
+            params = load(i, sub, e, module, not empty)
+        for name, value in params.items():
+            set_param(module, name, value)
+        if e + 1 < len(experts):
+            guessed[(i, sub, e + 1)] = reader.submit(load, i, sub, e + 1, experts[e + 1], True)
+
+    for i, layer in layers:
+        for sub, experts in expert_lists(layer):
+            for e, expert in enumerate(experts):
+                handles.append(
+                    expert.register_forward_pre_hook(
+                        lambda m, a, i=i, sub=sub, e=e, x=experts: pre(m, a, i, sub, e, x)
+                    )
+                )
+                handles.append(expert.register_forward_hook(lambda m, a, o: release(m)))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for future in guessed.values():
+            future.cancel()
+        reader.shutdown(wait=True)

@@ -23,7 +23,13 @@ import torch
 import torch.nn.functional as F
 
 from porting.errors import PortingError
-from porting.parity.modules import release, set_param, stored_tensors
+from porting.parity.modules import (
+    expert_lists,
+    experts_streamed,
+    release,
+    set_param,
+    stored_tensors,
+)
 
 
 @dataclass(frozen=True)
@@ -132,9 +138,20 @@ def hf_mtp_logits(
         with init_empty_weights():
             layer = type(last_layer)(config, layer_idx=index)
         layer.eval()
-        for name, p in list(stored_tensors(layer)):
+        skip = tuple(prefix for prefix, _ in expert_lists(layer))
+        for name, p in list(stored_tensors(layer, skip)):
             set_param(layer, name, read(n.layer_prefix + name, p.shape))
-        y = layer(x, **layer_kwargs)
+
+        def expert(i, sub, e, module, real, n=n, device=x.device):
+            return {
+                name: read(f"{n.layer_prefix}{sub}{e}.{name}", p.shape)
+                if real
+                else torch.empty(p.shape, device=device)
+                for name, p in stored_tensors(module)
+            }
+
+        with experts_streamed([(index, layer)], expert):
+            y = layer(x, **layer_kwargs)
         release(layer)
         hidden = norm(n.final_norm)(y[0] if isinstance(y, tuple) else y)
         out.append(F.linear(hidden, read(n.head, None)))
@@ -144,27 +161,41 @@ def hf_mtp_logits(
 @torch.no_grad()
 def megatron_mtp_logits(
     model: torch.nn.Module,
-    load: Callable[[], None],
+    read: Callable[[str, tuple[str, ...]], dict[str, torch.Tensor]],
     ids: torch.Tensor,
     positions: torch.Tensor,
     decoder_out: torch.Tensor,
     decoder_kwargs: dict,
 ) -> list[torch.Tensor]:
     """Each MTP layer's logits ``[b, s, padded vocab]`` on the Megatron side: the model's own
-    ``mtp`` block (its weights loaded by ``load``) on the decoder's output, through the shared
-    output layer, as ``GPTModel._postprocess`` computes them for its loss."""
-    load()
+    ``mtp`` block on the decoder's output, through the shared output layer, as
+    ``GPTModel._postprocess`` computes them for its loss. ``read(name, skip)``: the stored
+    tensors of the submodule ``name`` but those under the prefixes ``skip``; the experts stream
+    one at a time (:func:`~porting.parity.modules.experts_streamed`)."""
+    skip = tuple(prefix for prefix, _ in expert_lists(model.mtp))
+    for name, value in read("mtp", skip).items():
+        set_param(model.mtp, name, value)
+
+    def expert(i, sub, e, module, real):
+        if real:
+            return read(f"mtp.{sub}{e}", ())
+        return {
+            name: torch.empty(p.shape, device=decoder_out.device)
+            for name, p in stored_tensors(module)
+        }
+
     kw = {
         k: decoder_kwargs.get(k)
         for k in ("attention_mask", "rotary_pos_emb", "rotary_pos_cos", "rotary_pos_sin")
     }
-    stacked = model.mtp(
-        input_ids=ids,
-        position_ids=positions,
-        hidden_states=decoder_out,
-        embedding=model.embedding,
-        **kw,
-    )
+    with experts_streamed([(0, model.mtp)], expert):
+        stacked = model.mtp(
+            input_ids=ids,
+            position_ids=positions,
+            hidden_states=decoder_out,
+            embedding=model.embedding,
+            **kw,
+        )
     release(model.mtp)
     tied = model.share_embeddings_and_output_weights
     weight = model.shared_embedding_or_output_weight() if tied else None

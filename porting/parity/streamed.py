@@ -53,6 +53,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -60,7 +61,13 @@ from torch.overrides import TorchFunctionMode
 
 from porting.errors import PortingError, check_finite
 from porting.parity.floor import machine_gflops
-from porting.parity.modules import release, set_param, stored_tensors
+from porting.parity.modules import (
+    expert_lists,
+    experts_streamed,
+    release,
+    set_param,
+    stored_tensors,
+)
 
 log = logging.getLogger(__name__)
 
@@ -193,22 +200,38 @@ def _cast_into(buf: torch.Tensor, value: torch.Tensor) -> None:
         buf.copy_(value.to(buf.device))
 
 
+# What a module's tensors are read into: ``take(name, shape)`` gives the buffer.
+Take = Callable[[str, torch.Size], torch.Tensor]
+
+
 @dataclass
 class _Side:
-    """One model with streamed layers: hooks load layer ``i`` before it runs, release it after."""
+    """One model with streamed layers: hooks load layer ``i`` before it runs, release it after;
+    inside a layer, each expert of a mixture the same (:func:`expert_lists`)."""
 
     model: torch.nn.Module
     layers: torch.nn.ModuleList
-    load_layer: Callable[[int], dict[str, torch.Tensor]]
-    # HF: one tensor by name, in fp32 (shape None: as stored); Megatron: a module's tensors by
-    # their checkpoint prefix. For what is not a decoder layer (the MTP layers).
+    # ``load(i, sub, module, take, skip)``: the stored tensors of ``module``, found at ``sub``
+    # (``""``, ``"mlp.experts.3."``) in layer ``i``, none under the prefixes ``skip``
+    load: Callable[[int, str, torch.nn.Module, Take, tuple[str, ...]], dict[str, torch.Tensor]]
+    # HF: ``read(key, shape)``, one tensor by name, in fp32 (shape None: as stored); Megatron:
+    # ``read(name, skip)``, the tensors of the submodule ``name`` (none under the prefixes
+    # ``skip``). For what is not a decoder layer (the MTP layers).
     read: Callable | None = None
     buffers: _Buffers | None = None
+    expert_buffers: _Buffers | None = None
+
+    def load_layer(self, i: int) -> dict[str, torch.Tensor]:
+        """Layer ``i``'s tensors but its experts'."""
+        skip = tuple(prefix for prefix, _ in expert_lists(self.layers[i]))
+        return self.load(i, "", self.layers[i], partial(self.buffers.take, i), skip)
 
     @torch.no_grad()
     def run(self, call: Callable[[], torch.Tensor], on_layer) -> torch.Tensor:
         """``call()`` with every layer streamed; ``on_layer(i, layer, args, kwargs, output)``
-        after each. Layer ``i + 1`` is read on a thread while layer ``i`` computes."""
+        after each. Layer ``i + 1`` is read on a thread while layer ``i`` computes, and expert
+        ``e + 1`` on another while expert ``e`` computes: a layer's experts are in memory two at
+        a time, whatever their number."""
         n = len(self.layers)
         reader = ThreadPoolExecutor(1, thread_name_prefix="porting-parity-read")
         pending: dict[int, Future] = {}
@@ -226,6 +249,12 @@ class _Side:
             on_layer(i, mod, args, kwargs, _output(output))
             release(mod)
 
+        def load_expert(i, sub, e, module, read):
+            take = partial(self.expert_buffers.take, e)
+            if not read:
+                return {name: take(name, p.shape) for name, p in stored_tensors(module)}
+            return self.load(i, f"{sub}{e}.", module, take, ())
+
         for i, layer in enumerate(self.layers):
             handles.append(
                 layer.register_forward_pre_hook(
@@ -238,15 +267,17 @@ class _Side:
                 )
             )
         try:
-            return call()
+            with experts_streamed(enumerate(self.layers), load_expert):
+                return call()
         finally:
             for h in handles:
                 h.remove()
             for future in pending.values():
                 future.cancel()
             reader.shutdown(wait=True)
-            if self.buffers is not None:
-                self.buffers.clear()
+            for buffers in (self.buffers, self.expert_buffers):
+                if buffers is not None:
+                    buffers.clear()
 
 
 def _megatron_linear_types() -> tuple[type, ...]:
@@ -399,17 +430,18 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
 
-    def load_layer(i: int) -> dict[str, torch.Tensor]:
+    def load(i: int, sub: str, module, take: Take, skip) -> dict[str, torch.Tensor]:
         return {
-            name: read(f"{prefix}.{i}.{name}", p.shape, buffers.take(i, name, p.shape))
-            for name, p in stored_tensors(layers[i])
+            name: read(f"{prefix}.{i}.{sub}{name}", p.shape, take(name, p.shape))
+            for name, p in stored_tensors(module, skip)
         }
 
     # The reader (and the mapped files behind it) outlives the pass only for layers past the
     # decoder's (MTP layers, porting.parity.mtp): otherwise its pages would stay resident
     # through the Megatron pass.
     beyond = any(k.startswith(f"{prefix}.{config.num_hidden_layers}.") for k in available)
-    return _Side(model, layers, load_layer, read if beyond else None, buffers), config
+    side = _Side(model, layers, load, read if beyond else None, buffers, _Buffers(device))
+    return side, config
 
 
 def _megatron_side(ckpt, family, device: torch.device):
@@ -435,20 +467,20 @@ def _megatron_side(ckpt, family, device: torch.device):
     buffers = _Buffers(device)
 
     def params_of(
-        module_prefix: str, module: torch.nn.Module, layer: int | None = None
+        module_prefix: str, module: torch.nn.Module, take: Take | None = None, skip=()
     ) -> dict[str, torch.Tensor]:
         out = {}
-        for name, p in stored_tensors(module):
+        for name, p in stored_tensors(module, skip):
             key = module_prefix + name
             item = sharded.get(loc.prefix + key)
             if item is None or isinstance(item, ShardedObject):
                 raise PortingError(f"{weights}: the model's layout has no tensor for {key!r}")
             if isinstance(item, ShardedTensor):
                 _check_shape(str(weights), key, torch.Size(item.local_shape), p.shape)
-            if layer is None:
+            if take is None:
                 buf = torch.empty(p.shape, dtype=torch.float32, device=device)
             else:
-                buf = buffers.take(layer, name, p.shape)
+                buf = take(name, p.shape)
             if device.type == "cpu" and isinstance(item, ShardedTensor):
                 reader.read_sharded(item, out=buf)
             else:  # a factory (a GLU's two halves) merges first
@@ -468,15 +500,13 @@ def _megatron_side(ckpt, family, device: torch.device):
             for pname, value in params_of(f"decoder.{name}.", module).items():
                 set_param(module, pname, value)
 
-    def load_layer(i: int) -> dict[str, torch.Tensor]:
-        return params_of(f"decoder.layers.{i}.", layers[i], i)
+    def load(i: int, sub: str, module, take: Take, skip) -> dict[str, torch.Tensor]:
+        return params_of(f"decoder.layers.{i}.{sub}", module, take, skip)
 
-    def load_module(name: str) -> None:
-        module = model.get_submodule(name)
-        for pname, value in params_of(f"{name}.", module).items():
-            set_param(module, pname, value)
+    def module_params(name: str, skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+        return params_of(f"{name}.", model.get_submodule(name), None, skip)
 
-    return _Side(model, layers, load_layer, load_module, buffers), config
+    return _Side(model, layers, load, module_params, buffers, _Buffers(device)), config
 
 
 def _relative(diff_max: float, ref: torch.Tensor) -> float:
@@ -650,7 +680,7 @@ def _streamed_logits(
 
                 got = mtp_check.megatron_mtp_logits(
                     mc.model,
-                    lambda: mc.read("mtp"),
+                    mc.read,
                     ids,
                     positions,
                     decoder["out"],
