@@ -62,6 +62,8 @@ def import_hf(
     importer = model_class(family).importer(f"hf://{Path(hf_dir).resolve()}")
     importer.dtype, importer.allow_pickle = dtype, allow_pickle
     importer.vocab_divisor, importer.show_progress = vocab_divisor, show_progress
+    if verify and device == "cpu":
+        importer.gate = "whole" if whole_model else "streamed"
     report = None
     with claimed_output(out, overwrite, "checkpoint") as tmp:
         manifest = importer.convert_into(tmp)

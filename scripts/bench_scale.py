@@ -15,6 +15,10 @@ weights, no model built in memory), then runs each command in a fresh process un
                    in FP8 with 128x128 block scales
     gpt-oss-20b-4  gpt-oss-20b's published config (hidden 2880, 32 experts, vocab 201088) with 4
                    of its 24 layers, experts in MXFP4
+    qwen3-coder-480b-1  one Qwen3-Coder-480B-A35B layer: 160 experts of 6144 x 2560 (top-8), 96
+                   heads, vocab 32000                                  (7.6B, 15.1 GB in bf16)
+    deepseek-v3-1  one DeepSeek-V3 MoE layer with all 256 experts, no MTP layer, vocab 32000, in
+                   FP8                                      (11.3B, 22.5 GB in bf16, 11 GB FP8)
 
 The frontier sizes are written from the HF class (every tensor it has) and quantized as released.
 
@@ -91,6 +95,21 @@ ARCH_SIZES = {
             eos_token_id=1,
         ),
         "one Qwen3-Coder-480B-A35B layer (hidden 6144, 160 experts of 2560, top-8; 15.1 GB), "
+        "vocab 32000",
+    ),
+    # One DeepSeek-V3 MoE layer with all 256 experts (11.3B parameters, 22.5 GB in bf16, 11 GB
+    # in FP8 as shipped), no MTP layer, a 32,000-token vocabulary as above.
+    "deepseek-v3-1": (
+        "deepseek-ai/DeepSeek-V3",
+        dict(
+            num_hidden_layers=1,
+            first_k_dense_replace=0,
+            num_nextn_predict_layers=0,
+            vocab_size=32000,
+            bos_token_id=0,
+            eos_token_id=1,
+        ),
+        "one DeepSeek-V3 MoE layer (MLA, hidden 7168, 256 experts of 2048, top-8), FP8, "
         "vocab 32000",
     ),
 }

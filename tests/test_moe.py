@@ -106,6 +106,60 @@ def test_the_gate_holds_one_expert_at_a_time(variant, converted):
     proof.prove_experts_streamed(*converted(variant))
 
 
+def _qwen3_coder_layer(experts: int) -> dict:
+    """One layer at Qwen3-Coder-480B-A35B's widths (hidden 6144, experts of 2560, 96 heads)."""
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": 32000,
+        "hidden_size": 6144,
+        "intermediate_size": 8192,
+        "moe_intermediate_size": 2560,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 96,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "num_experts": experts,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+    }
+
+
+def test_the_gates_memory_bound_does_not_grow_with_the_experts():
+    from porting.convert.preflight import gate_memory
+    from porting.convert.table_check import hf_meta_shapes
+
+    parts = {n: gate_memory(hf_meta_shapes(moe.FAMILY, _qwen3_coder_layer(n))) for n in (160, 320)}
+    h, f, vocab = 6144, 2560, 32000
+    attention = h * 96 * 128 * 2 + h * 8 * 128 * 2 + 2 * 128  # q, o; k, v; the q/k norms
+    for n, part in parts.items():
+        assert part["two experts"] == 2 * 4 * 3 * h * f
+        assert part["outside the layers"] == 4 * (2 * vocab * h + h)
+        # two norms and the router, the one term that grows with the experts (a row each)
+        assert part["two layers without their experts"] == 2 * 4 * (attention + 2 * h + n * h)
+
+
+def test_a_gate_larger_than_free_memory_is_refused_before_anything_is_written(
+    converted, tmp_path, capsys, monkeypatch
+):
+    from porting.convert import preflight
+
+    hf, ckpt = converted("qwen3_moe")
+    monkeypatch.setattr(preflight, "available_bytes", lambda: 100_000)
+    monkeypatch.setattr(preflight, "check_largest_tensor", lambda *a: None)
+    out = tmp_path / "out"
+    assert main(["import", str(hf), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    for needle in ("the parity gate needs about", "two experts", "97.7 KiB free", "--no-verify"):
+        assert needle in err, err
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+    assert main(["verify", str(hf), str(ckpt)]) == 2
+    assert "the parity gate needs about" in capsys.readouterr().err
+    assert main(["import", str(hf), "--out", str(out), "--no-verify"]) == 0
+    assert out.exists()
+
+
 def test_permuted_experts_fail_and_the_layer_is_named(converted, tmp_path):
     """Experts 0 and 1 of layer 1 swapped in the table: parity fails there."""
     hf, _ = converted("mixtral")

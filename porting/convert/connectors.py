@@ -46,7 +46,12 @@ from porting.convert.megatron import (
     dtype_name,
     init_parallel,
 )
-from porting.convert.preflight import check_float_dtypes, check_hf_checkpoint, check_nemo_layout
+from porting.convert.preflight import (
+    check_float_dtypes,
+    check_gate_memory,
+    check_hf_checkpoint,
+    check_nemo_layout,
+)
 from porting.convert.safetensors_io import SafetensorsSource, StreamingShardWriter
 from porting.convert.table_check import check_table, hf_meta_shapes
 from porting.errors import PortingError
@@ -129,7 +134,9 @@ class PortingImporter(io.ModelConnector):
 
     Used both by ``llm.import_ckpt(model=FamilyModel(...), source="hf://DIR")`` and by
     ``porting import``. Options beyond NeMo's interface are class attributes a caller may set on the
-    instance: ``dtype`` (None = the checkpoint's), ``allow_pickle``, ``vocab_divisor``.
+    instance: ``dtype`` (None = the checkpoint's), ``allow_pickle``, ``vocab_divisor``, and
+    ``gate`` (``"streamed"`` / ``"whole"``: the host-memory parity gate that follows, whose memory
+    is checked before anything is written).
     """
 
     FAMILY: Family
@@ -137,6 +144,7 @@ class PortingImporter(io.ModelConnector):
     allow_pickle: bool = False
     vocab_divisor: int = 128
     show_progress: bool = True
+    gate: str | None = None
     # False: fill the whole model, then NeMo's stock save (holds the model; kept as the reference
     # the streamed checkpoint is compared against in tests).
     streaming: bool = True
@@ -220,6 +228,8 @@ class PortingImporter(io.ModelConnector):
         hf_shapes = check_hf_checkpoint(
             family, hf_config, ctx, source, hf_dir / "config.json", "import"
         )
+        if self.gate is not None:
+            check_gate_memory("import", hf_shapes, whole_model=self.gate == "whole")
         model = model_class(family)(config, tokenizer=self.tokenizer)
         # NeMo builds the module lazily (perform_initialization=False): its parameters are
         # allocated and never touched, so they cost address space, not memory. Synchronous,

@@ -9,7 +9,8 @@ cost does not depend on what the config claims:
 - every tensor the table reads is floating point (an ``I32`` of the right byte size would otherwise
   be cast to float silently); a non-float dtype is refused by name;
 - the layer and expert indices the checkpoint's names carry are exactly the config's counts;
-- the largest tensor the step holds at once fits in the memory this machine has free.
+- the largest tensor the step holds at once fits in the memory this machine has free, and so does
+  what the parity gate holds at once (:func:`check_gate_memory`).
 
 Shapes are then checked tensor by tensor once the (bounded) meta models exist
 (:func:`porting.convert.table_check.check_checkpoint_shapes`, :func:`check_nemo_layout`).
@@ -146,6 +147,53 @@ def check_largest_tensor(step: str, shapes: dict[str, tuple[tuple[int, ...], str
         raise PortingError(
             f"{step} needs at least {size(need)} at once for tensor {name!r} "
             f"{tuple(shape)} {dtype}; this machine has {size(have)} free"
+        )
+
+
+_IN_LAYER = re.compile(r"\.(\d+)\.")
+_IN_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def gate_memory(shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
+    """The fp32 bytes the streamed gate holds at once on one side (the sides run in turn), by
+    part, from the HF model's tensor shapes (name -> shape): what is outside the decoder layers
+    (embedding, output layer, final norm), two layers without their experts (the one computing,
+    the next being read) and two experts (the same), :mod:`porting.parity.streamed`. A tensor is
+    a layer's where its name has a numeric part (``model.layers.3.``), an expert's where it has
+    ``.experts.<e>.`` after that; stacked experts (one tensor for all) count with their layer."""
+    outside, layers, experts = 0, {}, {}
+    for name, shape in shapes.items():
+        n = 4 * _numel(shape)
+        layer, expert = _IN_LAYER.search(name), _IN_EXPERT.search(name)
+        if layer is None:
+            outside += n
+        elif expert is not None and expert.start() >= layer.start():
+            key = (layer.group(1), expert.group(1))
+            experts[key] = experts.get(key, 0) + n
+        else:
+            layers[layer.group(1)] = layers.get(layer.group(1), 0) + n
+    return {
+        "outside the layers": outside,
+        "two layers without their experts": 2 * max(layers.values(), default=0),
+        "two experts": 2 * max(experts.values(), default=0),
+    }
+
+
+def check_gate_memory(step: str, shapes: dict[str, tuple[int, ...]], whole_model: bool) -> None:
+    """What the parity gate holds at once (:func:`gate_memory`; ``whole_model``: both models
+    whole, in fp32) must fit in this machine's free memory: refused before the gate, and before an
+    import writes anything, rather than killed by the kernel part-way."""
+    if whole_model:
+        parts = {"both models in fp32": 2 * 4 * sum(_numel(s) for s in shapes.values())}
+    else:
+        parts = gate_memory(shapes)
+    need, have = sum(parts.values()), available_bytes()
+    if need > have:
+        detail = ", ".join(f"{part} {size(n)}" for part, n in parts.items() if n)
+        raise PortingError(
+            f"{step}: the parity gate needs about {size(need)} at once ({detail}); this machine "
+            f"has {size(have)} free. Free memory, run the gate on a GPU (--device cuda), or "
+            "convert with --no-verify here and run `porting verify` where the memory is"
         )
 
 

@@ -634,7 +634,11 @@ def verify(
     from porting.convert.hf_files import load_tokenizer, read_hf_config
     from porting.convert.layouts import check_saved_metadata
     from porting.convert.megatron import build_config
-    from porting.convert.preflight import check_float_dtypes, check_hf_checkpoint
+    from porting.convert.preflight import (
+        check_float_dtypes,
+        check_gate_memory,
+        check_hf_checkpoint,
+    )
     from porting.convert.safetensors_io import SafetensorsSource
     from porting.parity.hf_dequant import REFERENCE
 
@@ -659,7 +663,11 @@ def verify(
     source = SafetensorsSource(hf_dir, allow_pickle=allow_pickle, dequantizer=REFERENCE)
     check_float_dtypes(family, source)
     _, ctx = build_config(family, hf_config, torch.float32, vocab_divisor=1)
-    check_hf_checkpoint(family, hf_config, ctx, source, Path(hf_dir) / "config.json", "verify")
+    hf_shapes = check_hf_checkpoint(
+        family, hf_config, ctx, source, Path(hf_dir) / "config.json", "verify"
+    )
+    if torch.device(device).type == "cpu":
+        check_gate_memory("verify", hf_shapes, whole_model)
     tok_files = tokenizer_files(checkpoint)
     tokenizer = load_tokenizer(tok_files[0].parent) if tok_files else None
     reference = reference_config(family, hf_config)
