@@ -160,6 +160,40 @@ def test_a_gate_larger_than_free_memory_is_refused_before_anything_is_written(
     assert out.exists()
 
 
+def test_experts_split_unevenly_over_shards_import_with_the_gate_and_come_back(converted, tmp_path):
+    """Each expert's three matrices in different shards, one expert's alone in a shard of its
+    own, the router apart from its experts: the import reads each by the index, its gate
+    passes, and the export gives back every tensor bit for bit."""
+    import json
+
+    hf = tmp_path / "hf"
+    shutil.copytree(converted("qwen3_moe")[0], hf)
+    tensors = load_file(hf / "model.safetensors")
+    (hf / "model.safetensors").unlink()
+
+    def shard(key: str) -> str:
+        if ".experts.1." in key:
+            return "c"
+        if key.endswith("gate_proj.weight") or key.endswith("mlp.gate.weight"):
+            return "a" if ".layers.0." in key else "b"
+        return "b" if ".experts." in key else "a"
+
+    shards: dict[str, dict] = {}
+    for key, t in tensors.items():
+        shards.setdefault(shard(key), {})[key] = t
+    weight_map = {}
+    for name, part in shards.items():
+        file = f"model-{name}.safetensors"
+        save_file(part, hf / file, metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(part, file)
+    total = sum(t.nbytes for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert len(shards) == 3
+    assert main(["import", str(hf), "--out", str(tmp_path / "ck")]) == 0
+    proof.prove_round_trip(hf, tmp_path / "ck", tmp_path / "back")
+
+
 def test_permuted_experts_fail_and_the_layer_is_named(converted, tmp_path):
     """Experts 0 and 1 of layer 1 swapped in the table: parity fails there."""
     hf, _ = converted("mixtral")
