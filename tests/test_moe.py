@@ -129,14 +129,21 @@ def test_the_gates_memory_bound_does_not_grow_with_the_experts():
     from porting.convert.preflight import gate_memory
     from porting.convert.table_check import hf_meta_shapes
 
-    parts = {n: gate_memory(hf_meta_shapes(moe.FAMILY, _qwen3_coder_layer(n))) for n in (160, 320)}
     h, f, vocab = 6144, 2560, 32000
     attention = h * 96 * 128 * 2 + h * 8 * 128 * 2 + 2 * 128  # q, o; k, v; the q/k norms
-    for n, part in parts.items():
+    for n in (160, 320):
+        shapes = hf_meta_shapes(moe.FAMILY, _qwen3_coder_layer(n))
+        need, part = gate_memory(shapes, tied=False)
         assert part["two experts"] == 2 * 4 * 3 * h * f
-        assert part["outside the layers"] == 4 * (2 * vocab * h + h)
+        assert part["the embedding or output layer"] == 4 * vocab * h
+        assert part["the rest outside the layers"] == 4 * h  # the final norm
         # two norms and the router, the one term that grows with the experts (a row each)
-        assert part["two layers without their experts"] == 2 * 4 * (attention + 2 * h + n * h)
+        layers = 2 * 4 * (attention + 2 * h + n * h)
+        assert part["two layers without their experts"] == layers
+        # the layers outweigh the head here: held in turn, not together
+        assert need == 4 * h + layers + 2 * 4 * 3 * h * f
+        tied_need, _ = gate_memory(shapes, tied=True)
+        assert tied_need == need + 4 * vocab * h
 
 
 def test_a_gate_larger_than_free_memory_is_refused_before_anything_is_written(

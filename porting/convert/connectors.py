@@ -229,7 +229,7 @@ class PortingImporter(io.ModelConnector):
             family, hf_config, ctx, source, hf_dir / "config.json", "import"
         )
         if self.gate is not None:
-            check_gate_memory("import", hf_shapes, whole_model=self.gate == "whole")
+            check_gate_memory("import", hf_shapes, hf_config, whole_model=self.gate == "whole")
         model = model_class(family)(config, tokenizer=self.tokenizer)
         # NeMo builds the module lazily (perform_initialization=False): its parameters are
         # allocated and never touched, so they cost address space, not memory. Synchronous,

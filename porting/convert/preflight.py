@@ -154,46 +154,66 @@ _IN_LAYER = re.compile(r"\.(\d+)\.")
 _IN_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
-def gate_memory(shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
-    """The fp32 bytes the streamed gate holds at once on one side (the sides run in turn), by
-    part, from the HF model's tensor shapes (name -> shape): what is outside the decoder layers
-    (embedding, output layer, final norm), two layers without their experts (the one computing,
-    the next being read) and two experts (the same), :mod:`porting.parity.streamed`. A tensor is
-    a layer's where its name has a numeric part (``model.layers.3.``), an expert's where it has
-    ``.experts.<e>.`` after that; stacked experts (one tensor for all) count with their layer."""
-    outside, layers, experts = 0, {}, {}
+def gate_memory(shapes: dict[str, tuple[int, ...]], tied: bool) -> tuple[int, dict[str, int]]:
+    """The fp32 bytes the streamed gate holds at once on one side (the sides run in turn), and
+    its parts, from the HF model's tensor shapes (name -> shape); :mod:`porting.parity.streamed`.
+
+    Untied, the embedding and the output layer are each read when called and released after,
+    and the layers' buffers are freed before the output layer runs: the gate holds the larger of
+    one of them and two layers without their experts plus two experts (the one computing and the
+    next being read, of each). Tied, the one tensor stays throughout. A tensor is a layer's where
+    its name has a numeric part (``model.layers.3.``), an expert's where ``.experts.<e>.``
+    follows; stacked experts (one tensor for all) count with their layer."""
+    outside, layers, experts = [], {}, {}
     for name, shape in shapes.items():
         n = 4 * _numel(shape)
         layer, expert = _IN_LAYER.search(name), _IN_EXPERT.search(name)
         if layer is None:
-            outside += n
+            outside.append(n)
         elif expert is not None and expert.start() >= layer.start():
             key = (layer.group(1), expert.group(1))
             experts[key] = experts.get(key, 0) + n
         else:
             layers[layer.group(1)] = layers.get(layer.group(1), 0) + n
-    return {
-        "outside the layers": outside,
+    outside.sort(reverse=True)
+    if tied:  # the output layer is the embedding: one tensor, listed under both names
+        largest = outside[:1]
+        rest = outside[1:]
+        if rest and rest[0] == largest[0]:
+            rest = rest[1:]
+    else:
+        largest, rest = outside[:2], outside[2:]
+    parts = {
         "two layers without their experts": 2 * max(layers.values(), default=0),
         "two experts": 2 * max(experts.values(), default=0),
+        "the embedding" + (" (tied)" if tied else " or output layer"): max(largest, default=0),
+        "the rest outside the layers": sum(rest),
     }
+    streamed = parts["two layers without their experts"] + parts["two experts"]
+    big = max(largest, default=0)
+    need = sum(rest) + (big + streamed if tied else max(big, streamed))
+    return need, parts
 
 
-def check_gate_memory(step: str, shapes: dict[str, tuple[int, ...]], whole_model: bool) -> None:
+def check_gate_memory(
+    step: str, shapes: dict[str, tuple[int, ...]], hf_config: dict, whole_model: bool
+) -> None:
     """What the parity gate holds at once (:func:`gate_memory`; ``whole_model``: both models
     whole, in fp32) must fit in this machine's free memory: refused before the gate, and before an
     import writes anything, rather than killed by the kernel part-way."""
     if whole_model:
         parts = {"both models in fp32": 2 * 4 * sum(_numel(s) for s in shapes.values())}
+        need = sum(parts.values())
     else:
-        parts = gate_memory(shapes)
-    need, have = sum(parts.values()), available_bytes()
+        # absent, transformers' PretrainedConfig default (tied) is the larger need
+        need, parts = gate_memory(shapes, bool(hf_config.get("tie_word_embeddings", True)))
+    have = available_bytes()
     if need > have:
         detail = ", ".join(f"{part} {size(n)}" for part, n in parts.items() if n)
         raise PortingError(
-            f"{step}: the parity gate needs about {size(need)} at once ({detail}); this machine "
-            f"has {size(have)} free. Free memory, run the gate on a GPU (--device cuda), or "
-            "convert with --no-verify here and run `porting verify` where the memory is"
+            f"{step}: the parity gate needs about {size(need)} at once (of: {detail}); this "
+            f"machine has {size(have)} free. Free memory, run the gate on a GPU (--device cuda), "
+            "or convert with --no-verify here and run `porting verify` where the memory is"
         )
 
 

@@ -667,7 +667,7 @@ def verify(
         family, hf_config, ctx, source, Path(hf_dir) / "config.json", "verify"
     )
     if torch.device(device).type == "cpu":
-        check_gate_memory("verify", hf_shapes, whole_model)
+        check_gate_memory("verify", hf_shapes, hf_config, whole_model)
     tok_files = tokenizer_files(checkpoint)
     tokenizer = load_tokenizer(tok_files[0].parent) if tok_files else None
     reference = reference_config(family, hf_config)

@@ -16,7 +16,8 @@ layer of the streamed gate.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -188,7 +189,7 @@ def megatron_mtp_logits(
         k: decoder_kwargs.get(k)
         for k in ("attention_mask", "rotary_pos_emb", "rotary_pos_cos", "rotary_pos_sin")
     }
-    with experts_streamed([(0, model.mtp)], expert):
+    with experts_streamed([(0, model.mtp)], expert), _held(model, "embedding", read):
         stacked = model.mtp(
             input_ids=ids,
             position_ids=positions,
@@ -201,7 +202,25 @@ def megatron_mtp_logits(
     weight = model.shared_embedding_or_output_weight() if tied else None
     n = model.config.mtp_num_layers
     out = []
-    for hidden in torch.chunk(stacked, 1 + n, dim=0)[1:]:
-        logits, _ = model.output_layer(hidden, weight=weight)
-        out.append(logits.transpose(0, 1))
+    with _held(model, "output_layer", read):
+        for hidden in torch.chunk(stacked, 1 + n, dim=0)[1:]:
+            logits, _ = model.output_layer(hidden, weight=weight)
+            out.append(logits.transpose(0, 1))
     return out
+
+
+@contextmanager
+def _held(model: torch.nn.Module, name: str, read) -> Iterator[None]:
+    """Model's submodule ``name`` with its tensors, read for the block where the main pass
+    released them (an untied embedding or output layer is read when called,
+    :class:`porting.parity.streamed._Side`), and released again after."""
+    module = getattr(model, name)
+    if all(p.device.type != "meta" for p in module.parameters()):
+        yield
+        return
+    for pname, value in read(name, ()).items():
+        set_param(module, pname, value)
+    try:
+        yield
+    finally:
+        release(module)

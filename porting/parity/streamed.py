@@ -52,7 +52,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -220,6 +220,12 @@ class _Side:
     read: Callable | None = None
     buffers: _Buffers | None = None
     expert_buffers: _Buffers | None = None
+    # Modules outside the layers read when the model calls them and released when they return
+    # (an untied embedding and output layer, each as large as a layer at a large vocabulary):
+    # module -> its stored tensors.
+    on_call: dict[torch.nn.Module, Callable[[], dict[str, torch.Tensor]]] = field(
+        default_factory=dict
+    )
 
     def load_layer(self, i: int) -> dict[str, torch.Tensor]:
         """Layer ``i``'s tensors but its experts'."""
@@ -248,6 +254,14 @@ class _Side:
         def post(mod, args, kwargs, output, i):
             on_layer(i, mod, args, kwargs, _output(output))
             release(mod)
+            if i == n - 1:  # what runs after the layers (the output layer) has their memory
+                for buffers in (self.buffers, self.expert_buffers):
+                    if buffers is not None:
+                        buffers.clear()
+
+        def called(mod, args):
+            for name, value in self.on_call[mod]().items():
+                set_param(mod, name, value)
 
         def load_expert(i, sub, e, module, read):
             take = partial(self.expert_buffers.take, e)
@@ -266,6 +280,9 @@ class _Side:
                     lambda m, a, k, o, i=i: post(m, a, k, o, i), with_kwargs=True
                 )
             )
+        for module in self.on_call:
+            handles.append(module.register_forward_pre_hook(called))
+            handles.append(module.register_forward_hook(lambda m, a, o: release(m)))
         try:
             with experts_streamed(enumerate(self.layers), load_expert):
                 return call()
@@ -422,12 +439,28 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
         check_finite(buf, str(hf_dir), key)
         return buf
 
+    tied = getattr(config, "tie_word_embeddings", False)
+    # untied, the embedding and the output layer are read when called (one of them, or a
+    # layer, in memory at a time); tied, the one tensor stays
+    on_call = {}
+    if not tied:
+        names = {id(p): n for n, p in model.named_parameters()}
+        for module in (model.get_input_embeddings(), model.get_output_embeddings()):
+            if module is None:
+                continue
+            own = {n: names[id(p)] for n, p in module.named_parameters()}
+            on_call[module] = lambda own=own, module=module: {
+                n: read(full, p.shape)
+                for (n, full), p in zip(own.items(), module.parameters(), strict=True)
+            }
+    streamed = {id(p) for m in on_call for p in m.parameters()}
     layer_params = {f"{prefix}.{i}.": layer for i, layer in enumerate(layers)}
     for name, p in model.named_parameters():
-        if not any(name.startswith(lp) for lp in layer_params):
-            if name in available or not getattr(config, "tie_word_embeddings", False):
-                set_param(model, name, read(name, p.shape))
-    if getattr(config, "tie_word_embeddings", False):
+        if id(p) in streamed or any(name.startswith(lp) for lp in layer_params):
+            continue
+        if name in available or not tied:
+            set_param(model, name, read(name, p.shape))
+    if tied:
         model.tie_weights()
 
     def load(i: int, sub: str, module, take: Take, skip) -> dict[str, torch.Tensor]:
@@ -440,7 +473,7 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
     # decoder's (MTP layers, porting.parity.mtp): otherwise its pages would stay resident
     # through the Megatron pass.
     beyond = any(k.startswith(f"{prefix}.{config.num_hidden_layers}.") for k in available)
-    side = _Side(model, layers, load, read if beyond else None, buffers, _Buffers(device))
+    side = _Side(model, layers, load, read if beyond else None, buffers, _Buffers(device), on_call)
     return side, config
 
 
@@ -491,8 +524,15 @@ def _megatron_side(ckpt, family, device: torch.device):
         return out
 
     layers = model.decoder.layers
+    on_call = {}
+    if not model.share_embeddings_and_output_weights:  # as the HF side's
+        for name in ("embedding", "output_layer"):
+            module = getattr(model, name, None)
+            if module is not None:
+                on_call[module] = partial(params_of, f"{name}.", module)
     for name, module in model.named_children():
-        if name not in ("decoder", "mtp"):  # the gate runs the main head (main_head_only)
+        # the gate runs the main head (main_head_only); the MTP check reads its own
+        if name not in ("decoder", "mtp") and module not in on_call:
             for pname, value in params_of(f"{name}.", module).items():
                 set_param(module, pname, value)
     for name, module in model.decoder.named_children():
@@ -506,7 +546,8 @@ def _megatron_side(ckpt, family, device: torch.device):
     def module_params(name: str, skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
         return params_of(f"{name}.", model.get_submodule(name), None, skip)
 
-    return _Side(model, layers, load, module_params, buffers, _Buffers(device)), config
+    side = _Side(model, layers, load, module_params, buffers, _Buffers(device), on_call)
+    return side, config
 
 
 def _relative(diff_max: float, ref: torch.Tensor) -> float:
