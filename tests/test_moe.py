@@ -157,12 +157,17 @@ def test_a_gate_larger_than_free_memory_is_refused_before_anything_is_written(
     out = tmp_path / "out"
     assert main(["import", str(hf), "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    for needle in ("the parity gate needs about", "two experts", "97.7 KiB free", "--no-verify"):
+    for needle in (
+        "the parity gate of import needs about",
+        "two experts",
+        "97.7 KiB free",
+        "--no-verify",
+    ):
         assert needle in err, err
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
     assert main(["verify", str(hf), str(ckpt)]) == 2
-    assert "the parity gate needs about" in capsys.readouterr().err
+    assert "the parity gate of verify needs about" in capsys.readouterr().err
     assert main(["import", str(hf), "--out", str(out), "--no-verify"]) == 0
     assert out.exists()
 

@@ -211,7 +211,7 @@ def check_gate_memory(
     if need > have:
         detail = ", ".join(f"{part} {size(n)}" for part, n in parts.items() if n)
         raise PortingError(
-            f"{step}: the parity gate needs about {size(need)} at once (of: {detail}); this "
+            f"the parity gate of {step} needs about {size(need)} at once (of: {detail}); this "
             f"machine has {size(have)} free. Free memory, run the gate on a GPU (--device cuda), "
             "or convert with --no-verify here and run `porting verify` where the memory is"
         )
