@@ -3,9 +3,10 @@
 Megatron-Core 0.15.3 and NeMo 2.7.3 assume a GPU in a handful of places that have nothing to do
 with the maths of a model. Each shim below names the upstream file it answers. :func:`enable`
 installs them once per process and is a no-op when CUDA is available, so the GPU path is always
-the stock one. Config-level switches (fusions that only exist as compiled kernels) are applied to
-a config object by :func:`kernel_safe_config`: all of them off on the CPU, and under CUDA only those
-whose kernels are not installed (a GPU image without Transformer Engine or apex).
+the stock one. What answers a missing compiled kernel rather than a missing GPU follows the kernel:
+:func:`kernel_safe_config` turns fusions off (all of them on the CPU, under CUDA only those whose
+kernels are not installed, as on a GPU image without Transformer Engine or apex), and
+:func:`enable_training` fixes torch's AdamW, Megatron's Adam without those kernels, on either.
 """
 
 from __future__ import annotations
@@ -381,6 +382,9 @@ def _patch_torch_adam_step(distrib_optimizer) -> None:
     if getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True):
         return
     cls = distrib_optimizer.DistributedOptimizer
+    if getattr(cls, "_porting_torch_adam_step", False):
+        return
+    cls._porting_torch_adam_step = True
     get_states = cls._get_main_param_and_optimizer_states
     set_states = cls._set_main_param_and_optimizer_states
     state_dict = cls.state_dict
@@ -460,21 +464,25 @@ _TRAINING_MODE: _CpuDeviceMode | None = None
 
 
 def enable_training() -> None:
-    """Install the extra shims NeMo's training loop needs on the CPU (no-op under CUDA).
+    """Install the extra shims NeMo's training loop needs on the CPU (under CUDA, only the one for
+    a missing kernel: torch's AdamW standing in for apex's or TE's fused Adam).
 
     Kept separate from :func:`enable` because the device mode intercepts every torch call of the
     process; conversion does not need it.
     """
     global _TRAINING_MODE
     enable()
-    if _TRAINING_MODE is not None or cuda_available():
-        return
     from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
 
+    # Like kernel_safe_config, this follows the missing kernel, not the device: a GPU image
+    # without TE or apex (the lent H200, 2026-11-26) trained 30 bf16 steps and then failed its
+    # first save on the same 0-d ``step`` assertion as the CPU.
+    _patch_torch_adam_step(distrib_optimizer)
+    if _TRAINING_MODE is not None or cuda_available():
+        return
     for module in (clip_grads, optimizer, distrib_optimizer):
         if hasattr(module, "clip_grad_by_total_norm_fp32"):
             module.clip_grad_by_total_norm_fp32 = _cpu_clip_grad_by_total_norm_fp32
-    _patch_torch_adam_step(distrib_optimizer)
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     filesystem_async._get_write_results_queue = _local_results_queue

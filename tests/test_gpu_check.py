@@ -115,6 +115,47 @@ def test_a_gpu_without_te_or_apex_keeps_only_the_fusions_it_has_kernels_for(monk
         assert not config.use_cpu_initialization, type(config)
 
 
+def test_a_gpu_without_te_or_apex_saves_torch_adamw_state_without_its_step():
+    """The lent H200 (2026-11-26) trained the 1.1B llama 30 bf16 steps and failed its first save:
+    without TE or apex Megatron's Adam is torch's AdamW, whose 0-d ``step`` the distributed
+    optimizer's ``dp_reshardable`` format took for a flat shard. The fix follows the missing
+    kernel, so it is installed under CUDA too, once, and nothing of the CPU's own shims is."""
+    code = """
+import types, torch
+from porting import cpu
+cpu.cuda_available = lambda: True
+from megatron.core.optimizer import clip_grads, distrib_optimizer as d
+assert not d.HAVE_APEX_OR_TE
+clip = clip_grads.clip_grad_by_total_norm_fp32
+stock = d.DistributedOptimizer._get_main_param_and_optimizer_states
+cpu.enable_training()
+patched = d.DistributedOptimizer._get_main_param_and_optimizer_states
+cpu.enable_training()
+assert patched is not stock
+assert d.DistributedOptimizer._get_main_param_and_optimizer_states is patched  # wrapped once
+assert cpu._TRAINING_MODE is None and clip_grads.clip_grad_by_total_norm_fp32 is clip
+main = torch.nn.Parameter(torch.zeros(12))
+adam = torch.optim.AdamW([main])
+main.grad = torch.ones(12)
+adam.step()
+assert adam.state[main]["step"].shape == ()
+model_param = object()
+fake = types.SimpleNamespace(
+    model_param_group_index_map={model_param: (0, 0)}, optimizer=adam,
+    config=types.SimpleNamespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False),
+)
+tensors = patched(fake, model_param)
+assert sorted(tensors) == ["exp_avg", "exp_avg_sq", "param"], sorted(tensors)
+assert all(t.shape == (12,) for t in tensors.values())
+print("ok")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
 def _check_module():
     import importlib.util
 

@@ -280,6 +280,11 @@ def test_an_uneven_pipeline_across_two_sites_runs_as_emitted(train_corpus, tmp_p
             if n.poll() is None:
                 os.killpg(n.pid, 9)
     assert [n.returncode for n in nodes] == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    # --save-every 0: the closing line says no checkpoint was written, and none was
+    assert f"done: 6 steps in {out}, no checkpoint written (--save-every 0)" in logs[0], logs[0][
+        -800:
+    ]
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
     built = json.loads((out / "run.json").read_text())["built"]
     assert built["pp"] == 2 and built["use_tp_pp_dp_mapping"] is False
     assert built["num_layers_in_first_pipeline_stage"] == 2

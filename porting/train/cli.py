@@ -301,7 +301,12 @@ def _cmd_train(args) -> int:
         quiet_rank = os.environ.get(_LOCK_HELD) == "1" and "RANK" in os.environ
         out = stop.run_settled(lambda: recipe.run(r), Path(spec.out), quiet_rank)
     if os.environ.get("RANK", "0") == "0":  # one line for the run, not one per rank
-        print(f"done: checkpoints in {out / 'checkpoints'} (last: {out / 'checkpoints' / 'last'})")
+        if spec.save_every:
+            print(
+                f"done: checkpoints in {out / 'checkpoints'} (last: {out / 'checkpoints' / 'last'})"
+            )
+        else:  # the GPU check's Falcon run said "checkpoints in ..." and had written none
+            print(f"done: {spec.steps} steps in {out}, no checkpoint written (--save-every 0)")
     # Exit handlers of libraries NeMo imports (leptonai's Remote._atexit_cleanup) run a full
     # gc.collect() over the whole heap: seconds per process. Nothing left needs collecting.
     gc.freeze()

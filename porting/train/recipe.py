@@ -523,9 +523,7 @@ def run(r: Recipe) -> Path:
 
     from porting.convert.megatron import shutdown_parallel
 
-    cpu.enable()
-    if not cpu.cuda_available():
-        cpu.enable_training()
+    cpu.enable_training()
     cpu.ensure_rendezvous_env()
     cpu.cpu_safe_strategy(r.trainer.strategy)
     out = Path(r.spec.out)

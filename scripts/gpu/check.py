@@ -343,10 +343,11 @@ def import_models(c: Check) -> dict:
     besides."""
     names = sorted(p.name for p in (c.work / "hf").iterdir())
     # Each import is ~35 s of mostly single-threaded NeMo start-up on the H200 host (2026-11-26):
-    # two at a time took 252 s of the 480 s budget for 14 models; four threads each keep the
-    # 1.1B's conversion fast while the 16 cores run four at once.
+    # two at a time took 252 s of the 480 s budget for 14 models. The device lends 15 minutes now,
+    # start-up included, so half the cores' count at once, two threads each (the 1.1B's
+    # conversion is a few seconds of that 35).
     cores = os.cpu_count() or 2
-    at_once = max(2, cores // 4)
+    at_once = max(2, cores // 2)
     threads = max(1, cores // at_once)
     env = c.env(OMP_NUM_THREADS=str(threads))
     procs = {}
