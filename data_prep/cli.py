@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import json
 import sys
+from pathlib import Path
 
 from data_prep.executors import EXECUTORS, executor_flags
 from data_prep.executors.base import PrepConfig
@@ -164,6 +165,18 @@ def register(subparsers) -> None:
     f.add_argument("--job", dest="job_file", required=True, help="the emitted job.json")
     f.add_argument("--json", dest="finish_json", action="store_true")
     f.set_defaults(func=run_finish)
+    st = actions.add_parser(
+        "status",
+        help="where a submitted slurm job stands (exit 0 done, 3 still going, 2 failed)",
+        description="Where the job that `prep-data --executor slurm` submitted from DIR stands: "
+        "units done, the tasks' states, and for a failed task its log. Exit 0 when the dataset "
+        "is written, 3 while the job is queued or running, 2 when it failed (named, with its log).",
+    )
+    st.add_argument("--job", dest="job_file", required=True, help="DIR/job.json")
+    st.add_argument(
+        "--wait", dest="status_wait", action="store_true", help="follow it to the end, with a bar"
+    )
+    st.set_defaults(func=run_status)
     i = actions.add_parser("inspect", help="counts and the first documents decoded")
     i.add_argument("prefix", help="e.g. out/corpus_text_document")
     i.add_argument(
@@ -294,6 +307,23 @@ def run_finish(args) -> int:
         for key, out in report["outputs"].items():
             print(f"{out['prefix']}.bin/.idx  {key}: {out['documents']} documents")
     return 0
+
+
+def run_status(args) -> int:
+    """``porting prep-data status``."""
+    from data_prep import slurm
+
+    directory = Path(args.job_file).parent
+    if args.status_wait:
+        report = slurm.follow(directory, show_progress=sys.stderr.isatty())
+        for key, out in report["outputs"].items():
+            print(f"{out['prefix']}.bin/.idx  {key}: {out['documents']} documents")
+        return 0
+    now = slurm.progress(directory)
+    if now.failed:
+        raise PortingError(now.failed)
+    print(f"{now.done}/{now.total} units done; {now.line}")
+    return 0 if now.finished else 3
 
 
 def run_merge(args) -> int:

@@ -6,7 +6,8 @@
 #   scripts/env.sh -- CMD - any command inside the environment
 # `test` also builds or reuses .venv-owners (Python 3.12, Megatron-LM's and Megatron-Bridge's own
 # packages pinned in scripts/owners.lock), where the tests load our checkpoints with the owners'
-# loaders (docs/formats.md).
+# loaders (docs/formats.md), and installs Debian's Slurm (apt, as root) for the tests that submit
+# to a local two-node cluster (scripts/slurm_local.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -34,6 +35,23 @@ owners_env() {
   echo "$want" > "$stamp"
 }
 
+slurm_env() {
+  # The tests submit to a real two-node Slurm that scripts/slurm_local.sh starts on this host.
+  local tool missing=""
+  for tool in munged slurmctld slurmd sbatch; do command -v "$tool" >/dev/null || missing=1; done
+  [ -z "$missing" ] && return
+  local pkgs="slurmctld slurmd slurm-client munge"
+  if [ "$(id -u)" != 0 ]; then
+    echo "[env] the Slurm tests need Debian's $pkgs: install them as root" >&2
+    exit 1
+  fi
+  echo "[env] installing $pkgs (Debian's Slurm, for the tests' local cluster)" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  # shellcheck disable=SC2086
+  apt-get install -y -q --no-install-recommends $pkgs >/dev/null 2>&1 ||
+    { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends $pkgs >/dev/null; }
+}
+
 stamp=.venv/.porting-installed
 want=$(cat pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ ! -x .venv/bin/python ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
@@ -50,7 +68,7 @@ job=${1:-}
 shift || true
 case "$job" in
   demo) exec .venv/bin/porting demo "$@" ;;
-  test) owners_env; exec .venv/bin/python -m pytest -q "$@" ;;
+  test) owners_env; slurm_env; exec .venv/bin/python -m pytest -q "$@" ;;
   owners) owners_env ;;
   --) exec "$@" ;;
   *) echo "usage: scripts/env.sh demo|test|owners|-- CMD" >&2; exit 2 ;;

@@ -52,3 +52,25 @@ def train_corpus(tiny_llama, tmp_path_factory):
     return make_indexed_dataset(
         tmp_path_factory.mktemp("train-data") / "corpus_text_document", tok, [TRAIN_TEXT] * 300
     )
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A real two-node Slurm cluster on this host (``scripts/slurm_local.sh``), stopped after the
+    session with no daemon left. Yields the environment a child submits with (``SLURM_CONF``)."""
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "slurm_local.sh"
+    home = tmp_path_factory.mktemp("slurm") / "cluster"
+    started = subprocess.run(
+        [str(script), "start", str(home)], capture_output=True, text=True, timeout=120
+    )
+    assert started.returncode == 0, started.stderr
+    try:
+        yield {**os.environ, "SLURM_CONF": str(home / "slurm.conf")}
+    finally:
+        stopped = subprocess.run(
+            [str(script), "stop", str(home)], capture_output=True, text=True, timeout=120
+        )
+        assert stopped.returncode == 0, stopped.stderr

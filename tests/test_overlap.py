@@ -164,7 +164,7 @@ READERS = [
     ("prep-tokenizer-checkpoint", "tokenizer", "nemo", "--output-prefix", "prefix",
      lambda w, o: _prep(w, o, tok=w["nemo"])),
     ("prep-emit", "input", "corpus", "--emit", "dir",
-     lambda w, o: [*_prep(w, w["root"] / "outs" / "p"), "--executor", "slurm", "--emit", o]),
+     lambda w, o: [*_prep(w, w["root"] / "outs" / "p"), "--executor", "slurm", "--no-submit", "--emit", o]),
     ("plan-model", "--model", "hf", "--emit", "dir",
      lambda w, o: [*_plan(w, [], o), "--model", w["hf"]]),
     ("plan-cluster", "--cluster", "cluster/cluster.yaml", "--emit", "dir",

@@ -43,7 +43,7 @@ def test_emitted_array_run_by_hand_in_shuffled_order_gives_the_local_bytes(tmp_p
 
     emit = tmp_path / "emit"
     cfg = T.prep_config(
-        [a, b], tmp_path / "out", tok, executor="slurm", emit=str(emit), unit_bytes=12_000,
+        [a, b], tmp_path / "out", tok, executor="slurm", emit=str(emit), unit_bytes=12_000, no_submit=True,
         **common,
     )  # fmt: skip
     info = prepare(cfg)
@@ -85,14 +85,18 @@ def test_job_file_round_trips_and_refuses_another_jobs_staging(tmp_path):
     tok = T.train_hf_bpe(T.synthetic_texts(40, seed=3), tmp_path / "tok", 300)
     data = T.write_jsonl(tmp_path / "a.jsonl", [{"text": t} for t in T.synthetic_texts(30)])
     emit = tmp_path / "emit"
-    prepare(T.prep_config([data], tmp_path / "out", tok, executor="slurm", emit=str(emit)))
+    prepare(
+        T.prep_config(
+            [data], tmp_path / "out", tok, executor="slurm", emit=str(emit), no_submit=True
+        )
+    )
     job = slurm.load(emit / "job.json")
     assert units.job_from_json(units.job_to_json(job)) == job
     # Another emission for the same output replaces the staging directory: the first job's
     # tasks must not write into it.
     prepare(
         T.prep_config(
-            [data], tmp_path / "out", tok, executor="slurm", emit=str(tmp_path / "emit2"),
+            [data], tmp_path / "out", tok, executor="slurm", emit=str(tmp_path / "emit2"), no_submit=True,
             append_eod=True,
         )
     )  # fmt: skip

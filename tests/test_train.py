@@ -221,9 +221,10 @@ def test_cli_dry_run_and_slurm_script(tiny_nemo, train_corpus, tmp_path):
         "2",
         "--executor",
         "slurm",
+        "--no-submit",
     )
     assert r.returncode == 0, r.stderr[-2000:]
-    script = tmp_path / "run" / "train.sbatch"
+    script = tmp_path / "run" / "slurm" / "train.sbatch"
     assert "--nnodes=4 --nproc-per-node=8" in script.read_text()
     assert "--executor local" in script.read_text()
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0

@@ -64,6 +64,11 @@ class PrepConfig:
     # Input per unit of the ray and slurm executors (a unit is tokenized by one task).
     unit_bytes: int = 256 << 20
     emit: str | None = None
+    # --executor slurm: submitted and followed to the dataset's report unless one of these
+    no_submit: bool = False
+    no_wait: bool = False
+    partition: str | None = None
+    time_limit: str | None = None
     # Tests: hand units to Ray in an order shuffled with this seed.
     unit_order_seed: int | None = None
     # Tests: stop as if interrupted (KeyboardInterrupt) once this many units are complete.
@@ -164,9 +169,14 @@ class Flag:
     default: Any = None
     metavar: str | None = None
     convert: Callable[[Any], Any] | None = None
+    # argparse's action for a switch (``store_true``); then type and metavar are not given
+    action: str | None = None
 
     def add_to(self, parser) -> None:
         """Declare the flag on an argparse parser or group."""
+        if self.action:
+            parser.add_argument(self.option, action=self.action, help=self.help)
+            return
         parser.add_argument(
             self.option, type=self.type, default=self.default, metavar=self.metavar, help=self.help
         )

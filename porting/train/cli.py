@@ -135,8 +135,28 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=["local", "torchrun", "slurm", "nemo-run"],
         default="local",
         help="local: this process (or the rank torchrun/srun started); torchrun: start "
-        "--gpus-per-node processes here; slurm: write OUT/train.sbatch for a multi-node job; "
+        "--gpus-per-node processes here; slurm: submit OUT/slurm/train.sbatch (torchrun on "
+        "every node) and follow it; "
         "nemo-run: launch through NeMo-Run's LocalExecutor with its torchrun launcher",
+    )
+    g = p.add_argument_group("--executor slurm")
+    g.add_argument(
+        "--no-submit",
+        action="store_true",
+        help="write OUT/slurm/train.sbatch without submitting it",
+    )
+    g.add_argument(
+        "--no-wait",
+        action="store_true",
+        help="return once submitted (the log is OUT/slurm/job-JOBID.out; scancel JOBID stops it)",
+    )
+    g.add_argument("--partition", metavar="NAME", help="sbatch's --partition")
+    g.add_argument("--time", dest="time_limit", metavar="LIMIT", help="sbatch's --time")
+    g.add_argument(
+        "--cpu-nodes",
+        action="store_true",
+        help="the nodes have no GPUs: request none (--gpus-per-node is then processes per node, "
+        "on gloo)",
     )
     p.add_argument("--dry-run", action="store_true", help="validate and print the plan only")
     p.set_defaults(func=_cmd_train)
@@ -248,12 +268,29 @@ def _cmd_train(args) -> int:
         )
         return 0
     if args.executor == "slurm":
+        from porting import slurm
         from porting.train import launch
 
-        Path(spec.out).mkdir(parents=True, exist_ok=True)
-        script = Path(spec.out) / "train.sbatch"
-        script.write_text(launch.slurm_script(spec, _rank_argv()))
-        print(f"wrote {script}; submit with: sbatch {script}")
+        if not args.no_submit:
+            slurm.sbatch_path()
+        (Path(spec.out) / "slurm").mkdir(parents=True, exist_ok=True)
+        script = Path(spec.out).absolute() / "slurm" / "train.sbatch"
+        script.write_text(
+            launch.slurm_script(
+                spec, _rank_argv(), cpu_nodes=args.cpu_nodes, partition=args.partition,
+                time_limit=args.time_limit,
+            )
+        )  # fmt: skip
+        if args.no_submit:
+            print(f"wrote {script}; submit with: sbatch {script}")
+            return 0
+        job = slurm.sbatch([str(script)], "the training job")
+        log_file = script.parent / f"job-{job}.out"
+        print(f"submitted Slurm job {job} ({spec.nodes} nodes); log {log_file}", flush=True)
+        if args.no_wait:
+            print(f"follow with: tail -f {log_file}; stop with: scancel {job}")
+            return 0
+        launch.follow_slurm(job, log_file)
         return 0
     if args.executor == "torchrun":
         if spec.nodes != 1:

@@ -6,33 +6,102 @@ import os
 import shlex
 import sys
 import threading
+import time
 from pathlib import Path
 
 from porting.errors import PortingError
 from porting.train.checks import TrainSpec
 
 
-def slurm_script(spec: TrainSpec, argv: list[str], job_name: str = "porting-train") -> str:
+def slurm_script(
+    spec: TrainSpec,
+    argv: list[str],
+    job_name: str = "porting-train",
+    cpu_nodes: bool = False,
+    partition: str | None = None,
+    time_limit: str | None = None,
+) -> str:
     """A Slurm batch script that runs this training with torchrun on every node.
 
     ``argv`` are the ``porting train`` arguments to repeat on each node (with ``--executor local``).
+    It and the job's log live in ``OUT/slurm/``: NeMo's checkpoint callback moves the files at the
+    top of the run directory into ``run_N/`` at the first save (a log being written included).
+    The rendezvous is the first node's ``NodeAddr`` (a node's name need not resolve as a host name)
+    and a port drawn from the job id (two jobs on one node do not meet); torchrun is this
+    environment's, run by its Python.
     """
     cmd = " ".join(shlex.quote(a) for a in argv)
+    out = Path(spec.out).absolute()
+    asked = "".join(
+        f"#SBATCH --{flag}={shlex.quote(value)}\n"
+        for flag, value in (("partition", partition), ("time", time_limit))
+        if value
+    )
+    gpus = "" if cpu_nodes else f"#SBATCH --gpus-per-node={spec.gpus_per_node}\n"
     return f"""#!/bin/bash
 #SBATCH --job-name={job_name}
 #SBATCH --nodes={spec.nodes}
 #SBATCH --ntasks-per-node=1
-#SBATCH --gpus-per-node={spec.gpus_per_node}
-#SBATCH --exclusive
-#SBATCH --output={spec.out}/slurm-%j.out
-set -euo pipefail
-export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-export MASTER_PORT=${{MASTER_PORT:-29500}}
-srun torchrun \\
+{gpus}#SBATCH --exclusive
+#SBATCH --output={shlex.quote(str(out / "slurm"))}/job-%j.out
+{asked}set -euo pipefail
+first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+export MASTER_ADDR=$(scontrol show node "$first" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
+export MASTER_PORT=${{MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}}
+srun {shlex.quote(sys.executable)} -m torch.distributed.run \\
   --nnodes={spec.nodes} --nproc-per-node={spec.gpus_per_node} \\
   --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \\
   -m porting.cli train {cmd}
 """
+
+
+def follow_slurm(job_id: str, log: Path, poll_s: float = 1.0) -> None:
+    """Print the job's log as it grows until the job ends; an error naming how it ended (and the
+    log's last lines) unless it completed. Ctrl-C or SIGTERM cancels the job, as ``srun`` does."""
+    from porting import slurm
+    from porting.guard import Terminated
+
+    shown = 0
+
+    def show() -> None:
+        nonlocal shown
+        try:
+            with open(log, "rb") as fh:
+                fh.seek(shown)
+                new = fh.read()
+        except FileNotFoundError:
+            return
+        cut = new.rfind(b"\n") + 1  # whole lines only
+        if cut:
+            sys.stdout.write(new[:cut].decode(errors="replace"))
+            sys.stdout.flush()
+            shown += cut
+
+    try:
+        while True:
+            show()
+            tasks = slurm.tasks(job_id)
+            state = tasks[0].get("JobState", "") if tasks else None
+            if state == "COMPLETED" or state is None:
+                show()
+                if state is None and "done: " not in log.read_text(errors="replace"):
+                    raise PortingError(
+                        f"Slurm no longer knows job {job_id} and its log {log} has no "
+                        f"'done:' line; it ends:\n{slurm.tail(log)}"
+                    )
+                return
+            if state in slurm.FAILED_STATES:
+                show()
+                raise PortingError(
+                    f"Slurm job {job_id} ended {slurm.ended(tasks[0])}; its log {log} ends:\n"
+                    f"{slurm.tail(log)}\nthe checkpoints saved so far are kept: rerun the same "
+                    "command to resume from the last one"
+                )
+            time.sleep(poll_s)
+    except (KeyboardInterrupt, Terminated) as stop:
+        slurm.cancel([job_id])
+        stop.kept = f"Slurm job {job_id} cancelled; rerun the same command to resume"
+        raise
 
 
 def launch_nemo_run(spec: TrainSpec, argv: list[str]) -> int:

@@ -1,0 +1,261 @@
+"""Submitted to a real Slurm: the two-node cluster of ``scripts/slurm_local.sh`` on this host.
+
+prep-data's job array and merge are submitted with ``sbatch`` and followed to the end; the bytes
+must equal the local executor's, after a clean run and after an ``scancel`` mid-way and
+``--resume``. A task that fails is named with its log, and what cannot be submitted (no sbatch, a
+partition that does not exist) fails before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from data_prep import testing as T
+from data_prep.prep import output_prefix_for
+
+TIMEOUT = 600
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A tokenizer, two JSONL files (one with a bad line, skipped) and the local executor's
+    output for them: what every Slurm run must reproduce byte for byte."""
+    root = tmp_path_factory.mktemp("slurm-corpus")
+    tok = T.train_hf_bpe(T.synthetic_texts(80, seed=3), root / "tok", 300)
+    texts = T.synthetic_texts(160, seed=12, mean_chars=300)
+    a = T.write_jsonl(root / "a.jsonl", [{"text": t} for t in texts], raw_lines={40: b"["})
+    b = T.write_jsonl(root / "b.jsonl", [{"text": t} for t in texts[:40]])
+    local = root / "local"
+    done = _prep([a, b], tok, local, ["--executor", "local"], os.environ)
+    assert done.returncode == 0, done.stderr
+    return {"tok": tok, "inputs": [a, b], "local": local}
+
+
+def _prep(inputs, tok, out, extra, env, **kw) -> subprocess.CompletedProcess:
+    argv = [
+        sys.executable, "-m", "porting.cli", "prep-data", "--input", *map(str, inputs),
+        "--output-prefix", str(out), "--tokenizer", str(tok), "--append-eod",
+        "--on-error", "skip", "--no-progress", *extra,
+    ]  # fmt: skip
+    return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=TIMEOUT, **kw)
+
+
+def _bytes(prefix) -> tuple[bytes, bytes]:
+    prefix = output_prefix_for(prefix, "text")
+    return Path(f"{prefix}.bin").read_bytes(), Path(f"{prefix}.idx").read_bytes()
+
+
+def _slurm(env, *argv) -> str:
+    done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def _block(env, nodes: str) -> str:
+    """A job holding ``nodes`` (their one CPU each) until cancelled: what comes after queues."""
+    return _slurm(env, "sbatch", "--parsable", "-w", nodes, "-N", str(len(nodes.split(","))),
+                  "--wrap", "sleep 300", "-o", "/dev/null")  # fmt: skip
+
+
+def _wait_for(what, predicate, timeout=120.0):
+    end = time.time() + timeout
+    while time.time() < end:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_prep_data_submitted_and_followed_gives_the_local_bytes(slurm_cluster, corpus, tmp_path):
+    out = tmp_path / "out"
+    done = _prep(corpus["inputs"], corpus["tok"], out,
+                 ["--executor", "slurm", "--unit-mb", "0.012"], slurm_cluster)  # fmt: skip
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert _bytes(out) == _bytes(corpus["local"])
+    report = json.loads(Path(f"{out}.prep-report.json").read_text())
+    assert report["executor"] == "slurm" and len(report["units"]) >= 4
+    local = json.loads(Path(f"{corpus['local']}.prep-report.json").read_text())
+    assert report["skipped_records"] == local["skipped_records"]
+    assert [r["line"] for r in report["skipped_records"]] == [41]
+    # the dataset's summary, as the local executor prints it; nothing left staged
+    assert "_text_document.bin/.idx  text:" in done.stdout, done.stdout
+    assert not Path(f"{out}.prep-data.units").exists()
+    sub = json.loads(Path(f"{out}.prep-data.slurm/submitted.json").read_text())
+    states = _slurm(slurm_cluster, "scontrol", "-o", "show", "job", sub["units_job"])
+    nodes = set(re.findall(r" NodeList=(\S+)", states))
+    assert nodes == {"node1", "node2"}, nodes  # the array ran on both nodes
+
+
+def test_prep_data_cancelled_mid_way_resumes_to_the_same_bytes(slurm_cluster, corpus, tmp_path):
+    """scancel on the unit array while the command follows it: the command says so and keeps the
+    finished units; the same command with --resume submits only the others."""
+    out = tmp_path / "out"
+    staging = Path(f"{out}.prep-data.units")
+    blocker = _block(slurm_cluster, "node1")  # the units run one at a time on node2
+    try:
+        argv = ["--executor", "slurm", "--unit-mb", "0.006"]
+        follower = subprocess.Popen(
+            [sys.executable, "-m", "porting.cli", "prep-data", "--input",
+             *map(str, corpus["inputs"]), "--output-prefix", str(out), "--tokenizer",
+             str(corpus["tok"]), "--append-eod", "--on-error", "skip", "--no-progress", *argv],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=slurm_cluster,
+        )  # fmt: skip
+        try:
+            _wait_for("a first unit", lambda: any(staging.glob("u*.json")))
+            sub = json.loads(Path(f"{out}.prep-data.slurm/submitted.json").read_text())
+            _slurm(slurm_cluster, "scancel", sub["units_job"])
+            stdout, stderr = follower.communicate(timeout=TIMEOUT)
+        finally:
+            follower.kill()
+        assert follower.returncode == 2, stderr
+        assert f"the unit array (job {sub['units_job']}) was cancelled after" in stderr, stderr
+        assert "rerun the same command with --resume" in stderr
+        finished = len(list(staging.glob("u*.json")))
+        assert 1 <= finished < sub["submitted_units"]
+        assert not Path(f"{output_prefix_for(out, 'text')}.bin").exists()
+    finally:
+        _slurm(slurm_cluster, "scancel", blocker)
+
+    done = _prep(corpus["inputs"], corpus["tok"], out, [*argv, "--resume"], slurm_cluster)
+    assert done.returncode == 0, done.stderr
+    sub = json.loads(Path(f"{out}.prep-data.slurm/submitted.json").read_text())
+    report = json.loads(Path(f"{out}.prep-report.json").read_text())
+    assert sub["submitted_units"] == len(report["units"]) - finished
+    assert _bytes(out) == _bytes(corpus["local"])
+
+
+def test_a_failed_task_is_named_with_its_log_and_status_tells_where_a_job_stands(
+    slurm_cluster, corpus, tmp_path
+):
+    """--no-wait hands over once submitted; `status` says the job is queued (exit 3); an input
+    changed before its tasks ran fails them, and `status --wait` names the first with its log."""
+    inputs = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
+    for src, dst in zip(corpus["inputs"], inputs, strict=True):
+        dst.write_bytes(Path(src).read_bytes())
+    out = tmp_path / "out"
+    emit = tmp_path / "jobs"
+    blocker = _block(slurm_cluster, "node1,node2")
+    try:
+        done = _prep(inputs, corpus["tok"], out,
+                     ["--executor", "slurm", "--emit", str(emit), "--no-wait"],
+                     slurm_cluster)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert "submitted: unit array" in done.stdout
+        assert f"porting prep-data status --job {emit}/job.json" in done.stdout
+        status = subprocess.run(
+            [sys.executable, "-m", "porting.cli", "prep-data", "status", "--job",
+             str(emit / "job.json")],
+            capture_output=True, text=True, env=slurm_cluster, timeout=120,
+        )  # fmt: skip
+        assert status.returncode == 3, status.stderr
+        assert "0/2 units done; units: " in status.stdout and "pending" in status.stdout
+        with open(inputs[0], "ab") as fh:  # changed since planning
+            fh.write(b'{"text": "one more line"}\n')
+    finally:
+        _slurm(slurm_cluster, "scancel", blocker)
+    followed = subprocess.run(
+        [sys.executable, "-m", "porting.cli", "prep-data", "status", "--job",
+         str(emit / "job.json"), "--wait"],
+        capture_output=True, text=True, env=slurm_cluster, timeout=TIMEOUT,
+    )  # fmt: skip
+    assert followed.returncode == 2, followed.stderr
+    err = followed.stderr
+    assert "unit 0 (job " in err and "ended FAILED on node" in err, err
+    assert f"its log {emit}/logs/unit-0.out ends:" in err
+    assert "a.jsonl" in err and "changed" in err, err  # the task's own error, from its log
+    assert not Path(f"{output_prefix_for(out, 'text')}.bin").exists()
+    sub = json.loads((emit / "submitted.json").read_text())
+    merge = _slurm(slurm_cluster, "scontrol", "-o", "show", "job", sub["merge_job"])
+    assert "JobState=CANCELLED" in merge, merge  # the merge does not run after a failed unit
+
+
+def test_what_cannot_be_submitted_fails_before_anything_is_written(slurm_cluster, corpus, tmp_path):
+    out = tmp_path / "out"
+    no_slurm = {**slurm_cluster, "PATH": os.path.dirname(sys.executable)}  # /bin is /usr/bin
+    done = _prep(corpus["inputs"], corpus["tok"], out, ["--executor", "slurm"], no_slurm)
+    assert done.returncode == 2, done.stderr
+    assert "sbatch not found on PATH" in done.stderr and "--no-submit" in done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+    done = _prep(corpus["inputs"], corpus["tok"], out,
+                 ["--executor", "slurm", "--partition", "nowhere"], slurm_cluster)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "sbatch refused the unit array:" in done.stderr and "nowhere" in done.stderr, done.stderr
+    assert not Path(f"{out}.prep-data.units").exists()
+    assert not Path(f"{output_prefix_for(out, 'text')}.bin").exists()
+
+
+def test_conversions_in_a_slurm_step_print_only_our_lines(slurm_cluster, tiny_llama, tmp_path):
+    """Inside a job step every SLURM_* variable is set (Lightning's cue for its Slurm environment):
+    import and verify still print only our lines."""
+    from porting.testing import foreign_lines
+
+    for argv in (
+        ["import", str(tiny_llama), "--out", str(tmp_path / "ckpt")],
+        ["verify", str(tiny_llama), str(tmp_path / "ckpt")],
+    ):
+        done = subprocess.run(
+            ["srun", "-N1", sys.executable, "-m", "porting.cli", *argv],
+            capture_output=True, text=True, env=slurm_cluster, timeout=TIMEOUT, cwd=tmp_path,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert foreign_lines(done.stdout + done.stderr) == [], argv
+        assert "parity PASS" in done.stdout + done.stderr
+
+
+def test_train_on_two_nodes_cancelled_and_resumed_follows_one_process(
+    slurm_cluster, tiny_nemo, train_corpus, tmp_path
+):
+    """`porting train --executor slurm`: torchrun on both nodes, the rendezvous at the first
+    node's NodeAddr; scancel once a checkpoint is complete, then the same command resumes, and
+    every step's loss equals one process's (DP=2 over two nodes vs DP=1) within 1e-5."""
+    from porting.testing import checkpoint_complete, processes_mentioning, train_losses
+
+    common = [
+        sys.executable, "-m", "porting.cli", "train", "--checkpoint", str(tiny_nemo),
+        "--data", str(train_corpus), "--seq-length", "32", "--micro-batch", "2",
+        "--global-batch", "4", "--lr", "1e-2", "--steps", "8", "--warmup", "2",
+        "--save-every", "4",
+    ]  # fmt: skip
+    ref = subprocess.run(
+        [*common, "--out", str(tmp_path / "one")], capture_output=True, text=True,
+        timeout=TIMEOUT, env=slurm_cluster,
+    )  # fmt: skip
+    assert ref.returncode == 0, ref.stderr[-3000:]
+
+    out = tmp_path / "two"
+    argv = [*common, "--out", str(out), "--nodes", "2", "--gpus-per-node", "1",
+            "--executor", "slurm", "--cpu-nodes"]  # fmt: skip
+    follower = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=slurm_cluster)  # fmt: skip
+    try:
+        _wait_for("a complete checkpoint", lambda: checkpoint_complete(out), timeout=TIMEOUT)
+        (log,) = (out / "slurm").glob("job-*.out")
+        job = log.stem.removeprefix("job-")
+        _slurm(slurm_cluster, "scancel", job)
+        stdout, stderr = follower.communicate(timeout=TIMEOUT)
+    finally:
+        follower.kill()
+    assert follower.returncode == 2, stderr[-3000:]
+    assert f"Slurm job {job} ended CANCELLED" in stderr, stderr[-3000:]
+    assert "rerun the same command to resume" in stderr
+    assert "step 1/8" in stdout  # the job's log, followed
+    assert not processes_mentioning(str(out), grace=10)
+    states = _slurm(slurm_cluster, "scontrol", "-o", "show", "job", job)
+    assert " NodeList=node[1-2] " in states
+
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT, env=slurm_cluster)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert "done: checkpoints in" in done.stdout
+    got, want = train_losses(out), train_losses(tmp_path / "one")
+    assert sorted(got) == sorted(want) == list(range(8))
+    diffs = {s: abs(got[s] - want[s]) for s in want}
+    assert max(diffs.values()) <= 1e-5, diffs
