@@ -32,6 +32,8 @@ def register(subparsers) -> None:
         "  porting prep-data --input 'corpus/*.jsonl' --output-prefix out/corpus \\\n"
         "      --tokenizer ./my-nemo-ckpt --append-eod --workers 2\n"
         "  porting prep-data ... --resume            # continue a killed run\n"
+        "  porting prep-data ... --executor slurm    # a job array on Slurm, followed to the end\n"
+        "  porting prep-data status --job out/corpus.prep-data.slurm/job.json\n"
         "  porting prep-data inspect out/corpus_text_document\n"
         "  porting prep-data merge out/a_text_document out/b_text_document --output-prefix out/ab\n"
         "details: docs/data_prep.md",

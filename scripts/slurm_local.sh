@@ -93,10 +93,15 @@ AccountingStorageType=accounting_storage/none
 MinJobAge=600
 KillWait=5
 InactiveLimit=0
-NodeName=node1 NodeAddr=127.0.0.1 Port=$node1_port CPUs=1 RealMemory=8000 State=UNKNOWN
-NodeName=node2 NodeAddr=127.0.0.1 Port=$node2_port CPUs=1 RealMemory=8000 State=UNKNOWN
+# One "GPU" per node, a count with no device behind it: the scripts a GPU cluster gets (with
+# --gpus-per-node) are accepted and scheduled as they are; the ranks find no CUDA and use gloo.
+GresTypes=gpu
+NodeName=node1 NodeAddr=127.0.0.1 Port=$node1_port CPUs=1 RealMemory=8000 Gres=gpu:1 State=UNKNOWN
+NodeName=node2 NodeAddr=127.0.0.1 Port=$node2_port CPUs=1 RealMemory=8000 Gres=gpu:1 State=UNKNOWN
 PartitionName=debug Nodes=node1,node2 Default=YES MaxTime=INFINITE State=UP
 EOF
+# a GPU GRES needs a device file; /dev/null stands in (AutoDetect off: nothing is probed)
+printf 'AutoDetect=off\nNodeName=node[1-2] Name=gpu File=/dev/null\n' >"$dir/gres.conf"
 export SLURM_CONF="$dir/slurm.conf"
 slurmctld -i
 slurmd -N node1

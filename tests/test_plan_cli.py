@@ -121,7 +121,6 @@ def _fake_bin(tmp_path: Path, host: str, hosts: list[str]) -> dict:
     bin_dir.mkdir()
     scripts = {
         "torchrun": 'echo "torchrun $*"',
-        "hostname": f"echo {host}",
         "scontrol": "printf '%s\\n' " + " ".join(hosts),
         # run the command after srun's own options
         "srun": 'while [ "${1#--}" != "$1" ]; do shift; done; exec "$@"',
@@ -131,6 +130,7 @@ def _fake_bin(tmp_path: Path, host: str, hosts: list[str]) -> dict:
         path.write_text(f"#!/bin/bash\n{body}\n")
         path.chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", MASTER_ADDR="a-node000")
+    env["SLURMD_NODENAME"] = host  # what Slurm sets in each task: the node's name
     env.update(OUT="/runs/x", SLURM_JOB_NODELIST="ignored", SLURM_SUBMIT_DIR="")
     return env
 

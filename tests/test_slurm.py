@@ -80,6 +80,9 @@ def test_prep_data_submitted_and_followed_gives_the_local_bytes(slurm_cluster, c
                  ["--executor", "slurm", "--unit-mb", "0.012"], slurm_cluster)  # fmt: skip
     assert done.returncode == 0, done.stderr + done.stdout
     assert _bytes(out) == _bytes(corpus["local"])
+    from porting.testing import foreign_lines
+
+    assert foreign_lines(done.stdout + done.stderr) == []
     report = json.loads(Path(f"{out}.prep-report.json").read_text())
     assert report["executor"] == "slurm" and len(report["units"]) >= 4
     local = json.loads(Path(f"{corpus['local']}.prep-report.json").read_text())
@@ -233,7 +236,7 @@ def test_train_on_two_nodes_cancelled_and_resumed_follows_one_process(
 
     out = tmp_path / "two"
     argv = [*common, "--out", str(out), "--nodes", "2", "--gpus-per-node", "1",
-            "--executor", "slurm", "--cpu-nodes"]  # fmt: skip
+            "--executor", "slurm"]  # fmt: skip
     follower = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=slurm_cluster)  # fmt: skip
     try:
@@ -255,7 +258,67 @@ def test_train_on_two_nodes_cancelled_and_resumed_follows_one_process(
     done = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT, env=slurm_cluster)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert "done: checkpoints in" in done.stdout
+    from porting.testing import foreign_lines
+
+    # the submitting command and the job's log it prints: our lines only
+    assert foreign_lines(done.stdout + done.stderr) == []
     got, want = train_losses(out), train_losses(tmp_path / "one")
     assert sorted(got) == sorted(want) == list(range(8))
+    diffs = {s: abs(got[s] - want[s]) for s in want}
+    assert max(diffs.values()) <= 1e-5, diffs
+
+
+def test_a_plans_emitted_sbatch_runs_on_the_cluster_as_one_process(
+    slurm_cluster, tiny_nemo, train_corpus, tmp_path
+):
+    """`porting plan --emit` for two one-GPU sites, its train.sbatch submitted as it is (hosts
+    file: the two nodes; extra train flags after the script): both ranks run, on both nodes, and
+    the losses are one process's within 1e-5."""
+    import yaml
+
+    from porting.testing import train_losses
+
+    gpu = {"name": "cpu", "peak_bf16_tflops": 1, "memory_gib": 16, "hbm_tbytes_s": 0.05}
+    cluster = tmp_path / "two-sites.yaml"
+    cluster.write_text(yaml.safe_dump({
+        "name": "two-sites", "gpu": gpu,
+        "node": {"bandwidth_gbytes_s": 10, "latency_us": 5},
+        "site": {"bandwidth_gbit_s": 10, "latency_us": 10},
+        "sites": [{"name": "a", "nodes": 1, "gpus_per_node": 1},
+                  {"name": "b", "nodes": 1, "gpus_per_node": 1}],
+        "links": [{"sites": ["a", "b"], "bandwidth_gbit_s": 1, "rtt_ms": 1}],
+    }))  # fmt: skip
+    emit, out = tmp_path / "launch", tmp_path / "run"
+    planned = subprocess.run(
+        [sys.executable, "-m", "porting.cli", "plan", "--model", str(tiny_nemo), "--cluster",
+         str(cluster), "--global-batch", "4", "--seq-length", "32", "--emit", str(emit),
+         "--data", str(train_corpus), "--out", str(out)],
+        capture_output=True, text=True, timeout=TIMEOUT, env=slurm_cluster,
+    )  # fmt: skip
+    assert planned.returncode == 0, planned.stderr[-3000:]
+    (emit / "hosts").write_text("node2\nnode1\n")  # site a on node2: ranks follow the file
+    extra = ["--steps", "6", "--save-every", "0", "--lr", "1e-2", "--warmup", "2"]
+    # submitted from the emitted directory, as its comment says, with this environment's torchrun
+    env = {**slurm_cluster, "PATH": f"{Path(sys.executable).parent}:{slurm_cluster['PATH']}"}
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", "--wait", "train.sbatch", *extra],
+        capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=emit,
+    )  # fmt: skip
+    job = submitted.stdout.strip()
+    log = emit / f"slurm-{job}.out"
+    assert submitted.returncode == 0, log.read_text()[-3000:]
+    states = _slurm(slurm_cluster, "scontrol", "-o", "show", "job", job)
+    assert "JobState=COMPLETED" in states, log.read_text()[-3000:]
+    assert " NodeList=node[1-2] " in states
+
+    ref = subprocess.run(
+        [sys.executable, "-m", "porting.cli", "train", "--checkpoint", str(tiny_nemo), "--data",
+         str(train_corpus), "--out", str(tmp_path / "one"), "--seq-length", "32",
+         "--global-batch", "4", *extra],
+        capture_output=True, text=True, timeout=TIMEOUT, env=slurm_cluster,
+    )  # fmt: skip
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    got, want = train_losses(out), train_losses(tmp_path / "one")
+    assert sorted(got) == sorted(want) == list(range(6)), (got, log.read_text()[-2000:])
     diffs = {s: abs(got[s] - want[s]) for s in want}
     assert max(diffs.values()) <= 1e-5, diffs

@@ -226,8 +226,19 @@ def test_cli_dry_run_and_slurm_script(tiny_nemo, train_corpus, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     script = tmp_path / "run" / "slurm" / "train.sbatch"
     assert "--nnodes=4 --nproc-per-node=8" in script.read_text()
+    assert "#SBATCH --gpus-per-node=8\n" in script.read_text()
     assert "--executor local" in script.read_text()
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    # nodes without GPUs: none requested, --gpus-per-node is the processes per node
+    r = _porting(
+        "train", "--checkpoint", str(tiny_nemo), "--data", str(train_corpus), "--out",
+        str(tmp_path / "cpu"), "--nodes", "2", "--executor", "slurm", "--no-submit", "--cpu-nodes",
+        "--partition", "cpu", "--time", "1:00:00",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    text = (tmp_path / "cpu" / "slurm" / "train.sbatch").read_text()
+    assert "--gpus-per-node" not in text.split("srun")[0] and "--nproc-per-node=1" in text
+    assert "#SBATCH --partition=cpu\n#SBATCH --time=1:00:00\n" in text
     r = _porting(
         "train",
         "--checkpoint",

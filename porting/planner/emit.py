@@ -235,9 +235,11 @@ def slurm_script(plan: Plan, argv: list[str]) -> str:
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node={gpn}
 #SBATCH --exclusive
-# Submit from this directory (with the variables below set). HOSTFILE (default ./hosts) lists
-# the allocated hosts site by site (see hosts.example); a node's rank is its line in that file,
-# so ranks follow the sites whatever order Slurm lists the nodes in. Each node runs torchrun.sh.
+# Submit from this directory (with the variables below set); arguments after the script's
+# name are added to every rank's `porting train` (sbatch train.sbatch --steps 1000). HOSTFILE
+# (default ./hosts) lists the allocated hosts site by site (see hosts.example); a node's rank is
+# its line in that file, so ranks follow the sites whatever order Slurm lists the nodes in. Each
+# node runs torchrun.sh.
 set -euo pipefail
 cd "${{SLURM_SUBMIT_DIR:-.}}"
 HOSTFILE="${{HOSTFILE:-./hosts}}"
@@ -251,10 +253,13 @@ if [ "$(printf '%s\\n' "${{HOSTS[@]}}" | sort)" != "$(scontrol show hostnames "$
   echo "$HOSTFILE does not list exactly the allocated nodes" >&2
   exit 2
 fi
-export MASTER_ADDR="${{HOSTS[0]}}" MASTER_PORT="${{MASTER_PORT:-{MASTER_PORT}}}" HOSTFILE
+# The first host's NodeAddr: a Slurm node's name need not resolve as a host name.
+MASTER_ADDR=$(scontrol show node "${{HOSTS[0]}}" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2 || true)
+export MASTER_ADDR="${{MASTER_ADDR:-${{HOSTS[0]}}}}" MASTER_PORT="${{MASTER_PORT:-{MASTER_PORT}}}" HOSTFILE
 {"export " + " ".join(_required_vars(argv)) if _required_vars(argv) else ""}
 srun --ntasks-per-node=1 bash -c \\
-  'exec ./torchrun.sh "$(( $(grep -v "^#" "$HOSTFILE" | sed "/^$/d" | grep -nxF "$(hostname -s)" | cut -d: -f1) - 1 ))"'
+  'exec ./torchrun.sh "$(( $(grep -v "^#" "$HOSTFILE" | sed "/^$/d" | grep -nxF "$SLURMD_NODENAME" | cut -d: -f1) - 1 ))" "$@"' \\
+  _ "$@"
 """
 
 
