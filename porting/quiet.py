@@ -39,6 +39,10 @@ _WARNINGS = (
     # login node): NeMo's connectors build a Lightning trainer for one local process, which is
     # what we want there; `porting train --executor slurm` launches with srun itself.
     ("The `srun` command is available on your system but is not used", UserWarning),
+    # lightning/pytorch/loops/training_epoch_loop.py, at every resume mid-epoch: Megatron's
+    # sampler resumes from the consumed samples the checkpoint holds, not the dataloader's state
+    # (a resumed run's losses equal the uninterrupted run's: tests/test_train_stop.py)
+    ("You're resuming from a checkpoint that ended before the epoch ended", UserWarning),
 )
 
 # Log records silenced by default: (logger name, message prefix); an empty prefix means the logger
@@ -54,6 +58,8 @@ _RECORDS = (
     ("nemo_logger", "nemo logger received explicit_log_dir"),
     ("nemo_logger", "NeMoLogger is logging to"),
     ("nemo_logger", "The Trainer already contains a ModelCheckpoint callback"),
+    # nemo/lightning/resume.py: our `last` link and the `step=N-last` it names both match
+    ("nemo_logger", "Multiple checkpoints "),
     # megatron/core/dist_checkpointing/serialization.py, about NeMo's own call
     ("nemo_logger", "DEPRECATED: Passing 'checkpoint_dir' as a Path object"),
     ("megatron.core.dist_checkpointing.serialization", "DEPRECATED: Passing 'checkpoint_dir'"),

@@ -261,7 +261,8 @@ def test_train_on_two_nodes_cancelled_and_resumed_follows_one_process(
     from porting.testing import foreign_lines
 
     # the submitting command and the job's log it prints: our lines only
-    assert foreign_lines(done.stdout + done.stderr) == []
+    foreign = foreign_lines(done.stdout + done.stderr)
+    assert foreign == [], "\n".join(foreign)
     got, want = train_losses(out), train_losses(tmp_path / "one")
     assert sorted(got) == sorted(want) == list(range(8))
     diffs = {s: abs(got[s] - want[s]) for s in want}
