@@ -214,26 +214,44 @@ def test_conversions_in_a_slurm_step_print_only_our_lines(slurm_cluster, tiny_ll
         assert "parity PASS" in done.stdout + done.stderr
 
 
+def _train_argv(tiny_nemo, train_corpus) -> list[str]:
+    return [
+        sys.executable, "-m", "porting.cli", "train", "--checkpoint", str(tiny_nemo),
+        "--data", str(train_corpus), "--seq-length", "32", "--micro-batch", "2",
+        "--global-batch", "4", "--lr", "1e-2", "--steps", "8", "--warmup", "2",
+        "--save-every", "4",
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def one_process(slurm_cluster, tiny_nemo, train_corpus, tmp_path_factory) -> dict[int, float]:
+    """The losses of the same training in one process here: what two nodes must reproduce."""
+    from porting.testing import train_losses
+
+    out = tmp_path_factory.mktemp("one") / "run"
+    ref = subprocess.run(
+        [*_train_argv(tiny_nemo, train_corpus), "--out", str(out)], capture_output=True,
+        text=True, timeout=TIMEOUT, env=slurm_cluster,
+    )  # fmt: skip
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    return train_losses(out)
+
+
+def _assert_losses(got: dict[int, float], want: dict[int, float]) -> None:
+    assert sorted(got) == sorted(want) == list(range(8)), got
+    diffs = {s: abs(got[s] - want[s]) for s in want}
+    assert max(diffs.values()) <= 1e-5, diffs
+
+
 def test_train_on_two_nodes_cancelled_and_resumed_follows_one_process(
-    slurm_cluster, tiny_nemo, train_corpus, tmp_path
+    slurm_cluster, tiny_nemo, train_corpus, one_process, tmp_path
 ):
     """`porting train --executor slurm`: torchrun on both nodes, the rendezvous at the first
     node's NodeAddr; scancel once a checkpoint is complete, then the same command resumes, and
     every step's loss equals one process's (DP=2 over two nodes vs DP=1) within 1e-5."""
     from porting.testing import checkpoint_complete, processes_mentioning, train_losses
 
-    common = [
-        sys.executable, "-m", "porting.cli", "train", "--checkpoint", str(tiny_nemo),
-        "--data", str(train_corpus), "--seq-length", "32", "--micro-batch", "2",
-        "--global-batch", "4", "--lr", "1e-2", "--steps", "8", "--warmup", "2",
-        "--save-every", "4",
-    ]  # fmt: skip
-    ref = subprocess.run(
-        [*common, "--out", str(tmp_path / "one")], capture_output=True, text=True,
-        timeout=TIMEOUT, env=slurm_cluster,
-    )  # fmt: skip
-    assert ref.returncode == 0, ref.stderr[-3000:]
-
+    common = _train_argv(tiny_nemo, train_corpus)
     out = tmp_path / "two"
     argv = [*common, "--out", str(out), "--nodes", "2", "--gpus-per-node", "1",
             "--executor", "slurm"]  # fmt: skip
@@ -263,10 +281,41 @@ def test_train_on_two_nodes_cancelled_and_resumed_follows_one_process(
     # the submitting command and the job's log it prints: our lines only
     foreign = foreign_lines(done.stdout + done.stderr)
     assert foreign == [], "\n".join(foreign)
-    got, want = train_losses(out), train_losses(tmp_path / "one")
-    assert sorted(got) == sorted(want) == list(range(8))
-    diffs = {s: abs(got[s] - want[s]) for s in want}
-    assert max(diffs.values()) <= 1e-5, diffs
+    _assert_losses(train_losses(out), one_process)
+
+
+def test_train_whose_node_fails_is_requeued_and_resumes(
+    slurm_cluster, tiny_nemo, train_corpus, one_process, tmp_path
+):
+    """A node goes down once the first checkpoint is complete: Slurm ends the job (NODE_FAIL) and
+    requeues it; the command says so and keeps following; once the node is back the job runs
+    again, resumes from the checkpoint, and the losses are one process's."""
+    from porting.testing import checkpoint_complete, train_losses
+
+    out = tmp_path / "two"
+    argv = [*_train_argv(tiny_nemo, train_corpus), "--out", str(out), "--nodes", "2",
+            "--gpus-per-node", "1", "--executor", "slurm"]  # fmt: skip
+    follower = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=slurm_cluster)  # fmt: skip
+    try:
+        _wait_for("a complete checkpoint", lambda: checkpoint_complete(out), timeout=TIMEOUT)
+        (log,) = (out / "slurm").glob("job-*.out")
+        job = log.stem.removeprefix("job-")
+        _slurm(slurm_cluster, "scontrol", "update", "nodename=node2", "state=down",
+               "reason=porting-test")  # fmt: skip
+        _wait_for("the requeue", lambda: "Restarts=1" in _slurm(
+            slurm_cluster, "scontrol", "-o", "show", "job", job))  # fmt: skip
+        # ReturnToService=2: the node's slurmd registers again and it is back in service
+        _wait_for("node2 back", lambda: "down" not in _slurm(
+            slurm_cluster, "sinfo", "-h", "-n", "node2", "-o", "%t"))  # fmt: skip
+        # a requeued batch job becomes eligible again about 2 minutes later (Slurm's own delay)
+        stdout, stderr = follower.communicate(timeout=TIMEOUT)
+    finally:
+        follower.kill()
+    assert follower.returncode == 0, stderr[-3000:]
+    assert f"Slurm requeued job {job} (restart 1): it resumes" in stdout
+    assert "done: checkpoints in" in stdout
+    _assert_losses(train_losses(out), one_process)
 
 
 def test_a_plans_emitted_sbatch_runs_on_the_cluster_as_one_process(

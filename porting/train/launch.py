@@ -62,11 +62,14 @@ def follow_slurm(job_id: str, log: Path, poll_s: float = 1.0) -> None:
     from porting.guard import Terminated
 
     shown = 0
+    restarts = 0
 
     def show() -> None:
         nonlocal shown
         try:
             with open(log, "rb") as fh:
+                if os.fstat(fh.fileno()).st_size < shown:  # a requeued job starts its log afresh
+                    shown = 0
                 fh.seek(shown)
                 new = fh.read()
         except FileNotFoundError:
@@ -82,6 +85,15 @@ def follow_slurm(job_id: str, log: Path, poll_s: float = 1.0) -> None:
             show()
             tasks = slurm.tasks(job_id)
             state = tasks[0].get("JobState", "") if tasks else None
+            if tasks and int(tasks[0].get("Restarts", "0") or 0) > restarts:
+                # Slurm requeues a batch job whose node failed; the script runs again from the
+                # top, and `porting train` resumes from the last complete checkpoint.
+                restarts = int(tasks[0]["Restarts"])
+                print(
+                    f"Slurm requeued job {job_id} (restart {restarts}): it resumes from its last "
+                    "complete checkpoint when it runs again",
+                    flush=True,
+                )
             if state == "COMPLETED" or state is None:
                 show()
                 if state is None and "done: " not in log.read_text(errors="replace"):
