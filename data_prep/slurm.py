@@ -165,6 +165,25 @@ def _ranges(indices: list[int]) -> str:
     return ",".join(parts)
 
 
+def refuse_live(directory: str | Path) -> None:
+    """Refuse to stage a job over one submitted from ``DIR`` that Slurm still has queued or
+    running: its tasks would find their staging replaced (and fail), and two merges race."""
+    out = Path(directory)
+    try:
+        sub = json.loads((out / SUBMITTED).read_text())
+    except (OSError, json.JSONDecodeError):
+        return
+    for job_id in (sub.get("units_job"), sub.get("merge_job")):
+        for task in sl.tasks(job_id) or []:
+            state = task.get("JobState", "")
+            if state and state not in sl.FAILED_STATES and state != "COMPLETED":
+                raise PortingError(
+                    f"{out}: Slurm job {job_id} submitted from here is still {state.lower()}; "
+                    f"follow it (`porting prep-data status --job {out / JOB_FILE} --wait`) or "
+                    f"cancel it (scancel {job_id}) first"
+                )
+
+
 def submit(job: units.Job, directory: str | Path) -> dict:
     """Submit the units not yet done (checked) as one array, then the merge after them; the ids go
     to ``DIR/submitted.json``. A merge that cannot be submitted cancels the array."""

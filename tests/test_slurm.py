@@ -153,6 +153,7 @@ def test_a_failed_task_is_named_with_its_log_and_status_tells_where_a_job_stands
         assert done.returncode == 0, done.stderr
         assert "submitted: unit array" in done.stdout
         assert f"porting prep-data status --job {emit}/job.json" in done.stdout
+        submitted = json.loads((emit / "submitted.json").read_text())
         status = subprocess.run(
             [sys.executable, "-m", "porting.cli", "prep-data", "status", "--job",
              str(emit / "job.json")],
@@ -160,6 +161,13 @@ def test_a_failed_task_is_named_with_its_log_and_status_tells_where_a_job_stands
         )  # fmt: skip
         assert status.returncode == 3, status.stderr
         assert "0/2 units done; units: " in status.stdout and "pending" in status.stdout
+        # a second run on the same output while the job is queued: refused, the job untouched
+        again = _prep(inputs, corpus["tok"], out,
+                      ["--executor", "slurm", "--emit", str(emit), "--no-wait"],
+                      slurm_cluster)  # fmt: skip
+        assert again.returncode == 2, again.stderr
+        assert "submitted from here is still pending" in again.stderr, again.stderr
+        assert json.loads((emit / "submitted.json").read_text()) == submitted
         with open(inputs[0], "ab") as fh:  # changed since planning
             fh.write(b'{"text": "one more line"}\n')
     finally:
@@ -237,6 +245,27 @@ def one_process(slurm_cluster, tiny_nemo, train_corpus, tmp_path_factory) -> dic
     return train_losses(out)
 
 
+def _two_nodes(tiny_nemo, train_corpus, out: Path) -> list[str]:
+    return [*_train_argv(tiny_nemo, train_corpus), "--out", str(out), "--nodes", "2",
+            "--gpus-per-node", "1", "--executor", "slurm"]  # fmt: skip
+
+
+def _at_first_checkpoint(argv: list[str], out: Path, env) -> tuple[subprocess.Popen, str]:
+    """Start the two-node training ``argv`` (the command follows its job); once a checkpoint is
+    complete, the following process and the Slurm job id."""
+    from porting.testing import checkpoint_complete
+
+    follower = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env)  # fmt: skip
+    try:
+        _wait_for("a complete checkpoint", lambda: checkpoint_complete(out), timeout=TIMEOUT)
+        (log,) = (out / "slurm").glob("job-*.out")
+    except BaseException:
+        follower.kill()
+        raise
+    return follower, log.stem.removeprefix("job-")
+
+
 def _assert_losses(got: dict[int, float], want: dict[int, float]) -> None:
     assert sorted(got) == sorted(want) == list(range(8)), got
     diffs = {s: abs(got[s] - want[s]) for s in want}
@@ -249,18 +278,12 @@ def test_train_on_two_nodes_cancelled_and_resumed_follows_one_process(
     """`porting train --executor slurm`: torchrun on both nodes, the rendezvous at the first
     node's NodeAddr; scancel once a checkpoint is complete, then the same command resumes, and
     every step's loss equals one process's (DP=2 over two nodes vs DP=1) within 1e-5."""
-    from porting.testing import checkpoint_complete, processes_mentioning, train_losses
+    from porting.testing import processes_mentioning, train_losses
 
-    common = _train_argv(tiny_nemo, train_corpus)
     out = tmp_path / "two"
-    argv = [*common, "--out", str(out), "--nodes", "2", "--gpus-per-node", "1",
-            "--executor", "slurm"]  # fmt: skip
-    follower = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=slurm_cluster)  # fmt: skip
+    argv = _two_nodes(tiny_nemo, train_corpus, out)
+    follower, job = _at_first_checkpoint(argv, out, slurm_cluster)
     try:
-        _wait_for("a complete checkpoint", lambda: checkpoint_complete(out), timeout=TIMEOUT)
-        (log,) = (out / "slurm").glob("job-*.out")
-        job = log.stem.removeprefix("job-")
         _slurm(slurm_cluster, "scancel", job)
         stdout, stderr = follower.communicate(timeout=TIMEOUT)
     finally:
@@ -290,17 +313,12 @@ def test_train_whose_node_fails_is_requeued_and_resumes(
     """A node goes down once the first checkpoint is complete: Slurm ends the job (NODE_FAIL) and
     requeues it; the command says so and keeps following; once the node is back the job runs
     again, resumes from the checkpoint, and the losses are one process's."""
-    from porting.testing import checkpoint_complete, train_losses
+    from porting.testing import train_losses
 
     out = tmp_path / "two"
-    argv = [*_train_argv(tiny_nemo, train_corpus), "--out", str(out), "--nodes", "2",
-            "--gpus-per-node", "1", "--executor", "slurm"]  # fmt: skip
-    follower = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env=slurm_cluster)  # fmt: skip
+    follower, job = _at_first_checkpoint(_two_nodes(tiny_nemo, train_corpus, out), out,
+                                         slurm_cluster)  # fmt: skip
     try:
-        _wait_for("a complete checkpoint", lambda: checkpoint_complete(out), timeout=TIMEOUT)
-        (log,) = (out / "slurm").glob("job-*.out")
-        job = log.stem.removeprefix("job-")
         _slurm(slurm_cluster, "scontrol", "update", "nodename=node2", "state=down",
                "reason=porting-test")  # fmt: skip
         _wait_for("the requeue", lambda: "Restarts=1" in _slurm(
@@ -372,3 +390,22 @@ def test_a_plans_emitted_sbatch_runs_on_the_cluster_as_one_process(
     assert sorted(got) == sorted(want) == list(range(6)), (got, log.read_text()[-2000:])
     diffs = {s: abs(got[s] - want[s]) for s in want}
     assert max(diffs.values()) <= 1e-5, diffs
+
+
+def test_train_killed_at_its_time_limit_says_so_and_keeps_its_checkpoints(
+    slurm_cluster, tiny_nemo, train_corpus, tmp_path
+):
+    """--time 1 (Slurm's shortest limit, a minute) on a run that needs longer: the command ends
+    with one line naming TIMEOUT and what to do, exit 2, and the checkpoints written are complete."""
+    from porting.testing import checkpoint_complete
+
+    out = tmp_path / "run"
+    argv = [*_train_argv(tiny_nemo, train_corpus), "--out", str(out), "--steps", "5000",
+            "--save-every", "20", "--nodes", "2", "--gpus-per-node", "1", "--executor", "slurm",
+            "--time", "1"]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT, env=slurm_cluster)
+    assert done.returncode == 2, done.stderr[-3000:]
+    (line,) = [x for x in done.stderr.splitlines() if x.startswith("porting train: error:")]
+    assert " ended TIMEOUT on node[1-2] " in line, line
+    assert "rerun the same command with a longer --time to resume" in done.stderr
+    assert checkpoint_complete(out)

@@ -75,6 +75,8 @@ class Slurm(UnitExecutor):
     ) -> dict:
         from data_prep import slurm, units
 
+        if not cfg.no_submit:
+            slurm.refuse_live(emit_dir(cfg))
         job = units.plan_job(cfg, sources, tok_fp)
         units.open_staging(job, cfg.resume)
         handed = slurm.emit(job, emit_dir(cfg), cfg.partition, cfg.time_limit)

@@ -104,10 +104,11 @@ def follow_slurm(job_id: str, log: Path, poll_s: float = 1.0) -> None:
                 return
             if state in slurm.FAILED_STATES:
                 show()
+                longer = " with a longer --time" if state == "TIMEOUT" else ""
                 raise PortingError(
                     f"Slurm job {job_id} ended {slurm.ended(tasks[0])}; its log {log} ends:\n"
                     f"{slurm.tail(log)}\nthe checkpoints saved so far are kept: rerun the same "
-                    "command to resume from the last one"
+                    f"command{longer} to resume from the last one"
                 )
             time.sleep(poll_s)
     except (KeyboardInterrupt, Terminated) as stop:
