@@ -29,6 +29,8 @@ broken) against `porting prep-data` with its defaults. Each pair must give the s
 instance started by each run) with 1 and 2 workers on the same corpus and BPE tokenizer, each
 checked byte for byte against the local executor with 1 worker; the fixed cost of starting Ray
 (from the run's report) and the cost of one unit (a 20-line corpus cut into one unit per line).
+With `--slurm` as well, `--executor slurm` on the two-node cluster of `scripts/slurm_local.sh`
+(one CPU per node, on this host), submitted and followed to the end.
 """
 
 from __future__ import annotations
@@ -175,8 +177,9 @@ def index_memory(n: int) -> None:
         print(f"{name}: {n} documents, peak memory grew {grown / 2**20:.0f} MiB")
 
 
-def executors(work: Path, corpus: Path, tiny: Path, hf: Path, unit_mb: float) -> int:
-    """The local executor against ``--executor ray`` (see the module docstring)."""
+def executors(work: Path, corpus: Path, tiny: Path, hf: Path, unit_mb: float, slurm: bool) -> int:
+    """The local executor against ``--executor ray`` and, with ``slurm``, ``--executor slurm`` on
+    the local two-node cluster (see the module docstring)."""
     size = corpus.stat().st_size
 
     def cmd(inp: Path, prefix: Path, workers: int, *extra: str) -> list[str]:
@@ -184,25 +187,43 @@ def executors(work: Path, corpus: Path, tiny: Path, hf: Path, unit_mb: float) ->
                 str(prefix), "--tokenizer", str(hf), "--workers", str(workers), "--append-eod",
                 "--no-progress", "--overwrite", "--json", *extra]  # fmt: skip
 
-    rows = []
-    for label, name, workers, extra in (
+    runs = [
         ("local executor, 1 worker", "ex_local1", 1, ()),
         ("local executor, 2 workers", "ex_local2", 2, ()),
         ("ray executor (local instance), 1 worker", "ex_ray1", 1,
          ("--executor", "ray", "--unit-mb", str(unit_mb))),
         ("ray executor (local instance), 2 workers", "ex_ray2", 2,
          ("--executor", "ray", "--unit-mb", str(unit_mb))),
-    ):  # fmt: skip
+    ]  # fmt: skip
+    env = None
+    cluster = work / "slurm-cluster"
+    if slurm:
+        # scripts/slurm_local.sh: two slurmd of one CPU each on this host, the job followed
+        subprocess.run([str(REPO / "scripts" / "slurm_local.sh"), "stop", str(cluster)], check=True)
+        subprocess.run([str(REPO / "scripts" / "slurm_local.sh"), "start", str(cluster)],
+                       check=True, capture_output=True)  # fmt: skip
+        env = {**os.environ, "SLURM_CONF": str(cluster / "slurm.conf")}
+        runs.append(("slurm executor (2 one-CPU nodes here)", "ex_slurm", 1,
+                     ("--executor", "slurm", "--unit-mb", str(unit_mb))))  # fmt: skip
+    rows = []
+    for label, name, workers, extra in runs:
         prefix = work / name
         t = time.perf_counter()
-        out = subprocess.run(cmd(corpus, prefix, workers, *extra), cwd=REPO, capture_output=True,
-                             text=True, check=True)  # fmt: skip
+        try:
+            out = subprocess.run(cmd(corpus, prefix, workers, *extra), cwd=REPO, env=env,
+                                 capture_output=True, text=True, check=True)  # fmt: skip
+        except BaseException:
+            if slurm:
+                subprocess.run([str(REPO / "scripts" / "slurm_local.sh"), "stop", str(cluster)])
+            raise
         wall = time.perf_counter() - t
         report = json.loads(out.stdout)
         tokens = report["outputs"]["text"]["tokens"]
         same = same_bytes(f"{prefix}_text_document", f"{work / 'ex_local1'}_text_document")
         rows.append((label, wall, size / wall / 1e6, tokens / wall / 1e6, report, same))
         print(f"{label}: {wall:.1f} s", flush=True)
+    if slurm:
+        subprocess.run([str(REPO / "scripts" / "slurm_local.sh"), "stop", str(cluster)], check=True)
     # One unit per line of a 20-line corpus: what a unit costs beyond its tokens.
     prefix = work / "ex_units"
     out = subprocess.run(cmd(tiny, prefix, 1, "--executor", "ray", "--unit-mb", "1e-6"),
@@ -238,6 +259,12 @@ def main() -> int:
     ap.add_argument("--ceiling", nargs=4, help=argparse.SUPPRESS)
     ap.add_argument("--executors", action="store_true", help="local vs ray executor only")
     ap.add_argument("--unit-mb", type=float, default=16.0, help="--unit-mb of the ray runs")
+    ap.add_argument(
+        "--slurm",
+        action="store_true",
+        help="with --executors: also --executor slurm on a local two-node cluster "
+        "(scripts/slurm_local.sh; root, Debian's Slurm)",
+    )
     args = ap.parse_args()
     if args.ceiling:
         ceiling(args.ceiling[0], args.ceiling[1], args.ceiling[2], int(args.ceiling[3]))
@@ -275,7 +302,7 @@ def main() -> int:
     size = corpus.stat().st_size
     w = str(args.workers)
     if args.executors:
-        return executors(work, corpus, tiny, hf, args.unit_mb)
+        return executors(work, corpus, tiny, hf, args.unit_mb, args.slurm)
 
     def megatron_cmd(inp: Path, prefix: Path, ttype: str, model: Path, fast: bool) -> list[str]:
         # core_v0.15.3's --legacy-tokenizer path is broken (its Encoder.initializer assigns the

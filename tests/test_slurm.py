@@ -367,9 +367,16 @@ def test_a_plans_emitted_sbatch_runs_on_the_cluster_as_one_process(
     (emit / "hosts").write_text("node2\nnode1\n")  # site a on node2: ranks follow the file
     extra = ["--steps", "6", "--save-every", "0", "--lr", "1e-2", "--warmup", "2"]
     # submitted from the emitted directory, as its comment says, with this environment's torchrun
-    env = {**slurm_cluster, "PATH": f"{Path(sys.executable).parent}:{slurm_cluster['PATH']}"}
+    from porting.cpu import free_port
+
+    # a fresh rendezvous port (the script's default 29500 may be taken on a shared test host), and
+    # both nodes back in service after the earlier tests (one set a node down)
+    env = {**slurm_cluster, "PATH": f"{Path(sys.executable).parent}:{slurm_cluster['PATH']}",
+           "MASTER_PORT": str(free_port())}  # fmt: skip
+    _wait_for("two idle nodes", lambda: _slurm(
+        slurm_cluster, "sinfo", "-h", "-o", "%t %D") == "idle 2", timeout=300)  # fmt: skip
     submitted = subprocess.run(
-        ["sbatch", "--parsable", "--wait", "train.sbatch", *extra],
+        ["sbatch", "--parsable", "--wait", "--time", "5", "train.sbatch", *extra],
         capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=emit,
     )  # fmt: skip
     job = submitted.stdout.strip()

@@ -133,7 +133,9 @@ def test_killed_two_process_run_resumes_exactly(name, tiny_nemo, train_corpus, t
         shutil.copytree(out, tmp_path / "copy", symlinks=True)
 
     r = _run(argv)
-    assert "resum" in (r.stdout + r.stderr).lower()
+    # resumed, not restarted: the first step it runs is the one after the checkpoint
+    said = r.stdout + r.stderr
+    assert f"step {SAVE_EVERY + 1}/{STEPS} " in said and f"step 1/{STEPS} " not in said
     after = train_losses(out)
     resumed = range(SAVE_EVERY, STEPS)
     _assert_sametrain_losses(after, ref, resumed)
