@@ -56,6 +56,8 @@ def import_hf(
     checkpoint is not left under ``out`` and :class:`PortingError` is raised with the report.
     """
 
+    from porting.convert import ranks
+
     refuse_overlap(out, [("HF directory", hf_dir)])
     layout = layout_named(fmt)
     family, _ = family_for_hf_dir(hf_dir, family)
@@ -64,15 +66,28 @@ def import_hf(
     importer.vocab_divisor, importer.show_progress = vocab_divisor, show_progress
     if verify and device == "cpu":
         importer.gate = "whole" if whole_model else "streamed"
-    report = None
-    with claimed_output(out, overwrite, "checkpoint") as tmp:
+
+    def into(tmp: Path):
         manifest = importer.convert_into(tmp)
-        layout.write(tmp, _layout_config(family, manifest, vocab_divisor), manifest, family)
+        if manifest is not None:  # rank 0 of a launched import, or the one process
+            layout.write(tmp, _layout_config(family, manifest, vocab_divisor), manifest, family)
+        if ranks.world_size() > 1:
+            import torch
+
+            torch.distributed.barrier()  # the layout's files are there before any rank reads
         if verify:
-            report = _gate(
+            return _gate(
                 hf_dir, tmp, tmp, atol, rtol, whole_model, show_progress, device, allow_pickle
             )
-    return report
+        return None
+
+    # A rank of `porting import --executor torchrun|slurm` writes into the staging directory its
+    # launcher claimed (porting.convert.ranks); the launcher moves it into place.
+    staging = ranks.staging()
+    if staging is not None:
+        return into(staging)
+    with claimed_output(out, overwrite, "checkpoint") as tmp:
+        return into(tmp)
 
 
 def export_hf(

@@ -65,6 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", action="store_true", help="print the parity report as JSON")
     add_gate_flags(p)
+    add_launch_flags(p)
     p.set_defaults(func=_cmd_import)
 
     p = sub.add_parser(
@@ -117,6 +118,53 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_convert)
 
 
+def add_launch_flags(p: argparse.ArgumentParser) -> None:
+    """Flags that spread one conversion over several processes (docs/conversion.md)."""
+    g = p.add_argument_group("several processes")
+    g.add_argument(
+        "--executor",
+        choices=["local", "torchrun"],
+        default="local",
+        help="local: this process; torchrun: --nproc-per-node ranks on this node, each producing "
+        "and writing its share of the tensors into the one checkpoint (Megatron's "
+        "fully-parallel save) and running its share of the gate's layers (a pipeline). "
+        "Default: local",
+    )
+    g.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=2,
+        metavar="N",
+        help="ranks with --executor torchrun (default 2)",
+    )
+
+
+def _launched(args, command: str, what: str, refuse_early=None) -> int:
+    """The launcher's side of ``--executor torchrun``: the same refusals as one process, the
+    output claimed here, the ranks run into its staging directory (porting.convert.ranks)."""
+    from porting.convert import ranks
+    from porting.convert.checkpoint import claimed_output
+
+    if args.nproc_per_node < 1:
+        raise PortingError(f"--nproc-per-node must be at least 1, not {args.nproc_per_node}")
+    if args.whole_model:
+        raise PortingError("--whole-model is one process's gate; the ranks' gate is streamed")
+    if args.device == "cuda":
+        raise PortingError("--executor torchrun gates on the CPU; leave --device at auto or cpu")
+    quiet.offline()
+    guard.check_outputs([("HF directory", args.hf_dir)], writes=[("--out", args.out)])
+    if refuse_early is not None:
+        refuse_early()
+    with claimed_output(args.out, args.overwrite, what) as tmp:
+        ranks.launch_torchrun(command, ranks.rank_argv(sys.argv, command), tmp, args.nproc_per_node)
+        import shutil
+
+        shutil.rmtree(tmp / ranks.RANKS_DIR, ignore_errors=True)
+    if not args.json:
+        print(f"wrote {args.out} ({args.nproc_per_node} ranks)")
+    return 0
+
+
 @contextlib.contextmanager
 def _converting(args, reads, what: str, refuse_early=None) -> Iterator[str]:
     """The prologue the three conversions share, ordered so that a refusal needing no model
@@ -150,10 +198,15 @@ def _converting(args, reads, what: str, refuse_early=None) -> Iterator[str]:
 
 
 def _cmd_import(args) -> int:
+    from porting.convert import ranks
     from porting.convert.hf_files import family_for_hf_dir
 
     reads = [("HF directory", args.hf_dir)]
     early = lambda: family_for_hf_dir(args.hf_dir, args.family)  # noqa: E731
+    if args.executor == "torchrun":
+        return _launched(args, "import", "checkpoint", early)
+    if ranks.staging() is not None:
+        return _import_rank(args)
     with _converting(args, reads, "checkpoint", early) as device:
         from porting.api import import_hf
 
@@ -176,6 +229,38 @@ def _cmd_import(args) -> int:
     print_report(report, args.json)
     if not args.json:
         print(f"wrote {args.out}")
+    return 0
+
+
+def _import_rank(args) -> int:
+    """One rank of a launched import: the launcher holds the output and its lock."""
+    from porting import cpu
+    from porting.convert import ranks
+
+    quiet.offline()
+    cpu.hide_gpus()
+    try:
+        import porting.api as api
+
+        quiet.quiet_nemo()
+        report = api.import_hf(
+            args.hf_dir,
+            args.out,
+            dtype=args.dtype,
+            allow_pickle=args.allow_pickle,
+            vocab_divisor=args.vocab_divisible_by,
+            verify=not args.no_verify,
+            atol=args.atol,
+            rtol=args.rtol,
+            show_progress=False,
+            family=args.family,
+            fmt=args.fmt,
+        )
+    except BaseException as err:
+        ranks.record_failure(err)
+        raise
+    if ranks.rank() == 0 and report is not None:
+        print_report(report, args.json)
     return 0
 
 

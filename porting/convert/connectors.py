@@ -25,7 +25,7 @@ from tqdm import tqdm
 from porting import cpu
 from porting.contract import config_map
 from porting.contract.family import Family, ShapeContext
-from porting.convert import hf_files, streaming_save
+from porting.convert import hf_files, ranks, streaming_save
 from porting.convert.checkpoint import (
     Checkpoint,
     atomic_dir,
@@ -127,6 +127,24 @@ def _one_local_process():
     finally:
         if saved is not None:
             os.environ["SLURM_NTASKS"] = saved
+
+
+def _ranks_trainer(options: dict):
+    """A NeMo trainer over the launched ranks: data parallel on the CPU, every rank a device."""
+    from nemo.lightning import MegatronStrategy, Trainer
+
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    trainer = Trainer(
+        devices=per_node,
+        num_nodes=ranks.world_size() // per_node,
+        accelerator="cpu",
+        strategy=MegatronStrategy(ckpt_save_optimizer=False, always_save_context=True, **options),
+    )
+    # The context records the trainer a checkpoint is read with, not how it was written: the
+    # one-device trainer of a one-process import (the two imports' context/ are then identical).
+    trainer.__io__.devices = 1
+    del trainer.__io__.num_nodes
+    return trainer
 
 
 class PortingImporter(io.ModelConnector):
@@ -235,10 +253,10 @@ class PortingImporter(io.ModelConnector):
         # allocated and never touched, so they cost address space, not memory. Synchronous,
         # single-writer saving lets the streaming strategy below replace the stock one.
         stock = {} if self.streaming else {"ckpt_async_save": True}
-        with _one_local_process():
-            trainer = self.nemo_setup(
-                model, **({"ckpt_async_save": False, "ckpt_parallel_save": False} | stock)
-            )
+        options = {"ckpt_async_save": False, "ckpt_parallel_save": False} | stock
+        ranked = ranks.world_size() > 1
+        with contextlib.nullcontext() if ranked else _one_local_process():
+            trainer = self.nemo_setup(model, _ranks_trainer(options) if ranked else None, **options)
         # The local spec builds norms in fp32 whatever params_dtype says (torch.nn norms); NeMo's
         # bf16 training wraps the whole module in half precision, so store every tensor in the
         # checkpoint's dtype, as the source has it (NeMo's own importer fails exactly here).
@@ -260,8 +278,12 @@ class PortingImporter(io.ModelConnector):
         if self.streaming:
             producer = WeightProducer(reader, target, family.weights, ctx, ctx.num_layers, progress)
             del target
-            streaming_save.install(trainer, model.module, producer)
+            streaming_save.install(trainer, model.module, producer, parallel=ranked)
             self.nemo_save(out, trainer)
+            if ranked:  # each rank made its share; together they must have made every one
+                everyone: list = [None] * ranks.world_size()
+                torch.distributed.all_gather_object(everyone, producer.produced)
+                producer.produced = set().union(*everyone)
             report = producer.finish()
         else:
             report = import_weights(reader, target, family.weights, ctx, ctx.num_layers, progress)
@@ -270,12 +292,21 @@ class PortingImporter(io.ModelConnector):
         method, count = source.dequantized() or ("", 0)
         source.close()
         self._source = None  # a pickle checkpoint's tensors go with it
-        teardown(trainer, model)
+        if ranked:  # the process group stays for the layout and the gate that follow
+            trainer._teardown()
+        else:
+            teardown(trainer, model)
         del trainer, model
         gc.collect()
-        manifest = self._write_extras(out, hf_dir, hf_config, ctx, dtype, fp32)
+        manifest = None
+        if ranks.rank() == 0:
+            manifest = self._write_extras(out, hf_dir, hf_config, ctx, dtype, fp32)
         if self._tokenizer_dir.is_relative_to(out):
             shutil.rmtree(self._tokenizer_dir.parent, ignore_errors=True)
+        if ranked:
+            torch.distributed.barrier()
+        if manifest is None:
+            return None
         log.info(
             "imported %s (%s, %s%s): %d HF tensors -> %d Megatron parameters, %d ignored",
             hf_dir,

@@ -166,6 +166,64 @@ def _output(out) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
+class _Handoff(Exception):
+    """Raised after a stage's last layer: the rest of the model is the next stage's."""
+
+
+@dataclass
+class _Stage:
+    """This process's share of a gate split over the ranks of a conversion: a pipeline.
+
+    Rank ``r`` of ``k`` runs the contiguous layers ``owned`` of both sides: it takes the hidden
+    state its predecessor's last layer made, runs its own, and hands the result on; the last
+    stage runs the head. Every layer is computed exactly as in one process (its input is the
+    same tensor, passed whole), so the verdict is one process's, and each rank reads only its
+    layers' tensors. Ranks beyond the number of layers take no part in the passes.
+    """
+
+    rank: int
+    stages: int
+    owned: range
+
+    @classmethod
+    def of_this_process(cls, num_layers: int) -> _Stage | None:
+        """The stage of this rank, or None outside a multi-process conversion."""
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        rank, stages = dist.get_rank(), min(dist.get_world_size(), num_layers)
+        if rank >= stages:
+            return cls(rank, stages, range(0))
+        return cls(
+            rank, stages, range(rank * num_layers // stages, (rank + 1) * num_layers // stages)
+        )
+
+    @property
+    def last(self) -> bool:
+        return self.rank == self.stages - 1
+
+    def receive(self, like: torch.Tensor) -> torch.Tensor:
+        got = torch.empty(like.shape, dtype=like.dtype)
+        torch.distributed.recv(got, src=self.rank - 1)
+        return got.to(like.device)
+
+    def send(self, t: torch.Tensor) -> None:
+        torch.distributed.send(t.detach().contiguous().cpu(), dst=self.rank + 1)
+
+    @contextmanager
+    def only_owned(self, model: torch.nn.Module, layers: torch.nn.ModuleList):
+        """The model's layer list cut to this stage's layers for the block (the model's own
+        forward then runs only those: embeddings, then the owned layers, then the head)."""
+        name = next(n for n, m in model.named_modules() if m is layers)
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, attr, torch.nn.ModuleList([layers[i] for i in self.owned]))
+        try:
+            yield
+        finally:
+            setattr(parent, attr, layers)
+
+
 class _Buffers:
     """Two sets of fp32 parameter buffers on ``device``, used in turn by consecutive layers.
 
@@ -233,12 +291,19 @@ class _Side:
         return self.load(i, "", self.layers[i], partial(self.buffers.take, i), skip)
 
     @torch.no_grad()
-    def run(self, call: Callable[[], torch.Tensor], on_layer) -> torch.Tensor:
+    def run(
+        self, call: Callable[[], torch.Tensor], on_layer, stage: _Stage | None = None
+    ) -> torch.Tensor | None:
         """``call()`` with every layer streamed; ``on_layer(i, layer, args, kwargs, output)``
         after each. Layer ``i + 1`` is read on a thread while layer ``i`` computes, and expert
         ``e + 1`` on another while expert ``e`` computes: a layer's experts are in memory two at
-        a time, whatever their number."""
-        n = len(self.layers)
+        a time, whatever their number. With a ``stage``, only its layers run (the first on the
+        hidden state the previous stage sends); a stage but the last returns None after sending
+        its last layer's output on."""
+        owned = stage.owned if stage is not None else range(len(self.layers))
+        if not owned:
+            return None
+        n = owned.stop
         reader = ThreadPoolExecutor(1, thread_name_prefix="porting-parity-read")
         pending: dict[int, Future] = {}
         handles = []
@@ -250,6 +315,11 @@ class _Side:
                 set_param(mod, name, value)
             if i + 1 < n:  # its buffers are those of layer i - 1, released already
                 pending[i + 1] = reader.submit(self.load_layer, i + 1)
+            if i == owned.start and stage is not None and stage.rank > 0:
+                if args:  # HF passes the hidden state by position, Megatron by name
+                    return (stage.receive(args[0]), *args[1:]), kwargs
+                return args, dict(kwargs, hidden_states=stage.receive(kwargs["hidden_states"]))
+            return None
 
         def post(mod, args, kwargs, output, i):
             on_layer(i, mod, args, kwargs, _output(output))
@@ -258,6 +328,9 @@ class _Side:
                 for buffers in (self.buffers, self.expert_buffers):
                     if buffers is not None:
                         buffers.clear()
+                if stage is not None and not stage.last:
+                    stage.send(_output(output))
+                    raise _Handoff
 
         def called(mod, args):
             for name, value in self.on_call[mod]().items():
@@ -269,7 +342,8 @@ class _Side:
                 return {name: take(name, p.shape) for name, p in stored_tensors(module)}
             return self.load(i, f"{sub}{e}.", module, take, ())
 
-        for i, layer in enumerate(self.layers):
+        for i in owned:
+            layer = self.layers[i]
             handles.append(
                 layer.register_forward_pre_hook(
                     lambda m, a, k, i=i: pre(m, a, k, i), with_kwargs=True
@@ -283,9 +357,12 @@ class _Side:
         for module in self.on_call:
             handles.append(module.register_forward_pre_hook(called))
             handles.append(module.register_forward_hook(lambda m, a, o: release(m)))
+        cut = stage.only_owned(self.model, self.layers) if stage is not None else nullcontext()
         try:
-            with experts_streamed(enumerate(self.layers), load_expert):
+            with cut, experts_streamed(((i, self.layers[i]) for i in owned), load_expert):
                 return call()
+        except _Handoff:
+            return None
         finally:
             for h in handles:
                 h.remove()
@@ -623,10 +700,13 @@ def _streamed_logits(
     ids, valid = ids.to(device), valid.to(device)
     hf, hf_config = _hf_side(Path(hf_dir), family, allow_pickle, device, hf_read)
     n = len(hf.layers)
+    stage = _Stage.of_this_process(n)
+    head = stage is None or stage.last
     # what an MTP layer's HF side needs of this pass (porting.parity.mtp): the arguments of the
     # last decoder layer and the head's input, the final hidden state after its norm
     last: dict = {}
-    bar = tqdm(total=2 * n, desc="parity", unit="layer", leave=False, disable=not show_progress)
+    steps = 2 * (n if stage is None else len(stage.owned))
+    bar = tqdm(total=steps, desc="parity", unit="layer", leave=False, disable=not show_progress)
     # Each HF layer's input and output go to disk, not memory: the Megatron pass needs them one
     # layer at a time, and kept in RAM they would grow with the depth.
     scratch = tempfile.TemporaryDirectory(prefix=".porting-parity-", dir=scratch_dir)
@@ -650,9 +730,12 @@ def _streamed_logits(
             _MatmulWork(flop),
             hf_probe or nullcontext(),
         ):
-            hf_logits = hf.run(lambda: hf.model(input_ids=ids, use_cache=False).logits, on_hf_layer)
+            hf_logits = hf.run(
+                lambda: hf.model(input_ids=ids, use_cache=False).logits, on_hf_layer, stage
+            )
         grab.remove()
-        hf_logits = hf_logits[..., :vocab_size].float().cpu()
+        if head:
+            hf_logits = hf_logits[..., :vocab_size].float().cpu()
         hf_prefix = next(name for name, m in hf.model.named_modules() if m is hf.layers)
         hf_last, hf_read = hf.layers[-1], hf.read
         hf = None  # the HF model is released before the Megatron side is built
@@ -705,11 +788,11 @@ def _streamed_logits(
         )
         with _real_rows_only(mc.model, mask, _megatron_linear_types(), [0.0]):
             with main_head_only(mc.model):
-                mc_logits = mc.run(lambda: mc.model(ids, positions, None), on_mc_layer)
+                mc_logits = mc.run(lambda: mc.model(ids, positions, None), on_mc_layer, stage)
             watch.remove()
             ctx = family.shape_context(mc_config, vocab_size)
             got = []
-            if ctx.mtp_layers:
+            if ctx.mtp_layers and head:
                 from porting.parity import mtp as mtp_check
 
                 if hf_read is None:
@@ -745,13 +828,31 @@ def _streamed_logits(
                 for w, g in zip(want, got, strict=True)
             ]
     bar.close()
-    mc_logits = mc_logits[..., :vocab_size].float().cpu()
+    if head:
+        mc_logits = mc_logits[..., :vocab_size].float().cpu()
     # Measured (where not cached) after the run: timed alone, not beside the reader.
     rate = machine_gflops(device, work_flop=2 * flop[0])  # both sides, as GateCost counts it
-    return (
-        unpad(hf_logits, prompts),
-        unpad(mc_logits, prompts),
+    result = [
+        unpad(hf_logits, prompts) if head else None,
+        unpad(mc_logits, prompts) if head else None,
         report,
         GateCost(flop=flop[0], gflops=rate),
         mtp,
-    )
+    ]
+    if stage is not None:
+        result = _gathered(stage, result)
+    return tuple(result)
+
+
+def _gathered(stage: _Stage, mine: list) -> list:
+    """What every rank of a split gate returns: the last stage's logits and MTP pairs, every
+    stage's layer reports in layer order, the matmul work of all of them (at the slowest rank's
+    measured rate: the gate's floor is its slowest stage's)."""
+    dist = torch.distributed
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, (mine[2], mine[3].flop, mine[3].gflops))
+    head = [mine[0], mine[1], mine[4]] if stage.last else [None, None, None]
+    dist.broadcast_object_list(head, src=stage.stages - 1)
+    layers = sorted((d for p in parts for d in p[0]), key=lambda d: d.layer)
+    cost = GateCost(flop=sum(p[1] for p in parts), gflops=min(p[2] for p in parts))
+    return [head[0], head[1], layers, cost, head[2]]

@@ -1,0 +1,186 @@
+"""One conversion over several processes: the launching side and what a rank needs.
+
+``porting import --executor torchrun --nproc-per-node N`` (or ``slurm``) claims the output as a
+one-process import does (lock, staging directory beside it), then starts N ranks of the same
+command through torchrun with the staging directory in :data:`STAGING_ENV`. Each rank joins one
+process group (gloo on the CPU): NeMo's trainer runs data parallel over them, and Megatron's
+fully-parallel save (``FullyParallelSaveStrategyWrapper``) gives each rank a balanced share of the
+checkpoint's tensors to produce and write into the one ``torch_dist`` checkpoint (one
+``.metadata``, every rank's ``__R_0.distcp``). The gate is a pipeline of the ranks
+(:class:`porting.parity.streamed._Stage`). Rank 0 writes the layout files, prints the report and
+leaves the verdict; the launcher moves the staging directory into place only when every rank
+succeeded, and otherwise removes it and names the rank that failed first and why.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import traceback
+from pathlib import Path
+
+from porting.errors import PortingError
+
+STAGING_ENV = "PORTING_RANKS_STAGING"
+# Inside the staging directory, removed before it becomes the output.
+RANKS_DIR = ".porting-ranks"
+
+
+def staging() -> Path | None:
+    """The staging directory this rank writes into, or None outside a launched conversion."""
+    value = os.environ.get(STAGING_ENV)
+    return Path(value) if value else None
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank_argv(argv: list[str], command: str) -> list[str]:
+    """The arguments of ``porting COMMAND ...`` with the launch flags dropped (what a rank runs)."""
+    argv = argv[argv.index(command) + 1 :]
+    out, skip = [], False
+    launch = {"--executor", "--nproc-per-node", "--nnodes", "--partition", "--time"}
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in launch:
+            skip = True
+        elif a.split("=", 1)[0] in launch or a in ("--no-submit", "--cpu-nodes"):
+            continue
+        else:
+            out.append(a)
+    return out
+
+
+def record_failure(err: BaseException) -> None:
+    """Leave this rank's reason for the launcher (one line for our errors, the last frames
+    otherwise); a rank killed outright leaves none, and torchrun's record says so."""
+    root = staging()
+    if root is None:
+        return
+    if isinstance(err, PortingError):
+        text = str(err)
+    elif isinstance(err, (KeyboardInterrupt, SystemExit)):
+        return
+    else:
+        text = "".join(traceback.format_exception(err, limit=-3)).rstrip()
+    where = root / RANKS_DIR
+    where.mkdir(exist_ok=True)
+    path = where / f"rank-{rank()}.error"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text + "\n")
+    tmp.replace(path)
+
+
+def _root_cause(log: str) -> tuple[int, str] | None:
+    """(rank, what happened) of torchrun's "Root Cause (first observed failure)" record."""
+    block = log.split("Root Cause (first observed failure)", 1)
+    if len(block) < 2:
+        return None
+    found = re.search(r"rank\s*:\s*(\d+)", block[1])
+    if found is None:
+        return None
+    code = re.search(r"exitcode\s*:\s*(-?\d+)", block[1])
+    signal_line = re.search(r"Signal (\d+) \((\w+)\) received", block[1])
+    if signal_line:
+        how = f"was killed by signal {signal_line.group(1)} ({signal_line.group(2)})"
+    elif code and int(code.group(1)) < 0:
+        how = f"was killed by signal {-int(code.group(1))}"
+    else:
+        how = f"exited with status {code.group(1) if code else '?'}"
+    return int(found.group(1)), how
+
+
+def failure(stage_dir: Path, log: str, launcher: str) -> PortingError:
+    """The error a failed multi-process conversion raises: the rank that failed first and why."""
+    cause = _root_cause(log)
+    errors = (
+        sorted((stage_dir / RANKS_DIR).glob("rank-*.error"), key=lambda p: p.stat().st_mtime_ns)
+        if (stage_dir / RANKS_DIR).is_dir()
+        else []
+    )
+    if cause is not None:
+        first, how = cause
+        own = stage_dir / RANKS_DIR / f"rank-{first}.error"
+        if own.exists():
+            return PortingError(f"rank {first} failed: {own.read_text().strip()}")
+        # A rank killed outright left no reason; the others then fail on the broken group.
+        return PortingError(f"rank {first} {how}; the conversion was stopped on every rank")
+    if errors:
+        first = errors[0].name.removeprefix("rank-").removesuffix(".error")
+        return PortingError(f"rank {first} failed: {errors[0].read_text().strip()}")
+    tail = "\n".join(log.strip().splitlines()[-8:])
+    return PortingError(f"{launcher} failed before any rank reported:\n{tail}")
+
+
+def launch_torchrun(command: str, argv: list[str], stage_dir: Path, nproc: int) -> None:
+    """Run ``porting COMMAND ARGV`` as ``nproc`` ranks on this node through torchrun, writing
+    into ``stage_dir``; raise :class:`PortingError` naming the failing rank. Rank 0's output
+    reaches this terminal; torchrun's own report goes to a log that the error quotes from.
+    A stop of this process (Ctrl-C, SIGTERM) stops every rank before the staging is removed."""
+    from porting.train import stop
+
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc-per-node={nproc}", "-m", "porting.cli", command, *argv,
+    ]  # fmt: skip
+    # torchrun prints a banner per run when OMP_NUM_THREADS is unset; given, it is quiet.
+    env = {"OMP_NUM_THREADS": "1"} | os.environ | {STAGING_ENV: str(stage_dir)}
+    proc = subprocess.Popen(
+        cmd, env=env, stderr=subprocess.PIPE, start_new_session=True,
+        preexec_fn=stop.die_with_parent,
+    )  # fmt: skip
+    said: list[str] = []
+    reader = threading.Thread(target=_forward, args=(proc.stderr, said), daemon=True)
+    reader.start()
+    try:
+        code = proc.wait()
+    except BaseException:
+        _stop(proc)
+        raise
+    finally:
+        reader.join(timeout=10)
+    if code != 0:
+        raise failure(stage_dir, "".join(said), "torchrun " + shlex.join(cmd[4:6]))
+
+
+# Where a failure's report begins on the ranks' stderr: a rank's own error line, a traceback,
+# torch elastic's log lines. From there on the launcher's one summary speaks instead.
+_FAILING = re.compile(
+    r"porting \w+: error:|Traceback |\[rank\d+\]:|[WEI]\d{4} |\[[WE]\d{4}|ERROR:torch"
+)
+
+
+def _forward(stream, said: list[str]) -> None:
+    """Pass the ranks' stderr (our own lines: warnings, the import's summary) to this terminal
+    as it comes, until a failure's report begins; keep all of it for the error."""
+    quiet = False
+    for raw in iter(stream.readline, b""):
+        line = raw.decode(errors="replace")
+        said.append(line)
+        quiet = quiet or bool(_FAILING.match(line))
+        if not quiet:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the launcher's process group (torchrun passes it to the ranks), then SIGKILL."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass

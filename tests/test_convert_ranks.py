@@ -1,0 +1,168 @@
+"""One import over two processes (`--executor torchrun`, gloo on the CPU).
+
+Each rank writes its share of the tensors into the one torch_dist checkpoint (Megatron's
+fully-parallel save) and runs its share of the gate's layers (a pipeline); the result must be the
+one-process import's: the same tensors bit for bit, the same context, the same verdict and the
+same logit differences. A rank killed mid-write, a stop of the launcher and a second run on the
+same output leave nothing and say what happened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from porting import proof
+from porting.convert.dist_reader import DistCheckpointReader
+from porting.testing import child_env, processes_mentioning, run_in_session
+
+TIMEOUT = 300
+RANKS = ("--executor", "torchrun", "--nproc-per-node", "2")
+
+
+def _import(hf: Path, out: Path, *extra: str, env: dict | None = None):
+    argv = [sys.executable, "-m", "porting.cli", "import", str(hf), "--out", str(out), *extra]
+    return run_in_session(argv, TIMEOUT, env)
+
+
+def _tensors(ckpt: Path) -> dict[str, torch.Tensor]:
+    reader = DistCheckpointReader(ckpt / "weights")
+    out = {}
+    for key in reader.keys():
+        shape = reader.global_shape(key)
+        if shape is not None:
+            out[key] = reader.read(key, (0,) * len(shape), tuple(shape))
+    return out
+
+
+def _same_checkpoint(one: Path, two: Path) -> None:
+    a, b = _tensors(one), _tensors(two)
+    assert a.keys() == b.keys() and a
+    for key in a:
+        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+    for sub in ("context", "weights/metadata.json"):
+        left, right = one / sub, two / sub
+        files = sorted(p.relative_to(left) for p in left.rglob("*")) if left.is_dir() else [""]
+        for f in files:
+            if (left / f).is_file():
+                assert (left / f).read_bytes() == (right / f).read_bytes(), f"{sub}/{f}"
+    weights = sorted(p.name for p in (two / "weights").iterdir())
+    assert weights.count(".metadata") == 1
+    # both ranks wrote: Megatron names a rank's files __RANK_N.distcp
+    for rank in (0, 1):
+        mine = [w for w in weights if w.startswith(f"__{rank}_")]
+        assert mine and all((two / "weights" / w).stat().st_size > 0 for w in mine), weights
+
+
+def _same_verdict(one: dict, two: dict) -> None:
+    for key in ("passed", "max_abs_diff", "mean_abs_diff", "top1_agreement", "positions"):
+        assert one[key] == two[key], key
+    assert one["layers"] == two["layers"]
+
+
+def _nothing_left(out: Path) -> None:
+    assert not out.exists()
+    assert [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")] == []
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen3_moe"])
+def test_two_ranks_write_the_one_process_checkpoint(variant, tiny_llama, tmp_path):
+    if variant == "llama":
+        hf = tiny_llama
+    else:  # experts: Megatron's save spreads them over the ranks one by one
+        hf = proof.make_hf(
+            tmp_path / "hf", "Qwen3MoeForCausalLM", seed=3, vocab_size=130, hidden_size=64,
+            intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=256,
+            num_experts=4, moe_intermediate_size=48, norm_topk_prob=True, head_dim=32,
+        )  # fmt: skip
+    one = _import(hf, tmp_path / "one", "--json")
+    two = _import(hf, tmp_path / "two", "--json", *RANKS)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert two.returncode == 0, two.stderr[-3000:]
+    _same_checkpoint(tmp_path / "one", tmp_path / "two")
+    _same_verdict(json.loads(one.stdout), json.loads(two.stdout))
+    # our lines only, as one process says them
+    assert two.stderr.splitlines() == [
+        line for line in one.stderr.splitlines() if line.startswith("imported ")
+    ], two.stderr
+
+
+_KILL_RANK_1 = """
+import os
+if os.environ.get("RANK") == "1" and os.environ.get("PORTING_RANKS_STAGING"):
+    import signal
+    from porting.convert import mapping
+
+    produce = mapping.WeightProducer.__call__
+
+    def dying(self, name):
+        value = produce(self, name)
+        os.kill(os.getpid(), signal.SIGKILL)  # mid-write: its first tensor made, none written
+        return value
+
+    mapping.WeightProducer.__call__ = dying
+"""
+
+
+def test_a_rank_killed_mid_write_fails_the_conversion_and_leaves_nothing(tiny_llama, tmp_path):
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_KILL_RANK_1)
+    env = child_env(PYTHONPATH=os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "out" / "ckpt"
+    r = _import(tiny_llama, out, *RANKS, env=env)
+    assert r.returncode == 2, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last == (
+        "porting import: error: rank 1 was killed by signal 9 (SIGKILL); the conversion was "
+        "stopped on every rank"
+    ), r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "torch.distributed" not in r.stderr
+    _nothing_left(out)
+    assert processes_mentioning(str(out), grace=10) == []
+
+
+def test_a_stopped_launcher_stops_its_ranks_and_a_second_run_is_refused(tiny_llama, tmp_path):
+    out = tmp_path / "out" / "ckpt"
+    argv = [sys.executable, "-m", "porting.cli", "import", str(tiny_llama), "--out", str(out)]
+    first = subprocess.Popen(
+        [*argv, *RANKS], env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        # the ranks are at work once the staging directory holds the checkpoint's weights
+        while not list(out.parent.glob(f".{out.name}.partial-*/weights")):
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+            time.sleep(0.2)
+        second = run_in_session([*argv, *RANKS], TIMEOUT)
+        assert second.returncode == 2 and "another porting run" in second.stderr, second.stderr
+        first.send_signal(signal.SIGTERM)
+        _, err = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    assert first.returncode != 0
+    assert "Traceback" not in err, err[-3000:]
+    _nothing_left(out)
+    assert processes_mentioning(str(out), grace=10) == []
+
+
+def test_launch_flags_are_checked_before_anything_starts(tiny_llama, tmp_path):
+    out = tmp_path / "ckpt"
+    r = _import(tiny_llama, out, "--executor", "torchrun", "--nproc-per-node", "0")
+    assert r.returncode == 2 and "--nproc-per-node must be at least 1" in r.stderr
+    r = _import(tiny_llama, out, *RANKS, "--whole-model")
+    assert r.returncode == 2 and "--whole-model" in r.stderr
+    r = _import(tmp_path / "missing", out, *RANKS)
+    assert r.returncode == 2 and "missing" in r.stderr
+    _nothing_left(out)
