@@ -90,3 +90,49 @@ def ended(task: dict) -> str:
         f"{task.get('JobState', '?')} on {task.get('NodeList', '?')} (exit "
         f"{task.get('ExitCode', '?')}{', ' + reason if reason not in (None, 'None') else ''})"
     )
+
+
+def torchrun_script(
+    job_name: str,
+    nodes: int,
+    nproc_per_node: int,
+    log_dir: Path,
+    command: str,
+    *,
+    gpus_per_node: int | None = None,
+    partition: str | None = None,
+    time_limit: str | None = None,
+    sbatch_lines: tuple[str, ...] = (),
+    exports: dict[str, str] | None = None,
+) -> str:
+    """A batch script that runs ``porting COMMAND`` (already quoted) as torchrun ranks on every
+    node of the allocation, the job's log in ``log_dir/job-ID.out``.
+
+    The rendezvous is the first node's ``NodeAddr`` (a node's name need not resolve as a host
+    name) and a port drawn from the job id (two jobs on one node do not meet); torchrun is this
+    environment's, run by its Python.
+    """
+    import shlex
+    import sys
+
+    lines = [f"#SBATCH --{flag}={shlex.quote(value)}" for flag, value in (
+        ("partition", partition), ("time", time_limit)) if value]  # fmt: skip
+    if gpus_per_node is not None:
+        lines.append(f"#SBATCH --gpus-per-node={gpus_per_node}")
+    head = "".join(f"{line}\n" for line in (*lines, *sbatch_lines))
+    env = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in (exports or {}).items())
+    return f"""#!/bin/bash
+#SBATCH --job-name={job_name}
+#SBATCH --nodes={nodes}
+#SBATCH --ntasks-per-node=1
+#SBATCH --exclusive
+#SBATCH --output={shlex.quote(str(Path(log_dir).absolute()))}/job-%j.out
+{head}set -euo pipefail
+first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+export MASTER_ADDR=$(scontrol show node "$first" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
+export MASTER_PORT=${{MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}}
+{env}srun {shlex.quote(sys.executable)} -m torch.distributed.run \\
+  --nnodes={nodes} --nproc-per-node={nproc_per_node} \\
+  --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \\
+  -m porting.cli {command}
+"""

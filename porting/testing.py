@@ -419,6 +419,7 @@ OWN_OUTPUT_PATTERNS = (
     r"(export|import) \(\S+ -> \S+\):$",
     r"done: checkpoints in ",
     r"submitted Slurm job \d+ \(\d+ nodes\); log \S",
+    r"submitted Slurm job \d+ \(\d+ nodes x \d+ ranks\)$",
     r"Slurm requeued job \d+ \(restart \d+\): ",
     r"porting demo: |              tiny |step +seconds$|check +result$|(OK|FAILED): outputs in ",
     r"[a-z][\w :+()|%-]*? {2,}[-+\d.e%/]+$",
@@ -604,3 +605,39 @@ def no_hang(seconds: int = 120):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
+
+
+def checkpoint_tensors(ckpt: Path) -> dict:
+    """Every tensor of a NeMo checkpoint's torch_dist weights, whole, by key."""
+    from porting.convert.dist_reader import DistCheckpointReader
+
+    reader = DistCheckpointReader(ckpt / "weights")
+    out = {}
+    for key in reader.keys():
+        shape = reader.global_shape(key)
+        if shape is not None:
+            out[key] = reader.read(key, (0,) * len(shape), tuple(shape))
+    return out
+
+
+def assert_same_checkpoint(one: Path, two: Path) -> None:
+    """``two`` (written by several ranks) holds ``one``'s tensors bit for bit, its context and
+    metadata byte for byte, one ``.metadata``, and files written by ranks 0 and 1."""
+    import torch
+
+    a, b = checkpoint_tensors(one), checkpoint_tensors(two)
+    assert a.keys() == b.keys() and a
+    for key in a:
+        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+    for sub in ("context", "weights/metadata.json"):
+        left, right = one / sub, two / sub
+        files = sorted(p.relative_to(left) for p in left.rglob("*")) if left.is_dir() else [""]
+        for f in files:
+            if (left / f).is_file():
+                assert (left / f).read_bytes() == (right / f).read_bytes(), f"{sub}/{f}"
+    weights = sorted(p.name for p in (two / "weights").iterdir())
+    assert weights.count(".metadata") == 1
+    # both ranks wrote: Megatron names a rank's files __RANK_N.distcp
+    for rank in (0, 1):
+        mine = [w for w in weights if w.startswith(f"__{rank}_")]
+        assert mine and all((two / "weights" / w).stat().st_size > 0 for w in mine), weights

@@ -18,11 +18,14 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from porting import proof
-from porting.convert.dist_reader import DistCheckpointReader
-from porting.testing import child_env, processes_mentioning, run_in_session
+from porting.testing import (
+    assert_same_checkpoint,
+    child_env,
+    processes_mentioning,
+    run_in_session,
+)
 
 TIMEOUT = 300
 RANKS = ("--executor", "torchrun", "--nproc-per-node", "2")
@@ -31,35 +34,6 @@ RANKS = ("--executor", "torchrun", "--nproc-per-node", "2")
 def _import(hf: Path, out: Path, *extra: str, env: dict | None = None):
     argv = [sys.executable, "-m", "porting.cli", "import", str(hf), "--out", str(out), *extra]
     return run_in_session(argv, TIMEOUT, env)
-
-
-def _tensors(ckpt: Path) -> dict[str, torch.Tensor]:
-    reader = DistCheckpointReader(ckpt / "weights")
-    out = {}
-    for key in reader.keys():
-        shape = reader.global_shape(key)
-        if shape is not None:
-            out[key] = reader.read(key, (0,) * len(shape), tuple(shape))
-    return out
-
-
-def _same_checkpoint(one: Path, two: Path) -> None:
-    a, b = _tensors(one), _tensors(two)
-    assert a.keys() == b.keys() and a
-    for key in a:
-        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
-    for sub in ("context", "weights/metadata.json"):
-        left, right = one / sub, two / sub
-        files = sorted(p.relative_to(left) for p in left.rglob("*")) if left.is_dir() else [""]
-        for f in files:
-            if (left / f).is_file():
-                assert (left / f).read_bytes() == (right / f).read_bytes(), f"{sub}/{f}"
-    weights = sorted(p.name for p in (two / "weights").iterdir())
-    assert weights.count(".metadata") == 1
-    # both ranks wrote: Megatron names a rank's files __RANK_N.distcp
-    for rank in (0, 1):
-        mine = [w for w in weights if w.startswith(f"__{rank}_")]
-        assert mine and all((two / "weights" / w).stat().st_size > 0 for w in mine), weights
 
 
 def _same_verdict(one: dict, two: dict) -> None:
@@ -88,7 +62,7 @@ def test_two_ranks_write_the_one_process_checkpoint(variant, tiny_llama, tmp_pat
     two = _import(hf, tmp_path / "two", "--json", *RANKS)
     assert one.returncode == 0, one.stderr[-3000:]
     assert two.returncode == 0, two.stderr[-3000:]
-    _same_checkpoint(tmp_path / "one", tmp_path / "two")
+    assert_same_checkpoint(tmp_path / "one", tmp_path / "two")
     _same_verdict(json.loads(one.stdout), json.loads(two.stdout))
     # our lines only, as one process says them
     assert two.stderr.splitlines() == [

@@ -416,3 +416,63 @@ def test_train_killed_at_its_time_limit_says_so_and_keeps_its_checkpoints(
     assert " ended TIMEOUT on node[1-2] " in line, line
     assert "rerun the same command with a longer --time to resume" in done.stderr
     assert checkpoint_complete(out)
+
+
+def _import(hf, out, env, *extra) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "porting.cli", "import", str(hf), "--out", str(out), *extra]
+    return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=TIMEOUT)
+
+
+def test_import_submitted_to_two_nodes_writes_the_one_process_checkpoint(
+    slurm_cluster, tiny_llama, tiny_nemo, tmp_path
+):
+    """`porting import --executor slurm`: torchrun ranks on both nodes meet at the first node's
+    NodeAddr, write one checkpoint (the one-process import's tensors bit for bit) and gate it;
+    the submitting command prints our lines and the report, and moves the output into place."""
+    from porting.testing import assert_same_checkpoint, foreign_lines
+
+    out = tmp_path / "two"
+    done = _import(tiny_llama, out, slurm_cluster,
+                   "--executor", "slurm", "--nnodes", "2", "--nproc-per-node", "1")  # fmt: skip
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert re.search(r"submitted Slurm job \d+ \(2 nodes x 1 ranks\)", done.stderr)
+    assert "parity PASS" in done.stdout and f"wrote {out} (2 ranks on 2 nodes)" in done.stdout
+    assert foreign_lines(done.stdout + done.stderr) == []
+    assert_same_checkpoint(tiny_nemo, out)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".two.")] == []
+
+
+def test_an_import_whose_node_goes_down_fails_and_leaves_nothing(
+    slurm_cluster, tiny_llama, tmp_path
+):
+    """A node set down while the import runs: the job is not requeued (its ranks would start over
+    into a half-written directory); one line says how it ended, nothing is left. A partition
+    that does not exist is refused by sbatch before any rank starts, also leaving nothing."""
+    out = tmp_path / "ckpt"
+    refused = _import(tiny_llama, out, slurm_cluster, "--executor", "slurm", "--partition", "nope")
+    assert refused.returncode == 2
+    assert refused.stderr.startswith("porting import: error: sbatch refused the import:")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+    argv = [sys.executable, "-m", "porting.cli", "import", str(tiny_llama), "--out", str(out),
+            "--executor", "slurm", "--nnodes", "2", "--nproc-per-node", "1"]  # fmt: skip
+    follower = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=slurm_cluster)  # fmt: skip
+    try:
+        _wait_for("the job to run", lambda: "RUNNING" in _slurm(
+            slurm_cluster, "squeue", "-h", "-o", "%T", "-n", "porting-import"))  # fmt: skip
+        _slurm(slurm_cluster, "scontrol", "update", "nodename=node2", "state=down",
+               "reason=porting-test")  # fmt: skip
+        _, stderr = follower.communicate(timeout=TIMEOUT)
+    finally:
+        follower.kill()
+        _wait_for("node2 back", lambda: "down" not in _slurm(
+            slurm_cluster, "sinfo", "-h", "-n", "node2", "-o", "%t"), timeout=300)  # fmt: skip
+    assert follower.returncode == 2, stderr[-3000:]
+    last = stderr.strip().splitlines()
+    assert any(
+        re.match(r"porting import: error: (Slurm job \d+ ended NODE_FAIL|rank \d )", line)
+        for line in last
+    ), stderr[-3000:]
+    assert "Traceback" not in stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -123,19 +123,31 @@ def add_launch_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("several processes")
     g.add_argument(
         "--executor",
-        choices=["local", "torchrun"],
+        choices=["local", "torchrun", "slurm"],
         default="local",
         help="local: this process; torchrun: --nproc-per-node ranks on this node, each producing "
         "and writing its share of the tensors into the one checkpoint (Megatron's "
-        "fully-parallel save) and running its share of the gate's layers (a pipeline). "
-        "Default: local",
+        "fully-parallel save) and running its share of the gate's layers (a pipeline); slurm: "
+        "the same ranks on --nnodes nodes of a Slurm job (submitted, followed, cancelled with "
+        "Ctrl-C; --out must be on a file system every node sees). Default: local",
     )
     g.add_argument(
         "--nproc-per-node",
         type=int,
         default=2,
         metavar="N",
-        help="ranks with --executor torchrun (default 2)",
+        help="ranks per node with --executor torchrun or slurm (default 2)",
+    )
+    g.add_argument(
+        "--nnodes", type=int, default=2, metavar="N", help="nodes with --executor slurm (default 2)"
+    )
+    g.add_argument("--partition", help="--executor slurm: the partition (default: Slurm's)")
+    g.add_argument(
+        "--time",
+        dest="time_limit",
+        metavar="LIMIT",
+        help="--executor slurm: the job's time limit, as sbatch takes it (default: the "
+        "partition's)",
     )
 
 
@@ -145,8 +157,13 @@ def _launched(args, command: str, what: str, refuse_early=None) -> int:
     from porting.convert import ranks
     from porting.convert.checkpoint import claimed_output
 
-    if args.nproc_per_node < 1:
-        raise PortingError(f"--nproc-per-node must be at least 1, not {args.nproc_per_node}")
+    for flag, value in (("--nproc-per-node", args.nproc_per_node), ("--nnodes", args.nnodes)):
+        if value < 1:
+            raise PortingError(f"{flag} must be at least 1, not {value}")
+    if args.executor == "slurm":
+        from porting import slurm
+
+        slurm.sbatch_path("--executor torchrun")
     if args.whole_model:
         raise PortingError("--whole-model is one process's gate; the ranks' gate is streamed")
     if args.device == "cuda":
@@ -155,13 +172,21 @@ def _launched(args, command: str, what: str, refuse_early=None) -> int:
     guard.check_outputs([("HF directory", args.hf_dir)], writes=[("--out", args.out)])
     if refuse_early is not None:
         refuse_early()
+    argv = ranks.rank_argv(sys.argv, command)
     with claimed_output(args.out, args.overwrite, what) as tmp:
-        ranks.launch_torchrun(command, ranks.rank_argv(sys.argv, command), tmp, args.nproc_per_node)
-        import shutil
-
-        shutil.rmtree(tmp / ranks.RANKS_DIR, ignore_errors=True)
+        if args.executor == "slurm":
+            nodes = args.nnodes
+            ranks.launch_slurm(
+                command, argv, tmp, nodes, args.nproc_per_node, args.partition, args.time_limit
+            )
+        else:
+            nodes = 1
+            ranks.launch_torchrun(command, argv, tmp, args.nproc_per_node)
+        said = ranks.report_of(tmp)
+    sys.stdout.write(said)
     if not args.json:
-        print(f"wrote {args.out} ({args.nproc_per_node} ranks)")
+        n = nodes * args.nproc_per_node
+        print(f"wrote {args.out} ({n} ranks{f' on {nodes} nodes' if nodes > 1 else ''})")
     return 0
 
 
@@ -203,7 +228,7 @@ def _cmd_import(args) -> int:
 
     reads = [("HF directory", args.hf_dir)]
     early = lambda: family_for_hf_dir(args.hf_dir, args.family)  # noqa: E731
-    if args.executor == "torchrun":
+    if args.executor != "local":
         return _launched(args, "import", "checkpoint", early)
     if ranks.staging() is not None:
         return _import_rank(args)
@@ -259,8 +284,14 @@ def _import_rank(args) -> int:
     except BaseException as err:
         ranks.record_failure(err)
         raise
-    if ranks.rank() == 0 and report is not None:
-        print_report(report, args.json)
+    if ranks.rank() == 0:
+        import io
+
+        said = io.StringIO()
+        if report is not None:
+            with contextlib.redirect_stdout(said):
+                print_report(report, args.json)
+        ranks.leave_report(said.getvalue())
     return 0
 
 

@@ -82,6 +82,24 @@ def record_failure(err: BaseException) -> None:
     tmp.replace(path)
 
 
+def leave_report(text: str) -> None:
+    """Rank 0's report, printed by the launcher once the output is in place."""
+    where = staging() / RANKS_DIR
+    where.mkdir(exist_ok=True)
+    (where / "report.out").write_text(text)
+
+
+def report_of(stage_dir: Path) -> str:
+    """The report rank 0 left (empty without the gate), and the launch's files removed: what
+    remains of the staging directory is the checkpoint."""
+    import shutil
+
+    path = stage_dir / RANKS_DIR / "report.out"
+    said = path.read_text() if path.exists() else ""
+    shutil.rmtree(stage_dir / RANKS_DIR, ignore_errors=True)
+    return said
+
+
 def _root_cause(log: str) -> tuple[int, str] | None:
     """(rank, what happened) of torchrun's "Root Cause (first observed failure)" record."""
     block = log.split("Root Cause (first observed failure)", 1)
@@ -184,3 +202,87 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
     except ProcessLookupError:
         pass
+
+
+def launch_slurm(
+    command: str,
+    argv: list[str],
+    stage_dir: Path,
+    nodes: int,
+    nproc: int,
+    partition: str | None,
+    time_limit: str | None,
+) -> None:
+    """Submit ``porting COMMAND ARGV`` as a Slurm job of ``nodes`` x ``nproc`` torchrun ranks
+    writing into ``stage_dir`` (which every node must see), follow it to its end, and raise
+    :class:`PortingError` naming the failing rank, or how the job ended. Ctrl-C or SIGTERM
+    cancels the job. The job is not requeued after a node failure: its ranks would start over
+    into a half-written directory; the conversion fails, and a rerun starts afresh."""
+    from porting import slurm
+
+    where = stage_dir / RANKS_DIR
+    where.mkdir(exist_ok=True)
+    script = where / f"{command}.sbatch"
+    script.write_text(
+        slurm.torchrun_script(
+            f"porting-{command}", nodes, nproc, where,
+            " ".join(shlex.quote(a) for a in (command, *argv)), partition=partition,
+            time_limit=time_limit, sbatch_lines=("#SBATCH --no-requeue",),
+            exports={STAGING_ENV: str(stage_dir.absolute()), "OMP_NUM_THREADS": "1"},
+        )
+    )  # fmt: skip
+    job = slurm.sbatch([str(script)], f"the {command}")
+    log = where / f"job-{job}.out"
+    print(f"submitted Slurm job {job} ({nodes} nodes x {nproc} ranks)", file=sys.stderr, flush=True)
+    _follow(job, log, stage_dir, command)
+
+
+def _follow(job: str, log: Path, stage_dir: Path, command: str, poll_s: float = 1.0) -> None:
+    import time
+
+    from porting import slurm
+    from porting.guard import Terminated
+
+    shown, quiet = 0, False
+
+    def show() -> str:
+        nonlocal shown, quiet
+        try:
+            text = log.read_bytes().decode(errors="replace")
+        except FileNotFoundError:
+            return ""
+        cut = text.rfind("\n") + 1
+        for line in text[shown:cut].splitlines(keepends=True):
+            quiet = quiet or bool(_FAILING.match(line))
+            if not quiet:
+                sys.stderr.write(line)
+        sys.stderr.flush()
+        shown = max(shown, cut)
+        return text
+
+    try:
+        while True:
+            text = show()
+            tasks = slurm.tasks(job)
+            state = tasks[0].get("JobState", "") if tasks else None
+            if state == "COMPLETED":
+                return
+            if state is None:
+                if (stage_dir / RANKS_DIR / "report.out").exists():  # rank 0 got to its end
+                    return
+                raise PortingError(
+                    f"Slurm no longer knows job {job}; its log ends:\n{slurm.tail(log)}"
+                )
+            if state in slurm.FAILED_STATES:
+                text = show()
+                if _root_cause(text) is not None or list((stage_dir / RANKS_DIR).glob("*.error")):
+                    raise failure(stage_dir, text, f"Slurm job {job}")
+                longer = "; give a longer --time" if state == "TIMEOUT" else ""
+                raise PortingError(
+                    f"Slurm job {job} ended {slurm.ended(tasks[0])}{longer}; nothing was written. "
+                    f"Its log ends:\n{slurm.tail(log)}"
+                )
+            time.sleep(poll_s)
+    except (KeyboardInterrupt, Terminated):
+        slurm.cancel([job])
+        raise

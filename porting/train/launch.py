@@ -26,33 +26,16 @@ def slurm_script(
     ``argv`` are the ``porting train`` arguments to repeat on each node (with ``--executor local``).
     It and the job's log live in ``OUT/slurm/``: NeMo's checkpoint callback moves the files at the
     top of the run directory into ``run_N/`` at the first save (a log being written included).
-    The rendezvous is the first node's ``NodeAddr`` (a node's name need not resolve as a host name)
-    and a port drawn from the job id (two jobs on one node do not meet); torchrun is this
-    environment's, run by its Python.
+    The rendezvous: :func:`porting.slurm.torchrun_script`.
     """
+    from porting import slurm
+
     cmd = " ".join(shlex.quote(a) for a in argv)
-    out = Path(spec.out).absolute()
-    asked = "".join(
-        f"#SBATCH --{flag}={shlex.quote(value)}\n"
-        for flag, value in (("partition", partition), ("time", time_limit))
-        if value
-    )
-    gpus = "" if cpu_nodes else f"#SBATCH --gpus-per-node={spec.gpus_per_node}\n"
-    return f"""#!/bin/bash
-#SBATCH --job-name={job_name}
-#SBATCH --nodes={spec.nodes}
-#SBATCH --ntasks-per-node=1
-{gpus}#SBATCH --exclusive
-#SBATCH --output={shlex.quote(str(out / "slurm"))}/job-%j.out
-{asked}set -euo pipefail
-first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
-export MASTER_ADDR=$(scontrol show node "$first" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
-export MASTER_PORT=${{MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}}
-srun {shlex.quote(sys.executable)} -m torch.distributed.run \\
-  --nnodes={spec.nodes} --nproc-per-node={spec.gpus_per_node} \\
-  --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \\
-  -m porting.cli train {cmd}
-"""
+    return slurm.torchrun_script(
+        job_name, spec.nodes, spec.gpus_per_node, Path(spec.out) / "slurm", f"train {cmd}",
+        gpus_per_node=None if cpu_nodes else spec.gpus_per_node, partition=partition,
+        time_limit=time_limit,
+    )  # fmt: skip
 
 
 def follow_slurm(job_id: str, log: Path, poll_s: float = 1.0) -> None:
