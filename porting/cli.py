@@ -66,11 +66,16 @@ def main(argv: list[str] | None = None) -> int:
     for name in _OWN_PACKAGES:
         logging.getLogger(name).setLevel(logging.DEBUG if args.verbose else logging.INFO)
     before = guard.child_pids()
+    from porting.convert import ranks
+
+    if ranks.staging() is not None:  # a rank of a launched conversion ends with its launcher
+        guard.die_with_parent()
     try:
         with guard.signals_as_exceptions():
             try:
                 code = int(args.func(args) or 0)
             except BaseException as err:
+                ranks.record_failure(err)
                 stop = guard.stopped_by(err)
                 if stop is None or stop is err:
                     raise

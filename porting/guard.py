@@ -23,6 +23,7 @@ import errno
 import fcntl
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -414,3 +415,20 @@ def return_freed_memory() -> None:
         libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: fixed, so never raised
     except (OSError, AttributeError):
         return
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Have the kernel SIGKILL this process when its parent dies (Linux; elsewhere a no-op)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        return
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(137)

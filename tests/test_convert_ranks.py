@@ -140,3 +140,25 @@ def test_launch_flags_are_checked_before_anything_starts(tiny_llama, tmp_path):
     r = _import(tmp_path / "missing", out, *RANKS)
     assert r.returncode == 2 and "missing" in r.stderr
     _nothing_left(out)
+
+
+def test_verify_over_two_ranks_gives_the_one_process_verdict(tiny_llama, tiny_nemo, tmp_path):
+    """`porting verify --executor torchrun`: the gate as a pipeline of the ranks' layers gives one
+    process's report, passing and failing alike (layer 1, on the second rank, is broken)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_llama, broken)
+    weights = load_file(broken / "model.safetensors")
+    weights["model.layers.1.mlp.down_proj.weight"] *= 1.5
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    for hf, code in ((tiny_llama, 0), (broken, 1)):
+        argv = [sys.executable, "-m", "porting.cli", "verify", str(hf), str(tiny_nemo), "--json"]
+        one = run_in_session(argv, TIMEOUT)
+        two = run_in_session([*argv, *RANKS], TIMEOUT)
+        assert (one.returncode, two.returncode) == (code, code), (one.stderr + two.stderr)[-3000:]
+        _same_verdict(json.loads(one.stdout), json.loads(two.stdout))
+        assert two.stderr == "", two.stderr
+    assert json.loads(two.stdout)["first_divergent_layer"] == 1

@@ -12,6 +12,7 @@ from pathlib import Path
 from porting import guard, quiet
 from porting.convert.foreign import add_source_flags, source_inputs
 from porting.convert.layouts.registry import NAMES
+from porting.convert.ranks import add_launch_flags
 from porting.errors import PortingError
 from porting.parity.cli import add_gate_flags, print_report
 
@@ -118,75 +119,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_convert)
 
 
-def add_launch_flags(p: argparse.ArgumentParser) -> None:
-    """Flags that spread one conversion over several processes (docs/conversion.md)."""
-    g = p.add_argument_group("several processes")
-    g.add_argument(
-        "--executor",
-        choices=["local", "torchrun", "slurm"],
-        default="local",
-        help="local: this process; torchrun: --nproc-per-node ranks on this node, each producing "
-        "and writing its share of the tensors into the one checkpoint (Megatron's "
-        "fully-parallel save) and running its share of the gate's layers (a pipeline); slurm: "
-        "the same ranks on --nnodes nodes of a Slurm job (submitted, followed, cancelled with "
-        "Ctrl-C; --out must be on a file system every node sees). Default: local",
-    )
-    g.add_argument(
-        "--nproc-per-node",
-        type=int,
-        default=2,
-        metavar="N",
-        help="ranks per node with --executor torchrun or slurm (default 2)",
-    )
-    g.add_argument(
-        "--nnodes", type=int, default=2, metavar="N", help="nodes with --executor slurm (default 2)"
-    )
-    g.add_argument("--partition", help="--executor slurm: the partition (default: Slurm's)")
-    g.add_argument(
-        "--time",
-        dest="time_limit",
-        metavar="LIMIT",
-        help="--executor slurm: the job's time limit, as sbatch takes it (default: the "
-        "partition's)",
-    )
-
-
 def _launched(args, command: str, what: str, refuse_early=None) -> int:
-    """The launcher's side of ``--executor torchrun``: the same refusals as one process, the
-    output claimed here, the ranks run into its staging directory (porting.convert.ranks)."""
+    """The launcher's side of ``--executor torchrun|slurm``: the same refusals as one process,
+    the output claimed here, the ranks run into its staging directory (porting.convert.ranks)."""
     from porting.convert import ranks
     from porting.convert.checkpoint import claimed_output
 
-    for flag, value in (("--nproc-per-node", args.nproc_per_node), ("--nnodes", args.nnodes)):
-        if value < 1:
-            raise PortingError(f"{flag} must be at least 1, not {value}")
-    if args.executor == "slurm":
-        from porting import slurm
-
-        slurm.sbatch_path("--executor torchrun")
-    if args.whole_model:
-        raise PortingError("--whole-model is one process's gate; the ranks' gate is streamed")
-    if args.device == "cuda":
-        raise PortingError("--executor torchrun gates on the CPU; leave --device at auto or cpu")
+    ranks.check_launch_flags(args)
     quiet.offline()
     guard.check_outputs([("HF directory", args.hf_dir)], writes=[("--out", args.out)])
     if refuse_early is not None:
         refuse_early()
-    argv = ranks.rank_argv(sys.argv, command)
     with claimed_output(args.out, args.overwrite, what) as tmp:
-        if args.executor == "slurm":
-            nodes = args.nnodes
-            ranks.launch_slurm(
-                command, argv, tmp, nodes, args.nproc_per_node, args.partition, args.time_limit
-            )
-        else:
-            nodes = 1
-            ranks.launch_torchrun(command, argv, tmp, args.nproc_per_node)
-        said = ranks.report_of(tmp)
+        said, _ = ranks.launch(args, command, tmp)
     sys.stdout.write(said)
     if not args.json:
-        n = nodes * args.nproc_per_node
-        print(f"wrote {args.out} ({n} ranks{f' on {nodes} nodes' if nodes > 1 else ''})")
+        print(f"wrote {args.out} ({ranks.described(args)})")
     return 0
 
 
@@ -264,26 +212,22 @@ def _import_rank(args) -> int:
 
     quiet.offline()
     cpu.hide_gpus()
-    try:
-        import porting.api as api
+    import porting.api as api
 
-        quiet.quiet_nemo()
-        report = api.import_hf(
-            args.hf_dir,
-            args.out,
-            dtype=args.dtype,
-            allow_pickle=args.allow_pickle,
-            vocab_divisor=args.vocab_divisible_by,
-            verify=not args.no_verify,
-            atol=args.atol,
-            rtol=args.rtol,
-            show_progress=False,
-            family=args.family,
-            fmt=args.fmt,
-        )
-    except BaseException as err:
-        ranks.record_failure(err)
-        raise
+    quiet.quiet_nemo()
+    report = api.import_hf(
+        args.hf_dir,
+        args.out,
+        dtype=args.dtype,
+        allow_pickle=args.allow_pickle,
+        vocab_divisor=args.vocab_divisible_by,
+        verify=not args.no_verify,
+        atol=args.atol,
+        rtol=args.rtol,
+        show_progress=False,
+        family=args.family,
+        fmt=args.fmt,
+    )
     if ranks.rank() == 0:
         import io
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -93,9 +94,13 @@ def init_parallel(tp: int = 1, pp: int = 1, rank: int = 0, world_size: int = 1) 
 
     cpu.enable()
     if not torch.distributed.is_initialized():
-        cpu.ensure_rendezvous_env(world_size)
         backend = "nccl" if cpu.cuda_available() else "gloo"
-        torch.distributed.init_process_group(backend=backend, rank=rank, world_size=world_size)
+        if world_size == 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # a rank of a launched conversion (porting.convert.ranks): the launcher's world
+            torch.distributed.init_process_group(backend=backend)
+        else:
+            cpu.ensure_rendezvous_env(world_size)
+            torch.distributed.init_process_group(backend=backend, rank=rank, world_size=world_size)
     if parallel_state.model_parallel_is_initialized():
         if (
             parallel_state.get_tensor_model_parallel_world_size() == tp

@@ -25,10 +25,83 @@ import traceback
 from pathlib import Path
 
 from porting.errors import PortingError
+from porting.guard import Terminated
 
 STAGING_ENV = "PORTING_RANKS_STAGING"
 # Inside the staging directory, removed before it becomes the output.
 RANKS_DIR = ".porting-ranks"
+
+
+def add_launch_flags(p) -> None:
+    """Flags that spread one conversion over several processes (docs/conversion.md)."""
+    g = p.add_argument_group("several processes")
+    g.add_argument(
+        "--executor",
+        choices=["local", "torchrun", "slurm"],
+        default="local",
+        help="local: this process; torchrun: --nproc-per-node ranks on this node (an import's "
+        "ranks each write their share of the tensors into the one checkpoint, through "
+        "Megatron's fully-parallel save; the gate runs as a pipeline of the ranks' layers); "
+        "slurm: the same ranks on --nnodes nodes of a Slurm job, submitted and followed "
+        "(Ctrl-C cancels it; the output and this directory must be on a file system every "
+        "node sees). Default: local",
+    )
+    g.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=2,
+        metavar="N",
+        help="ranks per node with --executor torchrun or slurm (default 2)",
+    )
+    g.add_argument(
+        "--nnodes", type=int, default=2, metavar="N", help="nodes with --executor slurm (default 2)"
+    )
+    g.add_argument("--partition", help="--executor slurm: the partition (default: Slurm's)")
+    g.add_argument(
+        "--time",
+        dest="time_limit",
+        metavar="LIMIT",
+        help="--executor slurm: the job's time limit, as sbatch takes it (default: the "
+        "partition's)",
+    )
+
+
+def check_launch_flags(args) -> None:
+    """Refuse, before anything starts, launch flags that cannot work."""
+    for flag, value in (("--nproc-per-node", args.nproc_per_node), ("--nnodes", args.nnodes)):
+        if value < 1:
+            raise PortingError(f"{flag} must be at least 1, not {value}")
+    if args.whole_model:
+        raise PortingError("--whole-model is one process's gate; the ranks' gate is streamed")
+    if args.device == "cuda":
+        raise PortingError(
+            f"--executor {args.executor} gates on the CPU; leave --device at auto or cpu"
+        )
+    if args.executor == "slurm":
+        from porting import slurm
+
+        slurm.sbatch_path("--executor torchrun")
+
+
+def described(args) -> str:
+    """ "4 ranks on 2 nodes", "2 ranks"."""
+    nodes = args.nnodes if args.executor == "slurm" else 1
+    n = nodes * args.nproc_per_node
+    return f"{n} rank{'s' if n > 1 else ''}" + (f" on {nodes} nodes" if nodes > 1 else "")
+
+
+def launch(args, command: str, stage_dir: Path) -> tuple[str, bool]:
+    """Run ``porting COMMAND`` (this one's arguments, launch flags dropped) as the ranks the
+    flags ask for, writing into ``stage_dir``; return rank 0's report and its verdict."""
+    argv = rank_argv(sys.argv, command)
+    if args.executor == "slurm":
+        launch_slurm(
+            command, argv, stage_dir, args.nnodes, args.nproc_per_node, args.partition,
+            args.time_limit,
+        )  # fmt: skip
+    else:
+        launch_torchrun(command, argv, stage_dir, args.nproc_per_node)
+    return report_of(stage_dir)
 
 
 def staging() -> Path | None:
@@ -70,34 +143,39 @@ def record_failure(err: BaseException) -> None:
         return
     if isinstance(err, PortingError):
         text = str(err)
-    elif isinstance(err, (KeyboardInterrupt, SystemExit)):
-        return
+    elif isinstance(err, (KeyboardInterrupt, SystemExit, Terminated)):
+        return  # a stop: the launcher stopped the ranks and says so
     else:
         text = "".join(traceback.format_exception(err, limit=-3)).rstrip()
     where = root / RANKS_DIR
-    where.mkdir(exist_ok=True)
     path = where / f"rank-{rank()}.error"
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(text + "\n")
-    tmp.replace(path)
+    try:
+        where.mkdir(exist_ok=True)
+        tmp.write_text(text + "\n")
+        tmp.replace(path)
+    except OSError:  # the launcher removed the staging already: it knows
+        pass
 
 
-def leave_report(text: str) -> None:
-    """Rank 0's report, printed by the launcher once the output is in place."""
+def leave_report(text: str, passed: bool = True) -> None:
+    """Rank 0's report and verdict, printed by the launcher once the ranks are done."""
     where = staging() / RANKS_DIR
     where.mkdir(exist_ok=True)
     (where / "report.out").write_text(text)
+    (where / "verdict").write_text("passed\n" if passed else "failed\n")
 
 
-def report_of(stage_dir: Path) -> str:
-    """The report rank 0 left (empty without the gate), and the launch's files removed: what
-    remains of the staging directory is the checkpoint."""
+def report_of(stage_dir: Path) -> tuple[str, bool]:
+    """The report rank 0 left (empty without the gate) and its verdict; the launch's files
+    removed: what remains of the staging directory is the output."""
     import shutil
 
-    path = stage_dir / RANKS_DIR / "report.out"
-    said = path.read_text() if path.exists() else ""
-    shutil.rmtree(stage_dir / RANKS_DIR, ignore_errors=True)
-    return said
+    where = stage_dir / RANKS_DIR
+    said = (where / "report.out").read_text() if (where / "report.out").exists() else ""
+    passed = not (where / "verdict").exists() or (where / "verdict").read_text() == "passed\n"
+    shutil.rmtree(where, ignore_errors=True)
+    return said, passed
 
 
 def _root_cause(log: str) -> tuple[int, str] | None:
@@ -146,7 +224,7 @@ def launch_torchrun(command: str, argv: list[str], stage_dir: Path, nproc: int) 
     into ``stage_dir``; raise :class:`PortingError` naming the failing rank. Rank 0's output
     reaches this terminal; torchrun's own report goes to a log that the error quotes from.
     A stop of this process (Ctrl-C, SIGTERM) stops every rank before the staging is removed."""
-    from porting.train import stop
+    from porting.guard import die_with_parent
 
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -156,7 +234,7 @@ def launch_torchrun(command: str, argv: list[str], stage_dir: Path, nproc: int) 
     env = {"OMP_NUM_THREADS": "1"} | os.environ | {STAGING_ENV: str(stage_dir)}
     proc = subprocess.Popen(
         cmd, env=env, stderr=subprocess.PIPE, start_new_session=True,
-        preexec_fn=stop.die_with_parent,
+        preexec_fn=die_with_parent,
     )  # fmt: skip
     said: list[str] = []
     reader = threading.Thread(target=_forward, args=(proc.stderr, said), daemon=True)

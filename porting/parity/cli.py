@@ -89,8 +89,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_gate_flags(p)
     from porting.convert.foreign import add_source_flags
+    from porting.convert.ranks import add_launch_flags
 
     add_source_flags(p)
+    add_launch_flags(p)
     p.set_defaults(func=_cmd_verify)
 
 
@@ -102,6 +104,10 @@ def _cmd_verify(args) -> int:
     guard.check_outputs(reads, files=[("--plot", args.plot)])
     if args.plot and args.whole_model:
         raise PortingError("--plot needs the layer-streamed check (drop --whole-model)")
+    from porting.convert import ranks
+
+    if args.executor != "local":
+        return _verify_launched(args)
     quiet.offline()
     guard.return_freed_memory()
     from porting import cpu
@@ -128,6 +134,22 @@ def _cmd_verify(args) -> int:
             device=device,
             **kwargs,
         )
+    if ranks.staging() is None:
+        _say(report, args)
+    elif ranks.rank() == 0:  # the launcher prints it, and exits with its verdict
+        import contextlib
+        import io
+
+        said = io.StringIO()
+        with contextlib.redirect_stdout(said):
+            _say(report, args)
+        ranks.leave_report(said.getvalue(), report.passed)
+    if ranks.staging() is not None:
+        return 0
+    return 0 if report.passed else 1
+
+
+def _say(report, args) -> None:
     print_report(report, args.json)
     if args.plot:
         from porting.parity.plot import write_plot
@@ -136,4 +158,20 @@ def _cmd_verify(args) -> int:
         print(
             f"wrote {write_plot(report, args.plot)}", file=sys.stderr if args.json else sys.stdout
         )
-    return 0 if report.passed else 1
+
+
+def _verify_launched(args) -> int:
+    """``verify --executor torchrun|slurm``: the gate as a pipeline of the ranks' layers; their
+    report and verdict come back through a private directory (for Slurm, in this directory,
+    which every node must see)."""
+    import tempfile
+
+    from porting.convert import ranks
+
+    ranks.check_launch_flags(args)
+    quiet.offline()
+    here = "." if args.executor == "slurm" else None
+    with tempfile.TemporaryDirectory(prefix=".porting-verify-", dir=here) as stage:
+        said, passed = ranks.launch(args, "verify", Path(stage).absolute())
+    sys.stdout.write(said)
+    return 0 if passed else 1

@@ -1,11 +1,11 @@
 """A training run that is stopped leaves a run directory to resume from, and no process behind.
 
-- :func:`die_with_parent`: the kernel SIGKILLs this process when its parent dies. torchrun starts
-  each rank in a session of its own and a rank's own children (a checkpoint writer, a data
-  loader worker) are forked; the death signal is not inherited across ``fork``, so
-  :func:`guard_forked_children` asks for it again in every child a rank forks, and gives it the
-  default signal dispositions (a forked writer that raised our ``Terminated`` would print a
-  traceback and keep the futex it waited on).
+- :func:`~porting.guard.die_with_parent` (named here too, for the ranks): the kernel SIGKILLs
+  this process when its parent dies. torchrun starts each rank in a session of its own and a
+  rank's own children (a checkpoint writer, a data loader worker) are forked; the death signal
+  is not inherited across ``fork``, so :func:`guard_forked_children` asks for it again in every
+  child a rank forks, and gives it the default signal dispositions (a forked writer that raised
+  our ``Terminated`` would print a traceback and keep the futex it waited on).
 - :func:`run_settled` (a process of the run) and :func:`launched` (a launcher of ranks: torchrun,
   NeMo-Run): a stop, or a full disk, stops what the process started and settles the run
   directory; one line says what is kept.
@@ -27,25 +27,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from porting import guard
+from porting.guard import die_with_parent
 
-_PR_SET_PDEATHSIG = 1
 LAUNCHER_ENV = "PORTING_TRAIN_LAUNCHER"  # "pid:create_time" of the process that started the ranks
 UNFINISHED = "-unfinished"  # NeMo's ModelCheckpoint.UNFINISHED_CHECKPOINT_SUFFIX
 TMP_PREFIX = ".tmp-launcher-"
-
-
-def die_with_parent() -> None:
-    """Have the kernel SIGKILL this process when its parent dies (Linux; elsewhere a no-op)."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    parent = os.getppid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        return
-    if os.getppid() != parent:  # the parent died before the request took effect
-        os._exit(137)
 
 
 def _in_forked_child() -> None:
