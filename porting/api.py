@@ -117,17 +117,26 @@ def export_hf(
 
     if quantize not in (None, FP8_BLOCK):
         raise PortingError(f"--quantize must be {FP8_BLOCK}, not {quantize!r}")
+    from porting.convert import ranks
+
     given = ckpt.path if isinstance(ckpt, Checkpoint) else ckpt
     refuse_overlap(out, [("checkpoint", given)])
-    report = None
-    with claimed_output(out, overwrite, "HF directory") as tmp:
+    first = ranks.rank() == 0
+
+    def into(tmp: Path):
+        report = None
         checkpoint = open_checkpoint(ckpt)
         family = family_by_name(checkpoint.family)
         export_into(checkpoint, tmp, family, max_shard_bytes)
-        _unquantized_config(tmp, checkpoint.manifest.dtype)
+        if first:
+            _unquantized_config(tmp, checkpoint.manifest.dtype)
+        if ranks.world_size() > 1:
+            import torch
+
+            torch.distributed.barrier()  # the whole directory is there before any rank reads
         if verify:
             report = _gate(tmp, checkpoint, tmp, atol, rtol, whole_model, show_progress, device)
-        if quantize == FP8_BLOCK:
+        if quantize == FP8_BLOCK and first:
             from porting.convert.quant_export import quantize_export
 
             hf_class = family.hf_class(checkpoint.manifest.hf_architecture)
@@ -135,7 +144,14 @@ def export_hf(
             log.info(
                 "%s: %d weights written as FP8 in 128x128 blocks (quantization_config fp8)", out, n
             )
-    return report
+        return report
+
+    # A rank of `porting export --executor torchrun|slurm` (porting.convert.ranks): see import_hf.
+    staging = ranks.staging()
+    if staging is not None:
+        return into(staging)
+    with claimed_output(out, overwrite, "HF directory") as tmp:
+        return into(tmp)
 
 
 FP8_BLOCK = "fp8-block"

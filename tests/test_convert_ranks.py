@@ -1,9 +1,10 @@
-"""One import over two processes (`--executor torchrun`, gloo on the CPU).
+"""One conversion over two processes (`--executor torchrun`, gloo on the CPU).
 
-Each rank writes its share of the tensors into the one torch_dist checkpoint (Megatron's
-fully-parallel save) and runs its share of the gate's layers (a pipeline); the result must be the
-one-process import's: the same tensors bit for bit, the same context, the same verdict and the
-same logit differences. A rank killed mid-write, a stop of the launcher and a second run on the
+An import's ranks each write their share of the tensors into the one torch_dist checkpoint
+(Megatron's fully-parallel save), an export's their share into the planned safetensors shards,
+and the gate runs as a pipeline of the ranks' layers; the result must be one process's: the same
+tensors bit for bit (the export's files byte for byte), the same context, the same verdict and
+the same logit differences. A rank killed mid-write, a stop of the launcher and a second run on the
 same output leave nothing and say what happened.
 """
 
@@ -68,6 +69,21 @@ def test_two_ranks_write_the_one_process_checkpoint(variant, tiny_llama, tmp_pat
     assert two.stderr.splitlines() == [
         line for line in one.stderr.splitlines() if line.startswith("imported ")
     ], two.stderr
+    # and back: the ranks write their shares into the planned shards, byte for byte one
+    # process's (shards small enough that every rank has several to write into)
+    exports = {}
+    for name, extra in (("one", ()), ("two", RANKS)):
+        argv = [sys.executable, "-m", "porting.cli", "export", str(tmp_path / name), "--out",
+                str(tmp_path / f"hf-{name}"), "--max-shard-gb", "0.00005", "--json", *extra]  # fmt: skip
+        done = run_in_session(argv, TIMEOUT)
+        assert done.returncode == 0, done.stderr[-3000:]
+        exports[name] = json.loads(done.stdout)
+    _same_verdict(exports["one"], exports["two"])
+    files = sorted(p.name for p in (tmp_path / "hf-one").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "hf-two").iterdir())
+    assert len([f for f in files if f.endswith(".safetensors")]) > 2
+    for f in files:
+        assert (tmp_path / "hf-one" / f).read_bytes() == (tmp_path / "hf-two" / f).read_bytes(), f
 
 
 _KILL_RANK_1 = """

@@ -96,6 +96,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_source_flags(p)
     p.add_argument("--json", action="store_true", help="print the parity report as JSON")
     add_gate_flags(p)
+    add_launch_flags(p)
     p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser(
@@ -119,7 +120,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_convert)
 
 
-def _launched(args, command: str, what: str, refuse_early=None) -> int:
+def _launched(args, command: str, what: str, reads, refuse_early=None) -> int:
     """The launcher's side of ``--executor torchrun|slurm``: the same refusals as one process,
     the output claimed here, the ranks run into its staging directory (porting.convert.ranks)."""
     from porting.convert import ranks
@@ -127,7 +128,7 @@ def _launched(args, command: str, what: str, refuse_early=None) -> int:
 
     ranks.check_launch_flags(args)
     quiet.offline()
-    guard.check_outputs([("HF directory", args.hf_dir)], writes=[("--out", args.out)])
+    guard.check_outputs(reads, writes=[("--out", args.out)])
     if refuse_early is not None:
         refuse_early()
     with claimed_output(args.out, args.overwrite, what) as tmp:
@@ -177,7 +178,7 @@ def _cmd_import(args) -> int:
     reads = [("HF directory", args.hf_dir)]
     early = lambda: family_for_hf_dir(args.hf_dir, args.family)  # noqa: E731
     if args.executor != "local":
-        return _launched(args, "import", "checkpoint", early)
+        return _launched(args, "import", "checkpoint", reads, early)
     if ranks.staging() is not None:
         return _import_rank(args)
     with _converting(args, reads, "checkpoint", early) as device:
@@ -208,7 +209,6 @@ def _cmd_import(args) -> int:
 def _import_rank(args) -> int:
     """One rank of a launched import: the launcher holds the output and its lock."""
     from porting import cpu
-    from porting.convert import ranks
 
     quiet.offline()
     cpu.hide_gpus()
@@ -228,15 +228,47 @@ def _import_rank(args) -> int:
         family=args.family,
         fmt=args.fmt,
     )
-    if ranks.rank() == 0:
-        import io
+    _leave_report(report, args)
+    return 0
 
+
+def _export_rank(args) -> int:
+    """One rank of a launched export: the launcher holds the output and its lock."""
+    from porting import cpu
+
+    quiet.offline()
+    cpu.hide_gpus()
+    import porting.api as api
+    from porting.convert.foreign import reading
+
+    quiet.quiet_nemo()
+    with reading(args.ckpt, args.src_format, args.hf_config, args.tokenizer):
+        report = api.export_hf(
+            args.ckpt,
+            args.out,
+            verify=not args.no_verify,
+            max_shard_bytes=int(args.max_shard_gb * 2**30),
+            show_progress=False,
+            atol=args.atol,
+            rtol=args.rtol,
+            quantize=args.quantize,
+        )
+    _leave_report(report, args)
+    return 0
+
+
+def _leave_report(report, args) -> None:
+    """Rank 0 of a launched conversion leaves its report for the launcher to print."""
+    import io
+
+    from porting.convert import ranks
+
+    if ranks.rank() == 0:
         said = io.StringIO()
         if report is not None:
             with contextlib.redirect_stdout(said):
                 print_report(report, args.json)
         ranks.leave_report(said.getvalue())
-    return 0
 
 
 def _open_early(args, ckpt) -> None:
@@ -266,8 +298,14 @@ def _refuse_source_early(args) -> None:
 
 
 def _cmd_export(args) -> int:
+    from porting.convert import ranks
+
     reads = source_inputs("checkpoint", args.ckpt, args)
     early = lambda: _open_early(args, args.ckpt)  # noqa: E731
+    if args.executor != "local":
+        return _launched(args, "export", "HF directory", reads, early)
+    if ranks.staging() is not None:
+        return _export_rank(args)
     with _converting(args, reads, "HF directory", early) as device:
         from porting.api import export_hf
         from porting.convert.foreign import reading

@@ -14,6 +14,7 @@ import contextlib
 import gc
 import json
 import logging
+import math
 import os
 import shutil
 from pathlib import Path
@@ -37,7 +38,7 @@ from porting.convert.dist_reader import CheckpointParameters, DistCheckpointRead
 from porting.convert.hf_files import read_hf_config
 from porting.convert.layouts import check_saved_metadata
 from porting.convert.manifest import EXTRA_HF_FILES, Manifest, write_manifest
-from porting.convert.mapping import WeightProducer, export_weights, import_weights
+from porting.convert.mapping import WeightProducer, export_owners, export_weights, import_weights
 from porting.convert.megatron import (
     DTYPES,
     build_config,
@@ -459,16 +460,34 @@ def export_into(
         (key, tuple(t.shape), dtype_of(key))
         for key, t in export_weights(meta, family.weights, ctx, ctx.num_layers)
     ]
-    writer = StreamingShardWriter(out, specs, max_shard_bytes)
+    # A launched export: each rank makes and writes its share of the tensors into the planned
+    # files (porting.convert.ranks), rank 0 made them first and names them once all are done.
+    world, rank = ranks.world_size(), ranks.rank()
+    keep = None
+    if world > 1:
+        sizes = {key: math.prod(shape) * dtype.itemsize for key, shape, dtype in specs}
+        owner = export_owners(family.weights, ctx, ctx.num_layers, meta, sizes, world)
+        keep = lambda key: owner[key] == rank  # noqa: E731
+    writer = StreamingShardWriter(
+        out, specs, max_shard_bytes,
+        mine=None if keep is None else {k for k in owner if keep(k)}, create=rank == 0,
+    )  # fmt: skip
+    if world > 1:
+        torch.distributed.barrier()  # the files exist, at their sizes, before any rank writes
     loc = checkpoint.located
     reader = DistCheckpointReader(loc.weights)
     sharded = model.sharded_state_dict(prefix=loc.prefix)
     check_nemo_layout(sharded, reader, str(loc.manifest_path))
     params = CheckpointParameters(reader, sharded, meta, loc.prefix)
-    for key, tensor in export_weights(params, family.weights, ctx, ctx.num_layers):
+    for key, tensor in export_weights(params, family.weights, ctx, ctx.num_layers, keep):
         writer.write(key, tensor.to(dtype_of(key)))
         del tensor
-    writer.close()
+    writer.finish()
+    if world > 1:
+        torch.distributed.barrier()
+    if rank != 0:
+        return manifest
+    writer.publish()
     del model, meta
     gc.collect()
     hf_config = config_map.to_hf(config, manifest.hf_config, family.config_entries)

@@ -147,15 +147,57 @@ def import_weights(
     return producer.finish()
 
 
+def export_owners(
+    table: Iterable[Entry],
+    ctx: Any,
+    num_layers: int,
+    mcore_keys: Iterable[str],
+    nbytes: Mapping[str, int],
+    ranks: int,
+) -> dict[str, int]:
+    """Which of ``ranks`` ranks makes each HF tensor of an export (``nbytes``: each HF tensor's
+    size): the tensors that one table entry makes, or that are slices of one stacked tensor, go
+    together, and the groups are dealt largest first to the rank with the fewest bytes so far.
+    The same on every rank (a function of the table and the sizes only)."""
+    entries, _ = expand(table, ctx, num_layers)
+    entries = resolve_target_names(entries, list(mcore_keys))
+    group: dict[str, str] = {}  # union-find over the stored HF keys an entry touches
+
+    def find(k: str) -> str:
+        while group.setdefault(k, k) != k:
+            k = group[k]
+        return k
+
+    for c in entries:
+        stored = [stored_key(k) for k in c.hf]
+        for k in stored[1:]:
+            group[find(k)] = find(stored[0])
+        find(stored[0])
+    members: dict[str, list[str]] = {}
+    for k in group:
+        members.setdefault(find(k), []).append(k)
+    load = [0] * ranks
+    owner: dict[str, int] = {}
+    units = sorted(members.values(), key=lambda ks: (-sum(nbytes[k] for k in ks), min(ks)))
+    for keys in units:
+        rank = min(range(ranks), key=lambda r: (load[r], r))
+        load[rank] += sum(nbytes[k] for k in keys)
+        owner.update(dict.fromkeys(keys, rank))
+    return owner
+
+
 def export_weights(
     source: Mapping[str, torch.Tensor],
     table: Iterable[Entry],
     ctx: Any,
     num_layers: int,
+    keep: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_key, tensor)`` pairs derived from Megatron parameters through the inverse table.
 
     Every Megatron parameter must be used exactly once; an unused one is an error (it would be lost).
+    ``keep``: only the entries whose (stored) HF tensor it keeps are read and made (a rank's share
+    of a launched export, :func:`export_owners`); the checks above still cover the whole table.
     """
     entries, _ = expand(table, ctx, num_layers)
     entries = resolve_target_names(entries, source.keys())
@@ -179,6 +221,8 @@ def export_weights(
         for k in c.hf:
             if (part := stacked_part(k)) is not None:
                 count[part[0]] = count.get(part[0], 0) + 1
+    if keep is not None:
+        entries = [c for c in entries if keep(stored_key(c.hf[0]))]
     for c in entries:
         outs = c.transform.inverse(source[c.mcore], ctx)
         if len(outs) != len(c.hf):

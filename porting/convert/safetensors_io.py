@@ -547,7 +547,12 @@ class StreamingShardWriter:
         out_dir: Path,
         specs: list[tuple[str, tuple[int, ...], torch.dtype]],
         max_shard_bytes: int = 5 * 2**30,
+        mine: set[str] | None = None,
+        create: bool = True,
     ) -> None:
+        """``mine``: the tensors this writer writes (default all): the ranks of a launched export
+        write their shares into the same planned files, which the one with ``create`` makes
+        (headers, sizes) before the others open them."""
         self.out_dir = Path(out_dir)
         self._where: dict[str, tuple[int, int, int, torch.dtype, tuple[int, ...]]] = {}
         shards: list[list[tuple[str, tuple[int, ...], torch.dtype, int]]] = [[]]
@@ -581,14 +586,15 @@ class StreamingShardWriter:
                 offset += nbytes
             raw = json.dumps(header, separators=(",", ":")).encode()
             raw += b" " * (-len(raw) % 8)
-            with open(self._paths[i], "wb") as f:
-                f.write(struct.pack("<Q", len(raw)))
-                f.write(raw)
-                f.truncate(8 + len(raw) + offset)
+            if create:
+                with open(self._paths[i], "wb") as f:
+                    f.write(struct.pack("<Q", len(raw)))
+                    f.write(raw)
+                    f.truncate(8 + len(raw) + offset)
             for key, shape, dtype, nbytes in ordered:
                 start = header[key]["data_offsets"][0]
                 self._where[key] = (i, 8 + len(raw) + start, nbytes, dtype, shape)
-        self._pending = set(self._where)
+        self._pending = set(self._where) if mine is None else set(self._where) & set(mine)
 
     def write(self, key: str, tensor: torch.Tensor) -> None:
         """Write one tensor's bytes at its place (its name, shape and dtype as announced)."""
@@ -606,8 +612,8 @@ class StreamingShardWriter:
             f.write(memoryview(data))
         self._pending.discard(key)
 
-    def close(self) -> list[Path]:
-        """Check every tensor arrived, name the shards and write the index; the shard paths."""
+    def finish(self) -> None:
+        """Check every tensor of this writer's share arrived, and its bytes are on disk."""
         if self._pending:
             raise PortingError(
                 f"export did not produce {len(self._pending)} announced tensor(s): "
@@ -616,6 +622,15 @@ class StreamingShardWriter:
         for path in self._paths:
             with open(path, "r+b") as f:
                 os.fsync(f.fileno())
+
+    def close(self) -> list[Path]:
+        """Check every tensor arrived, name the shards and write the index; the shard paths.
+        (A launched export: every rank's :meth:`finish` first, then one rank's ``close``.)"""
+        self.finish()
+        return self.publish()
+
+    def publish(self) -> list[Path]:
+        """Name the shards and write the index; the shard paths."""
         n = len(self._paths)
         if n == 1:
             final = self.out_dir / SAFE_SINGLE
