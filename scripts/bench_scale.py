@@ -315,6 +315,27 @@ def mtp_shapes(shapes: dict, fields: dict) -> dict:
     return out
 
 
+def disk_rate(where: Path) -> tuple[float, float]:
+    """Bytes per second written and read by ``dd`` with O_DIRECT (the page cache bypassed),
+    2 GiB in 16 MiB blocks: the rate a conversion's streaming reads and writes can reach."""
+    where.mkdir(parents=True, exist_ok=True)
+    probe = where / "disk-probe"
+    rates = []
+    for argv in (
+        ["dd", "if=/dev/zero", f"of={probe}", "bs=16M", "count=128", "oflag=direct"],
+        ["dd", f"if={probe}", "of=/dev/null", "bs=16M", "iflag=direct"],
+    ):
+        t = time.perf_counter()
+        subprocess.run(argv, check=True, capture_output=True)
+        rates.append(2**31 / (time.perf_counter() - t))
+    probe.unlink()
+    return rates[0], rates[1]
+
+
+RANK_STEPS = ("import-2", "verify-2", "export-2")
+TWO_RANKS = ["--executor", "torchrun", "--nproc-per-node", "2"]
+
+
 def write_sized(out: Path, size: str) -> int:
     if size in ARCH_SIZES:
         return write_arch_checkpoint(out, size)
@@ -339,9 +360,13 @@ def timed(cmd: list[str], log: Path) -> dict:
         except ValueError:
             pass
     m = re.search(r"Maximum resident set size \(kbytes\): (\d+)", text)
+    # blocks of 512 bytes that reached the disk (page-cache hits are not counted)
+    io = [re.search(rf"File system {w}: (\d+)", text) for w in ("inputs", "outputs")]
     row = {
         "wall_s": wall,
         "peak_rss": int(m.group(1)) * 1024 if m else None,
+        "disk_read": int(io[0].group(1)) * 512 if io[0] else None,
+        "disk_written": int(io[1].group(1)) * 512 if io[1] else None,
         "rc": proc.returncode,
         "oom": "Killed" in text or proc.returncode in (-9, 137),
         "gate_s": gate.get("wall_s"),
@@ -387,16 +412,22 @@ def main() -> int:
         "--steps",
         nargs="*",
         default=["import", "verify", "export"],
-        choices=["import", "import-no-gate", "verify", "export", *LAYOUT_STEPS],
+        choices=["import", "import-no-gate", "verify", "export", *LAYOUT_STEPS, *RANK_STEPS],
         help="our commands to run (none: only --nemo); import-no-gate: import --no-verify, to "
         "see what the gate adds; import-megatron-lm / import-megatron-bridge: import --format; "
         "export-megatron-lm: export of the Megatron-LM checkpoint (after import-megatron-lm); "
-        "convert-megatron-bridge: convert of the NeMo checkpoint (after import)",
+        "convert-megatron-bridge: convert of the NeMo checkpoint (after import); import-2, "
+        "verify-2, export-2: the same over two torchrun ranks (--executor torchrun; the peak "
+        "is the largest one process's, a rank's)",
     )
     p.add_argument("--json", type=Path, help="also write the rows as JSON")
+    p.add_argument(
+        "--disk", action="store_true", help="first measure the work directory's disk (dd, 2 GiB)"
+    )
     args = p.parse_args()
     porting = [sys.executable, "-m", "porting.cli"]
     rows = []
+    rate = disk_rate(args.workdir) if args.disk else None
     for size in args.sizes:
         work = args.workdir / size
         shutil.rmtree(work, ignore_errors=True)
@@ -413,6 +444,12 @@ def main() -> int:
             "verify": porting + ["verify", str(work / "hf"), str(work / "nemo"), "--json"],
             "export": porting
             + ["export", str(work / "nemo"), "--out", str(work / "hf-out"), "--json"],
+            "import-2": porting
+            + ["import", str(work / "hf"), "--out", str(work / "nemo-2"), "--json", *TWO_RANKS],
+            "verify-2": porting
+            + ["verify", str(work / "hf"), str(work / "nemo"), "--json", *TWO_RANKS],
+            "export-2": porting
+            + ["export", str(work / "nemo"), "--out", str(work / "hf-out"), "--json", *TWO_RANKS],
             "import-megatron-lm": porting
             + [
                 "import",
@@ -447,11 +484,11 @@ def main() -> int:
             ],
         }
         for step in args.steps:
-            if step == "export":
+            if step == "export" and not set(args.steps) & {"import-2", "verify-2"}:
                 shutil.rmtree(work / "hf", ignore_errors=True)  # disk: export needs only nemo/
             r = timed(steps[step], work / f"{step}.log")
             # disk: what no later step reads
-            for done in ("nemo-no-gate", "bridge", "converted", "hf-out"):
+            for done in ("nemo-no-gate", "nemo-2", "bridge", "converted", "hf-out"):
                 shutil.rmtree(work / done, ignore_errors=True)
             if step == "export-megatron-lm":
                 shutil.rmtree(work / "mlm", ignore_errors=True)
@@ -484,9 +521,11 @@ def main() -> int:
             shutil.copy(log, args.workdir / f"{size}-{log.name}")
         shutil.rmtree(work, ignore_errors=True)
     print()
+    if rate:
+        print(f"disk: {rate[0] / 1e6:.0f} MB/s written, {rate[1] / 1e6:.0f} MB/s read (O_DIRECT)")
     print(
         f"{'size':<15}{'step':<22}{'wall s':>8}{'peak RSS GiB':>14}{'peak/weights':>14}"
-        f"{'gate s':>8}{'floor s':>9}{'gate/floor':>12}  result"
+        f"{'gate s':>8}{'floor s':>9}{'gate/floor':>12}{'disk GB r/w':>14}{'MB/s':>7}  result"
     )
     for r in rows:
         peak = r["peak_rss"] or 0
@@ -501,9 +540,12 @@ def main() -> int:
                 (r.get("gate_ratio"), 12),
             )
         )
+        moved = (r.get("disk_read") or 0) + (r.get("disk_written") or 0)
+        disk = f"{(r.get('disk_read') or 0) / 1e9:.1f}/{(r.get('disk_written') or 0) / 1e9:.1f}"
         print(
             f"{r['size']:<15}{r['step']:<22}{r['wall_s']:>8.0f}{peak / 2**30:>14.2f}"
-            f"{peak / r['weights']:>14.2f}{gate}  {result}"
+            f"{peak / r['weights']:>14.2f}{gate}{disk:>14}{moved / r['wall_s'] / 1e6:>7.0f}"
+            f"  {result}"
         )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

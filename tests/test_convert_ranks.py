@@ -178,3 +178,22 @@ def test_verify_over_two_ranks_gives_the_one_process_verdict(tiny_llama, tiny_ne
         _same_verdict(json.loads(one.stdout), json.loads(two.stdout))
         assert two.stderr == "", two.stderr
     assert json.loads(two.stdout)["first_divergent_layer"] == 1
+
+
+def test_the_gates_memory_is_counted_for_every_rank_on_the_node(tiny_llama, monkeypatch):
+    """Four ranks on a node each hold a gate at once: what fits one is refused for four."""
+    from porting.contract.registry import family_by_name
+    from porting.convert import preflight
+    from porting.convert.hf_files import read_hf_config
+    from porting.convert.table_check import hf_meta_shapes
+    from porting.errors import PortingError
+
+    config = read_hf_config(tiny_llama)
+    shapes = hf_meta_shapes(family_by_name("llama"), config)
+    need, _ = preflight.gate_memory(shapes, False)
+    monkeypatch.setattr(preflight, "available_bytes", lambda: 2 * need)
+    preflight.check_gate_memory("import", shapes, config, False)  # one process: fits
+    monkeypatch.setenv("PORTING_RANKS_STAGING", "/nonexistent")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(PortingError, match="at once on each of the 4 ranks on this node"):
+        preflight.check_gate_memory("import", shapes, config, False)

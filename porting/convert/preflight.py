@@ -19,11 +19,13 @@ Shapes are then checked tensor by tensor once the (bounded) meta models exist
 from __future__ import annotations
 
 import fnmatch
+import os
 import re
 from typing import TYPE_CHECKING, Any
 
 from porting.contract.family import Family
 from porting.contract.mapping import EXPERT, LAYER, MTP, Ignore, Rename
+from porting.convert.ranks import STAGING_ENV
 from porting.errors import PortingError
 
 if TYPE_CHECKING:
@@ -208,12 +210,17 @@ def check_gate_memory(
         # absent, transformers' PretrainedConfig default (tied) is the larger need
         need, parts = gate_memory(shapes, bool(hf_config.get("tie_word_embeddings", True)))
     have = available_bytes()
-    if need > have:
+    # the ranks of a launched conversion on this node each hold a gate of their own at once
+    here = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if os.environ.get(STAGING_ENV) else 1
+    if need * here > have:
         detail = ", ".join(f"{part} {size(n)}" for part, n in parts.items() if n)
+        each = f" on each of the {here} ranks on this node" if here > 1 else ""
+        fewer = ", fewer ranks per node (--nproc-per-node)" if here > 1 else ""
         raise PortingError(
-            f"the parity gate of {step} needs about {size(need)} at once (of: {detail}); this "
-            f"machine has {size(have)} free. Free memory, run the gate on a GPU (--device cuda), "
-            "or convert with --no-verify here and run `porting verify` where the memory is"
+            f"the parity gate of {step} needs about {size(need)} at once{each} (of: {detail}); "
+            f"this machine has {size(have)} free. Free memory{fewer}, run the gate on a GPU "
+            "(--device cuda), or convert with --no-verify here and run `porting verify` where "
+            "the memory is"
         )
 
 
