@@ -81,12 +81,19 @@ def import_hf(
             )
         return None
 
-    # A rank of `porting import --executor torchrun|slurm` writes into the staging directory its
-    # launcher claimed (porting.convert.ranks); the launcher moves it into place.
+    return _written(out, overwrite, "checkpoint", into)
+
+
+def _written(out, overwrite: bool, what: str, into):
+    """``into(directory)`` on a temporary directory that becomes ``out`` if it succeeds; a rank
+    of a launched conversion (``--executor torchrun|slurm``) writes into the staging directory
+    its launcher claimed instead, and the launcher moves it into place (porting.convert.ranks)."""
+    from porting.convert import ranks
+
     staging = ranks.staging()
     if staging is not None:
         return into(staging)
-    with claimed_output(out, overwrite, "checkpoint") as tmp:
+    with claimed_output(out, overwrite, what) as tmp:
         return into(tmp)
 
 
@@ -146,12 +153,7 @@ def export_hf(
             )
         return report
 
-    # A rank of `porting export --executor torchrun|slurm` (porting.convert.ranks): see import_hf.
-    staging = ranks.staging()
-    if staging is not None:
-        return into(staging)
-    with claimed_output(out, overwrite, "HF directory") as tmp:
-        return into(tmp)
+    return _written(out, overwrite, "HF directory", into)
 
 
 FP8_BLOCK = "fp8-block"

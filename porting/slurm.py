@@ -104,6 +104,7 @@ def torchrun_script(
     time_limit: str | None = None,
     sbatch_lines: tuple[str, ...] = (),
     exports: dict[str, str] | None = None,
+    shell_lines: tuple[str, ...] = (),
 ) -> str:
     """A batch script that runs ``porting COMMAND`` (already quoted) as torchrun ranks on every
     node of the allocation, the job's log in ``log_dir/job-ID.out``.
@@ -121,6 +122,7 @@ def torchrun_script(
         lines.append(f"#SBATCH --gpus-per-node={gpus_per_node}")
     head = "".join(f"{line}\n" for line in (*lines, *sbatch_lines))
     env = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in (exports or {}).items())
+    env += "".join(f"{line}\n" for line in shell_lines)
     return f"""#!/bin/bash
 #SBATCH --job-name={job_name}
 #SBATCH --nodes={nodes}

@@ -332,7 +332,7 @@ def disk_rate(where: Path) -> tuple[float, float]:
     return rates[0], rates[1]
 
 
-RANK_STEPS = ("import-2", "verify-2", "export-2")
+RANK_STEPS = ("import-2", "import-2-no-gate", "verify-2", "export-2")
 TWO_RANKS = ["--executor", "torchrun", "--nproc-per-node", "2"]
 
 
@@ -446,6 +446,15 @@ def main() -> int:
             + ["export", str(work / "nemo"), "--out", str(work / "hf-out"), "--json"],
             "import-2": porting
             + ["import", str(work / "hf"), "--out", str(work / "nemo-2"), "--json", *TWO_RANKS],
+            "import-2-no-gate": porting
+            + [
+                "import",
+                str(work / "hf"),
+                "--out",
+                str(work / "nemo-2"),
+                "--no-verify",
+                *TWO_RANKS,
+            ],
             "verify-2": porting
             + ["verify", str(work / "hf"), str(work / "nemo"), "--json", *TWO_RANKS],
             "export-2": porting

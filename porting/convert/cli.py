@@ -187,18 +187,10 @@ def _cmd_import(args) -> int:
         report = import_hf(
             args.hf_dir,
             args.out,
-            overwrite=args.overwrite,
-            dtype=args.dtype,
-            allow_pickle=args.allow_pickle,
-            vocab_divisor=args.vocab_divisible_by,
-            verify=not args.no_verify,
-            atol=args.atol,
-            rtol=args.rtol,
+            **_import_options(args),
             whole_model=args.whole_model,
             show_progress=sys.stderr.isatty(),
-            family=args.family,
             device=device,
-            fmt=args.fmt,
         )
     print_report(report, args.json)
     if not args.json:
@@ -206,54 +198,67 @@ def _cmd_import(args) -> int:
     return 0
 
 
-def _import_rank(args) -> int:
-    """One rank of a launched import: the launcher holds the output and its lock."""
-    from porting import cpu
-
-    quiet.offline()
-    cpu.hide_gpus()
-    import porting.api as api
-
-    quiet.quiet_nemo()
-    report = api.import_hf(
-        args.hf_dir,
-        args.out,
+def _import_options(args) -> dict:
+    """What ``porting import``'s flags ask of :func:`porting.api.import_hf`, in one process or
+    in each rank of a launched import."""
+    return dict(
+        overwrite=args.overwrite,
         dtype=args.dtype,
         allow_pickle=args.allow_pickle,
         vocab_divisor=args.vocab_divisible_by,
         verify=not args.no_verify,
         atol=args.atol,
         rtol=args.rtol,
-        show_progress=False,
         family=args.family,
         fmt=args.fmt,
     )
-    _leave_report(report, args)
-    return 0
+
+
+def _import_rank(args) -> int:
+    """One rank of a launched import: the launcher holds the output and its lock."""
+    return _in_rank(
+        args,
+        lambda api: api.import_hf(
+            args.hf_dir, args.out, **_import_options(args), show_progress=False
+        ),
+    )
+
+
+def _export_options(args) -> dict:
+    """What ``porting export``'s flags ask of :func:`porting.api.export_hf` (one process or a
+    rank)."""
+    return dict(
+        overwrite=args.overwrite,
+        verify=not args.no_verify,
+        max_shard_bytes=int(args.max_shard_gb * 2**30),
+        atol=args.atol,
+        rtol=args.rtol,
+        quantize=args.quantize,
+    )
 
 
 def _export_rank(args) -> int:
     """One rank of a launched export: the launcher holds the output and its lock."""
+    from porting.convert.foreign import reading
+
+    def run(api):
+        with reading(args.ckpt, args.src_format, args.hf_config, args.tokenizer):
+            return api.export_hf(args.ckpt, args.out, **_export_options(args), show_progress=False)
+
+    return _in_rank(args, run)
+
+
+def _in_rank(args, run) -> int:
+    """A rank's prologue (offline, no GPU: the ranks gate on the CPU; NeMo quieted once
+    imported), ``run(porting.api)``, and rank 0's report left for the launcher."""
     from porting import cpu
 
     quiet.offline()
     cpu.hide_gpus()
     import porting.api as api
-    from porting.convert.foreign import reading
 
     quiet.quiet_nemo()
-    with reading(args.ckpt, args.src_format, args.hf_config, args.tokenizer):
-        report = api.export_hf(
-            args.ckpt,
-            args.out,
-            verify=not args.no_verify,
-            max_shard_bytes=int(args.max_shard_gb * 2**30),
-            show_progress=False,
-            atol=args.atol,
-            rtol=args.rtol,
-            quantize=args.quantize,
-        )
-    _leave_report(report, args)
+    _leave_report(run(api), args)
     return 0
 
 
@@ -314,15 +319,10 @@ def _cmd_export(args) -> int:
             report = export_hf(
                 args.ckpt,
                 args.out,
-                overwrite=args.overwrite,
-                verify=not args.no_verify,
-                max_shard_bytes=int(args.max_shard_gb * 2**30),
+                **_export_options(args),
                 whole_model=args.whole_model,
                 show_progress=sys.stderr.isatty(),
-                atol=args.atol,
-                rtol=args.rtol,
                 device=device,
-                quantize=args.quantize,
             )
     print_report(report, args.json)
     if not args.json:

@@ -230,8 +230,11 @@ def launch_torchrun(command: str, argv: list[str], stage_dir: Path, nproc: int) 
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc-per-node={nproc}", "-m", "porting.cli", command, *argv,
     ]  # fmt: skip
-    # torchrun prints a banner per run when OMP_NUM_THREADS is unset; given, it is quiet.
-    env = {"OMP_NUM_THREADS": "1"} | os.environ | {STAGING_ENV: str(stage_dir)}
+    # A conversion's ranks compute on the host: each gets its share of this node's cores (torchrun
+    # would give each one thread, with a banner saying so); a value the user set stands.
+    cores = len(os.sched_getaffinity(0))
+    threads = {"OMP_NUM_THREADS": str(max(1, cores // nproc))}
+    env = threads | os.environ | {STAGING_ENV: str(stage_dir)}
     proc = subprocess.Popen(
         cmd, env=env, stderr=subprocess.PIPE, start_new_session=True,
         preexec_fn=die_with_parent,
@@ -306,7 +309,12 @@ def launch_slurm(
             f"porting-{command}", nodes, nproc, where,
             " ".join(shlex.quote(a) for a in (command, *argv)), partition=partition,
             time_limit=time_limit, sbatch_lines=("#SBATCH --no-requeue",),
-            exports={STAGING_ENV: str(stage_dir.absolute()), "OMP_NUM_THREADS": "1"},
+            exports={STAGING_ENV: str(stage_dir.absolute())},
+            shell_lines=(
+                # each rank its share of the node's cores (see launch_torchrun)
+                f"cores=$(nproc); export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-$(( cores / {nproc} "
+                f"> 0 ? cores / {nproc} : 1 ))}}",
+            ),
         )
     )  # fmt: skip
     job = slurm.sbatch([str(script)], f"the {command}")
