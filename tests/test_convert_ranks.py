@@ -197,3 +197,51 @@ def test_the_gates_memory_is_counted_for_every_rank_on_the_node(tiny_llama, monk
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     with pytest.raises(PortingError, match="at once on each of the 4 ranks on this node"):
         preflight.check_gate_memory("import", shapes, config, False)
+
+
+def _resharded(hf: Path, out: Path, first: callable) -> Path:
+    """``hf`` with its tensors split over two shards and an index: those ``first`` picks in
+    one, the rest in the other."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(hf, out)
+    weights = load_file(out / "model.safetensors")
+    (out / "model.safetensors").unlink()
+    names = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+    parts = ({k: v for k, v in weights.items() if first(k)},
+             {k: v for k, v in weights.items() if not first(k)})  # fmt: skip
+    for name, part in zip(names, parts, strict=True):
+        save_file(part, out / name, metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: names[0] if first(k) else names[1] for k in weights}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    return out
+
+
+def test_experts_split_unevenly_over_shards_and_a_missing_shard(tmp_path):
+    """A layer's experts split 3 / 1 over two shards: two ranks import it to one process's
+    checkpoint of the unsplit model. An index naming a shard that is not there: refused, with its
+    name, before any rank writes; nothing left."""
+    hf = proof.make_hf(
+        tmp_path / "hf", "Qwen3MoeForCausalLM", seed=5, vocab_size=130, hidden_size=64,
+        intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=256,
+        num_experts=4, moe_intermediate_size=48, norm_topk_prob=True, head_dim=32,
+    )  # fmt: skip
+    split = _resharded(hf, tmp_path / "split", lambda k: ".mlp.experts.0." in k or
+                       any(f"layers.0.mlp.experts.{e}." in k for e in (1, 2)))  # fmt: skip
+    one = _import(hf, tmp_path / "one")
+    two = _import(split, tmp_path / "two", *RANKS)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert_same_checkpoint(tmp_path / "one", tmp_path / "two")
+
+    (split / "model-00001-of-00002.safetensors").unlink()
+    out = tmp_path / "out" / "ckpt"
+    refused = _import(split, out, *RANKS)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    last = refused.stderr.strip().splitlines()[-1]
+    assert last.startswith("porting import: error: "), refused.stderr[-3000:]
+    assert "model-00001-of-00002.safetensors" in last, last
+    _nothing_left(out)
