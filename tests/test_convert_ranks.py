@@ -155,6 +155,9 @@ def test_launch_flags_are_checked_before_anything_starts(tiny_llama, tmp_path):
     assert r.returncode == 2 and "--whole-model" in r.stderr
     r = _import(tmp_path / "missing", out, *RANKS)
     assert r.returncode == 2 and "missing" in r.stderr
+    # started as ranks by a launcher of someone else's, each would convert the whole model
+    r = _import(tiny_llama, out, env=child_env(WORLD_SIZE="2", RANK="1"))
+    assert r.returncode == 2 and "give --executor torchrun" in r.stderr, r.stderr
     _nothing_left(out)
 
 

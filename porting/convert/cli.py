@@ -151,8 +151,10 @@ def _converting(args, reads, what: str, refuse_early=None) -> Iterator[str]:
     process's GPUs hidden (conversion is host work; a device gate runs in a child that sees them);
     NeMo's own narration quieted once the conversion API has imported it.
     """
+    from porting.convert import ranks
     from porting.convert.checkpoint import prepare_output
 
+    ranks.refuse_hand_launched(args.command)
     quiet.offline()
     guard.return_freed_memory()
     guard.check_outputs(reads, writes=[("--out", args.out)])

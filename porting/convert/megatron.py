@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 from porting import cpu
 from porting.contract import config_map, named
 from porting.contract.family import Family
+from porting.convert import ranks
 from porting.convert.checkpoint import Checkpoint, open_checkpoint
 from porting.convert.preflight import check_nemo_counts
 from porting.errors import PortingError
@@ -95,7 +95,7 @@ def init_parallel(tp: int = 1, pp: int = 1, rank: int = 0, world_size: int = 1) 
     cpu.enable()
     if not torch.distributed.is_initialized():
         backend = "nccl" if cpu.cuda_available() else "gloo"
-        if world_size == 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if world_size == 1 and ranks.staging() is not None and ranks.world_size() > 1:
             # a rank of a launched conversion (porting.convert.ranks): the launcher's world
             torch.distributed.init_process_group(backend=backend)
         else:

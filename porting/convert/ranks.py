@@ -83,6 +83,16 @@ def check_launch_flags(args) -> None:
         slurm.sbatch_path("--executor torchrun")
 
 
+def refuse_hand_launched(command: str) -> None:
+    """A conversion started as ranks by someone else's launcher would run one whole conversion
+    per rank, racing for the output: the ranks are ours to start."""
+    if staging() is None and world_size() > 1:
+        raise PortingError(
+            f"porting {command} runs as {world_size()} ranks of a launcher it did not start; "
+            f"give --executor torchrun (this node) or --executor slurm instead"
+        )
+
+
 def described(args) -> str:
     """ "4 ranks on 2 nodes", "2 ranks"."""
     nodes = args.nnodes if args.executor == "slurm" else 1

@@ -108,6 +108,7 @@ def _cmd_verify(args) -> int:
 
     if args.executor != "local":
         return _verify_launched(args)
+    ranks.refuse_hand_launched("verify")
     quiet.offline()
     guard.return_freed_memory()
     from porting import cpu
