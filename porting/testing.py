@@ -419,7 +419,7 @@ OWN_OUTPUT_PATTERNS = (
     r"(export|import) \(\S+ -> \S+\):$",
     r"done: checkpoints in ",
     r"submitted Slurm job \d+ \(\d+ nodes\); log \S",
-    r"submitted Slurm job \d+ \(\d+ nodes x \d+ ranks\)$",
+    r"submitted Slurm job \d+ \(\d+ nodes?, \d+ ranks? each\)$",
     r"Slurm requeued job \d+ \(restart \d+\): ",
     r"porting demo: |              tiny |step +seconds$|check +result$|(OK|FAILED): outputs in ",
     r"[a-z][\w :+()|%-]*? {2,}[-+\d.e%/]+$",

@@ -435,7 +435,7 @@ def test_import_submitted_to_two_nodes_writes_the_one_process_checkpoint(
     done = _import(tiny_llama, out, slurm_cluster,
                    "--executor", "slurm", "--nnodes", "2", "--nproc-per-node", "1")  # fmt: skip
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    assert re.search(r"submitted Slurm job \d+ \(2 nodes x 1 ranks\)", done.stderr)
+    assert re.search(r"submitted Slurm job \d+ \(2 nodes, 1 rank each\)", done.stderr)
     assert "parity PASS" in done.stdout and f"wrote {out} (2 ranks on 2 nodes)" in done.stdout
     assert foreign_lines(done.stdout + done.stderr) == []
     assert_same_checkpoint(tiny_nemo, out)

@@ -329,7 +329,8 @@ def launch_slurm(
     )  # fmt: skip
     job = slurm.sbatch([str(script)], f"the {command}")
     log = where / f"job-{job}.out"
-    print(f"submitted Slurm job {job} ({nodes} nodes x {nproc} ranks)", file=sys.stderr, flush=True)
+    each = f"{nproc} rank{'s' if nproc > 1 else ''} each"
+    print(f"submitted Slurm job {job} ({nodes} nodes, {each})", file=sys.stderr, flush=True)
     _follow(job, log, stage_dir, command)
 
 
