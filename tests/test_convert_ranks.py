@@ -37,6 +37,16 @@ def _import(hf: Path, out: Path, *extra: str, env: dict | None = None):
     return run_in_session(argv, TIMEOUT, env)
 
 
+def _qwen3_moe(directory: Path, layers: int, seed: int) -> Path:
+    """A tiny Qwen3-MoE HF directory: 4 experts of 48, top-2."""
+    return proof.make_hf(
+        directory, "Qwen3MoeForCausalLM", seed=seed, vocab_size=130, hidden_size=64,
+        intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=256,
+        num_experts=4, moe_intermediate_size=48, norm_topk_prob=True, head_dim=32,
+    )  # fmt: skip
+
+
 def _same_verdict(one: dict, two: dict) -> None:
     for key in ("passed", "max_abs_diff", "mean_abs_diff", "top1_agreement", "positions"):
         assert one[key] == two[key], key
@@ -53,12 +63,7 @@ def test_two_ranks_write_the_one_process_checkpoint(variant, tiny_llama, tmp_pat
     if variant == "llama":
         hf = tiny_llama
     else:  # experts: Megatron's save spreads them over the ranks one by one
-        hf = proof.make_hf(
-            tmp_path / "hf", "Qwen3MoeForCausalLM", seed=3, vocab_size=130, hidden_size=64,
-            intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=256,
-            num_experts=4, moe_intermediate_size=48, norm_topk_prob=True, head_dim=32,
-        )  # fmt: skip
+        hf = _qwen3_moe(tmp_path / "hf", layers=3, seed=3)
     one = _import(hf, tmp_path / "one", "--json")
     two = _import(hf, tmp_path / "two", "--json", *RANKS)
     assert one.returncode == 0, one.stderr[-3000:]
@@ -226,12 +231,7 @@ def test_experts_split_unevenly_over_shards_and_a_missing_shard(tmp_path):
     """A layer's experts split 3 / 1 over two shards: two ranks import it to one process's
     checkpoint of the unsplit model. An index naming a shard that is not there: refused, with its
     name, before any rank writes; nothing left."""
-    hf = proof.make_hf(
-        tmp_path / "hf", "Qwen3MoeForCausalLM", seed=5, vocab_size=130, hidden_size=64,
-        intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=256,
-        num_experts=4, moe_intermediate_size=48, norm_topk_prob=True, head_dim=32,
-    )  # fmt: skip
+    hf = _qwen3_moe(tmp_path / "hf", layers=2, seed=5)
     split = _resharded(hf, tmp_path / "split", lambda k: ".mlp.experts.0." in k or
                        any(f"layers.0.mlp.experts.{e}." in k for e in (1, 2)))  # fmt: skip
     one = _import(hf, tmp_path / "one")
