@@ -82,6 +82,13 @@ def test_expert_parallel_is_checked_before_launch(mixtral, tmp_path, capsys):
     assert main([*base, "--ep", "3"]) == 2
     assert "--ep 3 does not divide the model's 4 experts" in capsys.readouterr().err
     assert main([*base, "--ep", "2"]) == 2  # one process: data parallel 1
-    assert "--ep 2 does not divide tensor x context x data parallel (1 x 1 x 1)" in (
+    assert "--ep 2 x --etp 1 does not divide tensor x context x data parallel (1 x 1 x 1)" in (
         capsys.readouterr().err
     )
+    # the MoE layers' own tensor parallelism tiles the same ranks
+    assert main([*base, "--etp", "2"]) == 2
+    assert "--ep 1 x --etp 2 does not divide tensor x context x data parallel (1 x 1 x 1)" in (
+        capsys.readouterr().err
+    )
+    assert main([*base, "--etp", "0"]) == 2
+    assert "--etp 0 must be at least 1" in capsys.readouterr().err

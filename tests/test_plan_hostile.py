@@ -382,7 +382,13 @@ def test_a_zero_model_size_is_refused(tmp_path, capsys, field):
         ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
         ("[1, 2]", "expected a JSON object"),
         ('{"hidden_size": 64,', "cannot read JSON"),
-        ('{"num_local_experts": [' + "[1]," * 1000 + "1]}", "mixture-of-experts"),
+        (
+            '{"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, '
+            '"vocab_size": 100, "intermediate_size": 96, "num_local_experts": ['
+            + "[1]," * 1000
+            + "1]}",
+            "num_local_experts: expected an integer",
+        ),
     ],
 )
 def test_hostile_model_configs_are_one_error(tmp_path, capsys, text, problem):

@@ -255,12 +255,16 @@ def test_model_flops_scale_with_gqa_and_swiglu():
     assert math.isclose(m.model_flops_per_token(4096) / (6 * m.total_params()), 1.1, rel_tol=0.1)
 
 
-@pytest.mark.parametrize("field", ["num_local_experts", "num_experts"])
-def test_a_mixture_of_experts_config_is_refused_not_planned_as_dense(field):
-    from porting.errors import PortingError
+@pytest.mark.parametrize("field", ["num_local_experts", "num_experts", "n_routed_experts"])
+def test_a_mixture_of_experts_config_is_planned_as_moe_not_as_dense(field):
     from porting.planner.model import from_hf_config
 
     cfg = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-           "vocab_size": 100, "intermediate_size": 96, field: 8}  # fmt: skip
-    with pytest.raises(PortingError, match="mixture-of-experts model \\(8 experts\\)"):
-        from_hf_config(cfg, "config.json")
+           "vocab_size": 100, "intermediate_size": 96, field: 8, "num_experts_per_tok": 2}  # fmt: skip
+    m = from_hf_config(cfg, "config.json")
+    assert (m.experts, m.top_k, m.moe_ffn, m.moe_layers) == (8, 2, 96, 2)
+    dense = from_hf_config({k: v for k, v in cfg.items() if k != field}, "config.json")
+    # FLOPs count the 2 routed experts, memory all 8
+    mlp = 3 * 64 * 96
+    assert m.matmul_params_per_layer() - dense.matmul_params_per_layer() == mlp + 64 * 8
+    assert m.params_per_layer() - dense.params_per_layer() == 7 * mlp + 64 * 8

@@ -30,6 +30,18 @@ def test_rank_groups_equal_megatrons(megatron_rank_generator, order, tp, cp, pp,
     assert rank_groups(world, sizes, order, token) == gen.get_ranks(token)
 
 
+@pytest.mark.parametrize("order", [ORDER_TP_PP_DP, ORDER_DEFAULT])
+@pytest.mark.parametrize(
+    "etp, ep, edp, pp", [(1, 8, 2, 2), (2, 4, 2, 3), (4, 2, 1, 2), (1, 16, 1, 1)]
+)
+@pytest.mark.parametrize("token", ["tp", "ep", "dp"])
+def test_expert_groups_equal_megatrons(megatron_rank_generator, order, etp, ep, edp, pp, token):
+    # Megatron's expert rank generator: ETP x EP x EDP x PP in the same order string, CP 1
+    gen = megatron_rank_generator(tp=etp, ep=ep, dp=edp, pp=pp, cp=1, order=order)
+    sizes = {"tp": etp, "cp": 1, "ep": ep, "pp": pp, "dp": edp}
+    assert rank_groups(etp * ep * edp * pp, sizes, order, token) == gen.get_ranks(token)
+
+
 @pytest.fixture(scope="module")
 def three_site_plan():
     cluster = load_cluster(EXAMPLES / "three-sites.yaml")

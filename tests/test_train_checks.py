@@ -147,6 +147,16 @@ def test_a_plan_for_another_model_is_refused(tiny_nemo, train_corpus, tmp_path):
         _preflight(spec)
     spec.first_stage_layers = spec.last_stage_layers = 1
     _preflight(spec)
+    # a dense plan's EP and ETP mean nothing without experts: not compared
+    data["layouts"][0]["layout"] |= {"ep": 1, "etp": 4}
+    spec.plan.write_text(json.dumps(data))
+    _preflight(spec)
+    # a plan for experts is run with its EP (the flags' are checked before the model's)
+    data["model"]["experts"] = 4
+    data["layouts"][0]["layout"] |= {"ep": 2, "etp": 1}
+    spec.plan.write_text(json.dumps(data))
+    with pytest.raises(PortingError, match=r"layouts\[0\]\.layout\.ep is 2, but --ep gives 1"):
+        _preflight(spec)
 
 
 def test_a_layout_change_from_a_dp_reshardable_checkpoint_is_refused(

@@ -40,7 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         required=True,
         help="imported checkpoint dir, HF config.json (or its dir), or a preset "
         "(llama-7b, llama-13b, llama-70b, llama3-8b, llama3-70b, falcon-7b, falcon-40b, "
-        "gpt-1.7b ... gpt-1t, tiny)",
+        "gpt-1.7b ... gpt-1t, tiny; MoE: mixtral-8x7b, mixtral-8x22b, qwen2-57b-a14b, "
+        "qwen3-235b-a22b, deepseek-v3)",
     )
     p.add_argument("--cluster", type=Path, required=True, help="cluster YAML (examples/clusters)")
     # numbers are read as text and checked by _cmd_plan: one error line naming the flag
@@ -97,6 +98,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--no-flash-attention", action="store_true")
     g.add_argument("--micro-batches", default="1,2,4,8", help="micro-batch sizes to try")
     g.add_argument(
+        "--ep",
+        metavar="SIZES",
+        help="MoE models: expert-parallel sizes to try, e.g. 8,16,32 (default: every divisor "
+        "of the experts that tiles a pipeline stage)",
+    )
+    g.add_argument(
+        "--dispatcher",
+        choices=["alltoall", "flex"],
+        default="alltoall",
+        help="MoE token dispatcher the all-to-all is predicted for: alltoall (Megatron's "
+        "default, a copy per routed expert; what porting train runs) or flex (DeepEP: a copy "
+        "per node, forwarded over NVLink)",
+    )
+    g.add_argument(
         "--no-tune-nccl",
         action="store_true",
         help="predict with the cluster file's NCCL settings, not the ones --emit recommends",
@@ -137,6 +152,15 @@ def _settings(args):
             f"{MAX_MICRO_BATCH_SIZES}"
         )
     mbs = tuple(MICRO_BATCH.check(_integer(x, "--micro-batches"), "--micro-batches") for x in items)
+    eps: tuple[int, ...] = ()
+    if args.ep is not None:
+        items = str(args.ep).split(",")
+        if len(items) > MAX_MICRO_BATCH_SIZES:
+            raise PortingError(
+                f"--ep: {len(items)} sizes, more than the planner's limit of "
+                f"{MAX_MICRO_BATCH_SIZES}"
+            )
+        eps = tuple(int(positive_int(MAX_GPUS).check(_integer(x, "--ep"), "--ep")) for x in items)
     instances = None
     if args.instances is not None:
         instances = int(
@@ -158,11 +182,15 @@ def _settings(args):
             "default": (ORDER_DEFAULT,),
         }[args.order],
         uneven_pipeline=not args.no_uneven_pipeline,
+        expert_parallel=eps,
+        dispatcher=args.dispatcher,
     )
 
 
 def parse_layout(text: str, ev) -> object:
-    """``tp=8,pp=4,vp=5,cp=1,mb=1,recompute=selective[,order=default,sites=a>b>c]`` -> Layout.
+    """``tp=8,pp=4,vp=5,cp=1,mb=1,recompute=selective[,order=default,sites=a>b>c][,ep=8,etp=1]``
+    -> Layout (``ep``/``etp``: the MoE layers' expert-parallel and expert tensor-parallel sizes,
+    default 1).
 
     DP comes from the cluster, the distributed-optimizer instances as the search sets them, and
     the first/last stage layers from :func:`porting.planner.search.uneven_split` where PP does not
@@ -173,6 +201,7 @@ def parse_layout(text: str, ev) -> object:
     from porting.planner.search import uneven_split
 
     fields: dict = {"tp": 1, "pp": 1, "vp": 1, "cp": 1, "mb": 1, "recompute": "selective"}
+    fields.update(ep=1, etp=1)
     fields.update(order="tp-pp-dp", sites="")
     for item in text.replace(" ", ",").split(","):
         if not item:
@@ -221,6 +250,18 @@ def parse_layout(text: str, ev) -> object:
         raise PortingError(
             "--layout: sites= only applies with order=default (pipeline across sites)"
         )
+    ep, etp = fields["ep"], fields["etp"]
+    if ep * etp > 1:
+        from porting.planner.search import expert_options
+
+        if not ev.model.moe:
+            raise PortingError(f"--layout: ep/etp: model {ev.model.name} has no experts")
+        why = next(
+            (w for e, t, w in expert_options(ev, tp, cp, pp) if (e, t) == (ep, etp)),
+            f"ETP {etp} must be 1 or TP {tp}",
+        )
+        if why:
+            raise PortingError(f"--layout: {why}")
     first = middle = last = 0
     if ev.model.layers % pp:
         split = uneven_split(ev.model.layers, pp)
@@ -242,6 +283,8 @@ def parse_layout(text: str, ev) -> object:
         first_layers=first,
         middle_layers=middle,
         last_layers=last,
+        ep=ep,
+        etp=etp,
     )
 
 
@@ -290,6 +333,15 @@ def _cmd_plan(args) -> int:
     settings = _settings(args)
     model = load_model(args.model)
     cluster = load_cluster(args.cluster)
+    for ep in settings.expert_parallel:
+        if not model.moe:
+            raise PortingError(f"--ep: model {model.name} has no experts")
+        if model.experts % ep:
+            raise PortingError(
+                f"--ep {ep} does not divide the {model.experts} experts of model {model.name}"
+            )
+        if ep > cluster.world:
+            raise PortingError(f"--ep {ep} is more than the {cluster.world} GPUs of {cluster.name}")
     eff = cal.load_constants(args.constants) if args.constants else Efficiency()
     out: dict = {}
     lines: list[str] = []

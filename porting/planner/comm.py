@@ -54,6 +54,12 @@ class Efficiency:
     node_latency: float | None = None  # seconds per step; None: the cluster file's value
     site_latency: float | None = None
     wan_latency_scale: float = 1.0
+    # The expert-parallel all-to-all (porting/planner/alltoall.py): NVLink fraction its kernels
+    # reach and the fixed cost of one dispatch or combine, fitted to DeepEP's EP 8 rows (normal
+    # dispatch 153 of 160 GB/s; low-latency dispatch 77 us and combine 114 us); between nodes it
+    # uses ``site_bw``, not fitted to DeepEP.
+    a2a_node_bw: float = 0.96
+    a2a_latency: float = 22e-6
 
 
 # What each constant may be, from a constants file or a fit (docs/planner.md "Limits"): a
@@ -69,6 +75,8 @@ EFFICIENCY_RANGES = {
     "node_latency": Range(1e-9, 1),
     "site_latency": Range(1e-9, 1),
     "wan_latency_scale": Range(0, 1000),
+    "a2a_node_bw": Range(0.001, 10),
+    "a2a_latency": Range(0, 1),
 }
 
 

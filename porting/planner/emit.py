@@ -64,6 +64,8 @@ def train_argv(
         "--nodes", str(plan.cluster.nodes),
         "--gpus-per-node", str(gpus_per_node(plan.cluster)),
     ]  # fmt: skip
+    if plan.model.moe:
+        argv += ["--ep", str(lay.ep), "--etp", str(lay.etp)]
     if p.order == ORDER_TP_PP_DP:
         argv.append("--use-tp-pp-dp-mapping")
     if lay.first_layers:
@@ -113,11 +115,25 @@ def strategy_snippet(p: Prediction, plan: Plan) -> str:
             f" num_layers_in_last_pipeline_stage={lay.last_layers}."
         )
     sites = ", ".join(x.name for x in rank_cluster(plan, p).sites)
+    m = plan.model
+    moe = experts = ""
+    if m.moe:
+        moe = (
+            f"\nMoE: num_moe_experts={m.experts}, moe_router_topk={m.top_k}, "
+            f"moe_token_dispatcher_type={s.dispatcher!r} in the model config; Megatron-LM: "
+            f"--num-experts {m.experts} --moe-router-topk {m.top_k} "
+            f"--expert-model-parallel-size {lay.ep} --expert-tensor-parallel-size {lay.etp} "
+            f"--moe-token-dispatcher-type {s.dispatcher}."
+        )
+        experts = (
+            f"    expert_model_parallel_size={lay.ep},\n"
+            f"    expert_tensor_parallel_size={lay.etp},\n"
+        )
     return f'''"""NeMo 2.0 strategy for {lay.label()} on {plan.cluster.name}, as planned by `porting plan`.
 
 Model config: recompute_granularity={rc!r}{", recompute_method='uniform', recompute_num_layers=1" if rc == "full" else ""}.{split}
 Data module: seq_length={plan.seq_length}, micro_batch_size={lay.micro_batch}, global_batch_size={plan.global_batch}.
-Trainer: num_nodes={plan.cluster.nodes}, devices={gpus_per_node(plan.cluster)}; ranks ordered site by site ({sites}).
+Trainer: num_nodes={plan.cluster.nodes}, devices={gpus_per_node(plan.cluster)}; ranks ordered site by site ({sites}).{moe}
 """
 
 import torch
@@ -138,7 +154,7 @@ strategy = nl.MegatronStrategy(
     pipeline_model_parallel_size={lay.pp},
     virtual_pipeline_model_parallel_size={vp},
     context_parallel_size={lay.cp},
-    sequence_parallel={lay.sequence_parallel},
+{experts}    sequence_parallel={lay.sequence_parallel},
     pipeline_dtype=torch.bfloat16,
     use_tp_pp_dp_mapping={p.order == ORDER_TP_PP_DP},
     num_distributed_optimizer_instances={lay.instances},

@@ -3,7 +3,9 @@
 Only the shape matters here (no weights). Sizes, parameter counts and FLOPs per token follow
 Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM" (SC'21, eq. 2 and 3), generalised to grouped-query attention, gated MLPs (SwiGLU),
-untied output layers and Falcon's parallel attention+MLP block.
+untied output layers, Falcon's parallel attention+MLP block, DeepSeek's multi-head latent
+attention and mixture-of-experts layers (routed experts, shared experts, dense first layers): the
+FLOPs count the experts a token is routed to (top-k), the parameters every expert.
 """
 
 from __future__ import annotations
@@ -26,7 +28,25 @@ SHAPE_LIMITS = {
     "ffn": positive_int(1 << 20),
     "vocab": positive_int(1 << 24),
     "head_dim": positive_int(1 << 14),
+    # DeepSeek-V3 has 256 routed experts, top-8; the largest published counts are in the
+    # thousands (fine-grained experts), so 1 << 16 leaves room without letting a sum overflow
+    "experts": positive_int(1 << 16),
+    "top_k": positive_int(1 << 16),
+    "moe_ffn": positive_int(1 << 20),
+    "shared_ffn": positive_int(1 << 22),
+    "moe_layers": positive_int(4096),
+    "groups": positive_int(1 << 16),
+    "group_limit": positive_int(1 << 16),
+    "q_lora": positive_int(1 << 17),
+    "kv_lora": positive_int(1 << 17),
+    "rope_dim": positive_int(1 << 14),
+    "v_head_dim": positive_int(1 << 14),
 }
+# Fields that are 0 for "not there" (a dense model, no MLA, no shared experts).
+_OPTIONAL = {
+    "head_dim", "experts", "top_k", "moe_ffn", "shared_ffn", "moe_layers", "groups",
+    "group_limit", "q_lora", "kv_lora", "rope_dim", "v_head_dim",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -37,6 +57,17 @@ class ModelShape:
     ``parallel_attn`` is Falcon's block where attention and MLP read the same normed input
     (one shared norm when ``norms_per_layer`` is 1). ``learned_positions`` is the size of a
     learned absolute position table (GPT-2/3 style), 0 for rotary or ALiBi.
+
+    A mixture-of-experts model has ``experts`` routed experts of width ``moe_ffn``, each token
+    sent to ``top_k`` of them, plus shared experts ``shared_ffn`` wide in all (every token goes
+    through them) and a router; ``moe_layers`` of the layers (the last ones: DeepSeek's first
+    ``first_k_dense_replace`` layers are dense, ``ffn`` wide) are MoE layers. ``groups`` and
+    ``group_limit`` are DeepSeek-V3's node-limited routing (``n_group``, ``topk_group``: a
+    token's experts come from at most ``group_limit`` of ``groups`` equal groups of experts).
+    ``kv_lora`` > 0 is DeepSeek's multi-head latent attention: queries through a
+    ``q_lora``-rank bottleneck (0: none), keys and values from a ``kv_lora``-rank latent plus a
+    ``rope_dim``-wide shared rotary key, ``head_dim`` the query/key width per head and
+    ``v_head_dim`` the value width (0: ``head_dim``).
     """
 
     name: str
@@ -55,11 +86,24 @@ class ModelShape:
     bias: bool = False  # biases on the linear layers
     learned_positions: int = 0
     dropout: bool = False  # hidden/attention dropout on: its masks are stored for backward
+    experts: int = 0
+    top_k: int = 0
+    moe_ffn: int = 0
+    shared_ffn: int = 0
+    moe_layers: int = 0
+    groups: int = 0
+    group_limit: int = 0
+    q_lora: int = 0
+    kv_lora: int = 0
+    rope_dim: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self) -> None:
         for field_name, accepted in SHAPE_LIMITS.items():
-            if field_name != "head_dim" or self.head_dim:
+            if field_name not in _OPTIONAL or getattr(self, field_name):
                 accepted.check(getattr(self, field_name), f"model {self.name}: {field_name}")
+        if self.experts:
+            self._check_moe()
         if self.heads % self.kv_heads:
             raise PortingError(
                 f"model {self.name}: num_key_value_heads {self.kv_heads} does not divide "
@@ -72,8 +116,51 @@ class ModelShape:
                     f"num_attention_heads {self.heads} (give head_dim)"
                 )
             object.__setattr__(self, "head_dim", self.hidden // self.heads)
+        if not self.v_head_dim:
+            object.__setattr__(self, "v_head_dim", self.head_dim)
+        if self.kv_lora and self.rope_dim >= self.head_dim:
+            raise PortingError(
+                f"model {self.name}: qk_rope_head_dim {self.rope_dim} leaves no room in the "
+                f"query/key head of {self.head_dim}"
+            )
         # asked for several times by every layout the search predicts
         object.__setattr__(self, "_matmul_params", self._count_matmul_params())
+
+    def _check_moe(self) -> None:
+        where = f"model {self.name}"
+        if not self.top_k or not self.moe_ffn:
+            raise PortingError(
+                f"{where}: {self.experts} experts but no top-k (num_experts_per_tok) or expert "
+                "width (moe_intermediate_size)"
+            )
+        if self.top_k > self.experts:
+            raise PortingError(
+                f"{where}: each token routed to {self.top_k} of {self.experts} experts"
+            )
+        if not self.moe_layers:
+            object.__setattr__(self, "moe_layers", self.layers)
+        if self.moe_layers > self.layers:
+            raise PortingError(f"{where}: {self.moe_layers} MoE layers of {self.layers}")
+        if self.groups or self.group_limit:
+            if not (self.groups and self.group_limit) or self.experts % self.groups:
+                raise PortingError(
+                    f"{where}: n_group {self.groups} must divide the {self.experts} experts, "
+                    "with topk_group set"
+                )
+            if self.group_limit > self.groups:
+                raise PortingError(
+                    f"{where}: topk_group {self.group_limit} is more than n_group {self.groups}"
+                )
+            if self.top_k > self.group_limit * (self.experts // self.groups):
+                raise PortingError(
+                    f"{where}: top-{self.top_k} cannot come from {self.group_limit} groups of "
+                    f"{self.experts // self.groups} experts"
+                )
+
+    @property
+    def moe(self) -> bool:
+        """Whether the model has mixture-of-experts layers."""
+        return self.experts > 0
 
     def matmul_params_per_layer(self) -> int:
         """Weights of the linear layers of one block (what the GEMM FLOPs scale with)."""
@@ -89,19 +176,70 @@ class ModelShape:
         """Width of one of the key/value projections (KV heads x head_dim)."""
         return self.kv_heads * self.head_dim
 
-    def _count_matmul_params(self) -> int:
-        attn = self.hidden * (self.q_width + 2 * self.kv_width) + self.q_width * self.hidden
-        mlp = self.hidden * self.ffn * (2 if self.gated else 1) + self.ffn * self.hidden
-        return attn + mlp
+    @property
+    def v_width(self) -> int:
+        """Width of the attention output before the projection (heads x value head dim)."""
+        return self.heads * self.v_head_dim
 
-    def params_per_layer(self) -> int:
-        """All parameters of one block: linear weights, their biases and the norms."""
-        n = self.matmul_params_per_layer()
+    def attention_params(self) -> int:
+        """Linear weights of one attention block (MLA: down, up and output projections)."""
+        h = self.hidden
+        if not self.kv_lora:
+            return h * (self.q_width + 2 * self.kv_width) + self.q_width * h
+        q = h * self.q_lora + self.q_lora * self.q_width if self.q_lora else h * self.q_width
+        nope = self.head_dim - self.rope_dim
+        kv = h * (self.kv_lora + self.rope_dim) + self.kv_lora * self.heads * (
+            nope + self.v_head_dim
+        )
+        return q + kv + self.v_width * h
+
+    def _mlp(self, width: int) -> int:
+        return self.hidden * width * (2 if self.gated else 1) + width * self.hidden
+
+    def expert_params(self) -> int:
+        """Weights of one routed expert."""
+        return self._mlp(self.moe_ffn) if self.moe else 0
+
+    def moe_shared_params(self) -> int:
+        """Weights of an MoE layer every token goes through: the shared experts and the router."""
+        return self._mlp(self.shared_ffn) + self.hidden * self.experts if self.moe else 0
+
+    def _count_matmul_params(self) -> int:
+        attn = self.attention_params()
+        if not self.moe:
+            return attn + self._mlp(self.ffn)
+        dense = self.layers - self.moe_layers
+        active = self.moe_shared_params() + self.top_k * self.expert_params()
+        # the mean over the layers: FLOPs sum over a stage's layers
+        return attn + (dense * self._mlp(self.ffn) + self.moe_layers * active) / self.layers
+
+    def layer_params(self) -> tuple[int, int]:
+        """(parameters Megatron shards with TP, those it shards with expert parallelism) of the
+        heaviest layer: an MoE layer's routed experts are the second part, all else the first."""
+        n = self.attention_params() + self._norms_and_biases()
+        if self.moe and self.moe_layers:
+            return n + self.moe_shared_params(), self.experts * self.expert_params()
+        return n + self._mlp(self.ffn), 0
+
+    def _norms_and_biases(self) -> int:
+        n = self.norms_per_layer * self.hidden * (2 if self.layernorm else 1)
+        if self.kv_lora:
+            n += self.q_lora + self.kv_lora  # MLA's norms on its two latents
         if self.bias:
             n += self.q_width + 2 * self.kv_width + self.hidden
             n += self.ffn * (2 if self.gated else 1) + self.hidden
-        n += self.norms_per_layer * self.hidden * (2 if self.layernorm else 1)
         return n
+
+    def params_per_layer(self) -> int:
+        """All parameters of one block (the mean over the layers): linear weights, every
+        expert's, their biases and the norms."""
+        if not self.moe:
+            return self.attention_params() + self._norms_and_biases() + self._mlp(self.ffn)
+        dense = self.layers - self.moe_layers
+        mlp = dense * self._mlp(self.ffn) + self.moe_layers * (
+            self.moe_shared_params() + self.experts * self.expert_params()
+        )
+        return self.attention_params() + self._norms_and_biases() + mlp / self.layers
 
     def padded_vocab(self, tp: int, divisible_by: int = 128) -> int:
         """Megatron pads the vocabulary to a multiple of ``divisible_by * tp`` (its arguments.py)."""
@@ -115,7 +253,7 @@ class ModelShape:
     def total_params(self, tp: int = 1) -> int:
         """Every parameter with the vocabulary padded for ``tp``, output layer counted if untied."""
         final_norm = self.hidden * (2 if self.layernorm else 1)
-        n = self.layers * self.params_per_layer() + self.embedding_params(tp) + final_norm
+        n = round(self.layers * self.params_per_layer()) + self.embedding_params(tp) + final_norm
         if not self.tied:
             n += self.padded_vocab(tp) * self.hidden
         return n
@@ -125,11 +263,18 @@ class ModelShape:
 
         Narayanan et al. eq. 3 divided by the tokens of a batch and by 4/3 (their count includes
         the recomputed forward): ``72 l h^2 (1 + s/(6h)) + 6 h V`` for GPT, i.e. 6 x matmul
-        weights of the blocks, ``12 l s (heads x head_dim)`` for QK^T and PV over the full
-        (non-causal) square, and ``6 h V`` for the logits. MFU uses this count.
+        weights of the blocks (an MoE layer's: the experts a token is routed to), ``12 l s
+        (heads x head_dim)`` for QK^T and PV over the full (non-causal) square (``6 l s`` x the
+        query/key plus the value widths where they differ, as MLA's), and ``6 h V`` for the
+        logits. MFU uses this count.
         """
-        per_layer = 6 * self.matmul_params_per_layer() + 12 * seq_length * self.q_width
+        per_layer = 6 * self.matmul_params_per_layer() + 6 * seq_length * self.score_width
         return self.layers * per_layer + 6 * self.hidden * self.vocab
+
+    @property
+    def score_width(self) -> int:
+        """Query/key plus value widths: what the score and value GEMMs of attention scale with."""
+        return self.q_width + self.v_width
 
 
 def _count(value: object, field_name: str, source: str, shape_field: str) -> int:
@@ -153,20 +298,99 @@ def _is_falcon_layout(cfg: dict) -> bool:
 _EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
+def _layer_set(cfg: dict, key: str, layers: int, source: str) -> set[int]:
+    """A list of layer indices (Qwen's ``mlp_only_layers``), each checked."""
+    value = cfg.get(key) or []
+    if not isinstance(value, list):
+        raise PortingError(f"{source}: {key}: expected a list of layer indices, got {show(value)}")
+    out = set()
+    for item in value:
+        if isinstance(item, bool) or not isinstance(item, int) or not 0 <= item < layers:
+            raise PortingError(f"{source}: {key}: {show(item)} is not a layer index below {layers}")
+        out.add(item)
+    return out
+
+
+def _step(cfg: dict, key: str, source: str) -> int:
+    value = cfg.get(key)
+    return 1 if value is None else _count(value, key, source, "layers")
+
+
+def _moe_fields(cfg: dict, source: str, layers: int) -> dict:
+    """The mixture-of-experts fields of an HF config (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3,
+    OLMoE, gpt-oss, Phi-3.5-MoE), empty for a dense model."""
+    key = next((k for k in _EXPERT_FIELDS if cfg.get(k)), None)
+    if key is None:
+        return {}
+    experts = _count(cfg[key], key, source, "experts")
+    k_key = next((k for k in ("num_experts_per_tok", "experts_per_token") if cfg.get(k)), None)
+    if k_key is None:
+        raise PortingError(f"{source}: {key} {experts} but no num_experts_per_tok")
+    top_k = _count(cfg[k_key], k_key, source, "top_k")
+    # an expert's width: moe_intermediate_size where a model also has dense layers
+    # (intermediate_size is then theirs), else intermediate_size (Mixtral, OLMoE, gpt-oss)
+    w_key = "moe_intermediate_size" if cfg.get("moe_intermediate_size") else "intermediate_size"
+    moe_ffn = _need(cfg, source, "moe_ffn", w_key)
+    shared = 0
+    if cfg.get("shared_expert_intermediate_size"):
+        shared = _count(
+            cfg["shared_expert_intermediate_size"],
+            "shared_expert_intermediate_size",
+            source,
+            "shared_ffn",
+        )
+    elif cfg.get("n_shared_experts"):
+        shared = _count(cfg["n_shared_experts"], "n_shared_experts", source, "experts") * moe_ffn
+    # which layers are MoE: DeepSeek's first_k_dense_replace / moe_layer_freq, Qwen's
+    # decoder_sparse_step / mlp_only_layers
+    first_dense = cfg.get("first_k_dense_replace") or 0
+    if first_dense:
+        first_dense = _count(first_dense, "first_k_dense_replace", source, "layers")
+    freq = _step(cfg, "moe_layer_freq", source)
+    sparse = _step(cfg, "decoder_sparse_step", source)
+    dense_only = _layer_set(cfg, "mlp_only_layers", layers, source)
+    moe_layers = sum(
+        1
+        for i in range(layers)
+        if i >= first_dense and i % freq == 0 and (i + 1) % sparse == 0 and i not in dense_only
+    )
+    if not moe_layers:
+        raise PortingError(
+            f"{source}: {experts} experts but no layer is a mixture-of-experts layer"
+        )
+    fields = dict(
+        experts=experts, top_k=top_k, moe_ffn=moe_ffn, shared_ffn=shared, moe_layers=moe_layers
+    )
+    if cfg.get("n_group") or cfg.get("topk_group"):
+        fields["groups"] = _need(cfg, source, "groups", "n_group")
+        fields["group_limit"] = _need(cfg, source, "group_limit", "topk_group")
+    return fields
+
+
+def _mla_fields(cfg: dict, source: str, heads: int) -> dict:
+    """DeepSeek's multi-head latent attention fields, empty for other attention."""
+    if not cfg.get("kv_lora_rank"):
+        return {}
+    nope = _need(cfg, source, "head_dim", "qk_nope_head_dim")
+    rope = _need(cfg, source, "rope_dim", "qk_rope_head_dim")
+    return dict(
+        kv_lora=_count(cfg["kv_lora_rank"], "kv_lora_rank", source, "kv_lora"),
+        q_lora=_count(cfg["q_lora_rank"], "q_lora_rank", source, "q_lora")
+        if cfg.get("q_lora_rank")
+        else 0,
+        head_dim=_count(nope + rope, "qk_nope_head_dim + qk_rope_head_dim", source, "head_dim"),
+        rope_dim=rope,
+        v_head_dim=_need(cfg, source, "v_head_dim", "v_head_dim"),
+        kv_heads=heads,  # keys and values decompress to every head
+    )
+
+
 def from_hf_config(cfg: dict, source: str = "config.json", name: str | None = None) -> ModelShape:
-    """Build a shape from an HF ``config.json`` dict (Llama-style or Falcon-style fields)."""
+    """Build a shape from an HF ``config.json`` dict (Llama-style, Falcon-style, MoE and MLA
+    fields)."""
     if not isinstance(cfg, dict):
         raise PortingError(f"{source}: expected a JSON object")
     name = name or source
-    experts = next((cfg[k] for k in _EXPERT_FIELDS if cfg.get(k)), None)
-    if experts:
-        # Refused rather than planned as a dense model: its FLOPs, memory and all-to-all traffic
-        # would all be wrong.
-        raise PortingError(
-            f"{source}: a mixture-of-experts model ({show(experts)} experts); the planner's time "
-            "and memory model covers dense decoders only, and expert parallelism is not in its "
-            "search"
-        )
     hidden = _need(cfg, source, "hidden", "hidden_size", "n_embed")
     layers = _need(cfg, source, "layers", "num_hidden_layers", "n_layer")
     heads = _need(cfg, source, "heads", "num_attention_heads", "n_head")
@@ -210,19 +434,22 @@ def from_hf_config(cfg: dict, source: str = "config.json", name: str | None = No
     kv = cfg.get("num_key_value_heads")
     kv = heads if kv is None else _count(kv, "num_key_value_heads", source, "kv_heads")
     act = str(cfg.get("hidden_act", "silu"))
+    fields = dict(head_dim=head_dim, kv_heads=kv)
+    fields |= _mla_fields(cfg, source, heads)
+    fields |= _moe_fields(cfg, source, layers)
     return ModelShape(
         name=name,
         hidden=hidden,
         layers=layers,
         heads=heads,
-        kv_heads=kv,
         ffn=_need(cfg, source, "ffn", "intermediate_size"),
         vocab=vocab,
         tied=bool(cfg.get("tie_word_embeddings", False)),
+        # gpt-oss's "silu" is its clamped SwiGLU: gated all the same
         gated=act in ("silu", "swiglu", "swish"),
-        head_dim=head_dim,
         bias=bool(cfg.get("attention_bias", False) or cfg.get("mlp_bias", False)),
         dropout=bool(cfg.get("attention_dropout", 0.0) or cfg.get("hidden_dropout", 0.0)),
+        **fields,
     )
 
 
@@ -297,6 +524,52 @@ PRESETS: dict[str, ModelShape] = {
     # The small debug size (STYLE.md): a GQA shape that plans in milliseconds.
     "tiny": ModelShape("tiny", 256, 4, 8, 4, 688, 1024),
 }
+
+
+# Mixture-of-experts presets, read from their published config.json fields by the same reader
+# as a user's file (MTP layers and MoE routing details that do not change cost left out).
+_MOE_CONFIGS = {
+    # mistralai/Mixtral-8x7B-v0.1
+    "mixtral-8x7b": {
+        "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
+        "num_local_experts": 8, "num_experts_per_tok": 2,
+    },
+    # mistralai/Mixtral-8x22B-v0.1 (the mistral-community conversion has vocab_size 32000, as
+    # MoE Parallel Folding's runs do: a 0.1% difference in parameters)
+    "mixtral-8x22b": {
+        "hidden_size": 6144, "intermediate_size": 16384, "num_hidden_layers": 56,
+        "num_attention_heads": 48, "num_key_value_heads": 8, "vocab_size": 32768,
+        "num_local_experts": 8, "num_experts_per_tok": 2,
+    },
+    # Qwen/Qwen2-57B-A14B: a 20,480-wide shared expert, qkv biases
+    "qwen2-57b-a14b": {
+        "hidden_size": 3584, "intermediate_size": 18944, "moe_intermediate_size": 2560,
+        "shared_expert_intermediate_size": 20480, "num_hidden_layers": 28,
+        "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 151936,
+        "num_experts": 64, "num_experts_per_tok": 8, "decoder_sparse_step": 1,
+    },
+    # Qwen/Qwen3-235B-A22B
+    "qwen3-235b-a22b": {
+        "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+        "num_hidden_layers": 94, "num_attention_heads": 64, "num_key_value_heads": 4,
+        "head_dim": 128, "vocab_size": 151936, "num_experts": 128, "num_experts_per_tok": 8,
+        "decoder_sparse_step": 1, "mlp_only_layers": [],
+    },
+    # deepseek-ai/DeepSeek-V3: MLA, 1 shared + 256 routed experts, the first 3 layers dense,
+    # node-limited routing (8 groups, 4 per token)
+    "deepseek-v3": {
+        "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+        "vocab_size": 129280, "q_lora_rank": 1536, "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "n_routed_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1,
+        "first_k_dense_replace": 3, "moe_layer_freq": 1, "n_group": 8, "topk_group": 4,
+    },
+}  # fmt: skip
+PRESETS.update(
+    {name: from_hf_config(cfg, f"preset {name}", name) for name, cfg in _MOE_CONFIGS.items()}
+)
 
 
 def load_model(spec: str | Path) -> ModelShape:

@@ -25,12 +25,24 @@ import math
 from dataclasses import dataclass, field, replace
 
 from porting.errors import PortingError
+from porting.planner import alltoall
 from porting.planner.cluster import GIB, Cluster
-from porting.planner.comm import Efficiency, Network, all_gather, allreduce, p2p, reduce_scatter
+from porting.planner.comm import (
+    Efficiency,
+    Network,
+    Path,
+    all_gather,
+    allreduce,
+    p2p,
+    reduce_scatter,
+)
 from porting.planner.model import ModelShape
 from porting.planner.placement import LEVEL_NAMES, ORDER_DEFAULT, ORDER_TP_PP_DP, Topology
 
 RECOMPUTE = ("none", "selective", "full")
+# Megatron-Core's token dispatchers the all-to-all model covers: "alltoall" (its default: a copy
+# per routed expert) and "flex" with DeepEP (a copy per node, forwarded inside it)
+DISPATCHERS = ("alltoall", "flex")
 # Adam step traffic per parameter of the local shard: read the gradient (4), read and write the
 # fp32 master weight (8), m (8) and v (8), write the bf16 weight (2).
 OPTIMIZER_BYTES_PER_PARAM = 30
@@ -66,6 +78,10 @@ class Settings:
     recompute: tuple[str, ...] = RECOMPUTE
     context_parallel: tuple[int, ...] = (1, 2, 4, 8)
     max_vp: int = 8
+    # MoE: expert-parallel sizes to try (empty: every divisor of the experts that fits) and the
+    # token dispatcher the all-to-all is predicted for
+    expert_parallel: tuple[int, ...] = ()
+    dispatcher: str = "alltoall"
 
 
 @dataclass(frozen=True)
@@ -92,6 +108,13 @@ class Layout:
     first_layers: int = 0
     middle_layers: int = 0
     last_layers: int = 0
+    ep: int = 1  # expert-parallel size (MoE layers; Megatron's expert grid shares only PP)
+    etp: int = 1  # expert tensor-parallel size
+
+    @property
+    def edp(self) -> int:
+        """Expert data-parallel size: the MoE layers' replicas of each expert shard."""
+        return self.tp * self.cp * self.dp // (self.ep * self.etp)
 
     def label(self) -> str:
         """Short form for tables: ``TP8 PP4 VP5 CP1 DP16 mb1 sel`` (``PP3 L26/27/27``: layers of
@@ -106,7 +129,8 @@ class Layout:
                 else (f" L{self.first_layers}/{self.last_layers}")
             )
         rc = {"none": "none", "selective": "sel", "full": "full"}[self.recompute]
-        return f"TP{self.tp} {pp}{vp} CP{self.cp} DP{self.dp} mb{self.micro_batch} {rc}" + (
+        ep = f" EP{self.ep} ETP{self.etp}" if self.ep > 1 else ""
+        return f"TP{self.tp} {pp}{vp} CP{self.cp}{ep} DP{self.dp} mb{self.micro_batch} {rc}" + (
             f" I{self.instances}" if self.instances > 1 else ""
         )
 
@@ -192,9 +216,18 @@ def layer_activation_bytes(
         rep += 2 * tokens * h  # masks of the two residual dropouts
     sh = 2 * tokens * (m.q_width + m.kv_width)  # Q and K for the score GEMM
     sh += 2 * tokens * m.kv_width  # V
-    sh += 2 * tokens * m.q_width  # attention output = projection input
-    sh += 2 * tokens * m.ffn * (2 if m.gated else 1)  # activation input
-    sh += 2 * tokens * m.ffn  # activation output = fc2 input
+    sh += 2 * tokens * m.v_width  # attention output = projection input
+    g = 2 if m.gated else 1
+    if m.moe:
+        # every routed copy: the dispatched input kept for the expert GEMM's backward and the
+        # permuted output for the combine, then the expert's activation input and output; the
+        # shared experts as a dense MLP; fp32 router logits
+        width = g * m.moe_ffn + m.moe_ffn
+        sh += 2 * tokens * m.top_k * (2 * h + width)
+        sh += 2 * tokens * (g * m.shared_ffn + m.shared_ffn) + 4 * tokens * m.experts
+    else:
+        sh += 2 * tokens * m.ffn * g  # activation input
+        sh += 2 * tokens * m.ffn  # activation output = fc2 input
     if scores:
         # softmax output (2 bytes), dropout mask (1) and dropout output (2) per score
         sh += (5 if m.dropout else 2) * m.heads * tokens * seq
@@ -210,10 +243,42 @@ def inflight_chunks(pp: int, vp: int, rank: int, microbatches: int) -> int:
     return min(microbatches * vp, 2 * (pp - rank - 1) + (vp - 1) * pp + 1)
 
 
-def stage_params(m: ModelShape, tp: int, pp: int, stage: int, layers: int | None = None) -> float:
+def stage_params(
+    m: ModelShape,
+    tp: int,
+    pp: int,
+    stage: int,
+    layers: int | None = None,
+    ep: int = 1,
+    etp: int = 1,
+) -> float:
     """Parameters one GPU of pipeline stage ``stage`` holds (TP-sharded where Megatron shards);
     ``layers``: the stage's decoder layers where the split is uneven."""
-    n = (m.layers // pp if layers is None else layers) * m.params_per_layer() / tp
+    dense, experts = stage_param_split(m, tp, pp, stage, layers, ep, etp)
+    return dense + experts
+
+
+def stage_param_split(
+    m: ModelShape,
+    tp: int,
+    pp: int,
+    stage: int,
+    layers: int | None = None,
+    ep: int = 1,
+    etp: int = 1,
+) -> tuple[float, float]:
+    """(parameters sharded by TP, routed experts' parameters sharded by EP x ETP) one GPU of
+    pipeline stage ``stage`` holds. An MoE model's stage is counted as if all its layers were
+    MoE layers (the heaviest case: DeepSeek's three dense first layers are lighter)."""
+    here = m.layers // pp if layers is None else layers
+    if not m.moe:
+        return _with_ends(here * m.params_per_layer() / tp, m, tp, pp, stage), 0.0
+    dense, experts = m.layer_params()
+    return _with_ends(here * dense / tp, m, tp, pp, stage), here * experts / (ep * etp)
+
+
+def _with_ends(n: float, m: ModelShape, tp: int, pp: int, stage: int) -> float:
+    """``n`` plus the embedding, final norm and output layer parameters on ``stage``."""
     if stage == 0:
         n += m.padded_vocab(tp) * m.hidden / tp + m.learned_positions * m.hidden
     if stage == pp - 1:
@@ -236,11 +301,17 @@ def memory(
     tp, cp, pp, vp = layout.tp, layout.cp, layout.pp, layout.vp
     sp = layout.sequence_parallel
     here = layout.stage_layers(m.layers)[stage]
-    params = stage_params(m, tp, pp, stage, here)
+    params, expert_params = stage_param_split(m, tp, pp, stage, here, layout.ep, layout.etp)
     grad_bytes = 4 if settings.grad_reduce_in_fp32 else settings.param_bytes
-    shard = 1
+    shard = expert_shard = 1
     if settings.distributed_optimizer:
         shard = layout.dp * cp // layout.instances
+        # the experts' optimizer state is sharded over their own data-parallel group
+        expert_shard = layout.edp
+    optimizer = params * 12 / shard
+    if expert_params:
+        optimizer += expert_params * 12 / expert_shard
+        params += expert_params
     tokens = layout.micro_batch * seq // cp
     scores = layout.recompute == "none" and not settings.flash_attention
     rep, sh = layer_activation_bytes(m, tokens, seq, tp, sp, scores=scores)
@@ -264,7 +335,7 @@ def memory(
     return Memory(
         weights=params * settings.param_bytes,
         grads=params * grad_bytes,
-        optimizer=params * 12 / shard,
+        optimizer=optimizer,
         activations=acts,
         other=settings.reserve_bytes,
         stage=stage,
@@ -366,7 +437,7 @@ class Evaluator:
             )
         try:
             place = self.topology_for(layout.sites).placement(
-                tp, cp, pp, dp, layout.instances, order
+                tp, cp, pp, dp, layout.instances, order, layout.ep, layout.etp
             )
         except PortingError as err:
             # a group whose neighbours sit in two sites with no link between them
@@ -381,7 +452,7 @@ class Evaluator:
 
         # --- one layer, one microbatch, one GPU
         gemm_f = 2 * tokens * m.matmul_params_per_layer() / tp / peak
-        attn_f = 4 * tokens * seq * m.q_width / tp / peak
+        attn_f = 2 * tokens * seq * m.score_width / tp / peak
         rep, sh = layer_activation_bytes(
             m, tokens, seq, tp, sp, scores=not s.flash_attention and cp == 1
         )
@@ -411,7 +482,11 @@ class Evaluator:
             sends = (cp - 1) * (3 + (1 if layout.recompute == "full" else 0))
             cp_comm = sends * p2p(kv, path)
             cp_exp = max(0.0, cp_comm - 3 * attn_f)
-        layer = fwd + bwd + recompute + tp_exp + cp_exp
+        # EP: each MoE layer's dispatch and combine, forward, backward (and the recomputed
+        # forward), exposed: the default schedule does not overlap them
+        ep_one, ep_level = self._expert_comm(layout, place, tokens)
+        ep_comm = (passes + 1) * ep_one * (m.moe_layers / m.layers if m.moe else 0.0)
+        layer = fwd + bwd + recompute + tp_exp + cp_exp + ep_comm
         stage_split = layout.stage_layers(m.layers)
         per_stage_layers = max(stage_split)
         stage_t = per_stage_layers * layer
@@ -459,7 +534,10 @@ class Evaluator:
             hidden[lv] += max(0.0, all_p2p - total_p2p)
 
         # --- data-parallel gradient reduction and parameter gather
-        params = max(stage_params(m, tp, pp, i, n) for i, n in enumerate(stage_split))
+        ep, etp = layout.ep, layout.etp
+        splits = [stage_param_split(m, tp, pp, i, n, ep, etp) for i, n in enumerate(stage_split)]
+        params = max(d for d, _ in splits)
+        expert_params = max(e for _, e in splits)
         grad_bytes = (4 if s.grad_reduce_in_fp32 else s.param_bytes) * params
         d = dp * cp
         buckets = max(1, _ceil_div(int(params), max(BUCKET_PARAMS, 1_000_000 * d)))
@@ -488,6 +566,20 @@ class Evaluator:
         gather_exp = _expose(gather_parts, window, exposed, hidden)
         shard = d // layout.instances if s.distributed_optimizer else 1
         optimizer = params / shard * OPTIMIZER_BYTES_PER_PARAM / hbm
+        if expert_params:
+            # the routed experts' gradients over their own data-parallel group, after the rest
+            edp = layout.edp
+            e_shard = edp if s.distributed_optimizer else 1
+            optimizer += expert_params / e_shard * OPTIMIZER_BYTES_PER_PARAM / hbm
+            if edp > 1:
+                epath = net.path(place.edp)
+                e_bytes = (4 if s.grad_reduce_in_fp32 else s.param_bytes) * expert_params
+                if s.distributed_optimizer:
+                    e_t = reduce_scatter(edp, e_bytes, epath)
+                    e_t += all_gather(edp, expert_params * s.param_bytes, epath)
+                else:
+                    e_t = allreduce(edp, e_bytes, epath)
+                grad_exp += _expose([(epath.level, e_t)], 0.0, exposed, hidden)
 
         tp_lv = place.tp.level
         exposed[tp_lv] += per_step * per_stage_layers * tp_exp
@@ -498,11 +590,14 @@ class Evaluator:
 
         step = slots + grad_exp + gather_exp + optimizer
         n_mb = per_step * per_stage_layers
+        if ep_comm:
+            exposed[ep_level] += n_mb * ep_comm
         parts = {
             "compute": per_step * (per_stage_layers * 3 * (gemm_f + attn_f) + logits),
             "memory-bound": n_mb * mem_pass,
             "recompute": n_mb * recompute,
             "tp/cp comm": n_mb * (tp_exp + cp_exp),
+            **({"ep comm": n_mb * ep_comm} if m.moe else {}),
             "pp comm": per_step * p2p_max + (pp - 1) / vp * p2p_avg,
             "bubble": (pp - 1) / vp * t_avg,
             "dp comm": grad_exp + gather_exp,
@@ -524,6 +619,51 @@ class Evaluator:
             num_microbatches=per_step,
         )
 
+    def _expert_comm(self, layout: Layout, place, tokens: int) -> tuple[float, int]:
+        """(one MoE layer's all-to-all for one pass of one microbatch on one GPU, the level it
+        crosses): dispatch and combine over the EP group, and with ETP > 1 the all-gather and
+        reduce-scatter of the dispatched tokens over the expert tensor-parallel group."""
+        m, s, eff = self.model, self.settings, self.eff
+        if not m.moe or layout.ep * layout.etp == 1:
+            return 0.0, 0
+        net = self.net
+        # sequence parallelism (required with TP for MoE) leaves each GPU 1/TP of the tokens
+        local = tokens / layout.tp
+        token_bytes = m.hidden * s.param_bytes
+        t = 0.0
+        level = 0
+        if layout.ep > 1:
+            g = place.ep
+            path = net.path(g)
+            nvlink = net.node_bw * eff.a2a_node_bw
+            network = _network_bw(net, path)
+            if s.dispatcher == "flex":
+                spread = alltoall.routing_spread(
+                    m.experts, m.top_k, layout.ep, g.members_per_node, m.groups, m.group_limit
+                )
+                one = alltoall.deduplicated_time(
+                    local, token_bytes, spread, nvlink, network, eff.a2a_latency
+                )
+            else:
+                one = alltoall.per_copy_time(
+                    local,
+                    m.top_k,
+                    token_bytes,
+                    layout.ep,
+                    g.members_per_node,
+                    nvlink,
+                    network,
+                    eff.a2a_latency,
+                )
+            t += 2 * one  # dispatch and combine
+            level = path.level
+        if layout.etp > 1:
+            path = net.path(place.etp)
+            gathered = local * m.top_k * layout.etp * token_bytes
+            t += 2 * all_gather(layout.etp, gathered, path)
+            level = max(level, path.level)
+        return t, level
+
     def placements_computed(self) -> int:
         """Rank placements worked out so far, over every order of the sites."""
         topologies = [self.topology, *self._topologies.values()]
@@ -543,6 +683,13 @@ class Evaluator:
             replace(self.settings, **changes),
             self.eff,
         )
+
+
+def _network_bw(net: Network, path: Path) -> float:
+    """Bytes/s one GPU of an EP group sends to other nodes: its own NIC inside a site (the
+    all-to-all spreads over every node, not a ring), the group's share of a link across sites."""
+    site = net.net_bw * net.eff.site_bw
+    return site if path.level < 2 else min(site, path.bandwidth)
 
 
 def _expose(

@@ -50,6 +50,11 @@ class Placement:
     instance: GroupShape  # one distributed-optimizer instance's share of it
     cross: GroupShape  # the group across instances (same position in each)
     pp_crosses_sites: bool
+    # MoE layers' groups (Megatron's expert rank generator: ETP, EP, EDP and the shared PP in
+    # the same order string); without EP and with ETP = TP, the TP and DP groups
+    ep: GroupShape | None = None
+    etp: GroupShape | None = None
+    edp: GroupShape | None = None
 
 
 class Topology:
@@ -77,14 +82,22 @@ class Topology:
         self.computed = 0  # placements worked out (a measure of the search's work)
 
     def placement(
-        self, tp: int, cp: int, pp: int, dp: int, instances: int, order: str
+        self,
+        tp: int,
+        cp: int,
+        pp: int,
+        dp: int,
+        instances: int,
+        order: str,
+        ep: int = 1,
+        etp: int = 1,
     ) -> Placement:
         """Group shapes for a layout (cached: they do not depend on batch or recomputation)."""
-        key = (tp, cp, pp, dp, instances, order)
+        key = (tp, cp, pp, dp, instances, order, ep, etp)
         hit = self._placements.get(key)
         if hit is None:
             try:
-                hit = self._compute(tp, cp, pp, dp, instances, order)
+                hit = self._compute(tp, cp, pp, dp, instances, order, ep, etp)
             except PortingError as err:
                 # a missing link: every layout of this placement is told the same, and only the
                 # message is kept (the traceback would keep the rank tables of its frames alive)
@@ -230,14 +243,41 @@ class Topology:
 
         return self._once(("pipeline", unit, pattern), work)
 
-    def _compute(self, tp: int, cp: int, pp: int, dp: int, instances: int, order: str) -> Placement:
+    def _expert_shape(self, etp: int, ep: int, edp: int, pp: int, order: str, token: str):
+        """The shape of one kind of the MoE layers' groups: Megatron builds them with its rank
+        generator over ETP x EP x EDP x PP (CP folded into EDP) in the same order string."""
+        sizes = {"tp": etp, "cp": 1, "ep": ep, "pp": pp, "dp": edp}
+        return self._group_shape(1, _merged_dims(sizes, order, token))
+
+    def _compute(
+        self,
+        tp: int,
+        cp: int,
+        pp: int,
+        dp: int,
+        instances: int,
+        order: str,
+        ep: int = 1,
+        etp: int = 1,
+    ) -> Placement:
         self.computed += 1
+
         if self._unit(tp) == tp:
             tp_shape = GroupShape(tp, NODE, tp, (), self.world // tp)
         else:
             tp_shape = self._group_shape(*self._pattern(tp, cp, pp, dp, order, "tp"))
         boundaries, wrap = self._pipeline(*self._pattern(tp, cp, pp, dp, order, "pp"))
         unit, dp_pattern = self._pattern(tp, cp, pp, dp, order, "dp-cp")
+        dp_shape = self._group_shape(unit, dp_pattern)
+        if ep == 1 and etp == tp:
+            # the expert grid is the attention grid: experts sharded as the dense layers
+            experts = {"etp": tp_shape, "edp": dp_shape}
+        else:
+            edp = tp * cp * dp // (ep * etp)
+            experts = {
+                name: self._expert_shape(etp, ep, edp, pp, order, token)
+                for name, token in (("ep", "ep"), ("etp", "tp"), ("edp", "dp"))
+            }
         return Placement(
             order=order,
             tp=tp_shape,
@@ -245,10 +285,11 @@ class Topology:
             pp_boundaries=boundaries,
             pp_wrap=wrap,
             pp_count=self.world // pp,
-            dp=self._group_shape(unit, dp_pattern),
+            dp=dp_shape,
             instance=self._group_shape(unit, dp_pattern, instances, "instance"),
             cross=self._group_shape(unit, dp_pattern, instances, "cross"),
             pp_crosses_sites=any(lv == WAN for lv, _ in boundaries),
+            **experts,
         )
 
 

@@ -192,6 +192,38 @@ def _batch_rule(ev: Evaluator, dp: int, pp: int, vp: int, b: int) -> str | None:
     return None
 
 
+def expert_options(
+    ev: Evaluator, tp: int, cp: int, pp: int
+) -> Iterator[tuple[int, int, str | None]]:
+    """(EP, ETP, reason it cannot be used or None) for the MoE layers of a TP x CP x PP split.
+
+    MoE Parallel Folding (Liu et al. 2025, arXiv 2504.14960; Megatron-Core's expert rank
+    generator): the MoE layers regroup the TP x CP x DP ranks of each pipeline stage into
+    ETP x EP x EDP, sharing only PP with attention. ETP is tried at 1 (experts whole, the paper's
+    best configurations) and at TP (Megatron's default); EP at every divisor of the experts that
+    tiles the stage (or those ``--ep`` names). A dense model has one option, (1, 1).
+    """
+    m, s = ev.model, ev.settings
+    if not m.moe:
+        yield 1, 1, None
+        return
+    stage = ev.cluster.world // pp
+    wanted = s.expert_parallel or tuple(divisors(m.experts))
+    for etp in sorted({1, tp}):
+        for ep in wanted:
+            if m.experts % ep:
+                yield ep, etp, f"EP {ep} does not divide the {m.experts} experts"
+            elif stage % (ep * etp):
+                yield (
+                    ep,
+                    etp,
+                    f"EP {ep} x ETP {etp} does not divide the {stage} GPUs of a pipeline stage "
+                    f"(TP {tp} x CP {cp} x DP {stage // (tp * cp)})",
+                )
+            else:
+                yield ep, etp, None
+
+
 def _expand(
     ev: Evaluator,
     tp: int,
@@ -202,7 +234,26 @@ def _expand(
     sites: tuple[str, ...],
     instances: int,
 ) -> Iterator[Layout | Rejected]:
-    """Every interleaving, micro-batch and recomputation of one placed split."""
+    """Every expert split, interleaving, micro-batch and recomputation of one placed split."""
+    for ep, etp, why in expert_options(ev, tp, cp, pp):
+        if why:
+            yield Rejected(f"TP{tp} PP{pp} CP{cp} EP{ep} ETP{etp}", why)
+            continue
+        yield from _expand_batches(ev, tp, cp, pp, split, order, sites, instances, ep, etp)
+
+
+def _expand_batches(
+    ev: Evaluator,
+    tp: int,
+    cp: int,
+    pp: int,
+    split: tuple | None,
+    order: str,
+    sites: tuple[str, ...],
+    instances: int,
+    ep: int,
+    etp: int,
+) -> Iterator[Layout | Rejected]:
     s = ev.settings
     dp = ev.cluster.world // (tp * cp * pp)
     first, middle, last = split or (0, 0, 0)
@@ -229,6 +280,8 @@ def _expand(
                     first_layers=first,
                     middle_layers=middle,
                     last_layers=last,
+                    ep=ep,
+                    etp=etp,
                 )
 
 
@@ -277,11 +330,12 @@ def search_size(ev: Evaluator) -> tuple[int, int]:
             continue
         tp, cp, pp, split = item
         dp = ev.cluster.world // (tp * cp * pp)
-        inner = sum(
+        batches = sum(
             1 if _batch_rule(ev, dp, pp, vp, b) else len(s.recompute)
             for vp in _vps(ev, pp, split)
             for b in s.micro_batches
         )
+        inner = sum(1 if why else batches for _, _, why in expert_options(ev, tp, cp, pp))
         for order, _sites, why in _placements(ev, tp, cp, pp, [()]):
             each_order = multi and pp > 1 and order != ORDER_TP_PP_DP
             if why:
@@ -378,6 +432,8 @@ def plan(
                 f"placement: {best.layout.placement_label()} ({best.step:.2f} s per step) beats "
                 f"the best with {beaten}"
             )
+    if model.moe:
+        result.notes.extend(expert_notes(ev, ranked))
     lay = best.layout
     place = ev.topology_for(lay.sites).placement(
         lay.tp, lay.cp, lay.pp, lay.dp, lay.instances, best.order
@@ -392,6 +448,48 @@ def plan(
     result.seconds = time.perf_counter() - t0
     log.debug("planned %d layouts in %.3f s", considered, result.seconds)
     return result
+
+
+_SPANS = ("inside a node (NVLink)", "across the nodes of a site", "across sites")
+
+
+def expert_notes(ev: Evaluator, ranked: list[Prediction]) -> list[str]:
+    """Where the best layout's EP group sits and what the fastest layout with EP at each other
+    level costs: EP inside the fastest domain unless a wider group is predicted faster, and
+    then both are shown."""
+    best_at: dict[int, Prediction] = {}
+    for p in ranked:
+        lay = p.layout
+        level = 0
+        if lay.ep > 1:
+            place = ev.topology_for(lay.sites).placement(
+                lay.tp, lay.cp, lay.pp, lay.dp, lay.instances, p.order, lay.ep, lay.etp
+            )
+            level = place.ep.level
+        best_at.setdefault(level, p)
+    best = ranked[0]
+    level = next(lv for lv, p in best_at.items() if p is best)
+    share = best.parts.get("ep comm", 0.0)
+    if best.layout.ep > 1:
+        head = (
+            f"expert parallelism: EP{best.layout.ep} ETP{best.layout.etp} {_SPANS[level]}, "
+            f"all-to-all {share:.2f} s of the {best.step:.2f} s step"
+        )
+    else:
+        head = (
+            "expert parallelism: none (each GPU holds every expert of its stage's layers, no "
+            "all-to-all)"
+        )
+    others = [
+        f"{_SPANS[lv]}: {p.layout.label()} ({p.step:.2f} s, {p.step / best.step:.2f}x)"
+        for lv, p in sorted(best_at.items())
+        if p is not best
+    ]
+    if level > 0 and 0 not in best_at:
+        others.insert(0, f"{_SPANS[0]}: no layout fits")
+    if level > 0:
+        head += " (a wider EP group is predicted faster than any inside a node)"
+    return [head + ("; the best with EP " + "; ".join(others) if others else "")]
 
 
 def _site_orders_within_budget(ev: Evaluator) -> tuple[list[tuple[str, ...]], list[str]]:

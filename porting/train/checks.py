@@ -43,6 +43,7 @@ class TrainSpec:
     vp: int | None = None
     cp: int = 1
     ep: int = 1
+    etp: int | None = None  # expert tensor-parallel size; None: Megatron's default, TP
     sequence_parallel: bool = False
     seq_length: int = 2048
     micro_batch: int = 1
@@ -177,15 +178,20 @@ def validate(spec: TrainSpec, model_config, vocab_size: int) -> list[str]:
     experts = getattr(model_config, "num_moe_experts", None)
     if spec.ep < 1:
         raise PortingError(f"--ep {spec.ep} must be at least 1")
-    if spec.ep > 1:
+    etp = spec.etp if spec.etp is not None else spec.tp
+    if spec.etp is not None and spec.etp < 1:
+        raise PortingError(f"--etp {spec.etp} must be at least 1")
+    if spec.etp is not None and not experts:
+        raise PortingError(f"--etp {spec.etp}: the model has no experts to shard")
+    if spec.ep > 1 or etp != spec.tp:
         if not experts:
             raise PortingError(f"--ep {spec.ep}: the model has no experts to spread")
         if experts % spec.ep:
             raise PortingError(f"--ep {spec.ep} does not divide the model's {experts} experts")
-        # Megatron's expert groups tile tensor x context x data parallel ranks
-        if (spec.tp * spec.cp * dp) % spec.ep:
+        # Megatron's expert groups (ETP x EP x EDP) tile tensor x context x data parallel ranks
+        if (spec.tp * spec.cp * dp) % (spec.ep * etp):
             raise PortingError(
-                f"--ep {spec.ep} does not divide tensor x context x data parallel "
+                f"--ep {spec.ep} x --etp {etp} does not divide tensor x context x data parallel "
                 f"({spec.tp} x {spec.cp} x {dp})"
             )
     if spec.sequence_parallel and spec.tp == 1:
@@ -494,6 +500,12 @@ def check_plan(spec: TrainSpec, manifest, config) -> None:
         "layouts[0].layout.vp": (chosen.get("vp"), spec.vp or 1, "--vp"),
         "layouts[0].layout.cp": (chosen.get("cp"), spec.cp, "--cp"),
         "layouts[0].layout.dp": (chosen.get("dp"), spec.data_parallel, "the data-parallel size"),
+        "layouts[0].layout.ep": (chosen.get("ep"), spec.ep, "--ep"),
+        "layouts[0].layout.etp": (
+            chosen.get("etp"),
+            spec.etp if spec.etp is not None else spec.tp,
+            "--etp",
+        ),
         "layouts[0].layout.micro_batch": (
             chosen.get("micro_batch"),
             spec.micro_batch,
@@ -534,6 +546,9 @@ def check_plan(spec: TrainSpec, manifest, config) -> None:
             "--grad-reduce-in-bf16",
         ),
     }
+    if not model.get("experts"):
+        # a dense plan's layout carries EP 1 and ETP 1, which mean nothing without experts
+        del expect["layouts[0].layout.ep"], expect["layouts[0].layout.etp"]
     for where, (planned, flag_value, flag) in expect.items():
         if planned is not None and planned != flag_value:
             raise PortingError(

@@ -49,6 +49,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=1,
         help="expert-parallel size (mixture-of-experts models): experts spread over this many ranks",
     )
+    p.add_argument(
+        "--etp",
+        type=int,
+        default=None,
+        help="expert tensor-parallel size (mixture-of-experts models; default: --tp, as "
+        "Megatron): 1 keeps each expert whole, the MoE layers regrouping the ranks as MoE "
+        "Parallel Folding does (`porting plan` picks it)",
+    )
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--seq-length", type=int, default=2048)
     p.add_argument("--micro-batch", type=int, default=1)
@@ -174,6 +182,7 @@ def _spec(args):
         vp=args.vp,
         cp=args.cp,
         ep=args.ep,
+        etp=args.etp,
         sequence_parallel=args.sequence_parallel,
         seq_length=args.seq_length,
         micro_batch=args.micro_batch,

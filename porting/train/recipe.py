@@ -91,6 +91,7 @@ def recipe(spec: TrainSpec) -> Recipe:
     cfg.virtual_pipeline_model_parallel_size = spec.vp
     cfg.context_parallel_size = spec.cp
     cfg.expert_model_parallel_size = spec.ep
+    cfg.expert_tensor_parallel_size = spec.etp if spec.etp is not None else spec.tp
     cfg.sequence_parallel = spec.sequence_parallel
     # Weights are stored in the checkpoint's dtype; training keeps fp32 master weights and lets the
     # mixed-precision plugin cast (bf16 on GPUs).
@@ -151,6 +152,7 @@ def recipe(spec: TrainSpec) -> Recipe:
         num_layers_in_last_pipeline_stage=spec.last_stage_layers,
         context_parallel_size=spec.cp,
         expert_model_parallel_size=spec.ep,
+        expert_tensor_parallel_size=spec.etp,
         sequence_parallel=spec.sequence_parallel,
         pipeline_dtype=cfg.pipeline_dtype,
         use_tp_pp_dp_mapping=spec.use_tp_pp_dp_mapping,
