@@ -90,6 +90,18 @@ WORST = {
         2**11 * 105,
         tuple(range(1, 17)),
     ),
+    f"{MAX_SITES} sites fully linked, {MAX_GPUS:,} GPUs, deepseek-v3 (MoE: EP x ETP searched)": (
+        _cluster(MAX_SITES, PER_SITE, ring=False),
+        "deepseek-v3",
+        1 << 20,
+        None,
+    ),
+    "one site, 2,048 H800s, deepseek-v3 (the report's cluster)": (
+        "examples/clusters/h800-2048.yaml",
+        "deepseek-v3",
+        15360,
+        None,
+    ),
     "a 512 KiB cluster file of 100k+ values (refused)": ("hostile", "llama-7b", 64, None),
 }
 
@@ -101,7 +113,9 @@ def run_case(name: str) -> dict:
     t0, c0 = time.perf_counter(), time.process_time()
     with tempfile.TemporaryDirectory() as tmp:
         path = ROOT / "examples/clusters/three-sites.yaml" if data is None else Path(tmp) / "c.yaml"
-        if data == "hostile":
+        if isinstance(data, str) and data.startswith("examples/"):
+            path = ROOT / data
+        elif data == "hostile":
             path.write_text(("sites: [" + "{a: 1}, " * 70_000)[: 512 << 10])
         elif data is not None:
             path.write_text(yaml.safe_dump(data))

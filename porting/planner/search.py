@@ -502,7 +502,9 @@ def _site_orders_within_budget(ev: Evaluator) -> tuple[list[tuple[str, ...]], li
         raise PortingError(
             f"planning {ev.model.name} on {cluster.name} ({cluster.world} GPUs) at global batch "
             f"{ev.global_batch} would consider more than the planner's limit of {MAX_LAYOUTS} "
-            "layouts; narrow the search (--micro-batches, --order, --no-uneven-pipeline)"
+            "layouts; narrow the search (--micro-batches, --order, --no-uneven-pipeline"
+            + (", --ep" if ev.model.moe else "")
+            + ")"
         )
     notes = []
     fit = len(orders) if not per_order else (MAX_LAYOUTS - fixed) // per_order
