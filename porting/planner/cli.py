@@ -421,6 +421,7 @@ def _cmd_plan(args) -> int:
     if args.json:
         data = report.plan_dict(result, top=args.top, with_rejected=args.rejected)
         data["chosen"] = report.prediction_dict(chosen)
+        data["chosen"]["groups"] = report.groups(ev, chosen)
         data.update(out)
         data["written"] = [str(w) for w in written]
         print(json.dumps(data, indent=2, default=str))
@@ -435,6 +436,7 @@ def _cmd_plan(args) -> int:
     where = f", {chosen.layout.placement_label()}" if len(cluster.sites) > 1 else ""
     print(f"chosen: {chosen.layout.label()} (rank order {chosen.order}{where})")
     print(f"  {report.breakdown(chosen)}")
+    print(f"  groups: {report.groups(ev, chosen)}")
     if chosen.slowdown is not None:
         print(f"  {chosen.slowdown:.2f}x the step time of the same GPUs in one site")
     for note in result.notes:

@@ -13,6 +13,18 @@ A cluster file (YAML) names every quantity with its unit::
       - {sites: [a, b], bandwidth_gbit_s: 400, count: 2, distance_km: 30, transport: rdma}
 
 ``gpu``, ``node`` and ``site`` may be given per site instead of (or to override) the top level.
+Inside a site, ``site.domains`` may describe racks (or NVLink domains of several nodes), zones and
+buildings, innermost first, each with the nodes it holds, the oversubscription of the uplinks that
+traffic leaving it crosses (default 1) and the one-way latency of a path that leaves it::
+
+    site:
+      bandwidth_gbit_s: 400
+      latency_us: 5
+      domains:
+        - {name: rack, nodes: 2, latency_us: 4}
+        - {name: zone, nodes: 384, oversubscription: 7, latency_us: 7}
+
+Each domain's nodes are a multiple of the one inside it and divide the site's nodes.
 A link gives ``distance_km`` (fibre: about 5 microseconds per km one way) or a measured
 ``rtt_ms``. Every error names the file and the field.
 """
@@ -70,6 +82,8 @@ SITE_NAME = (
     re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}"),
     "a letter, then letters, digits, '_' or '-', 64 at most",
 )
+MAX_DOMAINS = 8
+OVERSUBSCRIPTION = Range(1, 1000)
 LABEL = (
     re.compile(r"[A-Za-z0-9][A-Za-z0-9 ._+()/-]{0,127}"),
     "letters, digits and ' ._+()/-', 128 at most",
@@ -95,6 +109,16 @@ class Level:
 
 
 @dataclass(frozen=True)
+class Domain:
+    """A group of consecutive nodes inside a site (a rack, a zone, a building)."""
+
+    name: str
+    nodes: int
+    oversubscription: float  # of the uplinks that traffic leaving the domain crosses
+    latency: float | None  # one way, for a path that leaves it (seconds); None: the site's
+
+
+@dataclass(frozen=True)
 class Site:
     """A data centre (or a partition of one): identical nodes on one fabric."""
 
@@ -104,6 +128,7 @@ class Site:
     gpu: GPU
     node: Level  # inside a node (NVLink/NVSwitch)
     net: Level  # between nodes of this site (per-GPU NIC)
+    domains: tuple[Domain, ...] = ()  # innermost first
 
     @property
     def gpus(self) -> int:
@@ -404,6 +429,54 @@ def _level(r: _Reader, d: dict, where: str, unit_key: str, accepted: Range, scal
     )
 
 
+def _domains(r: _Reader, d: dict, where: str, nodes: int, site: str) -> tuple[Domain, ...]:
+    """A site's ``domains`` list: names, nesting and counts checked against its nodes."""
+    raw = d.get("domains")
+    if raw is None:
+        return ()
+    where = f"{where}.domains"
+    if not isinstance(raw, list):
+        raise r.fail(where, f"expected a list of domains, innermost first, got {show(raw)}")
+    if len(raw) > MAX_DOMAINS:
+        raise r.fail(where, f"{len(raw)} levels, more than the planner's limit of {MAX_DOMAINS}")
+    out: list[Domain] = []
+    inner, inner_name = 1, "node"
+    for i, item in enumerate(raw):
+        at = f"{where}[{i}]"
+        dom = r.mapping(item, at)
+        name = r.name(r.get(dom, "name", at), f"{at}.name", SITE_NAME)
+        if name in (x.name for x in out) or name == "node":
+            raise r.fail(f"{at}.name", f"a second level named {name!r}")
+        count = r.integer(dom, "nodes", at, positive_int(MAX_GPUS))
+        if count <= inner or count % inner:
+            raise r.fail(
+                f"{at}.nodes",
+                f"a {name} of {count} nodes does not hold whole {inner_name}s of {inner} nodes "
+                "(domains nest, innermost first)",
+            )
+        if nodes % count:
+            raise r.fail(
+                f"{at}.nodes",
+                f"a {name} of {count} nodes does not divide site {site}'s {nodes} nodes",
+            )
+        out.append(
+            Domain(
+                name=name,
+                nodes=count,
+                oversubscription=float(
+                    OVERSUBSCRIPTION.check(
+                        dom.get("oversubscription", 1), f"{r.source}: {at}.oversubscription"
+                    )
+                ),
+                latency=r.number(dom, "latency_us", at, LATENCY_US) * 1e-6
+                if "latency_us" in dom
+                else None,
+            )
+        )
+        inner, inner_name = count, name
+    return tuple(out)
+
+
 def _merged(r: _Reader, top: dict, site: dict, key: str, where: str) -> tuple[dict, str]:
     """Site-level section over the top-level one; the path of whichever supplies the field."""
     if key in site:
@@ -441,13 +514,15 @@ def cluster_from_dict(data: object, source: str = "cluster") -> Cluster:
         gpu_d, gpu_where = _merged(r, top, d, "gpu", where)
         node_d, node_where = _merged(r, top, d, "node", where)
         net_d, net_where = _merged(r, top, d, "site", where)
+        nodes = r.integer(d, "nodes", where, positive_int(MAX_GPUS))
         site = Site(
             name=name,
-            nodes=r.integer(d, "nodes", where, positive_int(MAX_GPUS)),
+            nodes=nodes,
             gpus_per_node=r.integer(d, "gpus_per_node", where, positive_int(MAX_GPUS_PER_NODE)),
             gpu=_gpu(r, gpu_d, gpu_where),
             node=_level(r, node_d, node_where, "bandwidth_gbytes_s", NODE_GBYTES_S, 1e9),
             net=_level(r, net_d, net_where, "bandwidth_gbit_s", NET_GBIT_S, 1e9 / 8),
+            domains=_domains(r, net_d, net_where, nodes, name),
         )
         world += site.gpus
         if world > MAX_GPUS:

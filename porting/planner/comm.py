@@ -185,6 +185,20 @@ class Network:
         self.site_lat = (
             eff.site_latency if eff.site_latency is not None else max(s.net.latency for s in sites)
         )
+        # racks/zones inside the sites: tier t is a group spanning domains of level t - 1, which
+        # sees the worst oversubscription of the uplinks up to that level and its latency
+        depth = max((len(x.domains) for x in sites), default=0)
+        self.tier_oversubscription = [1.0]
+        self.tier_latency = [self.site_lat]
+        for t in range(1, depth + 1):
+            over = lat = 0.0
+            for x in sites:
+                inside = x.domains[:t]
+                over = max(over, max((d.oversubscription for d in inside), default=1.0))
+                left = x.domains[t - 1].latency if t <= len(x.domains) else None
+                lat = max(lat, self.site_lat if left is None else left)
+            self.tier_oversubscription.append(over)
+            self.tier_latency.append(lat)
         # every layout of a placement asks for the same few paths: the search's hot spot
         self._paths: dict[tuple, tuple[object, Path]] = {}
 
@@ -224,9 +238,10 @@ class Network:
         if g.level == NODE:
             return Path(node, self.node_lat, NODE)
         site = min(self.node_bw, g.members_per_node * self.net_bw) * self.eff.site_bw
+        site /= self.tier_oversubscription[g.tier]
         if g.level == SITE:
-            return Path(min(node, site), self.site_lat, SITE)
-        bw, lat = min(node, site), self.site_lat
+            return Path(min(node, site), self.tier_latency[g.tier], SITE)
+        bw, lat = min(node, site), self.tier_latency[g.tier]
         for link in g.links:
             share, _ = self.link_share(link, flows if flows is not None else g.count)
             bw = min(bw, share)
@@ -246,8 +261,10 @@ class Network:
         bw = min(share, self.net_bw * self.eff.site_bw)
         return Path(bw, link.one_way * self.eff.wan_latency_scale + self.site_lat, WAN)
 
-    def level_path(self, level: int) -> Path:
-        """A point-to-point path inside a node or between nodes of a site."""
+    def level_path(self, level: int, tier: int = 0) -> Path:
+        """A point-to-point path inside a node or between nodes of a site (``tier``: the levels
+        of the site's domains it leaves)."""
         if level == NODE:
             return Path(self.node_bw * self.eff.node_bw, self.node_lat, NODE)
-        return Path(self.net_bw * self.eff.site_bw, self.site_lat, SITE)
+        bw = self.net_bw * self.eff.site_bw / self.tier_oversubscription[tier]
+        return Path(bw, self.tier_latency[tier], SITE)

@@ -174,10 +174,19 @@ def _node_list(cluster: Cluster) -> list[tuple[str, int]]:
 
 
 def hosts_example(cluster: Cluster) -> str:
-    """A hostfile template in rank order: replace the names, keep the order (site by site)."""
+    """A hostfile template in rank order: replace the names, keep the order (site by site; in a
+    site with racks or zones, domain by domain, each node named with its domains)."""
     order = " > ".join(s.name for s in cluster.sites)
     lines = [f"# one hostname per line, site by site in this order: {order}"]
-    lines += [f"{site}-node{i:03d}" for site, i in _node_list(cluster)]
+    domains = {s.name: s.domains for s in cluster.sites}
+    if any(domains.values()):
+        lines.append(
+            "# inside a site, nodes of one domain are consecutive (the names give each node's "
+            "domains, outermost first): ranks fill a rack, then its zone, before the next"
+        )
+    for site, i in _node_list(cluster):
+        where = "".join(f"-{d.name}{i // d.nodes:03d}" for d in reversed(domains[site]))
+        lines.append(f"{site}{where}-node{i:03d}")
     return "\n".join(lines) + "\n"
 
 

@@ -481,6 +481,8 @@ PRESETS: dict[str, ModelShape] = {
     # meta-llama/Meta-Llama-3-8B and -70B config.json
     "llama3-8b": ModelShape("llama3-8b", 4096, 32, 32, 8, 14336, 128256),
     "llama3-70b": ModelShape("llama3-70b", 8192, 80, 64, 8, 28672, 128256),
+    # meta-llama/Llama-3.1-405B config.json (rope scaling does not change the cost)
+    "llama3.1-405b": ModelShape("llama3.1-405b", 16384, 126, 128, 8, 53248, 128256),
     # tiiuae/falcon-7b (MQA, parallel block, one norm) and falcon-40b (8 KV groups, two norms)
     "falcon-7b": ModelShape(
         "falcon-7b",

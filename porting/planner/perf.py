@@ -506,10 +506,15 @@ class Evaluator:
             flows = place.pp_count
             times = []
             bounds = list(place.pp_boundaries)
+            tiers = list(place.pp_tiers[:-1])
             if vp > 1:
                 bounds.append(place.pp_wrap)
-            for level, link in bounds:
-                path = net.link_path(link, flows) if link is not None else net.level_path(level)
+                tiers.append(place.pp_tiers[-1])
+            for (level, link), tier in zip(bounds, tiers, strict=True):
+                if link is not None:
+                    path = net.link_path(link, flows)
+                else:
+                    path = net.level_path(level, tier)
                 t = p2p(act, path)
                 times.append((level, t))
             # An activation forward and a gradient backward per microbatch and model chunk; in
@@ -636,7 +641,7 @@ class Evaluator:
             g = place.ep
             path = net.path(g)
             nvlink = net.node_bw * eff.a2a_node_bw
-            network = _network_bw(net, path)
+            network = _network_bw(net, path, g.tier)
             if s.dispatcher == "flex":
                 spread = alltoall.routing_spread(
                     m.experts, m.top_k, layout.ep, g.members_per_node, m.groups, m.group_limit
@@ -685,10 +690,11 @@ class Evaluator:
         )
 
 
-def _network_bw(net: Network, path: Path) -> float:
+def _network_bw(net: Network, path: Path, tier: int) -> float:
     """Bytes/s one GPU of an EP group sends to other nodes: its own NIC inside a site (the
-    all-to-all spreads over every node, not a ring), the group's share of a link across sites."""
-    site = net.net_bw * net.eff.site_bw
+    all-to-all spreads over every node, not a ring) through the oversubscribed uplinks of the
+    domains it leaves, the group's share of a link across sites."""
+    site = net.net_bw * net.eff.site_bw / net.tier_oversubscription[tier]
     return site if path.level < 2 else min(site, path.bandwidth)
 
 

@@ -34,6 +34,9 @@ class GroupShape:
     members_per_node: int  # fewest members of one group on one node (NIC sharing)
     links: tuple[Link, ...]  # inter-site links a ring over the group crosses
     count: int  # how many groups of this kind run at once
+    # inside a site: how many levels of its domains (racks, zones...) the group spans, 0 for
+    # nodes of one innermost domain (or a site without domains)
+    tier: int = 0
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class Placement:
     pp_boundaries: tuple[tuple[int, Link | None], ...]  # (level, link) per stage boundary
     pp_wrap: tuple[int, Link | None]  # last stage -> first (interleaved chunks pass it)
     pp_count: int
+    pp_tiers: tuple[int, ...]  # domain tier of each boundary, then of the wrap
     dp: GroupShape  # the whole data-parallel (x context-parallel) group
     instance: GroupShape  # one distributed-optimizer instance's share of it
     cross: GroupShape  # the group across instances (same position in each)
@@ -77,6 +81,26 @@ class Topology:
         self.world = int(self.site_of.size)
         self._names = [site.name for site in cluster.sites]
         self._per_node = per_node
+        # domain of every rank at each level of the sites' racks/zones (a site with fewer levels
+        # is one domain at the others), numbered apart across sites
+        depth = max((len(site.domains) for site in cluster.sites), default=0)
+        first_node = np.cumsum([0] + [site.nodes for site in cluster.sites])[:-1]
+        in_site = self.node_of - first_node[self.site_of]
+        self.domain_of: list[np.ndarray] = []
+        for level in range(depth):
+            size = np.array(
+                [
+                    site.domains[level].nodes if level < len(site.domains) else site.nodes
+                    for site in cluster.sites
+                ],
+                dtype=np.int64,
+            )
+            count = np.array([site.nodes for site in cluster.sites], dtype=np.int64) // size
+            offset = np.cumsum(np.concatenate(([0], count)))[:-1]
+            self.domain_of.append(
+                (offset[self.site_of] + in_site // size[self.site_of]).astype(np.int32)
+            )
+        del in_site
         self._placements: dict[tuple, Placement | str] = {}
         self._memo: dict[tuple, object] = {}
         self.computed = 0  # placements worked out (a measure of the search's work)
@@ -179,6 +203,20 @@ class Topology:
             lambda: (self.site_of[::unit].copy(), self.node_of[::unit].copy()),
         )
 
+    def _domain_tables(self, unit: int) -> list[np.ndarray]:
+        if unit == 1:
+            return self.domain_of
+        return self._once(("domains", unit), lambda: [d[::unit].copy() for d in self.domain_of])
+
+    def _tier(self, unit: int, rows: np.ndarray) -> int:
+        """Levels of the sites' domains the groups in ``rows`` span (their widest)."""
+        tables = self._domain_tables(unit)
+        for level in range(len(tables) - 1, -1, -1):
+            dom = tables[level][rows]
+            if (dom[:, 1:] != dom[:, :-1]).any():
+                return level + 1
+        return 0
+
     def _shape(self, unit: int, rows: np.ndarray) -> GroupShape:
         count, size = rows.shape
         site_of, node_of = self._tables(unit)
@@ -186,6 +224,7 @@ class Topology:
         moves = nodes[:, 1:] != nodes[:, :-1]
         if not moves.any():
             return GroupShape(size, NODE, size, (), count * unit)
+        tier = self._tier(unit, rows)
         # members ascend, so a group's members on one node are consecutive: a run
         first = np.ones((count, size), dtype=bool)
         first[:, 1:] = moves
@@ -200,7 +239,7 @@ class Topology:
             crossing[:, -1] = sites[:, -1] != sites[:, 0]
         at = np.flatnonzero(crossing)
         if not at.size:
-            return GroupShape(size, SITE, per_node, (), count * unit)
+            return GroupShape(size, SITE, per_node, (), count * unit, tier)
         row, col = np.divmod(at, size)
         a, b = sites[row, col], sites[row, (col + 1) % size]
         n = len(self._names)
@@ -213,7 +252,7 @@ class Topology:
             self.cluster.link(self._names[c // n], self._names[c % n])
             for c in found[np.argsort(first_at[found])].tolist()
         )
-        return GroupShape(size, WAN, per_node, links, count * unit)
+        return GroupShape(size, WAN, per_node, links, count * unit, tier)
 
     def _pipeline(self, unit: int, pattern: tuple) -> tuple[tuple, tuple]:
         """(the widest level and its link between each stage and the next, the same from the
@@ -243,6 +282,24 @@ class Topology:
 
         return self._once(("pipeline", unit, pattern), work)
 
+    def _pipeline_tiers(self, unit: int, pattern: tuple) -> tuple[int, ...]:
+        """The domain tier of each stage boundary (as :meth:`_pipeline`'s columns: the
+        boundaries, then the wrap from the last stage to the first)."""
+
+        def work() -> tuple[int, ...]:
+            rows = _rows(pattern)
+            tiers = [0] * rows.shape[1]
+            for level, table in enumerate(self._domain_tables(unit)):
+                dom = table[rows]
+                differs = (dom != np.roll(dom, -1, axis=1)).any(axis=0)
+                for i in np.flatnonzero(differs).tolist():
+                    tiers[i] = level + 1
+            if rows.shape[1] == 1:
+                return (0,)
+            return tuple(tiers)
+
+        return self._once(("pipeline tiers", unit, pattern), work)
+
     def _expert_shape(self, etp: int, ep: int, edp: int, pp: int, order: str, token: str):
         """The shape of one kind of the MoE layers' groups: Megatron builds them with its rank
         generator over ETP x EP x EDP x PP (CP folded into EDP) in the same order string."""
@@ -266,7 +323,8 @@ class Topology:
             tp_shape = GroupShape(tp, NODE, tp, (), self.world // tp)
         else:
             tp_shape = self._group_shape(*self._pattern(tp, cp, pp, dp, order, "tp"))
-        boundaries, wrap = self._pipeline(*self._pattern(tp, cp, pp, dp, order, "pp"))
+        pp_pattern = self._pattern(tp, cp, pp, dp, order, "pp")
+        boundaries, wrap = self._pipeline(*pp_pattern)
         unit, dp_pattern = self._pattern(tp, cp, pp, dp, order, "dp-cp")
         dp_shape = self._group_shape(unit, dp_pattern)
         if ep == 1 and etp == tp:
@@ -285,6 +343,7 @@ class Topology:
             pp_boundaries=boundaries,
             pp_wrap=wrap,
             pp_count=self.world // pp,
+            pp_tiers=self._pipeline_tiers(*pp_pattern),
             dp=dp_shape,
             instance=self._group_shape(unit, dp_pattern, instances, "instance"),
             cross=self._group_shape(unit, dp_pattern, instances, "cross"),
