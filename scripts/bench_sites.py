@@ -9,11 +9,13 @@ veth pair's own (tens of microseconds), measured and written into the cluster fi
 
 Then, over real gloo process groups whose ranks run inside the namespaces:
 
-1. collectives (all-reduce, reduce-scatter, all-gather, point-to-point) across the link, one rank
-   per site and two, at several sizes, written as nccl-tests-format logs (``logs/``) that
-   ``porting plan --calibrate`` reads; each is compared with the planner's prediction for a cluster
-   file that describes the same link (``cluster.yaml``), with the default constants and after
-   fitting the link's efficiency to one log (the two-rank all-reduce) and predicting the rest;
+1. collectives (all-reduce, reduce-scatter, all-gather, point-to-point, and the all-to-all of an
+   MoE layer's dispatch and combine) across the link, one rank per site and two, at several
+   sizes, written as nccl-tests-format logs (``logs/``) that ``porting plan --calibrate`` reads;
+   each is compared with the planner's prediction for a cluster file that describes the same link
+   (``cluster.yaml``), with the default constants and after fitting the link's efficiency to one
+   log (the two-rank all-reduce) and the all-to-all's constants to the two-rank all-to-all, and
+   predicting the rest;
 2. with ``--train``: a real ``porting train`` of a tiny model under torchrun (gloo, CPU, the
    plain optimizer: see :func:`predict_train`): one site
    (two processes in one namespace) against two sites (a torchrun node in each namespace), with
@@ -48,7 +50,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SITES = ("a", "b")
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "sendrecv")
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "sendrecv", "alltoall")
 RUN_TIMEOUT = 240  # seconds for one group of worker processes or one training run
 MAX_BYTES = 64 << 20  # no transfer above this (the bed moves bounded traffic)
 
@@ -208,6 +210,8 @@ def worker(args: argparse.Namespace) -> int:
                     dist.reduce_scatter(torch.empty_like(chunks[0]), chunks)
                 elif op == "all_gather":
                     dist.all_gather([torch.empty_like(chunks[0]) for _ in chunks], chunks[rank])
+                elif op == "alltoall":  # an MoE layer's dispatch: 1/world of the buffer to each
+                    dist.all_to_all_single(torch.empty_like(buf), buf)
                 elif rank == 0:  # sendrecv: rank 0 (site a) to the last rank (site b)
                     dist.send(buf, world - 1)
                 elif rank == world - 1:
@@ -323,10 +327,9 @@ def compare_collectives(bed: TestBed, rtt: float, rows: list[dict], out: Path) -
             name = f"link-a-b_{op}" + ("" if per_site == 1 else f"_{2 * per_site}ranks") + ".log"
             write_nccl_log(logs / name, mine, per_site)
             tests[(per_site, op)] = parse_nccl_test(logs / name)
-    fit_on = tests[(1, "all_reduce")]
     base = Efficiency()
     cluster1 = cluster_from_dict(cluster_dict(bed, rtt, 1))
-    fitted, _ = fit_levels(cluster1, base, [fit_on])
+    fitted, _ = fit_levels(cluster1, base, [tests[(1, "all_reduce")], tests[(1, "alltoall")]])
     table = []
     for r in rows:
         cl = cluster_from_dict(cluster_dict(bed, rtt, r["per_site"]))
@@ -335,10 +338,12 @@ def compare_collectives(bed: TestBed, rtt: float, rows: list[dict], out: Path) -
         after = predict_test(cl, fitted, t, r["bytes"])
         table.append({**r, "predicted_default_s": before, "predicted_fitted_s": after,
                       "ratio_fitted": r["seconds"] / after,
-                      "fit_row": r["per_site"] == 1 and r["op"] == "all_reduce"})  # fmt: skip
+                      "fit_row": r["per_site"] == 1 and r["op"] in ("all_reduce", "alltoall")})  # fmt: skip
     (out / "cluster.yaml").write_text(_yaml(cluster_dict(bed, rtt, 1)))
     (out / "constants.yaml").write_text(_yaml({"wan_tcp": fitted.wan_tcp,
-                                               "wan_latency_scale": fitted.wan_latency_scale}))  # fmt: skip
+                                               "wan_latency_scale": fitted.wan_latency_scale,
+                                               "a2a_net_bw": fitted.a2a_net_bw,
+                                               "a2a_latency": fitted.a2a_latency}))  # fmt: skip
     return table
 
 
@@ -493,7 +498,8 @@ def markdown(result: dict) -> str:
     lines = [
         f"Link: {result['rate_mbit']} Mbit/s token bucket each way, RTT {result['rtt_ms']:.3f} ms "
         "(veth, not emulated); ratios are measured / predicted after fitting the link to the "
-        "2-rank all-reduce (the row marked *fit*).",
+        "2-rank all-reduce and the all-to-all's constants to the 2-rank all-to-all (the rows "
+        "marked *fit*).",
         "",
         "| op | ranks | bytes | measured ms | predicted ms (default) | predicted ms (fitted) | ratio |",
         "|---|---:|---:|---:|---:|---:|---:|",

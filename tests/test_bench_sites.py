@@ -47,11 +47,18 @@ def test_collectives_over_a_shaped_link_match_the_fitted_model(tmp_path, capsys)
     # 4-rank all-reduce within the band docs/planner.md states for large messages
     for key in (("sendrecv", 2, big), ("all_reduce", 4, big), ("sendrecv", 4, big)):
         assert 0.75 <= rows[key]["ratio_fitted"] <= 1.35, (key, rows[key]["ratio_fitted"])
+    # the all-to-all (an MoE layer's dispatch): fitted on its 2-rank log; at 4 ranks it moves at
+    # least its remote bytes (2 ranks a site, each 1/2 of its buffer to the other site) at the
+    # link's rate
+    assert 0.9 <= rows[("alltoall", 2, big)]["ratio_fitted"] <= 1.1
+    a2a = rows[("alltoall", 4, big)]
+    assert a2a["seconds"] >= 0.95 * 2 * (big / 2) * 8 / (RATE_MBIT * 1e6), a2a
     # its logs are what `porting plan --calibrate` reads, with the cluster file it wrote
     argv = ["plan", "--model", "tiny", "--cluster", str(out / "cluster.yaml")]
     argv += ["--global-batch", "8", "--seq-length", "128", "--calibrate", str(out / "logs")]
     assert main(argv) == 0
-    assert "wan_tcp=" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "wan_tcp=" in text and "a2a_net_bw=" in text
 
 
 def test_without_the_privilege_it_says_so(tmp_path):

@@ -205,13 +205,43 @@ def _nccl_log(path: Path, hosts: list[str], collective: str, times: dict[int, fl
     )
     for size, t in sorted(times.items()):
         algbw = size / t / 1e9
-        factor = 2 * (n - 1) / n if collective == "all_reduce" else 1.0
+        factor = {"all_reduce": 2 * (n - 1) / n, "alltoall": (n - 1) / n}.get(collective, 1.0)
         busbw = algbw * factor
         us = t * 1e6
         row = f"{size:>12} {size // 4:>12}     float     sum      -1 {us:8.2f} {algbw:7.2f} {busbw:7.2f}      0 {us:8.2f} {algbw:7.2f} {busbw:7.2f}      0"
         lines.append(row)
     lines.append("# Out of bounds values : 0 OK")
     path.write_text("\n".join(lines) + "\n")
+
+
+def test_calibration_fits_the_all_to_all_from_alltoall_logs(tmp_path, capsys):
+    """nccl-tests' alltoall_perf logs (a node, and across the link) set the all-to-all's own
+    constants, which the MoE layers' dispatch and combine use; the ring constants stay."""
+    path = _cluster_yaml(tmp_path, _small_two_sites())
+    cluster = load_cluster(path)
+    truth = Efficiency(a2a_node_bw=0.7, a2a_net_bw=0.5, a2a_latency=40e-6)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    sizes = [8 << (2 * i) for i in range(15)]
+    for name, level, link, hosts in (
+        ("node_alltoall.log", NODE, None, ["a-node000"] * 8),
+        ("link-a-b_alltoall.log", WAN, "a-b", ["a-node000"] * 8 + ["b-node000"] * 8),
+    ):
+        t = NcclTest(name, level, link, None, "alltoall", len(hosts), len(set(hosts)), ((8, 0, 0),))
+        _nccl_log(
+            logs / name, hosts, "alltoall", {s: predict_test(cluster, truth, t, s) for s in sizes}
+        )
+    saved = tmp_path / "constants.yaml"
+    argv = ["plan", "--model", "mixtral-8x7b", "--cluster", str(path), "--global-batch", "64"]
+    argv += ["--seq-length", "2048", "--calibrate", str(logs), "--save-constants", str(saved)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "a2a_node_bw=" in out and "a2a_net_bw=" in out
+    fitted = yaml.safe_load(saved.read_text())
+    assert fitted["a2a_node_bw"] == pytest.approx(0.7, rel=0.02)
+    assert fitted["a2a_net_bw"] == pytest.approx(0.5, rel=0.02)
+    assert fitted["a2a_latency"] == pytest.approx(40e-6, rel=0.05)
+    assert fitted["node_bw"] == Efficiency().node_bw and fitted["wan_rdma"] == Efficiency().wan_rdma
 
 
 def test_calibration_recovers_known_efficiencies_and_fits_the_step(tmp_path, capsys):

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from porting.errors import PortingError
+from porting.planner.alltoall import per_copy_time
 from porting.planner.cluster import Cluster
 from porting.planner.comm import (
     EFFICIENCY_RANGES,
@@ -189,7 +190,12 @@ def resolve_link(cluster: Cluster, t: NcclTest):
 def predict_test(cluster: Cluster, eff: Efficiency, t: NcclTest, size: float) -> float:
     """What the comm model predicts for one nccl-tests row of ``size`` bytes (seconds)."""
     net = Network(cluster, eff, tune=False)
-    path = net.path(_test_shape(cluster, t))
+    shape = _test_shape(cluster, t)
+    if t.collective == "alltoall":
+        # nccl-tests' alltoall: each rank sends size / ranks to every rank, itself included
+        nvlink, network, latency = net.all_to_all(shape)
+        return per_copy_time(1, 1, size, t.ranks, shape.members_per_node, nvlink, network, latency)
+    path = net.path(shape)
     if t.collective == "sendrecv":
         return p2p(size, path)
     if t.collective in ("all_gather", "reduce_scatter"):
@@ -202,7 +208,7 @@ def _steps(t: NcclTest) -> float:
     n = t.ranks
     if t.collective == "sendrecv":
         return 1
-    if t.collective in ("all_gather", "reduce_scatter"):
+    if t.collective in ("all_gather", "reduce_scatter", "alltoall"):
         return n - 1
     return min(2 * (n - 1), 2 * math.ceil(math.log2(max(n, 2))))
 
@@ -227,17 +233,33 @@ def fit_levels(
     """Refit bandwidth efficiency and latency per level from nccl-tests logs.
 
     Each log scales its level's efficiency by measured / predicted bus bandwidth; for a link this
-    assumes the link (not the NICs) limits the test, as it does across sites.
+    assumes the link (not the NICs) limits the test, as it does across sites. An ``alltoall`` log
+    sets the all-to-all's own constants instead (``a2a_node_bw`` from a node's, ``a2a_net_bw``
+    between nodes or sites, and ``a2a_latency`` from its smallest message), which the MoE
+    layers' dispatch and combine use.
     """
     fits: list[LevelFit] = []
     for t in tests:
-        if t.collective not in ("all_reduce", "sendrecv", "all_gather", "reduce_scatter"):
+        if t.collective not in (
+            "all_reduce",
+            "sendrecv",
+            "all_gather",
+            "reduce_scatter",
+            "alltoall",
+        ):
             continue
         big = t.rows[-1][0]
         before = predict_test(cluster, eff, t, big)
         pred_busbw = _busbw(t, big, before)
         scale = t.busbw / pred_busbw
-        if t.level == NODE:
+        if t.collective == "alltoall":
+            name = "a2a_node_bw" if t.level == NODE else "a2a_net_bw"
+            value = getattr(eff, name) * scale
+            small = t.rows[0][0]
+            fixed = eff.a2a_latency
+            transfer = predict_test(cluster, replace(eff, **{name: value}), t, small) - fixed
+            eff = replace(eff, **{name: value}, a2a_latency=max(0.0, t.small_time - transfer))
+        elif t.level == NODE:
             name, value = "node_bw", eff.node_bw * scale
             lat = t.small_time / _steps(t)
             eff = replace(eff, node_bw=value, node_latency=lat)
@@ -275,7 +297,7 @@ def _busbw(t: NcclTest, size: float, seconds: float) -> float:
     algbw = size / seconds
     if t.collective == "all_reduce":
         return algbw * 2 * (n - 1) / n
-    if t.collective in ("all_gather", "reduce_scatter"):
+    if t.collective in ("all_gather", "reduce_scatter", "alltoall"):
         return algbw * (n - 1) / n
     return algbw
 

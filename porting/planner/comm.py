@@ -60,6 +60,9 @@ class Efficiency:
     # uses ``site_bw``, not fitted to DeepEP.
     a2a_node_bw: float = 0.96
     a2a_latency: float = 22e-6
+    # the all-to-all's share of the level's collective bandwidth between nodes and sites (1: as
+    # rings reach); ``--calibrate`` fits it and ``a2a_latency`` from an alltoall log
+    a2a_net_bw: float = 1.0
 
 
 # What each constant may be, from a constants file or a fit (docs/planner.md "Limits"): a
@@ -77,6 +80,7 @@ EFFICIENCY_RANGES = {
     "wan_latency_scale": Range(0, 1000),
     "a2a_node_bw": Range(0.001, 10),
     "a2a_latency": Range(0, 1),
+    "a2a_net_bw": Range(0.001, 10),
 }
 
 
@@ -247,6 +251,24 @@ class Network:
             bw = min(bw, share)
             lat = max(lat, link.one_way * self.eff.wan_latency_scale + self.site_lat)
         return Path(bw, lat, WAN)
+
+    def all_to_all(self, g: GroupShape) -> tuple[float, float, float]:
+        """(bytes/s to the GPUs of its own node, bytes/s to other nodes, fixed seconds) one GPU
+        of an all-to-all over groups shaped ``g`` sees: NVLink at ``a2a_node_bw``; its own NIC
+        (the all-to-all spreads over every node, it is not a ring) through the oversubscribed
+        uplinks of the domains the group leaves; across sites, the link shared by the members
+        that send over it at once (half of every group's)."""
+        nvlink = self.node_bw * self.eff.a2a_node_bw
+        network = self.net_bw * self.eff.site_bw / self.tier_oversubscription[g.tier]
+        latency = self.eff.a2a_latency
+        if g.level == WAN:
+            flows = max(1, g.count * g.size // 2)
+            for link in g.links:
+                network = min(network, self.link_share(link, flows)[0])
+                latency = max(
+                    latency, self.eff.a2a_latency + link.one_way * self.eff.wan_latency_scale
+                )
+        return nvlink, network * self.eff.a2a_net_bw, latency
 
     def link_path(self, link: Link, flows: int) -> Path:
         """A point-to-point path over one inter-site link with ``flows`` concurrent flows."""

@@ -30,7 +30,6 @@ from porting.planner.cluster import GIB, Cluster
 from porting.planner.comm import (
     Efficiency,
     Network,
-    Path,
     all_gather,
     allreduce,
     p2p,
@@ -628,7 +627,7 @@ class Evaluator:
         """(one MoE layer's all-to-all for one pass of one microbatch on one GPU, the level it
         crosses): dispatch and combine over the EP group, and with ETP > 1 the all-gather and
         reduce-scatter of the dispatched tokens over the expert tensor-parallel group."""
-        m, s, eff = self.model, self.settings, self.eff
+        m, s = self.model, self.settings
         if not m.moe or layout.ep * layout.etp == 1:
             return 0.0, 0
         net = self.net
@@ -639,15 +638,13 @@ class Evaluator:
         level = 0
         if layout.ep > 1:
             g = place.ep
-            path = net.path(g)
-            nvlink = net.node_bw * eff.a2a_node_bw
-            network = _network_bw(net, path, g.tier)
+            nvlink, network, latency = net.all_to_all(g)
             if s.dispatcher == "flex":
                 spread = alltoall.routing_spread(
                     m.experts, m.top_k, layout.ep, g.members_per_node, m.groups, m.group_limit
                 )
                 one = alltoall.deduplicated_time(
-                    local, token_bytes, spread, nvlink, network, eff.a2a_latency
+                    local, token_bytes, spread, nvlink, network, latency
                 )
             else:
                 one = alltoall.per_copy_time(
@@ -658,10 +655,10 @@ class Evaluator:
                     g.members_per_node,
                     nvlink,
                     network,
-                    eff.a2a_latency,
+                    latency,
                 )
             t += 2 * one  # dispatch and combine
-            level = path.level
+            level = g.level
         if layout.etp > 1:
             path = net.path(place.etp)
             gathered = local * m.top_k * layout.etp * token_bytes
@@ -688,14 +685,6 @@ class Evaluator:
             replace(self.settings, **changes),
             self.eff,
         )
-
-
-def _network_bw(net: Network, path: Path, tier: int) -> float:
-    """Bytes/s one GPU of an EP group sends to other nodes: its own NIC inside a site (the
-    all-to-all spreads over every node, not a ring) through the oversubscribed uplinks of the
-    domains it leaves, the group's share of a link across sites."""
-    site = net.net_bw * net.eff.site_bw / net.tier_oversubscription[tier]
-    return site if path.level < 2 else min(site, path.bandwidth)
 
 
 def _expose(
