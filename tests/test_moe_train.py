@@ -92,3 +92,31 @@ def test_expert_parallel_is_checked_before_launch(mixtral, tmp_path, capsys):
     )
     assert main([*base, "--etp", "0"]) == 2
     assert "--etp 0 must be at least 1" in capsys.readouterr().err
+
+
+def test_a_plan_for_the_moe_checkpoint_is_run_as_planned(mixtral, tmp_path, capsys):
+    """`porting plan` on the imported MoE checkpoint emits flags (with --ep/--etp and --plan)
+    that `porting train` accepts as they are, and refuses once they leave the plan."""
+    from porting.cli import main
+
+    hf, ckpt, data = mixtral
+    cluster = tmp_path / "two-gpus.yaml"
+    cluster.write_text(
+        "gpu: {name: g, peak_bf16_tflops: 100, memory_gib: 16, hbm_tbytes_s: 1}\n"
+        "node: {bandwidth_gbytes_s: 100, latency_us: 3}\n"
+        "site: {bandwidth_gbit_s: 100, latency_us: 5}\n"
+        "sites: [{name: a, nodes: 1, gpus_per_node: 2}]\n"
+    )
+    emit = tmp_path / "emit"
+    argv = ["plan", "--model", str(ckpt), "--cluster", str(cluster), "--global-batch", "4"]
+    argv += ["--seq-length", "32", "--layout", "tp=1,pp=1,ep=2,etp=1,mb=2,recompute=none"]
+    argv += ["--emit", str(emit), "--data", str(data), "--out", str(tmp_path / "run")]
+    assert main(argv) == 0
+    flags = (emit / "train_flags.txt").read_text().split()
+    assert flags[flags.index("--ep") + 1] == "2" and flags[flags.index("--etp") + 1] == "1"
+    capsys.readouterr()
+    assert main(["train", *flags, "--dry-run", "--precision", "fp32"]) == 0, capsys.readouterr().err
+    changed = list(flags)
+    changed[changed.index("--ep") + 1] = "1"
+    assert main(["train", *changed, "--dry-run", "--precision", "fp32"]) == 2
+    assert "layouts[0].layout.ep is 2, but --ep gives 1" in capsys.readouterr().err

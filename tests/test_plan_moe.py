@@ -185,10 +185,10 @@ def test_bad_moe_configs_are_refused_by_name(change, problem):
 
 
 @pytest.mark.parametrize("name", ["deepseek-v3", "qwen3-235b-a22b", "mixtral-8x22b"])
-@pytest.mark.parametrize("cluster", ["two-sites.yaml", "h800-2048.yaml"])
+@pytest.mark.parametrize("cluster", ["two-sites.yaml", "h800-2048.yaml", "racks-zones.yaml"])
 def test_frontier_moe_models_are_planned_with_ep_placed_and_explained(name, cluster):
     c = load_cluster(Path("examples/clusters") / cluster)
-    result = plan(PRESETS[name], c, 4096, 1024 if c.world < 1024 else 4096)
+    result = plan(PRESETS[name], c, 4096, {256: 1024, 2048: 4096}.get(c.world, 6144))
     best = result.best
     note = next(n for n in result.notes if n.startswith("expert parallelism"))
     ev = Evaluator(PRESETS[name], c, 4096, result.global_batch)

@@ -29,9 +29,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "plan",
         help="pick TP/PP/DP and placement for a cluster (one or several sites); predict step "
         "time and memory; emit launch files and NCCL settings",
-        description="Search every tensor/pipeline/context/data-parallel layout that divides the "
-        "model and the cluster, predict step time, memory per GPU and communication per level "
-        "(NVLink, site network, inter-site links), rank them, and for the chosen one write "
+        description="Search every tensor/pipeline/context/data-parallel (and, for MoE models, "
+        "expert-parallel) layout that divides the model and the cluster, predict step time, "
+        "memory per GPU and communication per level (NVLink, the racks and zones of a site, "
+        "inter-site links), rank them, and for the chosen one write "
         "`porting train` flags, a NeMo MegatronStrategy, torchrun/Slurm launchers, nccl.env and "
         "nccl-tests commands. See docs/planner.md for the formulas and their sources.",
     )
@@ -53,7 +54,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--layout",
         help="evaluate and emit this layout instead of the best, e.g. "
-        "'tp=8,pp=4,vp=5,cp=1,mb=1,recompute=selective'",
+        "'tp=8,pp=4,vp=5,cp=1,mb=1,recompute=selective' (MoE models: add ep=8,etp=1)",
     )
     p.add_argument("--emit", type=Path, metavar="DIR", help="write launch files for the choice")
     p.add_argument("--plot", type=Path, metavar="PNG", help="write a plot of the plan")

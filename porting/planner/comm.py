@@ -252,6 +252,21 @@ class Network:
             lat = max(lat, link.one_way * self.eff.wan_latency_scale + self.site_lat)
         return Path(bw, lat, WAN)
 
+    def where(self, level: int, tier: int = 0) -> str:
+        """Where a group of ``level`` spanning ``tier`` levels of the sites' domains sits, in the
+        cluster's own words ("across racks of a zone (1:7 oversubscribed)")."""
+        if level == NODE:
+            return "inside a node"
+        if level == WAN:
+            return "across sites"
+        names = ["node", *(d.name for d in self.cluster.sites[0].domains)]
+        tier = min(tier, len(names) - 1)
+        text = f"across {names[tier]}s" + (
+            f" of a {names[tier + 1]}" if tier + 1 < len(names) else ""
+        )
+        over = self.tier_oversubscription[tier]
+        return text + (f" (1:{over:g} oversubscribed)" if over > 1 else "")
+
     def all_to_all(self, g: GroupShape) -> tuple[float, float, float]:
         """(bytes/s to the GPUs of its own node, bytes/s to other nodes, fixed seconds) one GPU
         of an all-to-all over groups shaped ``g`` sees: NVLink at ``a2a_node_bw``; its own NIC

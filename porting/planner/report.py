@@ -6,7 +6,6 @@ from dataclasses import asdict
 
 from porting.planner.cluster import GIB
 from porting.planner.perf import Prediction
-from porting.planner.placement import NODE, WAN
 from porting.planner.search import Plan
 
 
@@ -138,36 +137,24 @@ def plan_dict(plan: Plan, top: int = 10, with_rejected: bool = False) -> dict:
     return out
 
 
-def _span(cluster, net, level: int, tier: int) -> str:
-    """Where a group of ``level`` and domain ``tier`` sits, in the cluster's own words."""
-    if level == NODE:
-        return "inside a node"
-    if level == WAN:
-        return "across sites"
-    names = ["node", *(d.name for d in cluster.sites[0].domains)]
-    where = f"across {names[tier]}s" + (f" of a {names[tier + 1]}" if tier + 1 < len(names) else "")
-    over = net.tier_oversubscription[tier]
-    return where + (f" (1:{over:g} oversubscribed)" if over > 1 else "")
-
-
 def groups(ev, p: Prediction) -> str:
     """Where each parallel group of ``p`` sits: node, the sites' racks and zones, sites."""
     lay = p.layout
     place = ev.topology_for(lay.sites).placement(
         lay.tp, lay.cp, lay.pp, lay.dp, lay.instances, p.order, lay.ep, lay.etp
     )
-    net, cluster = ev.net, ev.cluster
+    net = ev.net
     parts = []
     if lay.tp > 1:
-        parts.append(f"TP{lay.tp} {_span(cluster, net, place.tp.level, place.tp.tier)}")
+        parts.append(f"TP{lay.tp} {net.where(place.tp.level, place.tp.tier)}")
     if lay.cp > 1:
-        parts.append(f"CP{lay.cp} {_span(cluster, net, place.cp.level, place.cp.tier)}")
+        parts.append(f"CP{lay.cp} {net.where(place.cp.level, place.cp.tier)}")
     if lay.ep > 1:
-        parts.append(f"EP{lay.ep} {_span(cluster, net, place.ep.level, place.ep.tier)}")
+        parts.append(f"EP{lay.ep} {net.where(place.ep.level, place.ep.tier)}")
     if lay.pp > 1:
         level = max(lv for lv, _ in place.pp_boundaries)
         tier = max(place.pp_tiers[:-1])
-        parts.append(f"PP{lay.pp} {_span(cluster, net, level, tier)}")
+        parts.append(f"PP{lay.pp} {net.where(level, tier)}")
     if lay.dp > 1:
-        parts.append(f"DP{lay.dp} {_span(cluster, net, place.dp.level, place.dp.tier)}")
+        parts.append(f"DP{lay.dp} {net.where(place.dp.level, place.dp.tier)}")
     return "; ".join(parts) or "one GPU holds the model"

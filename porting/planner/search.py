@@ -450,46 +450,46 @@ def plan(
     return result
 
 
-_SPANS = ("inside a node (NVLink)", "across the nodes of a site", "across sites")
-
-
 def expert_notes(ev: Evaluator, ranked: list[Prediction]) -> list[str]:
     """Where the best layout's EP group sits and what the fastest layout with EP at each other
-    level costs: EP inside the fastest domain unless a wider group is predicted faster, and
-    then both are shown."""
-    best_at: dict[int, Prediction] = {}
+    level (and without EP) costs: EP inside the fastest domain unless a wider group is predicted
+    faster, and then both are shown."""
+    best_at: dict[tuple[int, int], Prediction] = {}
     for p in ranked:
         lay = p.layout
-        level = 0
+        key = (-1, 0)  # no expert parallelism
         if lay.ep > 1:
             place = ev.topology_for(lay.sites).placement(
                 lay.tp, lay.cp, lay.pp, lay.dp, lay.instances, p.order, lay.ep, lay.etp
             )
-            level = place.ep.level
-        best_at.setdefault(level, p)
+            key = (place.ep.level, place.ep.tier)
+        best_at.setdefault(key, p)
+
+    def where(key: tuple[int, int]) -> str:
+        return "without EP" if key[0] < 0 else f"with EP {ev.net.where(*key)}"
+
     best = ranked[0]
-    level = next(lv for lv, p in best_at.items() if p is best)
-    share = best.parts.get("ep comm", 0.0)
-    if best.layout.ep > 1:
-        head = (
-            f"expert parallelism: EP{best.layout.ep} ETP{best.layout.etp} {_SPANS[level]}, "
-            f"all-to-all {share:.2f} s of the {best.step:.2f} s step"
-        )
+    mine = next(k for k, p in best_at.items() if p is best)
+    if mine[0] < 0:
+        head = "expert parallelism: none (each GPU holds every expert of its stage's layers)"
     else:
         head = (
-            "expert parallelism: none (each GPU holds every expert of its stage's layers, no "
-            "all-to-all)"
+            f"expert parallelism: EP{best.layout.ep} ETP{best.layout.etp} "
+            f"{ev.net.where(*mine)}, all-to-all {best.parts.get('ep comm', 0.0):.2f} s of the "
+            f"{best.step:.2f} s step"
         )
+        if mine > (0, 0):
+            head += (
+                " (a wider EP group is predicted faster than any inside a node)"
+                if (0, 0) in best_at
+                else " (no layout with EP inside a node fits)"
+            )
     others = [
-        f"{_SPANS[lv]}: {p.layout.label()} ({p.step:.2f} s, {p.step / best.step:.2f}x)"
-        for lv, p in sorted(best_at.items())
+        f"{where(k)}: {p.layout.label()} ({p.step:.2f} s, {p.step / best.step:.2f}x)"
+        for k, p in sorted(best_at.items())
         if p is not best
     ]
-    if level > 0 and 0 not in best_at:
-        others.insert(0, f"{_SPANS[0]}: no layout fits")
-    if level > 0:
-        head += " (a wider EP group is predicted faster than any inside a node)"
-    return [head + ("; the best with EP " + "; ".join(others) if others else "")]
+    return [head + ("; the best " + "; ".join(others) if others else "")]
 
 
 def _site_orders_within_budget(ev: Evaluator) -> tuple[list[tuple[str, ...]], list[str]]:
