@@ -99,6 +99,12 @@ def test_the_plan_shows_where_each_group_sits(capsys, tmp_path):
     assert hosts[2:5] == ["dc-zone000-rack000-node000", "dc-zone000-rack000-node001",
                           "dc-zone000-rack001-node002"]  # fmt: skip
     assert hosts[-1] == "dc-zone003-rack015-node031"
+    # the scripts' default host names are the template's
+    assert "${DC_1:-dc-zone000-rack000-node001}" in (out / "nccl_tests.sh").read_text()
+    assert (
+        "# dc-zone003-rack015-node031 (site dc, node 31)"
+        in (out / "torchrun_per_node.txt").read_text()
+    )
 
 
 def test_tp_stays_inside_the_fastest_domain_and_groups_widen_outward():

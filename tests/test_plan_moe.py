@@ -276,6 +276,10 @@ def test_emitted_flags_are_what_porting_train_accepts(tmp_path, capsys):
     ):
         assert text in strategy
     compile(strategy, "strategy.py", "exec")
+    # the nccl-tests script measures each level's all-to-all too, named as --calibrate reads them
+    script = (out / "nccl_tests.sh").read_text()
+    assert "alltoall_perf" in script and "nccl-logs/node_alltoall.log" in script
+    assert "nccl-logs/site-eos_alltoall.log" in script
     plan_json = json.loads((out / "plan.json").read_text())
     assert plan_json["model"]["experts"] == 8
 
@@ -287,3 +291,4 @@ def test_dense_plans_carry_no_expert_flags(tmp_path, capsys):
     assert _run(argv, capsys)[0] == 0
     assert "--ep" not in (out / "train_flags.txt").read_text().split()
     assert "expert" not in (out / "strategy.py").read_text()
+    assert "alltoall" not in (out / "nccl_tests.sh").read_text()

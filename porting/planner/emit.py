@@ -12,7 +12,7 @@ import shlex
 from pathlib import Path
 
 from porting.errors import PortingError
-from porting.planner.cluster import MIB, Cluster, NcclSettings
+from porting.planner.cluster import MIB, Cluster, NcclSettings, Site
 from porting.planner.perf import Evaluator, Prediction
 from porting.planner.placement import ORDER_TP_PP_DP, WAN
 from porting.planner.report import plan_dict, prediction_dict
@@ -178,16 +178,20 @@ def hosts_example(cluster: Cluster) -> str:
     site with racks or zones, domain by domain, each node named with its domains)."""
     order = " > ".join(s.name for s in cluster.sites)
     lines = [f"# one hostname per line, site by site in this order: {order}"]
-    domains = {s.name: s.domains for s in cluster.sites}
-    if any(domains.values()):
+    if any(s.domains for s in cluster.sites):
         lines.append(
             "# inside a site, nodes of one domain are consecutive (the names give each node's "
             "domains, outermost first): ranks fill a rack, then its zone, before the next"
         )
-    for site, i in _node_list(cluster):
-        where = "".join(f"-{d.name}{i // d.nodes:03d}" for d in reversed(domains[site]))
-        lines.append(f"{site}{where}-node{i:03d}")
+    by_name = {s.name: s for s in cluster.sites}
+    lines += [host_name(by_name[site], i) for site, i in _node_list(cluster)]
     return "\n".join(lines) + "\n"
+
+
+def host_name(site: Site, i: int) -> str:
+    """The template name of node ``i`` of ``site``: its domains, outermost first."""
+    where = "".join(f"-{d.name}{i // d.nodes:03d}" for d in reversed(site.domains))
+    return f"{site.name}{where}-node{i:03d}"
 
 
 def _torchrun(plan: Plan, node_rank: str, cmd: str) -> str:
@@ -211,8 +215,9 @@ def torchrun_commands(plan: Plan, argv: list[str], cluster: Cluster | None = Non
         "# Run each line on the node named before it (names from hosts.example), after",
         "# `source nccl.env`, with MASTER_ADDR (node rank 0) and the variables the command uses set.",
     ]
+    by_name = {s.name: s for s in cluster.sites}
     for rank, (site, i) in enumerate(_node_list(cluster)):
-        lines.append(f"# {site}-node{i:03d} (site {site}, node {i})")
+        lines.append(f"# {host_name(by_name[site], i)} (site {site}, node {i})")
         lines.append(_torchrun(plan, str(rank), cmd))
     return "\n".join(lines) + "\n"
 
@@ -373,8 +378,9 @@ def nccl_env(ev: Evaluator, p: Prediction) -> str:
     return "\n".join(lines) + "\n"
 
 
-def nccl_tests_script(cluster: Cluster) -> str:
-    """nccl-tests commands that measure each level; their logs feed ``--calibrate``."""
+def nccl_tests_script(cluster: Cluster, moe: bool = False) -> str:
+    """nccl-tests commands that measure each level; their logs feed ``--calibrate`` (with
+    ``moe``, each level's all-to-all too: the MoE layers' dispatch and combine)."""
     gpn = gpus_per_node(cluster)
     first = cluster.sites[0]
     lines = [
@@ -390,23 +396,36 @@ def nccl_tests_script(cluster: Cluster) -> str:
         "mkdir -p nccl-logs",
         "ARGS='-b 8 -e 4G -f 2 -g 1'",
         "# inside one node (NVLink)",
-        f'mpirun -np {gpn} -H "${{NODE_A:-{first.name}-node000}}:{gpn}" '
+        f'mpirun -np {gpn} -H "${{NODE_A:-{host_name(first, 0)}}}:{gpn}" '
         f'"$NT/all_reduce_perf" $ARGS | tee nccl-logs/node_all_reduce.log',
     ]
+    if moe:
+        lines.append(
+            f'mpirun -np {gpn} -H "${{NODE_A:-{host_name(first, 0)}}}:{gpn}" '
+            f'"$NT/alltoall_perf" $ARGS | tee nccl-logs/node_alltoall.log'
+        )
     for s in cluster.sites:
         if s.nodes < 2:
             continue
         var = s.name.upper().replace("-", "_")
-        h0 = f"${{{var}_0:-{s.name}-node000}}"
-        h1 = f"${{{var}_1:-{s.name}-node001}}"
+        h0 = f"${{{var}_0:-{host_name(s, 0)}}}"
+        h1 = f"${{{var}_1:-{host_name(s, 1)}}}"
+        pair = (
+            f'mpirun -np {2 * s.gpus_per_node} -H "{h0}:{s.gpus_per_node},{h1}:{s.gpus_per_node}"'
+        )
         lines += [
             f"# between two nodes of site {s.name}",
-            f'mpirun -np {2 * s.gpus_per_node} -H "{h0}:{s.gpus_per_node},{h1}:{s.gpus_per_node}" '
-            f'"$NT/all_reduce_perf" $ARGS | tee nccl-logs/site-{s.name}_all_reduce.log',
+            f'{pair} "$NT/all_reduce_perf" $ARGS | tee nccl-logs/site-{s.name}_all_reduce.log',
         ]
+        if moe:
+            lines.append(
+                f'{pair} "$NT/alltoall_perf" $ARGS | tee nccl-logs/site-{s.name}_alltoall.log'
+            )
     for ln in cluster.links:
         va, vb = (x.upper().replace("-", "_") for x in (ln.a, ln.b))
-        ha, hb = f"${{{va}_0:-{ln.a}-node000}}", f"${{{vb}_0:-{ln.b}-node000}}"
+        by_name = {x.name: x for x in cluster.sites}
+        ha = f"${{{va}_0:-{host_name(by_name[ln.a], 0)}}}"
+        hb = f"${{{vb}_0:-{host_name(by_name[ln.b], 0)}}}"
         lines += [
             f"# across the {ln.a}-{ln.b} link: one node in each site",
             f'mpirun -np {2 * gpn} -H "{ha}:{gpn},{hb}:{gpn}" "$NT/all_reduce_perf" $ARGS '
@@ -414,6 +433,11 @@ def nccl_tests_script(cluster: Cluster) -> str:
             f'mpirun -np 2 -H "{ha}:1,{hb}:1" "$NT/sendrecv_perf" $ARGS '
             f"| tee nccl-logs/link-{ln.a}-{ln.b}_sendrecv.log",
         ]
+        if moe:
+            lines.append(
+                f'mpirun -np {2 * gpn} -H "{ha}:{gpn},{hb}:{gpn}" "$NT/alltoall_perf" $ARGS '
+                f"| tee nccl-logs/link-{ln.a}-{ln.b}_alltoall.log"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -461,7 +485,7 @@ def write_launch(
         "train.sbatch": (slurm_script(plan, argv), 0o755),
         "hosts.example": (hosts_example(ranks), 0o644),
         "nccl.env": (nccl_env(ev, p), 0o644),
-        "nccl_tests.sh": (nccl_tests_script(plan.cluster), 0o755),
+        "nccl_tests.sh": (nccl_tests_script(plan.cluster, moe=plan.model.moe), 0o755),
     }
     written = []
     for name, (text, mode) in files.items():
