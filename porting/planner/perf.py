@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from porting.errors import PortingError
-from porting.planner import alltoall
+from porting.planner.alltoall import deduplicated_time, per_copy_time, routing_spread
 from porting.planner.cluster import GIB, Cluster
 from porting.planner.comm import (
     Efficiency,
@@ -640,14 +640,12 @@ class Evaluator:
             g = place.ep
             nvlink, network, latency = net.all_to_all(g)
             if s.dispatcher == "flex":
-                spread = alltoall.routing_spread(
+                spread = routing_spread(
                     m.experts, m.top_k, layout.ep, g.members_per_node, m.groups, m.group_limit
                 )
-                one = alltoall.deduplicated_time(
-                    local, token_bytes, spread, nvlink, network, latency
-                )
+                one = deduplicated_time(local, token_bytes, spread, nvlink, network, latency)
             else:
-                one = alltoall.per_copy_time(
+                one = per_copy_time(
                     local,
                     m.top_k,
                     token_bytes,
