@@ -342,7 +342,7 @@ def compare_collectives(bed: TestBed, rtt: float, rows: list[dict], out: Path) -
     (out / "cluster.yaml").write_text(_yaml(cluster_dict(bed, rtt, 1)))
     (out / "constants.yaml").write_text(_yaml({"wan_tcp": fitted.wan_tcp,
                                                "wan_latency_scale": fitted.wan_latency_scale,
-                                               "a2a_net_bw": fitted.a2a_net_bw,
+                                               "a2a_wan_bw": fitted.a2a_wan_bw,
                                                "a2a_latency": fitted.a2a_latency}))  # fmt: skip
     return table
 

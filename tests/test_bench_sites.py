@@ -58,7 +58,7 @@ def test_collectives_over_a_shaped_link_match_the_fitted_model(tmp_path, capsys)
     argv += ["--global-batch", "8", "--seq-length", "128", "--calibrate", str(out / "logs")]
     assert main(argv) == 0
     text = capsys.readouterr().out
-    assert "wan_tcp=" in text and "a2a_net_bw=" in text
+    assert "wan_tcp=" in text and "a2a_wan_bw=" in text
 
 
 def test_without_the_privilege_it_says_so(tmp_path):

@@ -17,7 +17,7 @@ from porting.cli import main
 from porting.planner import cluster_from_dict, load_cluster
 from porting.planner.calibrate import NcclTest, predict_test
 from porting.planner.comm import Efficiency
-from porting.planner.placement import NODE, WAN
+from porting.planner.placement import NODE, SITE, WAN
 
 ROOT = Path(__file__).resolve().parents[1]
 THREE = ROOT / "examples" / "clusters" / "three-sites.yaml"
@@ -215,31 +215,33 @@ def _nccl_log(path: Path, hosts: list[str], collective: str, times: dict[int, fl
 
 
 def test_calibration_fits_the_all_to_all_from_alltoall_logs(tmp_path, capsys):
-    """nccl-tests' alltoall_perf logs (a node, and across the link) set the all-to-all's own
-    constants, which the MoE layers' dispatch and combine use; the ring constants stay."""
+    """nccl-tests' alltoall_perf logs (a node, two nodes of a site, across the link) set the
+    all-to-all's own constants, one per level, which the MoE layers' dispatch and combine use;
+    the ring constants stay."""
     path = _cluster_yaml(tmp_path, _small_two_sites())
     cluster = load_cluster(path)
-    truth = Efficiency(a2a_node_bw=0.7, a2a_net_bw=0.5, a2a_latency=40e-6)
+    truth = Efficiency(a2a_node_bw=0.7, a2a_net_bw=0.8, a2a_wan_bw=0.5, a2a_latency=40e-6)
     logs = tmp_path / "logs"
     logs.mkdir()
     sizes = [8 << (2 * i) for i in range(15)]
-    for name, level, link, hosts in (
-        ("node_alltoall.log", NODE, None, ["a-node000"] * 8),
-        ("link-a-b_alltoall.log", WAN, "a-b", ["a-node000"] * 8 + ["b-node000"] * 8),
+    for name, level, link, site, hosts in (
+        ("node_alltoall.log", NODE, None, None, ["a-node000"] * 8),
+        ("site-a_alltoall.log", SITE, None, "a", ["a-node000"] * 8 + ["a-node001"] * 8),
+        ("link-a-b_alltoall.log", WAN, "a-b", None, ["a-node000"] * 8 + ["b-node000"] * 8),
     ):
-        t = NcclTest(name, level, link, None, "alltoall", len(hosts), len(set(hosts)), ((8, 0, 0),))
-        _nccl_log(
-            logs / name, hosts, "alltoall", {s: predict_test(cluster, truth, t, s) for s in sizes}
-        )
+        t = NcclTest(name, level, link, site, "alltoall", len(hosts), len(set(hosts)), ((8, 0, 0),))
+        times = {s: predict_test(cluster, truth, t, s) for s in sizes}
+        _nccl_log(logs / name, hosts, "alltoall", times)
     saved = tmp_path / "constants.yaml"
     argv = ["plan", "--model", "mixtral-8x7b", "--cluster", str(path), "--global-batch", "64"]
     argv += ["--seq-length", "2048", "--calibrate", str(logs), "--save-constants", str(saved)]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "a2a_node_bw=" in out and "a2a_net_bw=" in out
+    assert "a2a_node_bw=" in out and "a2a_net_bw=" in out and "a2a_wan_bw=" in out
     fitted = yaml.safe_load(saved.read_text())
     assert fitted["a2a_node_bw"] == pytest.approx(0.7, rel=0.02)
-    assert fitted["a2a_net_bw"] == pytest.approx(0.5, rel=0.02)
+    assert fitted["a2a_net_bw"] == pytest.approx(0.8, rel=0.02)
+    assert fitted["a2a_wan_bw"] == pytest.approx(0.5, rel=0.02)
     assert fitted["a2a_latency"] == pytest.approx(40e-6, rel=0.05)
     assert fitted["node_bw"] == Efficiency().node_bw and fitted["wan_rdma"] == Efficiency().wan_rdma
 

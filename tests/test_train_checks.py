@@ -159,6 +159,21 @@ def test_a_plan_for_another_model_is_refused(tiny_nemo, train_corpus, tmp_path):
         _preflight(spec)
 
 
+def test_the_tp_pp_dp_order_with_context_parallel_is_refused_as_megatron_would(
+    tiny_nemo, train_corpus, tmp_path
+):
+    # Megatron's initialize_model_parallel asserts EP x ETP = TP x CP under tp-cp-ep-pp-dp with
+    # PP > 1 (its expert grid exists for a dense model too): refused before anything starts
+    spec = _spec(tiny_nemo, train_corpus, tmp_path / "run", pp=2, cp=2, gpus_per_node=4,
+                 use_tp_pp_dp_mapping=True)  # fmt: skip
+    with pytest.raises(
+        PortingError, match=r"needs --ep x --etp = --tp x --cp \(1 x 1 against 1 x 2\)"
+    ):
+        _preflight(spec)
+    spec.use_tp_pp_dp_mapping = False
+    _preflight(spec)
+
+
 def test_a_layout_change_from_a_dp_reshardable_checkpoint_is_refused(
     tiny_nemo, train_corpus, tmp_path
 ):

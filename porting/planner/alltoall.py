@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,8 @@ def _hit(units: int, experts: int, top_k: int, groups: int, group_limit: int) ->
     """Probability that a given one of ``units`` equal blocks of the experts (GPUs or nodes, in
     expert order) holds at least one of a token's ``top_k`` experts."""
     held = experts / units
+    if units == 1:
+        return 1.0  # one unit holds every expert
     if not groups or group_limit >= groups:
         return 1.0 - _missed(experts, held, top_k)
     per_group = experts // groups
@@ -64,16 +67,25 @@ def _hit(units: int, experts: int, top_k: int, groups: int, group_limit: int) ->
     if groups % units == 0:
         # a unit of c whole groups: j of them chosen (hypergeometric), j x per_group allowed
         c = groups // units
-        total = math.comb(groups, group_limit)
         p = 0.0
-        for j in range(1, min(c, group_limit) + 1):
-            ways = math.comb(c, j) * math.comb(groups - c, group_limit - j) / total
+        for j in range(max(1, group_limit - (groups - c)), min(c, group_limit) + 1):
+            # hypergeometric: j of the unit's c groups among the token's group_limit
+            ways = math.exp(
+                _log_comb(c, j)
+                + _log_comb(groups - c, group_limit - j)
+                - _log_comb(groups, group_limit)
+            )
             p += ways * (1.0 - _missed(allowed, j * per_group, top_k))
         return p
     # groups and units that do not nest: the limit is left out (more spread, never less)
     return 1.0 - _missed(experts, held, top_k)
 
 
+def _log_comb(n: int, k: int) -> float:
+    return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+
+
+@lru_cache(maxsize=4096)
 def routing_spread(
     experts: int, top_k: int, ep: int, per_node: int, groups: int = 0, group_limit: int = 0
 ) -> Spread:

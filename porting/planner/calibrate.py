@@ -235,8 +235,8 @@ def fit_levels(
     Each log scales its level's efficiency by measured / predicted bus bandwidth; for a link this
     assumes the link (not the NICs) limits the test, as it does across sites. An ``alltoall`` log
     sets the all-to-all's own constants instead (``a2a_node_bw`` from a node's, ``a2a_net_bw``
-    between nodes or sites, and ``a2a_latency`` from its smallest message), which the MoE
-    layers' dispatch and combine use.
+    between nodes of a site, ``a2a_wan_bw`` over a link, and ``a2a_latency`` from its smallest
+    message), which the MoE layers' dispatch and combine use.
     """
     fits: list[LevelFit] = []
     for t in tests:
@@ -253,7 +253,7 @@ def fit_levels(
         pred_busbw = _busbw(t, big, before)
         scale = t.busbw / pred_busbw
         if t.collective == "alltoall":
-            name = "a2a_node_bw" if t.level == NODE else "a2a_net_bw"
+            name = ("a2a_node_bw", "a2a_net_bw", "a2a_wan_bw")[t.level]
             value = getattr(eff, name) * scale
             small = t.rows[0][0]
             fixed = eff.a2a_latency

@@ -161,7 +161,8 @@ def _settings(args):
                 f"--ep: {len(items)} sizes, more than the planner's limit of "
                 f"{MAX_MICRO_BATCH_SIZES}"
             )
-        eps = tuple(int(positive_int(MAX_GPUS).check(_integer(x, "--ep"), "--ep")) for x in items)
+        checked = (int(positive_int(MAX_GPUS).check(_integer(x, "--ep"), "--ep")) for x in items)
+        eps = tuple(dict.fromkeys(checked))
     instances = None
     if args.instances is not None:
         instances = int(
@@ -252,17 +253,27 @@ def parse_layout(text: str, ev) -> object:
             "--layout: sites= only applies with order=default (pipeline across sites)"
         )
     ep, etp = fields["ep"], fields["etp"]
+    m = ev.model
     if ep * etp > 1:
-        from porting.planner.search import expert_options
+        if not m.moe:
+            raise PortingError(f"--layout: ep/etp: model {m.name} has no experts")
+        stage = world // pp
+        if m.experts % ep:
+            raise PortingError(f"--layout: EP {ep} does not divide the {m.experts} experts")
+        if etp not in (1, tp):
+            raise PortingError(f"--layout: ETP {etp} must be 1 or TP {tp}")
+        if stage % (ep * etp):
+            raise PortingError(
+                f"--layout: EP {ep} x ETP {etp} does not divide the {stage} GPUs of a pipeline "
+                "stage"
+            )
+        if ev.settings.expert_parallel and ep not in ev.settings.expert_parallel:
+            raise PortingError(f"--layout: EP {ep} is not among --ep")
+    from porting.planner.search import megatron_order_rule
 
-        if not ev.model.moe:
-            raise PortingError(f"--layout: ep/etp: model {ev.model.name} has no experts")
-        why = next(
-            (w for e, t, w in expert_options(ev, tp, cp, pp) if (e, t) == (ep, etp)),
-            f"ETP {etp} must be 1 or TP {tp}",
-        )
-        if why:
-            raise PortingError(f"--layout: {why}")
+    why = megatron_order_rule(order, tp, cp, pp, ep, etp, m.moe)
+    if why:
+        raise PortingError(f"--layout: {why} (give order=default)")
     first = middle = last = 0
     if ev.model.layers % pp:
         split = uneven_split(ev.model.layers, pp)

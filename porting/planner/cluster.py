@@ -21,10 +21,11 @@ traffic leaving it crosses (default 1) and the one-way latency of a path that le
       bandwidth_gbit_s: 400
       latency_us: 5
       domains:
-        - {name: rack, nodes: 2, latency_us: 4}
+        - {name: rack, nodes: 2, latency_us: 7}
         - {name: zone, nodes: 384, oversubscription: 7, latency_us: 7}
 
-Each domain's nodes are a multiple of the one inside it and divide the site's nodes.
+Each domain's nodes are a multiple of the one inside it and divide the site's nodes; a domain's
+latency is no lower than the one inside it (the site's between nodes for the first).
 A link gives ``distance_km`` (fibre: about 5 microseconds per km one way) or a measured
 ``rtt_ms``. Every error names the file and the field.
 """
@@ -231,7 +232,11 @@ class Cluster:
         if self.world % gpn:
             # sites of different node sizes: nodes that every site's node size is made of
             gpn = math.gcd(*(s.gpus_per_node for s in self.sites))
-        merged = replace(first, name="one-site", nodes=self.world // gpn, gpus_per_node=gpn)
+        # no racks or zones: the reference is the same GPUs on one flat fabric, whatever the
+        # order of the sites in the file
+        merged = replace(
+            first, name="one-site", nodes=self.world // gpn, gpus_per_node=gpn, domains=()
+        )
         return Cluster(name=f"{self.name} (one site)", sites=(merged,), nccl=self.nccl)
 
     def reordered(self, names: tuple[str, ...]) -> Cluster:
@@ -441,6 +446,7 @@ def _domains(r: _Reader, d: dict, where: str, nodes: int, site: str) -> tuple[Do
         raise r.fail(where, f"{len(raw)} levels, more than the planner's limit of {MAX_DOMAINS}")
     out: list[Domain] = []
     inner, inner_name = 1, "node"
+    inner_latency = r.number(d, "latency_us", where.rsplit(".", 1)[0], LATENCY_US) * 1e-6
     for i, item in enumerate(raw):
         at = f"{where}[{i}]"
         dom = r.mapping(item, at)
@@ -459,6 +465,16 @@ def _domains(r: _Reader, d: dict, where: str, nodes: int, site: str) -> tuple[Do
                 f"{at}.nodes",
                 f"a {name} of {count} nodes does not divide site {site}'s {nodes} nodes",
             )
+        latency = None
+        if "latency_us" in dom:
+            latency = r.number(dom, "latency_us", at, LATENCY_US) * 1e-6
+            if latency < inner_latency:
+                raise r.fail(
+                    f"{at}.latency_us",
+                    f"{latency * 1e6:g} us to leave a {name} is less than the "
+                    f"{inner_latency * 1e6:g} us inside it (latencies grow outward)",
+                )
+            inner_latency = latency
         out.append(
             Domain(
                 name=name,
@@ -468,9 +484,7 @@ def _domains(r: _Reader, d: dict, where: str, nodes: int, site: str) -> tuple[Do
                         dom.get("oversubscription", 1), f"{r.source}: {at}.oversubscription"
                     )
                 ),
-                latency=r.number(dom, "latency_us", at, LATENCY_US) * 1e-6
-                if "latency_us" in dom
-                else None,
+                latency=latency,
             )
         )
         inner, inner_name = count, name

@@ -60,9 +60,11 @@ class Efficiency:
     # uses ``site_bw``, not fitted to DeepEP.
     a2a_node_bw: float = 0.96
     a2a_latency: float = 22e-6
-    # the all-to-all's share of the level's collective bandwidth between nodes and sites (1: as
-    # rings reach); ``--calibrate`` fits it and ``a2a_latency`` from an alltoall log
+    # the all-to-all's share of the level's collective bandwidth between nodes of a site and
+    # over an inter-site link (1: as rings reach); ``--calibrate`` fits them and ``a2a_latency``
+    # from alltoall logs
     a2a_net_bw: float = 1.0
+    a2a_wan_bw: float = 1.0
 
 
 # What each constant may be, from a constants file or a fit (docs/planner.md "Limits"): a
@@ -81,6 +83,7 @@ EFFICIENCY_RANGES = {
     "a2a_node_bw": Range(0.001, 10),
     "a2a_latency": Range(0, 1),
     "a2a_net_bw": Range(0.001, 10),
+    "a2a_wan_bw": Range(0.001, 10),
 }
 
 
@@ -259,7 +262,9 @@ class Network:
             return "inside a node"
         if level == WAN:
             return "across sites"
-        names = ["node", *(d.name for d in self.cluster.sites[0].domains)]
+        # the site with the most levels names them (sites that list fewer are one domain above)
+        deepest = max(self.cluster.sites, key=lambda x: len(x.domains))
+        names = ["node", *(d.name for d in deepest.domains)]
         tier = min(tier, len(names) - 1)
         text = f"across {names[tier]}s" + (
             f" of a {names[tier + 1]}" if tier + 1 < len(names) else ""
@@ -275,15 +280,16 @@ class Network:
         that send over it at once (half of every group's)."""
         nvlink = self.node_bw * self.eff.a2a_node_bw
         network = self.net_bw * self.eff.site_bw / self.tier_oversubscription[g.tier]
+        network *= self.eff.a2a_net_bw
         latency = self.eff.a2a_latency
         if g.level == WAN:
             flows = max(1, g.count * g.size // 2)
             for link in g.links:
-                network = min(network, self.link_share(link, flows)[0])
+                network = min(network, self.link_share(link, flows)[0] * self.eff.a2a_wan_bw)
                 latency = max(
                     latency, self.eff.a2a_latency + link.one_way * self.eff.wan_latency_scale
                 )
-        return nvlink, network * self.eff.a2a_net_bw, latency
+        return nvlink, network, latency
 
     def link_path(self, link: Link, flows: int) -> Path:
         """A point-to-point path over one inter-site link with ``flows`` concurrent flows."""

@@ -157,6 +157,16 @@ class ModelShape:
                     f"{self.experts // self.groups} experts"
                 )
 
+    def tp_collectives_per_layer(self) -> float:
+        """Sequence-parallel all-gathers and reduce-scatters per layer and pass (the mean over
+        the layers): two around attention, two around a dense MLP or the shared experts; the
+        routed experts take the sharded tokens through the all-to-all instead."""
+        if not self.moe:
+            return 4
+        dense = self.layers - self.moe_layers
+        moe = 2 + (2 if self.shared_ffn else 0)
+        return (4 * dense + moe * self.moe_layers) / self.layers
+
     @property
     def moe(self) -> bool:
         """Whether the model has mixture-of-experts layers."""
@@ -212,6 +222,10 @@ class ModelShape:
         active = self.moe_shared_params() + self.top_k * self.expert_params()
         # the mean over the layers: FLOPs sum over a stage's layers
         return attn + (dense * self._mlp(self.ffn) + self.moe_layers * active) / self.layers
+
+    def dense_layer_params(self) -> int:
+        """All parameters of a dense layer of an MoE model (DeepSeek's first layers)."""
+        return self.attention_params() + self._norms_and_biases() + self._mlp(self.ffn)
 
     def layer_params(self) -> tuple[int, int]:
         """(parameters Megatron shards with TP, those it shards with expert parallelism) of the
@@ -316,12 +330,45 @@ def _step(cfg: dict, key: str, source: str) -> int:
     return 1 if value is None else _count(value, key, source, "layers")
 
 
+# Fields that place experts (or other kinds of layers) by rules the reader does not know (Jamba's
+# expert_layer_period, Llama 4's interleave_moe_layer_step, ERNIE's moe_layer_start_index):
+# refused rather than planned with every layer an MoE layer.
+_UNKNOWN_PLACEMENT = (
+    "expert_layer_period",
+    "expert_layer_offset",
+    "interleave_moe_layer_step",
+    "moe_layer_start_index",
+    "moe_layer_end_index",
+    "moe_layer_interval",
+    "attn_layer_period",
+    "attn_layer_offset",
+)
+_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
 def _moe_fields(cfg: dict, source: str, layers: int) -> dict:
     """The mixture-of-experts fields of an HF config (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3,
     OLMoE, gpt-oss, Phi-3.5-MoE), empty for a dense model."""
     key = next((k for k in _EXPERT_FIELDS if cfg.get(k)), None)
     if key is None:
         return {}
+    unknown = next((k for k in _UNKNOWN_PLACEMENT if cfg.get(k) is not None), None)
+    if unknown:
+        raise PortingError(
+            f"{source}: {unknown}: the planner does not know which layers this places experts "
+            "or other blocks in (it reads decoder_sparse_step, mlp_only_layers, "
+            "first_k_dense_replace and moe_layer_freq)"
+        )
+    kinds = cfg.get("layer_types")
+    if kinds is not None:
+        if not isinstance(kinds, list):
+            raise PortingError(f"{source}: layer_types: expected a list, got {show(kinds)}")
+        other = next((k for k in kinds if k not in _ATTENTION_LAYER_TYPES), None)
+        if other is not None:
+            raise PortingError(
+                f"{source}: layer_types: {show(other)} layers are not in the planner's model "
+                "(it plans attention layers: full or sliding)"
+            )
     experts = _count(cfg[key], key, source, "experts")
     k_key = next((k for k in ("num_experts_per_tok", "experts_per_token") if cfg.get(k)), None)
     if k_key is None:
@@ -399,6 +446,12 @@ def from_hf_config(cfg: dict, source: str = "config.json", name: str | None = No
     if head_dim:
         head_dim = _count(head_dim, "head_dim", source, "head_dim")
     if _is_falcon_layout(cfg):
+        experts = next((cfg[k] for k in _EXPERT_FIELDS if cfg.get(k)), None)
+        if experts:
+            raise PortingError(
+                f"{source}: a Falcon-layout config with experts ({show(experts)}): the planner "
+                "reads experts in the Llama, Qwen and DeepSeek layouts only"
+            )
         # transformers' FalconConfig / modeling_falcon.py: MQA for 7B, num_kv_heads groups for
         # the new decoder architecture (40B/180B/11B), MHA for the RW layout.
         new_arch = bool(cfg.get("new_decoder_architecture", False))

@@ -128,7 +128,7 @@ class Layout:
                 else (f" L{self.first_layers}/{self.last_layers}")
             )
         rc = {"none": "none", "selective": "sel", "full": "full"}[self.recompute]
-        ep = f" EP{self.ep} ETP{self.etp}" if self.ep > 1 else ""
+        ep = f" EP{self.ep} ETP{self.etp}" if self.ep > 1 or self.etp > 1 else ""
         return f"TP{self.tp} {pp}{vp} CP{self.cp}{ep} DP{self.dp} mb{self.micro_batch} {rc}" + (
             f" I{self.instances}" if self.instances > 1 else ""
         )
@@ -214,7 +214,7 @@ def layer_activation_bytes(
     if m.dropout:
         rep += 2 * tokens * h  # masks of the two residual dropouts
     sh = 2 * tokens * (m.q_width + m.kv_width)  # Q and K for the score GEMM
-    sh += 2 * tokens * m.kv_width  # V
+    sh += 2 * tokens * m.kv_heads * m.v_head_dim  # V
     sh += 2 * tokens * m.v_width  # attention output = projection input
     g = 2 if m.gated else 1
     if m.moe:
@@ -273,6 +273,10 @@ def stage_param_split(
     if not m.moe:
         return _with_ends(here * m.params_per_layer() / tp, m, tp, pp, stage), 0.0
     dense, experts = m.layer_params()
+    if m.moe_layers < m.layers and m.dense_layer_params() / tp > dense / tp + experts / (ep * etp):
+        # a dense layer (DeepSeek's first three) holds more per GPU than an MoE layer split
+        # over a large EP: the stage is counted as dense layers
+        return _with_ends(here * m.dense_layer_params() / tp, m, tp, pp, stage), 0.0
     return _with_ends(here * dense / tp, m, tp, pp, stage), here * experts / (ep * etp)
 
 
@@ -305,8 +309,9 @@ def memory(
     shard = expert_shard = 1
     if settings.distributed_optimizer:
         shard = layout.dp * cp // layout.instances
-        # the experts' optimizer state is sharded over their own data-parallel group
-        expert_shard = layout.edp
+        # the experts' optimizer state is sharded over their own data-parallel group (each
+        # distributed-optimizer instance's share of it)
+        expert_shard = max(1, layout.edp // layout.instances)
     optimizer = params * 12 / shard
     if expert_params:
         optimizer += expert_params * 12 / expert_shard
@@ -469,7 +474,7 @@ class Evaluator:
         if tp > 1:
             path = net.path(place.tp)
             act = tokens * m.hidden * s.param_bytes
-            tp_one = 4 * reduce_scatter(tp, act, path)
+            tp_one = m.tp_collectives_per_layer() * reduce_scatter(tp, act, path)
         passes = 3 if layout.recompute == "full" else 2
         tp_comm = passes * tp_one
         tp_exp = max(0.0, tp_comm - (gemm_f * (passes + 1))) if s.tp_comm_overlap else tp_comm
@@ -484,7 +489,7 @@ class Evaluator:
         # EP: each MoE layer's dispatch and combine, forward, backward (and the recomputed
         # forward), exposed: the default schedule does not overlap them
         ep_one, ep_level = self._expert_comm(layout, place, tokens)
-        ep_comm = (passes + 1) * ep_one * (m.moe_layers / m.layers if m.moe else 0.0)
+        ep_comm = passes * ep_one * (m.moe_layers / m.layers if m.moe else 0.0)
         layer = fwd + bwd + recompute + tp_exp + cp_exp + ep_comm
         stage_split = layout.stage_layers(m.layers)
         per_stage_layers = max(stage_split)
@@ -573,7 +578,7 @@ class Evaluator:
         if expert_params:
             # the routed experts' gradients over their own data-parallel group, after the rest
             edp = layout.edp
-            e_shard = edp if s.distributed_optimizer else 1
+            e_shard = max(1, edp // layout.instances) if s.distributed_optimizer else 1
             optimizer += expert_params / e_shard * OPTIMIZER_BYTES_PER_PARAM / hbm
             if edp > 1:
                 epath = net.path(place.edp)

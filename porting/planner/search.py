@@ -20,7 +20,7 @@ from porting.planner.perf import (
     Prediction,
     Settings,
 )
-from porting.planner.placement import ORDER_TP_PP_DP, WAN
+from porting.planner.placement import ORDER_DEFAULT, ORDER_TP_PP_DP, WAN
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,8 @@ def _placements(
     replica in a block of consecutive ranks, which must not straddle two sites. Under the default
     order pipeline stages take consecutive blocks of ranks, so the order in which the sites take
     ranks decides which links the pipeline crosses: each order the links allow is tried. Inside
-    one site only the first of the orders searched is used.
+    one site without racks or zones only the first of the orders searched is used (both see the
+    same levels); a site with them tries both.
     """
     cluster, s = ev.cluster, ev.settings
     mp = tp * cp * pp
@@ -131,8 +132,12 @@ def _placements(
         yield ORDER_TP_PP_DP, (), None
         return
     if not multi:
-        # inside one site both orders see the same levels: one of them, not every layout twice
-        yield s.orders[0], (), None
+        if cluster.sites[0].domains:
+            for order in s.orders:
+                yield order, (), None
+        else:
+            # both orders see the same levels: one of them, not every layout twice
+            yield s.orders[0], (), None
         return
     for order in s.orders:
         if order == ORDER_TP_PP_DP:
@@ -224,6 +229,33 @@ def expert_options(
                 yield ep, etp, None
 
 
+def megatron_order_rule(
+    order: str, tp: int, cp: int, pp: int, ep: int, etp: int, moe: bool
+) -> str | None:
+    """Why Megatron-Core refuses this rank order for the split, or None.
+
+    With the tp-cp-ep-pp-dp order and PP > 1, ``initialize_model_parallel`` (and NeMo's
+    ``megatron_init``) asserts that the MoE layers' data-parallel size equals the attention's
+    and that both grids have the same pipeline groups: EP x ETP = TP x CP. Its expert grid
+    exists for a dense model too (EP 1, ETP = TP), so there it means CP 1.
+    """
+    if order != ORDER_TP_PP_DP or pp == 1:
+        return None
+    etp = etp if moe else tp
+    if ep * etp == tp * cp:
+        return None
+    if not moe:
+        return (
+            f"CP {cp} with PP {pp} under the tp-cp-ep-pp-dp order: Megatron requires its expert "
+            f"data-parallel size (CP x DP) to equal DP there"
+        )
+    return (
+        f"EP {ep} x ETP {etp} = {ep * etp} is not TP x CP = {tp * cp}: with the tp-cp-ep-pp-dp "
+        "order and PP > 1 Megatron requires the MoE and attention layers' data-parallel sizes "
+        "(and pipeline groups) to be the same"
+    )
+
+
 def _expand(
     ev: Evaluator,
     tp: int,
@@ -235,11 +267,36 @@ def _expand(
     instances: int,
 ) -> Iterator[Layout | Rejected]:
     """Every expert split, interleaving, micro-batch and recomputation of one placed split."""
-    for ep, etp, why in expert_options(ev, tp, cp, pp):
+    for ep, etp, here, why in _expert_choices(ev, tp, cp, pp, order, instances):
         if why:
             yield Rejected(f"TP{tp} PP{pp} CP{cp} EP{ep} ETP{etp}", why)
             continue
-        yield from _expand_batches(ev, tp, cp, pp, split, order, sites, instances, ep, etp)
+        yield from _expand_batches(ev, tp, cp, pp, split, here, sites, instances, ep, etp)
+
+
+def _expert_choices(
+    ev: Evaluator, tp: int, cp: int, pp: int, order: str, instances: int | None
+) -> Iterator[tuple[int, int, str, str | None]]:
+    """(EP, ETP, the rank order it runs with, reason it cannot run or None) for a placed split;
+    ``instances`` None: not known yet (the rule on them is left out)."""
+    m, s = ev.model, ev.settings
+    one_level = len(ev.cluster.sites) == 1 and not ev.cluster.sites[0].domains
+    dp = ev.cluster.world // (tp * cp * pp)
+    for ep, etp, why in expert_options(ev, tp, cp, pp):
+        here = order
+        if not why:
+            why = megatron_order_rule(here, tp, cp, pp, ep, etp, m.moe)
+            if why and one_level and ORDER_DEFAULT in s.orders:
+                # inside one plain site the default order sees the same levels, without the rule
+                here, why = ORDER_DEFAULT, None
+        if not why and m.moe and s.distributed_optimizer and instances:
+            edp = tp * cp * dp // (ep * etp)
+            if edp % instances:
+                why = (
+                    f"{instances} distributed-optimizer instances do not divide the expert "
+                    f"data-parallel size {edp}"
+                )
+        yield ep, etp, here, why
 
 
 def _expand_batches(
@@ -335,15 +392,19 @@ def search_size(ev: Evaluator) -> tuple[int, int]:
             for vp in _vps(ev, pp, split)
             for b in s.micro_batches
         )
-        inner = sum(1 if why else batches for _, _, why in expert_options(ev, tp, cp, pp))
         for order, _sites, why in _placements(ev, tp, cp, pp, [()]):
             each_order = multi and pp > 1 and order != ORDER_TP_PP_DP
             if why:
                 n = 1
-            elif each_order and s.distributed_optimizer and s.instances is None:
-                n = inner  # the fewest instances that keep sites apart divide DP x CP
             else:
-                n = 1 if _instances_rule(dp, cp, ev.instances_for(tp, cp, pp, order)) else inner
+                instances = None  # the fewest that keep sites apart divide DP x CP
+                if not (each_order and s.distributed_optimizer and s.instances is None):
+                    instances = ev.instances_for(tp, cp, pp, order)
+                if instances is not None and _instances_rule(dp, cp, instances):
+                    n = 1
+                else:
+                    choices = _expert_choices(ev, tp, cp, pp, order, instances)
+                    n = sum(1 if w else batches for *_, w in choices)
             if each_order:
                 per_order += n
             else:
@@ -434,6 +495,11 @@ def plan(
             )
     if model.moe:
         result.notes.extend(expert_notes(ev, ranked))
+        if ev.settings.dispatcher == "flex":
+            result.notes.append(
+                "dispatcher: predicted for DeepEP (Megatron's flex dispatcher, strategy.py); "
+                "porting train runs Megatron's alltoall dispatcher"
+            )
     lay = best.layout
     place = ev.topology_for(lay.sites).placement(
         lay.tp, lay.cp, lay.pp, lay.dp, lay.instances, best.order

@@ -194,6 +194,15 @@ def validate(spec: TrainSpec, model_config, vocab_size: int) -> list[str]:
                 f"--ep {spec.ep} x --etp {etp} does not divide tensor x context x data parallel "
                 f"({spec.tp} x {spec.cp} x {dp})"
             )
+    if spec.use_tp_pp_dp_mapping and spec.pp > 1 and spec.ep * etp != spec.tp * spec.cp:
+        # megatron.core.parallel_state.initialize_model_parallel asserts it (its expert grid
+        # exists for a dense model too: EP 1, ETP = TP), deep inside the launch
+        raise PortingError(
+            f"--use-tp-pp-dp-mapping with --pp {spec.pp} needs --ep x --etp = --tp x --cp "
+            f"({spec.ep} x {etp} against {spec.tp} x {spec.cp}): Megatron requires the MoE and "
+            "attention layers' data-parallel sizes to be the same under that order (drop "
+            "--use-tp-pp-dp-mapping, or use CP 1 for a dense model)"
+        )
     if spec.sequence_parallel and spec.tp == 1:
         raise PortingError("--sequence-parallel needs --tp > 1")
     if spec.steps < 1 or spec.warmup >= spec.steps:
