@@ -145,6 +145,17 @@ def test_tp_stays_inside_the_fastest_domain_and_groups_widen_outward():
         ([{"name": "rack", "nodes": 1 << 40}], "more than the planner's limit"),
         ([{"name": "r k", "nodes": 2}], "is not a name the planner takes"),
         ({"rack": 2}, "expected a list of domains"),
+        (
+            [{"name": "rack", "nodes": 2, "latency_us": 1}],
+            "1 us to leave a rack is less than the 5",
+        ),
+        (
+            [
+                {"name": "rack", "nodes": 2, "latency_us": 9},
+                {"name": "zone", "nodes": 8, "latency_us": 8},
+            ],
+            "latencies grow outward",
+        ),
         ([{"name": f"l{i}", "nodes": 2**i} for i in range(1, 11)], "more than the planner's"),
     ],
 )
@@ -167,3 +178,14 @@ def test_per_site_domains_override_the_top_level(tmp_path):
     # dc has 4 zones of 4 racks, dc2 one level of 2 racks: numbered apart
     assert len(set(topo.domain_of[0].tolist())) == 16 + 2
     assert len(set(topo.domain_of[1].tolist())) == 4 + 1
+
+
+def test_the_one_site_reference_does_not_depend_on_which_site_has_racks():
+    data = copy.deepcopy(BASE)
+    plain = {"name": "p", "nodes": 32, "gpus_per_node": 8, "site": {"domains": []}}
+    data["sites"].append(plain)
+    data["links"] = [{"sites": ["dc", "p"], "bandwidth_gbit_s": 400, "distance_km": 10}]
+    first = cluster_from_dict(data, "a.yaml")
+    data["sites"].reverse()
+    second = cluster_from_dict(data, "b.yaml")
+    assert first.one_site().sites[0].domains == second.one_site().sites[0].domains == ()

@@ -172,6 +172,11 @@ def test_qwen_sparse_step_and_dense_layers_are_counted():
         ({"mlp_only_layers": list(range(4))}, "no layer is a mixture-of-experts layer"),
         ({"n_group": 3, "topk_group": 1}, "n_group 3 must divide the 8 experts"),
         ({"n_group": 8, "topk_group": 1}, "top-2 cannot come from 1 groups of 1"),
+        # layer placements the reader does not know (Jamba, Llama 4) and hybrid layers
+        ({"expert_layer_period": 2, "expert_layer_offset": 1}, "expert_layer_period: the planner"),
+        ({"interleave_moe_layer_step": 2}, "interleave_moe_layer_step: the planner does not"),
+        ({"layer_types": ["linear_attention"] * 4}, "'linear_attention' layers are not"),
+        ({"multi_query": True}, "a Falcon-layout config with experts"),
     ],
 )
 def test_bad_moe_configs_are_refused_by_name(change, problem):
@@ -293,3 +298,20 @@ def test_dense_plans_carry_no_expert_flags(tmp_path, capsys):
     assert "--ep" not in (out / "train_flags.txt").read_text().split()
     assert "expert" not in (out / "strategy.py").read_text()
     assert "alltoall" not in (out / "nccl_tests.sh").read_text()
+
+
+def test_gpt_oss_sliding_layers_are_attention_layers():
+    cfg = {
+        "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "vocab_size": 100,
+        "intermediate_size": 96, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+    }  # fmt: skip
+    assert from_hf_config(cfg).moe_layers == 4
+
+
+def test_a_huge_grouped_routing_is_counted_without_big_integers():
+    # 65,536 experts in 16,384 groups, 8,192 allowed: once minutes of exact binomials per layout
+    spread = routing_spread(65536, 8, 8, 8, 16384, 8192)
+    assert spread.nodes == 1.0 and spread.remote_nodes == 0.0 and 1 < spread.gpus <= 8
+    wide = routing_spread(65536, 8, 64, 8, 16384, 8192)
+    assert 1 < wide.nodes <= 8 and wide.remote_nodes < wide.nodes

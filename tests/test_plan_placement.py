@@ -42,6 +42,39 @@ def test_expert_groups_equal_megatrons(megatron_rank_generator, order, etp, ep, 
     assert rank_groups(etp * ep * edp * pp, sizes, order, token) == gen.get_ranks(token)
 
 
+@pytest.mark.parametrize(
+    "model, cluster, batch",
+    [
+        ("deepseek-v3", "h800-2048.yaml", 15360),
+        ("qwen3-235b-a22b", "dgx-h100-one-site.yaml", 1024),
+        ("mixtral-8x22b", "two-sites.yaml", 1024),
+        ("llama3.1-405b", "racks-zones.yaml", 3072),
+        ("llama-70b", "three-sites.yaml", 1024),
+    ],
+)
+def test_planned_layouts_pass_megatrons_own_rank_checks(
+    megatron_rank_generator, model, cluster, batch
+):
+    """What initialize_model_parallel asserts before it builds a group: under tp-cp-ep-pp-dp with
+    PP > 1 the expert grid's data-parallel size is the attention's, both grids have the same
+    pipeline groups, and the distributed-optimizer instances divide the expert data-parallel
+    size. Checked with Megatron's RankGenerator on the plan's top layouts."""
+    m = PRESETS[model]
+    result = plan(m, load_cluster(EXAMPLES / cluster), 4096, batch)
+    for p in result.ranked[:25]:
+        lay = p.layout
+        etp = lay.etp if m.moe else lay.tp
+        edp = lay.tp * lay.cp * lay.dp // (lay.ep * etp)
+        gen = megatron_rank_generator(
+            tp=lay.tp, ep=1, dp=lay.dp, pp=lay.pp, cp=lay.cp, order=p.order
+        )
+        experts = megatron_rank_generator(tp=etp, ep=lay.ep, dp=edp, pp=lay.pp, cp=1, order=p.order)
+        assert p.order.endswith("pp") or lay.pp == 1 or edp == lay.dp, lay.label()
+        assert gen.get_ranks("pp") == experts.get_ranks("pp"), lay.label()
+        if m.moe:
+            assert edp % lay.instances == 0, lay.label()
+
+
 @pytest.fixture(scope="module")
 def three_site_plan():
     cluster = load_cluster(EXAMPLES / "three-sites.yaml")
