@@ -299,7 +299,7 @@ def _cmd_train(args) -> int:
         if args.no_wait:
             print(f"follow with: tail -f {log_file}; stop with: scancel {job}")
             return 0
-        launch.follow_slurm(job, log_file)
+        launch.follow_slurm(job, log_file, out=Path(spec.out))
         return 0
     if args.executor == "torchrun":
         if spec.nodes != 1:

@@ -38,11 +38,16 @@ def slurm_script(
     )  # fmt: skip
 
 
-def follow_slurm(job_id: str, log: Path, poll_s: float = 1.0) -> None:
+def follow_slurm(job_id: str, log: Path, poll_s: float = 1.0, out: Path | None = None) -> None:
     """Print the job's log as it grows until the job ends; an error naming how it ended (and the
-    log's last lines) unless it completed. Ctrl-C or SIGTERM cancels the job, as ``srun`` does."""
+    log's last lines) unless it completed. Ctrl-C or SIGTERM cancels the job, as ``srun`` does.
+
+    A job that ended otherwise (cancelled, failed, timed out) has no rank left: its run directory
+    ``out`` is settled here (:func:`porting.train.stop.settle_checkpoints`), so that a checkpoint
+    it was writing is removed now, and said, rather than by NeMo on the resume."""
     from porting import slurm
     from porting.guard import Terminated
+    from porting.train.stop import settle_checkpoints
 
     shown = 0
     restarts = 0
@@ -88,10 +93,13 @@ def follow_slurm(job_id: str, log: Path, poll_s: float = 1.0) -> None:
             if state in slurm.FAILED_STATES:
                 show()
                 longer = " with a longer --time" if state == "TIMEOUT" else ""
+                kept = "the checkpoints saved so far are kept"
+                if out is not None:
+                    kept = settle_checkpoints(out)
                 raise PortingError(
                     f"Slurm job {job_id} ended {slurm.ended(tasks[0])}; its log {log} ends:\n"
-                    f"{slurm.tail(log)}\nthe checkpoints saved so far are kept: rerun the same "
-                    f"command{longer} to resume from the last one"
+                    f"{slurm.tail(log)}\n{kept}: rerun the same command{longer} to resume from "
+                    "the last one"
                 )
             time.sleep(poll_s)
     except (KeyboardInterrupt, Terminated) as stop:
