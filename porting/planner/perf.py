@@ -267,8 +267,9 @@ def stage_param_split(
     etp: int = 1,
 ) -> tuple[float, float]:
     """(parameters sharded by TP, routed experts' parameters sharded by EP x ETP) one GPU of
-    pipeline stage ``stage`` holds. An MoE model's stage is counted as if all its layers were
-    MoE layers (the heaviest case: DeepSeek's three dense first layers are lighter)."""
+    pipeline stage ``stage`` holds. An MoE model's stage is counted as if every layer were its
+    heavier kind per GPU: MoE layers, or dense ones (DeepSeek's first three) where a large EP
+    leaves less of an MoE layer on each GPU than a dense MLP."""
     here = m.layers // pp if layers is None else layers
     if not m.moe:
         return _with_ends(here * m.params_per_layer() / tp, m, tp, pp, stage), 0.0
