@@ -315,3 +315,43 @@ def test_a_huge_grouped_routing_is_counted_without_big_integers():
     assert spread.nodes == 1.0 and spread.remote_nodes == 0.0 and 1 < spread.gpus <= 8
     wide = routing_spread(65536, 8, 64, 8, 16384, 8192)
     assert 1 < wide.nodes <= 8 and wide.remote_nodes < wide.nodes
+
+
+# model cards' total parameters (billions) of the MoE configs in the published catalogue
+CARD_TOTALS = {
+    "Qwen/Qwen1.5-MoE-A2.7B": 14.3,
+    "Qwen/Qwen3-30B-A3B": 30.5,
+    "allenai/OLMoE-1B-7B-0924": 6.9,
+    "allenai/OLMoE-1B-7B-0125": 6.9,
+    "deepseek-ai/DeepSeek-V3": 671,
+    "moonshotai/Kimi-K2-Instruct": 1040,
+    "moonshotai/Moonlight-16B-A3B": 16,
+    "openai/gpt-oss-120b": 117,
+    "openai/gpt-oss-20b": 21,
+    "mistralai/Mixtral-8x7B-v0.1": 46.7,
+}
+
+
+def _published() -> dict:
+    # loaded by path, as tests/test_published.py does: a "tests" package elsewhere may shadow ours
+    import importlib.util
+
+    path = Path(__file__).with_name("published_configs.py")
+    spec = importlib.util.spec_from_file_location("published_configs", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.PUBLISHED
+
+
+@pytest.mark.parametrize("hub_id", sorted(CARD_TOTALS))
+def test_published_moe_configs_are_read_whole(hub_id):
+    """Each config as its hub repository ships it, every field included (tests/published_configs.py)."""
+    m = from_hf_config(_published()[hub_id], hub_id, hub_id)
+    assert m.moe and m.top_k < m.experts
+    assert m.total_params() / 1e9 == pytest.approx(CARD_TOTALS[hub_id], rel=0.03)
+
+
+def test_every_published_moe_config_is_in_the_check():
+    keys = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+    moe = {h for h, c in _published().items() if any(c.get(k) for k in keys)}
+    assert moe == set(CARD_TOTALS)
