@@ -12,6 +12,8 @@ import argparse
 import errno
 import importlib
 import logging
+import os
+import signal
 import sys
 import traceback
 
@@ -83,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                 # signal: still the signal's stop, not a crash
                 raise stop from err
             guard.raise_if_stopped()  # the signal's exception lost in a finalizer: not a success
+            sys.stdout.flush()  # a closed pipe is said here, not as a traceback at exit
             return code
     except PortingError as err:
         print(f"porting {args.command}: error: {err}", file=sys.stderr)
@@ -97,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    except BrokenPipeError:
+        # stdout's reader went away (`porting verify ... | head`): the rest has nowhere to go,
+        # and without this Python prints a traceback, then another flushing stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except OSError as err:
         if err.errno != errno.ENOSPC:
             raise

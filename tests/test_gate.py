@@ -255,6 +255,16 @@ def test_the_measured_rate_is_a_rate():
     assert 0 < rate < floor.RATE_MAX
 
 
+def test_logits_of_one_distribution_have_a_kl_of_zero_not_a_rounding_below_it():
+    """Logits shifted by a constant are the same distribution; float64 puts their KL at -4e-18
+    (seed 0), which the report must not show as a negative divergence."""
+    torch.manual_seed(0)
+    hf = (torch.randn(952, 130) * 3).double().reshape(1, 952, 130)
+    report = harness.compare([hf], [hf + 0.3], atol=1.0)
+    assert report.kl_hf_mcore == 0.0
+    assert "KL(HF||Mcore)  0.000e+00" in report.summary()
+
+
 def _costed(floor_s: float, gflops: float, wall_s: float) -> harness.ParityReport:
     report = harness.compare([torch.zeros(1, 2, 5)], [torch.zeros(1, 2, 5)])
     report.wall_s, report.floor_s, report.matmul_gflops = wall_s, floor_s, gflops

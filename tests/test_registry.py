@@ -8,6 +8,7 @@ so the registry) reads for a package installed by pip.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import textwrap
 import tomllib
@@ -161,6 +162,21 @@ def test_families_lists_ours_with_their_source_files(capsys):
     assert "llama  (porting 0.1.0, converters.llama:FAMILY)" in out
     assert str(ROOT / "converters" / "falcon.py") in out
     assert "claims: FalconForCausalLM" in out
+
+
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly():
+    """``porting families | head -1``: the exit status of a command stopped by SIGPIPE, and no
+    traceback (from the write, or from the flush at exit)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "porting.cli", "families"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+    )
+    proc.stdout.close()  # gone before the first line
+    err = proc.stderr.read().decode()
+    assert proc.wait() == 141
+    assert err == ""
 
 
 def test_import_family_flag_must_claim_the_checkpoint(tmp_path, capsys):

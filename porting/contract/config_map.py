@@ -521,11 +521,7 @@ def to_mcore(hf_config: dict, entries: Iterable[ConfigEntry], where: str = "conf
         # A conversion that trips over a value no check described (a rope_scaling object without
         # its factor, say) is still bad input: name the field(s) rather than show a traceback.
         try:
-            if isinstance(e, Field):
-                # lint has refused a missing field without a default
-                out[e.mcore] = e.to_mcore(hf_config[e.hf]) if e.hf in hf_config else e.default
-            elif isinstance(e, Derived):
-                out.update(e.to_mcore(hf_config))
+            out.update(_entry_values(e, hf_config))
         except PortingError as err:
             # a family's function is given no path and names the file as plain config.json
             said = str(err)
@@ -538,6 +534,54 @@ def to_mcore(hf_config: dict, entries: Iterable[ConfigEntry], where: str = "conf
                 f"{where}: cannot convert {fields} ({type(err).__name__}: {err})"
             ) from err
     return out
+
+
+def _entry_values(e: ConfigEntry, hf_config: dict) -> dict:
+    """The Megatron keyword arguments one entry gives for a config that passed :func:`lint`."""
+    if isinstance(e, Field):
+        # lint has refused a missing field without a default
+        return {e.mcore: e.to_mcore(hf_config[e.hf]) if e.hf in hf_config else e.default}
+    if isinstance(e, Derived):
+        return dict(e.to_mcore(hf_config))
+    return {}
+
+
+def differences(
+    a: dict,
+    b: dict,
+    entries: Iterable[ConfigEntry],
+    where_a: str,
+    where_b: str,
+    only: Iterable[str],
+    settle: Callable[[dict], dict] | None = None,
+) -> list[str]:
+    """Where two HF configs of one family give different values to the Megatron fields ``only``:
+    one line per field that differs, naming the HF fields that set it and their values in each
+    (``[]``: the same). The family's config map reads both, so aliases and derived values compare
+    as what they set; ``settle`` fills in what Megatron derives from a field left out (a head
+    width from the width and heads), so a config that spells a default out still compares equal.
+    """
+    entries = with_common(entries)
+    ka, kb = to_mcore(a, entries, where_a), to_mcore(b, entries, where_b)
+    if settle is not None:
+        ka, kb = settle(ka), settle(kb)
+    out = []
+    for key in sorted(set(only) & (ka.keys() | kb.keys())):
+        if ka.get(key) == kb.get(key):
+            continue
+        setters = [e for e in entries if key in _entry_values(e, a) | _entry_values(e, b)]
+        names = dict.fromkeys(n for e in setters for n in _names(e))
+        said = [
+            f"{n} {_shown(a, n)} against {_shown(b, n)}"
+            for n in names
+            if (n in a) != (n in b) or not _same_json(a.get(n), b.get(n))
+        ]
+        out.append("; ".join(said) or f"{key} {ka.get(key)!r} against {kb.get(key)!r}")
+    return out
+
+
+def _shown(config: dict, name: str) -> str:
+    return _json_text(config[name]) if name in config else "absent"
 
 
 def to_hf(mcore_config: Any, original: dict, entries: Iterable[ConfigEntry]) -> dict:

@@ -105,7 +105,13 @@ def _cmd_verify(args) -> int:
     if args.plot and args.whole_model:
         raise PortingError("--plot needs the layer-streamed check (drop --whole-model)")
     from porting.convert import ranks
+    from porting.convert.checkpoint import open_checkpoint
+    from porting.convert.foreign import reading
+    from porting.parity.pair import check_pair
 
+    with reading(args.ckpt, args.src_format, args.hf_config, args.tokenizer):
+        # a wrong pair answers here, before torch, NeMo or Megatron load (or ranks start)
+        check_pair(args.hf_dir, open_checkpoint(args.ckpt))
     if args.executor != "local":
         return _verify_launched(args)
     ranks.refuse_hand_launched("verify")
@@ -123,8 +129,6 @@ def _cmd_verify(args) -> int:
         for k, v in (("atol", args.atol), ("rtol", args.rtol), ("min_top1", args.min_top1))
         if v is not None
     }
-    from porting.convert.foreign import reading
-
     with reading(args.ckpt, args.src_format, args.hf_config, args.tokenizer):
         report = harness.verify(
             args.hf_dir,

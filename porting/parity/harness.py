@@ -517,7 +517,8 @@ def compare(
     excess = (diff - (atol + rtol * b.abs())).max().item()
     logp = torch.log_softmax(a, -1)
     logq = torch.log_softmax(b, -1)
-    kl = (logp.exp() * (logp - logq)).sum(-1).mean().item()
+    # never below 0 but by float64 rounding (-4e-18 on one distribution), which reads as a sign
+    kl = max((logp.exp() * (logp - logq)).sum(-1).mean().item(), 0.0)
     bad_a, bad_b = ~torch.isfinite(a), ~torch.isfinite(b)
     # argmax takes NaN for the largest value: two all-NaN rows would "agree" at index 0. Only
     # positions finite on both sides can agree.
@@ -631,7 +632,7 @@ def verify(
 
     from porting.contract.registry import family_by_name
     from porting.convert.checkpoint import open_checkpoint, tokenizer_files
-    from porting.convert.hf_files import load_tokenizer, read_hf_config
+    from porting.convert.hf_files import load_tokenizer
     from porting.convert.layouts import check_saved_metadata
     from porting.convert.megatron import build_config
     from porting.convert.preflight import (
@@ -641,6 +642,7 @@ def verify(
     )
     from porting.convert.safetensors_io import SafetensorsSource
     from porting.parity.hf_dequant import REFERENCE
+    from porting.parity.pair import check_pair
 
     # Opened once (layout, manifest) and handed down; a child process opens it by its path.
     checkpoint = open_checkpoint(ckpt)
@@ -651,6 +653,8 @@ def verify(
         if not cpu.cuda_available():  # hidden from this process for the conversion
             return _verify_in_child(hf_dir, ckpt, device, locals())
     manifest = checkpoint.manifest
+    # A wrong pair is refused on the configs alone, before NeMo and Megatron load.
+    hf_config = check_pair(hf_dir, checkpoint)
     family = family_by_name(manifest.family)
     family.config_class()  # its Megatron side and NeMo: start-up, not the gate
     started = time.perf_counter()
@@ -658,7 +662,6 @@ def verify(
     check_saved_metadata(checkpoint, family)
     # The HF side's config against its headers before either model is built (the Megatron
     # side's is checked as its config is rebuilt, checkpoint_config).
-    hf_config = read_hf_config(hf_dir)
     # a quantized checkpoint's weights as the reference dequantizes them, not as the import did
     source = SafetensorsSource(hf_dir, allow_pickle=allow_pickle, dequantizer=REFERENCE)
     check_float_dtypes(family, source)

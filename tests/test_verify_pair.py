@@ -1,0 +1,101 @@
+"""`porting verify` of an HF directory and a checkpoint of another model: refused on the configs
+alone, before torch, NeMo or Megatron load; a pair the gate must judge is left to the gate."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from porting.contract.config_map import differences
+from porting.contract.registry import family_by_name
+from porting.convert.checkpoint import open_checkpoint
+from porting.errors import PortingError
+from porting.parity.pair import SHAPE_FIELDS, check_pair, settled
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAVY = {"torch", "nemo", "megatron", "transformers", "lightning"}
+
+
+def _edited(hf: Path, out: Path, **changes) -> Path:
+    shutil.copytree(hf, out)
+    cfg = json.loads((out / "config.json").read_text()) | changes
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def _verify(hf: Path, ckpt: Path) -> tuple[int, str, set[str]]:
+    """Exit code, stderr and the top-level modules loaded of ``porting verify`` in a fresh process."""
+    code = (
+        "import sys\nfrom porting.cli import main\ncode = main(['verify', sys.argv[1], sys.argv[2]])\n"
+        "print(' '.join(sys.modules))\nsys.exit(code)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(hf), str(ckpt)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    loaded = {m.partition(".")[0] for m in proc.stdout.split()}
+    return proc.returncode, proc.stderr, loaded
+
+
+@pytest.mark.parametrize(
+    ("changes", "said"),
+    [
+        ({"num_hidden_layers": 3}, "num_hidden_layers 2 against 3"),
+        ({"hidden_size": 128, "head_dim": 32}, "hidden_size 64 against 128"),
+        ({"num_key_value_heads": 4}, "num_key_value_heads 2 against 4"),
+        ({"vocab_size": 131}, "has a vocabulary of 130"),
+        ({"architectures": ["MistralForCausalLM"]}, "is a 'MistralForCausalLM'"),
+    ],
+    ids=["layers", "width", "kv heads", "vocabulary", "architecture"],
+)
+def test_a_pair_of_other_shapes_is_refused_before_any_model_library_loads(
+    tiny_llama, tiny_nemo, tmp_path, changes, said
+):
+    hf = _edited(tiny_llama, tmp_path / "hf", **changes)
+    code, err, loaded = _verify(hf, tiny_nemo)
+    assert code == 2, err
+    assert said in err, err
+    assert err.count("\n") == 1, err  # one line, no traceback
+    assert loaded & HEAVY == set()
+
+
+def test_a_pair_the_gate_must_judge_is_not_refused(tiny_llama, tiny_nemo, tmp_path):
+    """A rotary base, a norm epsilon or a bookkeeping key move the logits or nothing: whether the
+    checkpoint reproduces the HF model is the gate's verdict (the proof kit's negative controls
+    verify such pairs), not the pair check's."""
+    hf = _edited(
+        tiny_llama,
+        tmp_path / "hf",
+        rope_theta=10000.0,
+        rms_norm_eps=1e-3,
+        transformers_version="0.0.1",
+        torch_dtype="bfloat16",
+    )
+    assert check_pair(hf, open_checkpoint(tiny_nemo))["rope_theta"] == 10000.0
+
+
+def test_differences_compare_what_the_fields_set(tiny_llama):
+    """Through the family's config map, with what Megatron derives filled in: a config that
+    spells out the head width its width and heads imply is the same model; one that changes it
+    is named by its HF field."""
+    llama = family_by_name("llama")
+    base = json.loads((tiny_llama / "config.json").read_text())
+    base.pop("head_dim", None)
+    implied = base["hidden_size"] // base["num_attention_heads"]
+
+    def diff(other: dict) -> list[str]:
+        return differences(base, other, llama.config_entries, "a", "b", SHAPE_FIELDS, settled)
+
+    assert diff(base | {"head_dim": implied}) == []
+    assert diff(base | {"head_dim": None}) == []
+    assert diff(base | {"head_dim": 2 * implied}) == [f"head_dim absent against {2 * implied}"]
+    assert diff(base | {"rope_theta": 1.0, "rms_norm_eps": 0.5}) == []  # not shapes
+    with pytest.raises(PortingError, match=r"^b: "):
+        diff(base | {"hidden_size": 0})
