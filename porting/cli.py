@@ -13,6 +13,7 @@ import errno
 import importlib
 import logging
 import os
+import select
 import signal
 import sys
 import traceback
@@ -101,9 +102,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     except BrokenPipeError:
+        if not _stdout_gone():  # a worker's or a child's pipe: a failure, said as one
+            raise
         # stdout's reader went away (`porting verify ... | head`): the rest has nowhere to go,
         # and without this Python prints a traceback, then another flushing stdout at exit.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
         return 128 + signal.SIGPIPE
     except OSError as err:
         if err.errno != errno.ENOSPC:
@@ -126,6 +131,16 @@ def main(argv: list[str] | None = None) -> int:
         kept = getattr(stop, "kept", None) or "partial outputs removed"
         print(f"porting {args.command}: stopped by {name}; {kept}", file=sys.stderr)
         return code
+
+
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (poll reports an error on it)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError):
+        return False
 
 
 class _Voice(logging.Formatter):

@@ -2,8 +2,9 @@
 
 Each command runs as a user runs it (the ``porting`` console script, a fresh process), three times;
 the table shows the median. The refusals need no model: a missing directory, an unknown
-architecture, a hostile config value, an output that exists. ``verify`` runs on a tiny imported
-Llama (built here, no hub) and is reported with the time to its first line and its whole wall.
+architecture, a hostile config value, an output that exists, a verify of another model's files.
+``verify`` runs on a tiny imported Llama (built here, no hub) and is reported with the time to
+its first line and its whole wall.
 
     python scripts/bench_cli.py [--repeat N] [--workdir DIR]
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -87,6 +89,12 @@ def main() -> int:
     unknown.mkdir(exist_ok=True)
     (unknown / "config.json").write_text(json.dumps({"architectures": ["NoSuchForCausalLM"]}))
     hf, ckpt = _tiny_checkpoint(work)
+    other = work / "other"  # the tiny Llama's files with one layer more: another model
+    if not other.exists():
+        shutil.copytree(hf, other)
+        config = json.loads((other / "config.json").read_text())
+        config["num_hidden_layers"] += 1
+        (other / "config.json").write_text(json.dumps(config))
     cases = {
         "porting families": ["families"],
         "porting --help": ["--help"],
@@ -95,6 +103,7 @@ def main() -> int:
         "import: unknown architecture": ["import", str(unknown), "--out", str(work / "o2")],
         "import: hostile config value": ["import", str(hostile), "--out", str(work / "o3")],
         "import: output exists": ["import", str(hf), "--out", str(ckpt)],
+        "verify: another model's files": ["verify", str(other), str(ckpt)],
         "verify (tiny Llama)": ["verify", str(hf), str(ckpt)],
     }
     print(f"{'command':<32}{'exit':>5}{'first line s':>14}{'wall s':>9}{'peak MB':>9}")

@@ -255,14 +255,17 @@ def test_the_measured_rate_is_a_rate():
     assert 0 < rate < floor.RATE_MAX
 
 
-def test_logits_of_one_distribution_have_a_kl_of_zero_not_a_rounding_below_it():
-    """Logits shifted by a constant are the same distribution; float64 puts their KL at -4e-18
-    (seed 0), which the report must not show as a negative divergence."""
-    torch.manual_seed(0)
-    hf = (torch.randn(952, 130) * 3).double().reshape(1, 952, 130)
-    report = harness.compare([hf], [hf + 0.3], atol=1.0)
-    assert report.kl_hf_mcore == 0.0
-    assert "KL(HF||Mcore)  0.000e+00" in report.summary()
+def test_the_kl_of_one_distribution_is_never_below_zero():
+    """Logits shifted by a constant are the same distribution: float64 rounding puts their KL a
+    few 1e-18 on either side of 0 (below it for about a third of these), and the report must
+    not show a negative divergence."""
+    for seed in range(12):
+        torch.manual_seed(seed)
+        hf = (torch.randn(952, 130) * 3).double().reshape(1, 952, 130)
+        for shift in (1e-3, 0.1, 0.3):
+            report = harness.compare([hf], [hf + shift], atol=1.0)
+            assert 0.0 <= report.kl_hf_mcore < 1e-15, (seed, shift, report.kl_hf_mcore)
+            assert "KL(HF||Mcore)  -" not in report.summary()
 
 
 def _costed(floor_s: float, gflops: float, wall_s: float) -> harness.ParityReport:

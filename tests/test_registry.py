@@ -179,6 +179,18 @@ def test_a_reader_that_closes_the_pipe_ends_the_command_quietly():
     assert err == ""
 
 
+def test_a_broken_pipe_that_is_not_stdout_is_a_failure(monkeypatch):
+    """Only stdout's closed reader ends a command quietly; a worker's or a child's broken pipe
+    is an error like any other."""
+
+    def broken():
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(registry, "installed", broken)
+    with pytest.raises(BrokenPipeError):
+        main(["families"])
+
+
 def test_import_family_flag_must_claim_the_checkpoint(tmp_path, capsys):
     from porting.testing import make_llama
 

@@ -81,6 +81,37 @@ def test_a_pair_the_gate_must_judge_is_not_refused(tiny_llama, tiny_nemo, tmp_pa
     assert check_pair(hf, open_checkpoint(tiny_nemo))["rope_theta"] == 10000.0
 
 
+@pytest.mark.parametrize("relabelled", [False, True], ids=["as written", "as tsuzumi"])
+def test_a_family_that_runs_one_class_for_two_architectures_pairs_either(tmp_path, relabelled):
+    """tsuzumi loads LlamaForCausalLM for both its names: a checkpoint written from a Llama
+    directory (tests/data/tsuzumi-0.1, by an earlier porting) pairs with it and with the same
+    files labelled tsuzumi."""
+    written = Path(__file__).parent / "data" / "tsuzumi-0.1"
+    hf = written / "hf"
+    if relabelled:
+        hf = _edited(
+            hf, tmp_path / "hf", architectures=["TsuzumiForCausalLM"], model_type="tsuzumi"
+        )
+    assert check_pair(hf, open_checkpoint(written / "nemo"))["num_hidden_layers"] == 2
+
+
+def test_a_checkpoint_adopted_from_its_config_is_paired_by_the_gate(tiny_llama, tmp_path):
+    """One trained elsewhere (``--hf-config``: no ``porting/`` of ours) is adopted through
+    transformers and NeMo, so its pair is checked by the gate once the process is offline with
+    its GPUs hidden: still before any model is built, with the same message."""
+    from porting.api import import_hf
+    from porting.convert.foreign import reading
+    from porting.parity import harness
+
+    ckpt = tmp_path / "megatron-lm"
+    import_hf(tiny_llama, ckpt, fmt="megatron-lm", verify=False, show_progress=False)
+    shutil.rmtree(ckpt / "porting")
+    other = _edited(tiny_llama, tmp_path / "other", num_hidden_layers=3)
+    with reading(ckpt, None, tiny_llama, None):
+        with pytest.raises(PortingError, match="num_hidden_layers 2 against 3"):
+            harness.verify(other, ckpt)
+
+
 def test_differences_compare_what_the_fields_set(tiny_llama):
     """Through the family's config map, with what Megatron derives filled in: a config that
     spells out the head width its width and heads imply is the same model; one that changes it
@@ -95,7 +126,9 @@ def test_differences_compare_what_the_fields_set(tiny_llama):
 
     assert diff(base | {"head_dim": implied}) == []
     assert diff(base | {"head_dim": None}) == []
-    assert diff(base | {"head_dim": 2 * implied}) == [f"head_dim absent against {2 * implied}"]
+    assert diff(base | {"head_dim": 2 * implied}) == [
+        f"head_dim absent against {2 * implied} (Megatron's kv_channels {implied} against {2 * implied})"
+    ]
     assert diff(base | {"rope_theta": 1.0, "rms_norm_eps": 0.5}) == []  # not shapes
     with pytest.raises(PortingError, match=r"^b: "):
         diff(base | {"hidden_size": 0})

@@ -576,7 +576,10 @@ def differences(
             for n in names
             if (n in a) != (n in b) or not _same_json(a.get(n), b.get(n))
         ]
-        out.append("; ".join(said) or f"{key} {ka.get(key)!r} against {kb.get(key)!r}")
+        settled = f"{key} {ka.get(key)!r} against {kb.get(key)!r}"
+        if said and any(n not in a or n not in b for n in names):
+            said[-1] += f" (Megatron's {settled})"  # what a field left out comes to
+        out.append("; ".join(said) or settled)
     return out
 
 

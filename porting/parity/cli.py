@@ -109,9 +109,12 @@ def _cmd_verify(args) -> int:
     from porting.convert.foreign import reading
     from porting.parity.pair import check_pair
 
-    with reading(args.ckpt, args.src_format, args.hf_config, args.tokenizer):
-        # a wrong pair answers here, before torch, NeMo or Megatron load (or ranks start)
-        check_pair(args.hf_dir, open_checkpoint(args.ckpt))
+    if args.hf_config is None:
+        # A wrong pair answers here, before torch, NeMo or Megatron load (or ranks start). One
+        # trained elsewhere is adopted through its tokenizer and config (transformers, NeMo):
+        # the gate checks its pair once the process is offline with its GPUs hidden.
+        with reading(args.ckpt, args.src_format, None, args.tokenizer):
+            check_pair(args.hf_dir, open_checkpoint(args.ckpt))
     if args.executor != "local":
         return _verify_launched(args)
     ranks.refuse_hand_launched("verify")

@@ -69,7 +69,13 @@ def check_pair(hf_dir: str | Path, checkpoint: Checkpoint) -> dict:
     config_path = Path(hf_dir) / "config.json"
     theirs = hf_config.get("architectures")
     arch = theirs[0] if isinstance(theirs, list) and theirs else theirs
-    if arch != manifest.hf_architecture:
+
+    def runs(architecture):  # the HF class the reference side loads (tsuzumi: Llama's for both)
+        return family.hf_model_class or architecture
+
+    # Not family.claims: a checkpoint written when its family claimed another architecture
+    # (tsuzumi, from LlamaForCausalLM) still pairs with the directory it came from.
+    if runs(arch) != runs(manifest.hf_architecture):
         raise PortingError(
             f"{checkpoint.path} was made from a {manifest.hf_architecture} ({family.name} family); "
             f"{config_path} is a {arch!r}: not the model this checkpoint holds"
