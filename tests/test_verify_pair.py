@@ -3,6 +3,7 @@ alone, before torch, NeMo or Megatron load; a pair the gate must judge is left t
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -11,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from porting.contract.config_map import differences
+from porting.contract import registry
+from porting.contract.config_map import differences, to_mcore
 from porting.contract.registry import family_by_name
 from porting.convert.checkpoint import open_checkpoint
 from porting.errors import PortingError
@@ -132,3 +134,68 @@ def test_differences_compare_what_the_fields_set(tiny_llama):
     assert diff(base | {"rope_theta": 1.0, "rms_norm_eps": 0.5}) == []  # not shapes
     with pytest.raises(PortingError, match=r"^b: "):
         diff(base | {"hidden_size": 0})
+
+
+def _published() -> dict[str, dict]:
+    spec = importlib.util.spec_from_file_location(
+        "published_configs", Path(__file__).with_name("published_configs.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.PUBLISHED
+
+
+def _accepted(cfg: dict, entries) -> bool:
+    try:
+        to_mcore(cfg, entries)
+    except PortingError:
+        return False
+    return True
+
+
+def test_every_published_config_pairs_with_itself_and_its_resaved_spellings():
+    """Each config as its hub repository ships it (tests/published_configs.py), every field:
+    against itself, and against the same model re-saved with its head width spelled out or
+    left to the default and its bookkeeping keys changed, the pair check finds nothing; one
+    layer more (where the config allows it), it names num_hidden_layers."""
+    checked = 0
+    for hub_id, cfg in _published().items():
+        try:
+            family = registry.family_for_hf_config(cfg, hub_id)
+        except PortingError:
+            continue  # refused on import, so never a checkpoint's config
+        entries = family.config_entries
+
+        def diff(other, cfg=cfg, entries=entries, hub_id=hub_id):
+            return differences(cfg, other, entries, hub_id, "re-saved", SHAPE_FIELDS, settled)
+
+        assert diff(cfg) == [], hub_id
+        resaved = cfg | {"transformers_version": "9.9.9", "_name_or_path": "elsewhere"}
+        heads = cfg.get("num_attention_heads")
+        if "head_dim" in cfg and heads and cfg["head_dim"] == cfg["hidden_size"] // heads:
+            without = {k: v for k, v in resaved.items() if k != "head_dim"}
+            if family.claims(without) and _accepted(without, entries):  # a family may require it
+                resaved = without
+        assert diff(resaved) == [], hub_id
+        layers = "num_hidden_layers"
+        more = cfg | {layers: cfg.get(layers, 0) + 1}
+        if layers in cfg and _accepted(more, entries):  # not where layer_types lists each layer
+            said = diff(more)
+            assert said and said[0].startswith(f"{layers} {cfg[layers]} against "), (hub_id, said)
+        checked += 1
+    assert checked >= 25, checked
+
+
+def test_a_hostile_manifest_config_is_refused_by_name(tiny_nemo, tiny_llama, tmp_path):
+    """The checkpoint's recorded config is read through the same config map as any config.json:
+    a crafted value is refused, naming the manifest, before any model library loads."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_nemo, ckpt)
+    manifest = ckpt / "context" / "porting.json"
+    data = json.loads(manifest.read_text())
+    data["hf_config"]["num_hidden_layers"] = "2; import os"
+    manifest.write_text(json.dumps(data))
+    code, err, loaded = _verify(tiny_llama, ckpt)
+    assert code == 2, err
+    assert "porting.json: hf_config" in err and "num_hidden_layers" in err, err
+    assert loaded & HEAVY == set()
