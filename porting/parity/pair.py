@@ -16,10 +16,11 @@ from porting.convert.checkpoint import Checkpoint
 from porting.convert.hf_files import read_hf_config
 from porting.errors import PortingError
 
-# The Megatron fields that set the models' tensor shapes. Two configs that differ in one of these
-# cannot be compared layer by layer at all. Every other field (a rotary base, a cap, a window) is
-# the gate's to judge from the logits: a conversion that dropped one must fail there, by how much
-# it moves them, and the proof kit's negative controls verify exactly such pairs.
+# The Megatron fields that set the model's sizes. Two configs that differ in one describe models
+# whose tensors could not even be exchanged: another model, not a conversion to judge. Every
+# other field (a rotary base, a cap, a window, a bias) is the gate's to judge from the logits: a
+# conversion that dropped one must fail there, by how much it moves them, and the proof kit's
+# negative controls verify exactly such pairs.
 SHAPE_FIELDS = frozenset(
     {
         "num_layers",
