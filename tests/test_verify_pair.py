@@ -52,8 +52,11 @@ def _verify(hf: Path, ckpt: Path) -> tuple[int, str, set[str]]:
         ({"num_hidden_layers": 3}, "num_hidden_layers 2 against 3"),
         ({"hidden_size": 128, "head_dim": 32}, "hidden_size 64 against 128"),
         ({"num_key_value_heads": 4}, "num_key_value_heads 2 against 4"),
-        ({"vocab_size": 131}, "has a vocabulary of 130"),
-        ({"architectures": ["MistralForCausalLM"]}, "is a 'MistralForCausalLM'"),
+        ({"vocab_size": 131}, "vocab_size 130 against 131"),
+        (
+            {"architectures": ["MistralForCausalLM"]},
+            "'LlamaForCausalLM' against 'MistralForCausalLM'",
+        ),
     ],
     ids=["layers", "width", "kv heads", "vocabulary", "architecture"],
 )

@@ -68,6 +68,12 @@ def check_pair(hf_dir: str | Path, checkpoint: Checkpoint) -> dict:
     family = family_by_name(manifest.family)
     hf_config = read_hf_config(hf_dir)
     config_path = Path(hf_dir) / "config.json"
+    # Not "made from another model": a manifest edited after the import says the same thing,
+    # and which of the two is wrong is not known here.
+    apart = (
+        f"{checkpoint.path}: its manifest ({checkpoint.source}) and {config_path} describe "
+        "different models (the manifest's value first)"
+    )
     theirs = hf_config.get("architectures")
     arch = theirs[0] if isinstance(theirs, list) and theirs else theirs
 
@@ -78,13 +84,12 @@ def check_pair(hf_dir: str | Path, checkpoint: Checkpoint) -> dict:
     # (tsuzumi, from LlamaForCausalLM) still pairs with the directory it came from.
     if runs(arch) != runs(manifest.hf_architecture):
         raise PortingError(
-            f"{checkpoint.path} was made from a {manifest.hf_architecture} ({family.name} family); "
-            f"{config_path} is a {arch!r}: not the model this checkpoint holds"
+            f"{apart}: architecture {manifest.hf_architecture!r} against {arch!r} "
+            f"({family.name} family)"
         )
     if hf_config.get("vocab_size") != manifest.vocab_size:
         raise PortingError(
-            f"{checkpoint.path} has a vocabulary of {manifest.vocab_size}; {config_path} says "
-            f"vocab_size {hf_config.get('vocab_size')!r}: not the model this checkpoint holds"
+            f"{apart}: vocab_size {manifest.vocab_size} against {hf_config.get('vocab_size')!r}"
         )
     where = f"{checkpoint.source}: hf_config"
     differ = differences(
@@ -97,8 +102,5 @@ def check_pair(hf_dir: str | Path, checkpoint: Checkpoint) -> dict:
         settled,
     )
     if differ:
-        raise PortingError(
-            f"{checkpoint.path} was made from a different {manifest.hf_architecture} than "
-            f"{hf_dir} (the checkpoint's value against the HF directory's): " + "; ".join(differ)
-        )
+        raise PortingError(f"{apart}: " + "; ".join(differ))
     return hf_config
