@@ -344,6 +344,20 @@ def tp_logits_worker(
     shutdown_parallel()
 
 
+def with_edited_manifest(src: str | Path, dst: str | Path, edit) -> Path:
+    """A copy of our nemo2 checkpoint ``src`` at ``dst`` whose ``porting.json`` (parsed) went
+    through ``edit`` (a function that changes the dict in place): a crafted or lying manifest."""
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    manifest = Path(dst) / "context" / "porting.json"
+    data = json.loads(manifest.read_text())
+    edit(data)
+    manifest.write_text(json.dumps(data))
+    return Path(dst)
+
+
 def checkpoint_config(ckpt: str | Path):
     """The Megatron config of one of our checkpoints (its family looked up from the manifest)."""
     from porting.contract.registry import family_by_name

@@ -438,16 +438,12 @@ def test_malformed_record_is_located_with_status_2_and_no_traceback(tmp_path, to
 
 
 def test_a_checkpoint_tokenizer_path_outside_the_checkpoint_is_refused(tiny_nemo, tmp_path, capsys):
-    import shutil
-
     from porting.cli import main
+    from porting.testing import with_edited_manifest
 
-    ckpt = tmp_path / "ckpt"
-    shutil.copytree(tiny_nemo, ckpt)
-    manifest = ckpt / "context" / "porting.json"
-    data = json.loads(manifest.read_text())
-    data["tokenizer"]["path"] = "../../../../../../etc"
-    manifest.write_text(json.dumps(data))
+    ckpt = with_edited_manifest(
+        tiny_nemo, tmp_path / "ckpt", lambda d: d["tokenizer"].update(path="../../../../../../etc")
+    )
     corpus = tmp_path / "c.jsonl"
     corpus.write_text('{"text": "hello"}\n')
     out = tmp_path / "out" / "c"

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from porting.cli import main
-from porting.testing import child_env
+from porting.testing import child_env, with_edited_manifest
 
 
 def _digest(path: Path) -> str:
@@ -41,12 +41,7 @@ def _edited_hf(src: Path, dst: Path, **changes) -> Path:
 
 
 def _edited_ckpt(src: Path, dst: Path, **changes) -> Path:
-    shutil.copytree(src, dst)
-    manifest = dst / "context" / "porting.json"
-    data = json.loads(manifest.read_text())
-    data["hf_config"].update(changes)
-    manifest.write_text(json.dumps(data))
-    return dst
+    return with_edited_manifest(src, dst, lambda data: data["hf_config"].update(changes))
 
 
 def _refused(argv, capsys, *needles) -> str:

@@ -18,6 +18,7 @@ from porting.contract.registry import family_by_name
 from porting.convert.checkpoint import open_checkpoint
 from porting.errors import PortingError
 from porting.parity.pair import SHAPE_FIELDS, check_pair, settled
+from porting.testing import with_edited_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = {"torch", "nemo", "megatron", "transformers", "lightning"}
@@ -192,12 +193,9 @@ def test_every_published_config_pairs_with_itself_and_its_resaved_spellings():
 def test_a_hostile_manifest_config_is_refused_by_name(tiny_nemo, tiny_llama, tmp_path):
     """The checkpoint's recorded config is read through the same config map as any config.json:
     a crafted value is refused, naming the manifest, before any model library loads."""
-    ckpt = tmp_path / "ckpt"
-    shutil.copytree(tiny_nemo, ckpt)
-    manifest = ckpt / "context" / "porting.json"
-    data = json.loads(manifest.read_text())
-    data["hf_config"]["num_hidden_layers"] = "2; import os"
-    manifest.write_text(json.dumps(data))
+    ckpt = with_edited_manifest(
+        tiny_nemo, tmp_path / "ckpt", lambda d: d["hf_config"].update(num_hidden_layers="2; x")
+    )
     code, err, loaded = _verify(tiny_llama, ckpt)
     assert code == 2, err
     assert "porting.json: hf_config" in err and "num_hidden_layers" in err, err
