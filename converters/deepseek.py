@@ -545,8 +545,9 @@ FAMILY = Family(
     architectures=("DeepseekV3ForCausalLM",),
     config_entries=CONFIG,
     weights=WEIGHTS,
-    config_cls="models.deepseek:DeepseekConfig",
-    model_cls="models.deepseek:DeepseekModel",
+    config_cls="models.deepseek_nemo:DeepseekConfig",
+    model_cls="models.deepseek_nemo:DeepseekModel",
+    core_config_cls="models.deepseek:DeepseekCore",
     shape_context=shape_context,
     context_symbols=("models.deepseek:deepseek_block_spec",),
     # DeepSeek-V3's and Kimi K2's safetensors hold it as F32 beside BF16 (and FP8) weights

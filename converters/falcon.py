@@ -216,8 +216,9 @@ FAMILY = Family(
     architectures=("FalconForCausalLM",),
     config_entries=CONFIG,
     weights=WEIGHTS,
-    config_cls="models.falcon:FalconConfig",
-    model_cls="models.falcon:FalconModel",
+    config_cls="models.falcon_nemo:FalconConfig",
+    model_cls="models.falcon_nemo:FalconModel",
+    core_config_cls="models.falcon:FalconCore",
     shape_context=shape_context,
     # transformers' default for Falcon; its eager path (4.57) adds ALiBi a second time through the
     # causal mask (FalconModel._update_causal_mask), unlike the original RW code and sdpa

@@ -180,8 +180,9 @@ FAMILY = Family(
     architectures=tuple(_MODEL_TYPES),
     config_entries=CONFIG,
     weights=WEIGHTS,
-    config_cls="models.gemma:GemmaConfig",
-    model_cls="models.gemma:GemmaModel",
+    config_cls="models.gemma_nemo:GemmaConfig",
+    model_cls="models.gemma_nemo:GemmaModel",
+    core_config_cls="models.gemma:GemmaCore",
     shape_context=shape_context,
     # soft-capping exists only in transformers' eager attention for Gemma 2
     hf_attn_implementation="eager",

@@ -237,8 +237,9 @@ FAMILY = Family(
     architectures=("GptOssForCausalLM",),
     config_entries=CONFIG,
     weights=WEIGHTS,
-    config_cls="models.gpt_oss:GptOssConfig",
-    model_cls="models.gpt_oss:GptOssModel",
+    config_cls="models.gpt_oss_nemo:GptOssConfig",
+    model_cls="models.gpt_oss_nemo:GptOssModel",
+    core_config_cls="models.gpt_oss:GptOssCore",
     shape_context=shape_context,
     context_symbols=(
         "models.gpt_oss:gpt_oss_layer_spec",

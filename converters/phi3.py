@@ -199,8 +199,9 @@ FAMILY = Family(
     architectures=("Phi3ForCausalLM",),
     config_entries=CONFIG,
     weights=WEIGHTS,
-    config_cls="models.phi3:Phi3Config",
-    model_cls="models.phi3:Phi3Model",
+    config_cls="models.phi3_nemo:Phi3Config",
+    model_cls="models.phi3_nemo:Phi3Model",
+    core_config_cls="models.phi3:Phi3Core",
     shape_context=shape_context,
     summary="Phi-3/3.5/4-mini: the Llama decoder with fused qkv and gate_up, partial rotary, "
     "sliding window and LongRoPE on the stock GPT spec",

@@ -32,9 +32,9 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import MLATransformerConfig
-from nemo.collections.llm.gpt.model.base import GPTModel
 
-from models.moe import MoEConfig
+from models.moe import MoECore
+from porting.mcore import moved_to
 
 # transformers' DeepseekV3RMSNorm(q_lora_rank) and (kv_lora_rank): built without the config's eps
 LATENT_NORM_EPS = 1e-6
@@ -66,7 +66,7 @@ class LatentDotProductAttention(DotProductAttention):
             self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
 
 
-def deepseek_block_spec(config: DeepseekConfig):
+def deepseek_block_spec(config: DeepseekCore):
     """Megatron-Core's local GPT block spec for ``config`` (dense first layers, MoE after), with
     every layer's MLA on :class:`LatentDotProductAttention` and its latent norms at transformers'
     epsilon."""
@@ -80,7 +80,7 @@ def deepseek_block_spec(config: DeepseekConfig):
 
 
 @dataclass
-class DeepseekConfig(MoEConfig, MLATransformerConfig):
+class DeepseekCore(MoECore, MLATransformerConfig):
     """Megatron GPT config for the DeepSeek family (defaults: DeepSeek-V3's shapes, unscaled
     rotary; the converter sets every field a checkpoint decides)."""
 
@@ -120,15 +120,5 @@ class DeepseekConfig(MoEConfig, MLATransformerConfig):
     transformer_layer_spec: ModuleSpec | object = deepseek_block_spec
 
 
-class DeepseekModel(GPTModel):
-    """NeMo 2.0 model for the DeepSeek family (a ``GPTModel`` with :class:`DeepseekConfig`)."""
-
-    def __init__(
-        self, config: DeepseekConfig | None = None, optim=None, tokenizer=None, model_transform=None
-    ):
-        super().__init__(
-            config or DeepseekConfig(),
-            optim=optim,
-            tokenizer=tokenizer,
-            model_transform=model_transform,
-        )
+# checkpoints written before the NeMo classes moved to models.deepseek_nemo name them here
+__getattr__ = moved_to(__name__, "models.deepseek_nemo", "DeepseekConfig", "DeepseekModel")

@@ -17,14 +17,14 @@ rotary in the split-halves style over the whole head with base ``rope_theta`` (o
 optional biases on every linear layer, tied or untied output.
 
 Megatron-Core has no parallel block and no ALiBi: the layers and specs that add them are in
-:mod:`models.falcon_spec` (Megatron-Core only); this module is the NeMo 2.0 config and model over
-them.
+:mod:`models.falcon_spec`; this module is the config over them (its NeMo 2.0 classes:
+:mod:`models.falcon_nemo`).
 
 Example (the HF connectors are registered by the converter module, which the registry imports)::
 
     from nemo.collections import llm
     import converters.falcon  # registers the HF importer/exporter
-    from models.falcon import FalconConfig, FalconModel
+    from models.falcon_nemo import FalconConfig, FalconModel
     llm.import_ckpt(model=FalconModel(FalconConfig()), source="hf:///path/to/hf-dir")
 """
 
@@ -35,7 +35,6 @@ from dataclasses import dataclass
 
 import torch.nn.functional as F
 from megatron.core.transformer.spec_utils import ModuleSpec
-from nemo.collections.llm.gpt.model.base import GPTConfig, GPTModel
 
 from models.falcon_block import FalconBlock, falcon_block
 from models.falcon_spec import (
@@ -47,12 +46,12 @@ from models.falcon_spec import (
     build_falcon_layer_spec,
 )
 from porting import cpu
+from porting.mcore import GPTCore, moved_to
 
 __all__ = [
     "AlibiDotProductAttention",
     "FalconBlock",
-    "FalconConfig",
-    "FalconModel",
+    "FalconCore",
     "FalconParallelLayer",
     "alibi_bias",
     "alibi_slopes",
@@ -62,13 +61,13 @@ __all__ = [
 ]
 
 
-def falcon_layer_spec(config: FalconConfig) -> ModuleSpec:
+def falcon_layer_spec(config: FalconCore) -> ModuleSpec:
     """The layer spec for ``config``: Transformer Engine modules where TE is installed, else local."""
     return build_falcon_layer_spec(config.block, alibi=config.alibi, use_te=HAVE_TE)
 
 
 @dataclass
-class FalconConfig(GPTConfig):
+class FalconCore(GPTCore):
     """Megatron GPT config with Falcon's switches, named and defaulted as in ``FalconConfig`` of
     ``transformers`` (defaults: Falcon-7B's block).
 
@@ -145,20 +144,10 @@ class FalconConfig(GPTConfig):
         from megatron.core.transformer.enums import AttnBackend
 
         if self.alibi and self.attention_backend == AttnBackend.local:
-            # NeMo's GPTConfig.configure_model swaps in the stock DotProductAttention for 'local'
+            # the GPT build (NeMo's or porting.mcore's) swaps in the stock DotProductAttention
             raise ValueError("attention_backend='local' would drop ALiBi; leave it at 'auto'")
         return super().configure_model(tokenizer, pre_process, post_process, vp_stage)
 
 
-class FalconModel(GPTModel):
-    """NeMo 2.0 model for the Falcon-style family (a ``GPTModel`` with :class:`FalconConfig`)."""
-
-    def __init__(
-        self, config: FalconConfig | None = None, optim=None, tokenizer=None, model_transform=None
-    ):
-        super().__init__(
-            config or FalconConfig(),
-            optim=optim,
-            tokenizer=tokenizer,
-            model_transform=model_transform,
-        )
+# checkpoints written before the NeMo classes moved to models.falcon_nemo name them here
+__getattr__ = moved_to(__name__, "models.falcon_nemo", "FalconConfig", "FalconModel")

@@ -1,4 +1,4 @@
-"""Gemma and Gemma 2 as a NeMo 2.0 model on the custom spec of :mod:`models.gemma_spec`.
+"""Gemma and Gemma 2 on the custom spec of :mod:`models.gemma_spec`.
 
 Gemma: a Llama-like decoder with a ``(1 + w)`` fp32 RMSNorm, the embeddings multiplied by
 ``sqrt(hidden_size)`` (rounded to the activation dtype, as HF does), a GeGLU MLP (tanh GELU by
@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.spec_utils import ModuleSpec
-from nemo.collections.llm.gpt.model.base import GPTConfig, GPTModel
 
 from models.gemma_spec import build_gemma_block_spec
 from porting import cpu
+from porting.mcore import GPTCore, moved_to
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -33,7 +33,7 @@ def gelu_erf(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x)
 
 
-def gemma_block_spec(config: GemmaConfig, vp_stage=None) -> ModuleSpec:
+def gemma_block_spec(config: GemmaCore, vp_stage=None) -> ModuleSpec:
     """The block spec for ``config`` (local modules on every device; see models.gemma_spec)."""
     return build_gemma_block_spec(
         config,
@@ -44,7 +44,7 @@ def gemma_block_spec(config: GemmaConfig, vp_stage=None) -> ModuleSpec:
 
 
 @dataclass
-class GemmaConfig(GPTConfig):
+class GemmaCore(GPTCore):
     """Megatron GPT config for Gemma (defaults: Gemma-2B) and Gemma 2 (``sandwich_norms`` and the
     soft-caps set). ``window_size`` and ``window_attn_skip_freq`` (a per-layer 0/1 list) carry
     Gemma 2's alternating sliding window."""
@@ -103,15 +103,5 @@ class GemmaConfig(GPTConfig):
         return model
 
 
-class GemmaModel(GPTModel):
-    """NeMo 2.0 model for the Gemma family (a ``GPTModel`` with :class:`GemmaConfig`)."""
-
-    def __init__(
-        self, config: GemmaConfig | None = None, optim=None, tokenizer=None, model_transform=None
-    ):
-        super().__init__(
-            config or GemmaConfig(),
-            optim=optim,
-            tokenizer=tokenizer,
-            model_transform=model_transform,
-        )
+# checkpoints written before the NeMo classes moved to models.gemma_nemo name them here
+__getattr__ = moved_to(__name__, "models.gemma_nemo", "GemmaConfig", "GemmaModel")

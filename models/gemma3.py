@@ -1,4 +1,4 @@
-"""Gemma 3 (text) as a NeMo 2.0 model: Gemma 2's decoder (:mod:`models.gemma`) with a
+"""Gemma 3 (text) on Megatron-Core: Gemma 2's decoder (:mod:`models.gemma`) with a
 ``(1 + w)`` RMSNorm on every query and key head, and two rotary tables.
 
 transformers' ``Gemma3TextModel`` rotates the sliding-window ("local") layers with an unscaled
@@ -23,10 +23,10 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.utils import is_layer_window_attention
-from nemo.collections.llm.gpt.model.base import GPTModel
 
-from models.gemma import GemmaConfig
+from models.gemma import GemmaCore
 from models.gemma_spec import build_gemma_block_spec
+from porting.mcore import moved_to
 
 
 class LocalGlobalRotaryEmbedding(torch.nn.Module):
@@ -71,7 +71,7 @@ class Gemma3SelfAttention(SelfAttention):
         )
 
 
-def gemma3_block_spec(config: Gemma3Config, vp_stage=None) -> ModuleSpec:
+def gemma3_block_spec(config: Gemma3Core, vp_stage=None) -> ModuleSpec:
     """Gemma 2's block spec with per-head q/k norms and :class:`Gemma3SelfAttention`."""
     return build_gemma_block_spec(
         config,
@@ -84,7 +84,7 @@ def gemma3_block_spec(config: Gemma3Config, vp_stage=None) -> ModuleSpec:
 
 
 @dataclass
-class Gemma3Config(GemmaConfig):
+class Gemma3Core(GemmaCore):
     """Megatron GPT config for Gemma 3 text models (defaults: gemma-3-1b). ``rotary_base`` and
     ``seq_len_interpolation_factor`` are the global layers' rotary settings, ``rotary_base_local``
     the local layers' base; ``window_attn_skip_freq`` (0/1 per layer) says which layers are local."""
@@ -129,15 +129,5 @@ class Gemma3Config(GemmaConfig):
         return model
 
 
-class Gemma3Model(GPTModel):
-    """NeMo 2.0 model for the Gemma 3 family (a ``GPTModel`` with :class:`Gemma3Config`)."""
-
-    def __init__(
-        self, config: Gemma3Config | None = None, optim=None, tokenizer=None, model_transform=None
-    ):
-        super().__init__(
-            config or Gemma3Config(),
-            optim=optim,
-            tokenizer=tokenizer,
-            model_transform=model_transform,
-        )
+# checkpoints written before the NeMo classes moved to models.gemma3_nemo name them here
+__getattr__ = moved_to(__name__, "models.gemma3_nemo", "Gemma3Config", "Gemma3Model")

@@ -7,9 +7,9 @@ window of ``sliding_window`` keys in the layers ``layer_types`` names sliding
 (``window_attn_skip_freq`` as a per-layer list); then ``h + sum_k p_k E_k(norm(h))`` with ``p``
 the softmax of the top-k biased router logits and each expert
 ``E(y) = W2 ((clamp(u, -7, 7) + 1) * quick_gelu(clamp(g, max=7))) + b2``, ``[g; u] = W1 y + b1``.
-Differences from :class:`models.moe.MoEConfig`'s Mixtral: every linear biased
+Differences from :class:`models.moe.MoECore`'s Mixtral: every linear biased
 (``add_bias_linear``: q/k/v, o, router, experts), the sinks, the clamped and offset GLU
-(``activation_func_clamp_value``, ``glu_linear_offset``), YaRN (:class:`models.llama.LlamaConfig`).
+(``activation_func_clamp_value``, ``glu_linear_offset``), YaRN (:class:`models.llama.LlamaCore`).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.tensor_parallel.layers import RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import get_pg_size
-from nemo.collections.llm.gpt.model.base import GPTModel
 
-from models.moe import MoEConfig, moe_layer_spec
+from models.moe import MoECore, moe_layer_spec
+from porting.mcore import moved_to
 
 
 class ExpertRowParallelLinear(RowParallelLinear):
@@ -47,7 +47,7 @@ class ExpertRowParallelLinear(RowParallelLinear):
         return output, bias
 
 
-def gpt_oss_layer_spec(config: GptOssConfig) -> ModuleSpec:
+def gpt_oss_layer_spec(config: GptOssCore) -> ModuleSpec:
     """The MoE family's layer spec with the experts' ``linear_fc2`` biased once per token under
     expert tensor parallelism (:class:`ExpertRowParallelLinear`)."""
     spec = moe_layer_spec(config)
@@ -63,7 +63,7 @@ def gpt_oss_layer_spec(config: GptOssConfig) -> ModuleSpec:
 
 
 @dataclass
-class GptOssConfig(MoEConfig):
+class GptOssCore(MoECore):
     """Megatron GPT config for gpt-oss (defaults: gpt-oss-20b's)."""
 
     num_layers: int = 24
@@ -89,15 +89,5 @@ class GptOssConfig(MoEConfig):
     transformer_layer_spec: ModuleSpec | object = gpt_oss_layer_spec
 
 
-class GptOssModel(GPTModel):
-    """NeMo 2.0 model for gpt-oss (a ``GPTModel`` with :class:`GptOssConfig`)."""
-
-    def __init__(
-        self, config: GptOssConfig | None = None, optim=None, tokenizer=None, model_transform=None
-    ):
-        super().__init__(
-            config or GptOssConfig(),
-            optim=optim,
-            tokenizer=tokenizer,
-            model_transform=model_transform,
-        )
+# checkpoints written before the NeMo classes moved to models.gpt_oss_nemo name them here
+__getattr__ = moved_to(__name__, "models.gpt_oss_nemo", "GptOssConfig", "GptOssModel")

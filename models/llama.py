@@ -3,8 +3,9 @@ the Llama layout (tsuzumi, Mistral, Qwen; :mod:`converters.llama`).
 
 Only config knobs differ from a Megatron GPT: pre-norm RMSNorm, GQA/MQA/MHA attention with rotary
 embeddings (configurable base; linear, llama3 or YaRN scaling), a SwiGLU MLP, tied or untied output,
-optional linear biases and QK-norm, and a padded vocabulary. The layer spec is NeMo's default: the
-Transformer Engine spec where TE is installed, the local spec elsewhere (the CPU).
+optional linear biases and QK-norm, and a padded vocabulary. The layer spec is the default GPT one
+(:func:`porting.mcore.default_layer_spec`): Transformer Engine's where TE is installed, the local
+spec elsewhere (the CPU). Its NeMo 2.0 classes: :mod:`models.llama_nemo`.
 
 Example (the engine registers a family's HF connectors when it first loads its model class)::
 
@@ -22,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from nemo.collections.llm.gpt.model.base import GPTConfig, GPTModel
 
 from porting import cpu
+from porting.mcore import GPTCore, moved_to
 
 
 def llama3_scaled_inv_freq(
@@ -112,7 +113,7 @@ def yarn_softmax_scale(attention_factor: float, kv_channels: int) -> float:
 
 
 @dataclass
-class LlamaConfig(GPTConfig):
+class LlamaCore(GPTCore):
     """Megatron GPT config with the Llama-family defaults.
 
     ``rope_scaling_type`` is ``None``, ``"linear"`` (positions divided by
@@ -217,15 +218,5 @@ def _check_softmax_scale(model, scale: float) -> None:
             )
 
 
-class LlamaModel(GPTModel):
-    """NeMo 2.0 model of the Llama family (a ``GPTModel`` with :class:`LlamaConfig`)."""
-
-    def __init__(
-        self, config: LlamaConfig | None = None, optim=None, tokenizer=None, model_transform=None
-    ):
-        super().__init__(
-            config or LlamaConfig(),
-            optim=optim,
-            tokenizer=tokenizer,
-            model_transform=model_transform,
-        )
+# checkpoints written before the NeMo classes moved to models.llama_nemo name them here
+__getattr__ = moved_to(__name__, "models.llama_nemo", "LlamaConfig", "LlamaModel")

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nemo.collections.llm.gpt.model.base import GPTModel
-
-from models.llama import LlamaConfig
+from models.llama import LlamaCore
+from porting.mcore import moved_to
 
 
 @dataclass
-class MistralConfig(LlamaConfig):
+class MistralCore(LlamaCore):
     """Megatron GPT config for Mistral: the Llama layout plus ``window_size`` (or none)."""
 
     window_size: tuple[int, int] | None = None
@@ -26,15 +25,5 @@ class MistralConfig(LlamaConfig):
     layernorm_epsilon: float = 1e-5
 
 
-class MistralModel(GPTModel):
-    """NeMo 2.0 model for the Mistral family (a ``GPTModel`` with :class:`MistralConfig`)."""
-
-    def __init__(
-        self, config: MistralConfig | None = None, optim=None, tokenizer=None, model_transform=None
-    ):
-        super().__init__(
-            config or MistralConfig(),
-            optim=optim,
-            tokenizer=tokenizer,
-            model_transform=model_transform,
-        )
+# checkpoints written before the NeMo classes moved to models.mistral_nemo name them here
+__getattr__ = moved_to(__name__, "models.mistral_nemo", "MistralConfig", "MistralModel")

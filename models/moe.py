@@ -1,6 +1,6 @@
 """The mixture-of-experts decoders (Mixtral, Qwen2-MoE, Qwen3-MoE) on Megatron-Core's MoE layer.
 
-Attention is the Llama/Qwen one (:class:`models.qwen.QwenConfig`'s switches); every MLP is a
+Attention is the Llama/Qwen one (:class:`models.qwen.QwenCore`'s switches); every MLP is a
 ``MoELayer``: a router (a bias-free linear to one logit per expert), top-k routing, SwiGLU experts,
 and for Qwen2-MoE a shared expert whose output is scaled by ``sigmoid(gate · x)``. Routing follows
 HF exactly: Mixtral and ``norm_topk_prob`` Qwen take the softmax over the top-k logits
@@ -16,13 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron.core.transformer.spec_utils import ModuleSpec
-from nemo.collections.llm.gpt.model.base import GPTModel, default_layer_spec
 
-from models.qwen import QwenConfig
+from models.qwen import QwenCore
+from porting.mcore import default_layer_spec, moved_to
 
 
-def moe_layer_spec(config: MoEConfig) -> ModuleSpec:
-    """NeMo's layer spec for ``config`` (Transformer Engine where installed, else local), with the
+def moe_layer_spec(config: MoECore) -> ModuleSpec:
+    """The default GPT layer spec for ``config`` (Transformer Engine where installed, else local), with the
     shared expert's gate switched on when the config has one (upstream's spec hard-codes it off)."""
     spec = default_layer_spec(config)
     shared = spec.submodules.mlp.submodules.shared_experts
@@ -32,7 +32,7 @@ def moe_layer_spec(config: MoEConfig) -> ModuleSpec:
 
 
 @dataclass
-class MoEConfig(QwenConfig):
+class MoECore(QwenCore):
     """Megatron GPT config for the MoE family (defaults: Mixtral-8x7B's routing)."""
 
     num_moe_experts: int = 8
@@ -51,15 +51,5 @@ class MoEConfig(QwenConfig):
     transformer_layer_spec: ModuleSpec | object = moe_layer_spec
 
 
-class MoEModel(GPTModel):
-    """NeMo 2.0 model for the MoE family (a ``GPTModel`` with :class:`MoEConfig`)."""
-
-    def __init__(
-        self, config: MoEConfig | None = None, optim=None, tokenizer=None, model_transform=None
-    ):
-        super().__init__(
-            config or MoEConfig(),
-            optim=optim,
-            tokenizer=tokenizer,
-            model_transform=model_transform,
-        )
+# checkpoints written before the NeMo classes moved to models.moe_nemo name them here
+__getattr__ = moved_to(__name__, "models.moe_nemo", "MoEConfig", "MoEModel")

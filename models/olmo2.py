@@ -1,4 +1,4 @@
-"""OLMo 2 as a NeMo 2.0 model on a custom Megatron-Core spec.
+"""OLMo 2 on a custom Megatron-Core spec.
 
 The block equation (``transformers`` 4.57, ``Olmo2DecoderLayer``), with no norm before either
 sublayer::
@@ -36,10 +36,10 @@ from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
     TransformerLayerSubmodules,
 )
-from nemo.collections.llm.gpt.model.base import GPTModel
 
-from models.llama import LlamaConfig
+from models.llama import LlamaCore
 from models.olmo_attention import FullQKNormSelfAttention, RMSNorm
+from porting.mcore import moved_to
 
 
 class PostNormRowParallelLinear(RowParallelLinear):
@@ -56,7 +56,7 @@ class PostNormRowParallelLinear(RowParallelLinear):
         return self.post_layernorm(output), bias
 
 
-def olmo2_block_spec(config: Olmo2Config, vp_stage=None) -> ModuleSpec:
+def olmo2_block_spec(config: Olmo2Core, vp_stage=None) -> ModuleSpec:
     """The decoder block spec: post-norm layers with full-width q/k norms, and a final norm."""
     layer = ModuleSpec(
         module=TransformerLayer,
@@ -88,7 +88,7 @@ def olmo2_block_spec(config: Olmo2Config, vp_stage=None) -> ModuleSpec:
 
 
 @dataclass
-class Olmo2Config(LlamaConfig):
+class Olmo2Core(LlamaCore):
     """Megatron GPT config for OLMo 2 (defaults: OLMo-2-1124-7B); the Llama fields, rotary
     scaling included, on :func:`olmo2_block_spec`."""
 
@@ -103,15 +103,5 @@ class Olmo2Config(LlamaConfig):
     transformer_layer_spec: ModuleSpec | Callable = olmo2_block_spec
 
 
-class Olmo2Model(GPTModel):
-    """NeMo 2.0 model for the OLMo 2 family (a ``GPTModel`` with :class:`Olmo2Config`)."""
-
-    def __init__(
-        self, config: Olmo2Config | None = None, optim=None, tokenizer=None, model_transform=None
-    ):
-        super().__init__(
-            config or Olmo2Config(),
-            optim=optim,
-            tokenizer=tokenizer,
-            model_transform=model_transform,
-        )
+# checkpoints written before the NeMo classes moved to models.olmo2_nemo name them here
+__getattr__ = moved_to(__name__, "models.olmo2_nemo", "Olmo2Config", "Olmo2Model")

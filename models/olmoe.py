@@ -1,4 +1,4 @@
-"""OLMoE as a NeMo 2.0 model: the MoE family's layer (:mod:`models.moe`) with OLMo's attention.
+"""OLMoE on Megatron-Core: the MoE family's layer (:mod:`models.moe`) with OLMo's attention.
 
 The block is GPT's pre-norm one, ``h = x + attention(input_layernorm(x))``,
 ``y = h + moe(pre_mlp_layernorm(h))``; what differs is inside the attention
@@ -13,13 +13,13 @@ import dataclasses
 from dataclasses import dataclass
 
 from megatron.core.transformer.spec_utils import ModuleSpec
-from nemo.collections.llm.gpt.model.base import GPTModel
 
-from models.moe import MoEConfig, moe_layer_spec
+from models.moe import MoECore, moe_layer_spec
 from models.olmo_attention import FullQKNormSelfAttention
+from porting.mcore import moved_to
 
 
-def olmoe_layer_spec(config: OlmoeConfig) -> ModuleSpec:
+def olmoe_layer_spec(config: OlmoeCore) -> ModuleSpec:
     """The MoE family's layer spec for ``config`` with :class:`FullQKNormSelfAttention`."""
     spec = moe_layer_spec(config)
     attention = dataclasses.replace(spec.submodules.self_attention, module=FullQKNormSelfAttention)
@@ -29,7 +29,7 @@ def olmoe_layer_spec(config: OlmoeConfig) -> ModuleSpec:
 
 
 @dataclass
-class OlmoeConfig(MoEConfig):
+class OlmoeCore(MoECore):
     """Megatron GPT config for OLMoE (defaults: OLMoE-1B-7B-0924). ``clip_qkv``: q, k and v
     clamped to ``[-clip_qkv, clip_qkv]`` after the q/k norms; ``None``: no clamp."""
 
@@ -51,15 +51,5 @@ class OlmoeConfig(MoEConfig):
     transformer_layer_spec: ModuleSpec | object = olmoe_layer_spec
 
 
-class OlmoeModel(GPTModel):
-    """NeMo 2.0 model for the OLMoE family (a ``GPTModel`` with :class:`OlmoeConfig`)."""
-
-    def __init__(
-        self, config: OlmoeConfig | None = None, optim=None, tokenizer=None, model_transform=None
-    ):
-        super().__init__(
-            config or OlmoeConfig(),
-            optim=optim,
-            tokenizer=tokenizer,
-            model_transform=model_transform,
-        )
+# checkpoints written before the NeMo classes moved to models.olmoe_nemo name them here
+__getattr__ = moved_to(__name__, "models.olmoe_nemo", "OlmoeConfig", "OlmoeModel")

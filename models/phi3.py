@@ -1,4 +1,4 @@
-"""Phi-3 as a NeMo 2.0 model: the Llama decoder (:mod:`models.llama`, stock GPT spec) with a
+"""Phi-3 on Megatron-Core: the Llama decoder (:mod:`models.llama`, stock GPT spec) with a
 sliding window, partial rotary (``rotary_percent``) and LongRoPE.
 
 LongRoPE (``transformers`` ``modeling_rope_utils._compute_longrope_parameters`` and
@@ -22,9 +22,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-from nemo.collections.llm.gpt.model.base import GPTModel
 
-from models.llama import LlamaConfig
+from models.llama import LlamaCore
+from porting.mcore import moved_to
 
 
 def longrope_inv_freq(
@@ -57,7 +57,7 @@ class LongRopeRotaryEmbedding(torch.nn.Module):
 
 
 @dataclass
-class Phi3Config(LlamaConfig):
+class Phi3Core(LlamaCore):
     """Megatron GPT config for Phi-3 (defaults: Phi-3-mini-4k). ``longrope_short_factor`` (a list,
     or None for no LongRoPE), ``longrope_long_factor``, ``longrope_original_max_position_embeddings``
     and ``longrope_attention_factor`` carry LongRoPE; the ``yarn_*`` fields are derived from the
@@ -106,15 +106,5 @@ class Phi3Config(LlamaConfig):
         return model
 
 
-class Phi3Model(GPTModel):
-    """NeMo 2.0 model for the Phi-3 family (a ``GPTModel`` with :class:`Phi3Config`)."""
-
-    def __init__(
-        self, config: Phi3Config | None = None, optim=None, tokenizer=None, model_transform=None
-    ):
-        super().__init__(
-            config or Phi3Config(),
-            optim=optim,
-            tokenizer=tokenizer,
-            model_transform=model_transform,
-        )
+# checkpoints written before the NeMo classes moved to models.phi3_nemo name them here
+__getattr__ = moved_to(__name__, "models.phi3_nemo", "Phi3Config", "Phi3Model")

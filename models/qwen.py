@@ -9,13 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nemo.collections.llm.gpt.model.base import GPTModel
-
-from models.llama import LlamaConfig
+from models.llama import LlamaCore
+from porting.mcore import moved_to
 
 
 @dataclass
-class QwenConfig(LlamaConfig):
+class QwenCore(LlamaCore):
     """Megatron GPT config for Qwen2 (``add_qkv_bias``) and Qwen3 (``qk_layernorm``)."""
 
     add_qkv_bias: bool = False
@@ -25,15 +24,5 @@ class QwenConfig(LlamaConfig):
     layernorm_epsilon: float = 1e-6
 
 
-class QwenModel(GPTModel):
-    """NeMo 2.0 model for the Qwen family (a ``GPTModel`` with :class:`QwenConfig`)."""
-
-    def __init__(
-        self, config: QwenConfig | None = None, optim=None, tokenizer=None, model_transform=None
-    ):
-        super().__init__(
-            config or QwenConfig(),
-            optim=optim,
-            tokenizer=tokenizer,
-            model_transform=model_transform,
-        )
+# checkpoints written before the NeMo classes moved to models.qwen_nemo name them here
+__getattr__ = moved_to(__name__, "models.qwen_nemo", "QwenConfig", "QwenModel")

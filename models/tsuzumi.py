@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from models.llama import LlamaConfig, LlamaModel
+from models.llama_nemo import LlamaConfig, LlamaModel
 
 
 @dataclass

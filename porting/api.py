@@ -275,5 +275,6 @@ def _layout_config(family, manifest, vocab_divisor: int):
         DTYPES[manifest.dtype],
         vocab_divisor,
         padded_vocab_size=manifest.padded_vocab_size,
+        nemo=True,  # the class the NeMo checkpoint beside it records
     )
     return config

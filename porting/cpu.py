@@ -205,10 +205,23 @@ def _cpu_sliding_window_causal_mask(sq: int, skv: int, window_size) -> torch.Ten
     return m.triu(diagonal=window_size[1] + 1) | m.tril(diagonal=-(window_size[0] + 1))
 
 
+def _patch_nemo() -> None:
+    """NeMo's shim, once NeMo is loaded: verification and export run Megatron-Core alone and must
+    not load NeMo for it; every path that uses NeMo loads it before calling :func:`enable`."""
+    nemo_io_pl = sys.modules.get("nemo.lightning.io.pl")
+    if nemo_io_pl is not None:
+        # nemo/lightning/io/pl.py (_fix_tensors_device) asserts torch.cuda.is_initialized() to
+        # move loaded tensors between GPUs; on the CPU there is nothing to move.
+        nemo_io_pl._fix_tensors_device = lambda ckpt: ckpt
+
+
 def enable() -> None:
     """Install the CPU shims for Megatron-Core and NeMo once per process (no-op under CUDA)."""
     global _ENABLED
-    if _ENABLED or cuda_available():
+    if cuda_available():
+        return
+    _patch_nemo()
+    if _ENABLED:
         return
     _ENABLED = True
 
@@ -223,15 +236,6 @@ def enable() -> None:
     torch.cuda.Stream = _NoStream  # type: ignore[assignment,misc]
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
     torch.cuda.current_stream = lambda *a, **k: _NoStream()  # type: ignore[assignment]
-
-    try:
-        from nemo.lightning.io import pl as nemo_io_pl
-    except ImportError:  # Megatron-Core alone (models.falcon_spec needs no NeMo)
-        nemo_io_pl = None
-    if nemo_io_pl is not None:
-        # nemo/lightning/io/pl.py (_fix_tensors_device) asserts torch.cuda.is_initialized() to
-        # move loaded tensors between GPUs; on the CPU there is nothing to move.
-        nemo_io_pl._fix_tensors_device = lambda ckpt: ckpt
 
     from megatron.core.fusions import fused_softmax
     from megatron.core.tensor_parallel import random as mp_random

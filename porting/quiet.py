@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 import warnings
 
 # Python warnings silenced by default: (message prefix, category). Each is emitted by a library on
@@ -136,8 +137,12 @@ def install(verbose: bool) -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def quiet_nemo() -> None:
-    """Keep NeMo's own INFO narration out of our output (its logger resets itself on import)."""
+def quiet_nemo(load: bool = True) -> None:
+    """Keep NeMo's own INFO narration out of our output (its logger resets itself on import).
+
+    ``load=False``: only where NeMo is already loaded (a command that may run without it)."""
+    if not load and "nemo.utils" not in sys.modules:
+        return
     from nemo.utils import logging as nemo_logging
 
     nemo_logging.setLevel(logging.WARNING)

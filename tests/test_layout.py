@@ -145,7 +145,7 @@ COMMANDS = ("porting.cli", "porting.families", "porting.demo")
 LAYERS = (
     ("core", ("porting", "porting.errors", "porting.guard", "porting.quiet")),
     ("contract", ("porting.contract", "porting.planner")),
-    ("megatron side", ("models", "porting.cpu")),
+    ("megatron side", ("models", "porting.cpu", "porting.mcore")),
     ("families", ("converters",)),
     ("engine", ("porting.convert", "porting.owners", "data_prep")),
     ("gate", ("porting.parity",)),

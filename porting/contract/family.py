@@ -104,6 +104,9 @@ class Family:
         config_cls: the family's NeMo/Megatron config dataclass, named ``"module:Class"`` (a
             class is accepted too, at the price of importing it with the family).
         model_cls: the family's NeMo ``GPTModel`` subclass, named likewise.
+        core_config_cls: the same config without NeMo (a ``porting.mcore.GPTCore`` subclass in
+            a module that imports no NeMo), named likewise: verification and export build their
+            Megatron-Core model from it and never load NeMo. ``None``: they use ``config_cls``.
         shape_context: builds the :class:`ShapeContext` from a Megatron config.
         model_types: ``config.json`` ``model_type`` values the family also claims, for checkpoints
             whose architecture name is their own (``auto_map`` code, never run by us).
@@ -141,6 +144,7 @@ class Family:
     summary: str = ""
     context_symbols: tuple[Any, ...] = ()
     fp32_tensors: tuple[str, ...] = ()
+    core_config_cls: str | type | None = None
 
     def check(self) -> None:
         """Raise :class:`PortingError` naming the first attribute of the wrong kind.
@@ -168,6 +172,11 @@ class Family:
             ("summary", lambda v: isinstance(v, str), "a string"),
             ("context_symbols", lambda v: isinstance(v, tuple), "a tuple"),
             ("fp32_tensors", tuple_of(str), "a tuple of strings"),
+            (
+                "core_config_cls",
+                lambda v: v is None or _class_or_ref(v),
+                "None, a class or a 'module:Class' name",
+            ),
         )
         for attr, ok, what in rules:
             value = getattr(self, attr)
@@ -182,8 +191,11 @@ class Family:
         """Whether HF tensor ``key`` matches one of :attr:`fp32_tensors`."""
         return any(_hf_pattern(p).fullmatch(key) for p in self.fp32_tensors)
 
-    def config_class(self) -> type:
-        """The config class, imported now if it was named (this loads the Megatron side)."""
+    def config_class(self, nemo: bool = True) -> type:
+        """The config class, imported now if it was named (this loads the Megatron side):
+        NeMo's, or with ``nemo=False`` the NeMo-free one where the family has it."""
+        if not nemo and self.core_config_cls is not None:
+            return _load_class(self, "core_config_cls")
         return _load_class(self, "config_cls")
 
     def model_class(self) -> type:
@@ -193,7 +205,8 @@ class Family:
     @property
     def megatron_modules(self) -> frozenset[str]:
         """The modules that define the config and model classes, known without importing them."""
-        return frozenset({module_of(self.config_cls), module_of(self.model_cls)})
+        classes = (self.config_cls, self.model_cls, self.core_config_cls)
+        return frozenset(module_of(c) for c in classes if c is not None)
 
     @property
     def keys(self) -> tuple[str, ...]:

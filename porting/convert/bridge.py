@@ -48,8 +48,9 @@ _RUNTIME = frozenset(
     }
 )
 _DTYPES = ("params_dtype", "pipeline_dtype", "autocast_dtype")
-# Spec functions NeMo's GPT configs name, and Bridge's own function of the same meaning.
+# Spec functions NeMo's GPT configs and ours name, and Bridge's own function of the same meaning.
 _SPECS = {
+    "porting.mcore.default_layer_spec": "megatron.bridge.models.gpt_provider.default_layer_spec",
     "nemo.collections.llm.gpt.model.base.default_layer_spec": (
         "megatron.bridge.models.gpt_provider.default_layer_spec"
     ),

@@ -190,7 +190,7 @@ class PortingImporter(io.ModelConnector):
     def config(self):
         """The family's Megatron config (padded vocabulary, checkpoint dtype)."""
         dtype = resolve_dtype(self.source, self.dtype, self.FAMILY)
-        return build_config(self.FAMILY, self.hf_config, dtype, self.vocab_divisor)[0]
+        return build_config(self.FAMILY, self.hf_config, dtype, self.vocab_divisor, nemo=True)[0]
 
     @property
     def tokenizer(self):
@@ -241,7 +241,7 @@ class PortingImporter(io.ModelConnector):
         dtype = resolve_dtype(source, self.dtype, family)
         fp32 = kept_fp32(source, family)
         reader = _CastingSource(source, dtype, frozenset(fp32)) if self.dtype else source
-        config, ctx = build_config(family, hf_config, dtype, self.vocab_divisor)
+        config, ctx = build_config(family, hf_config, dtype, self.vocab_divisor, nemo=True)
         # What the config claims against the checkpoint's headers, before any model exists: a
         # config that lies about its size must not be built first and refused after.
         hf_shapes = check_hf_checkpoint(

@@ -24,6 +24,14 @@ _EXACT = {
     "fiddle._src.config": {"Config", "Partial", "BuildableTraverserMetadata"},
     "torch": {"float32", "bfloat16", "float16"},
     "torch.nn.functional": {"silu", "gelu", "relu"},
+    # the classes of every imported checkpoint's context, allowed without importing NeMo to see
+    # them (verification and export run without it; the namespace rule below imports)
+    "nemo.lightning.io.pl": {"TrainerContext"},
+    "nemo.lightning.pytorch.trainer": {"Trainer"},
+    "nemo.lightning.pytorch.strategies.megatron_strategy": {"MegatronStrategy"},
+    "nemo.lightning.pytorch.optim.megatron": {"MegatronOptimizerModule"},
+    "nemo.collections.common.tokenizers.huggingface.auto_tokenizer": {"AutoTokenizer"},
+    "megatron.core.optimizer.optimizer_config": {"OptimizerConfig"},
 }
 # Namespaces whose classes (defined there, not re-exported from elsewhere) may be built: NeMo's and
 # Megatron's configs, models, strategies and tokenizers, Lightning's callbacks, our families and
@@ -45,11 +53,19 @@ def allowed(module: str, name: str, family=None) -> bool:
     if name in _EXACT.get(module, ()):
         return True
     if family is not None:
-        if any(context_symbol(o) == (module, name) for o in family.context_symbols):
+        # what the family names (its classes, known without importing them: a NeMo class's module
+        # loads NeMo, which verification does without)
+        declared = (*family.context_symbols, family.config_cls, family.model_cls)
+        if any(context_symbol(o) == (module, name) for o in declared):
             return True
         if module in family.megatron_modules:
             # the family's own installed module, not the checkpoint's: importing it runs no input
-            obj = getattr(importlib.import_module(module), name, None)
+            namespace = vars(importlib.import_module(module))
+            # a class it held before moving to another of the family's modules
+            moved = getattr(namespace.get("__getattr__"), "moved", {})
+            if name in moved:
+                return moved[name] in family.megatron_modules
+            obj = namespace.get(name)
             return isinstance(obj, type) and obj.__module__ == module
     if not _in_namespaces(module) or not name.isidentifier():
         return False

@@ -46,10 +46,15 @@ def build_config(
     dtype: torch.dtype,
     vocab_divisor: int,
     padded_vocab_size: int | None = None,
+    *,
+    nemo: bool = False,
 ):
     """The family's Megatron config for ``hf_config`` and its shape context.
 
     ``padded_vocab_size`` (from a manifest) replaces the padding ``vocab_divisor`` would give.
+    ``nemo``: NeMo's config class (what a NeMo model is built from and ``context/io.json``
+    records); otherwise the family's NeMo-free one (``Family.core_config_cls``), which builds
+    the same Megatron-Core model without loading NeMo.
     Raises :class:`PortingError` for config fields the family cannot represent.
     """
     left = config_map.undecided(family.config_entries)
@@ -77,7 +82,7 @@ def build_config(
     # __init__ on first use, and skips a class whose flag it finds by getattr: a subclass built
     # after its parent inherits the parent's flag, stays unwrapped, and its context then records
     # every field Megatron filled in (init_method as a partial of torch.nn.init.normal_).
-    config_cls = family.config_class()
+    config_cls = family.config_class(nemo=nemo)
     if "__wrapped_init__" not in vars(config_cls):
         config_cls.__wrapped_init__ = False
     config = config_cls(**named.resolve(kwargs))

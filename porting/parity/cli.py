@@ -126,7 +126,6 @@ def _cmd_verify(args) -> int:
     device = resolve_device(args.device)
     if device == "cpu":
         cpu.hide_gpus()
-    quiet.quiet_nemo()
     kwargs = {
         k: v
         for k, v in (("atol", args.atol), ("rtol", args.rtol), ("min_top1", args.min_top1))

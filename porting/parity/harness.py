@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
+from porting import quiet
 from porting.parity.floor import FLOOR_MIN_S, format_rate, format_seconds, format_work
 from porting.parity.streamed import LAYER_RTOL
 
@@ -656,7 +657,10 @@ def verify(
     # A wrong pair is refused on the configs alone, before NeMo and Megatron load.
     hf_config = check_pair(hf_dir, checkpoint)
     family = family_by_name(manifest.family)
-    family.config_class()  # its Megatron side and NeMo: start-up, not the gate
+    # its Megatron side (and NeMo, for a family with no NeMo-free config): start-up, not the gate
+    family.config_class(nemo=False)
+    family.hf_class(manifest.hf_architecture)
+    quiet.quiet_nemo(load=False)
     started = time.perf_counter()
     # Not read here, but a checkpoint whose metadata would run code on load is hostile.
     check_saved_metadata(checkpoint, family)
