@@ -6,7 +6,9 @@ no tensor is read, no code of the checkpoint is run) it writes an installable pa
 from the closest installed family (the *base*, :func:`closest`; ``--base`` picks one):
 
 - ``pyproject.toml`` with the ``porting.families`` entry point;
-- ``<package>/model.py``: the Megatron config and NeMo model, subclasses of the base's;
+- ``<package>/model.py``: the Megatron config, a subclass of the base's NeMo-free one
+  (``porting.mcore``), and ``<package>/model_nemo.py``: its NeMo config and model, subclasses of
+  the base's (a base with no NeMo-free config: ``model.py`` holds both, over the base's NeMo ones);
 - ``<package>/converter.py``: the base's config entries and weight table, imported and extended:
   every HF field placed as the base places it, carried, required or
   :class:`~porting.contract.config_map.Undecided` (with the Megatron-Core field it usually sets);
@@ -391,6 +393,7 @@ class _Base:
     attr: str
     config_cls: tuple[str, str]
     model_cls: tuple[str, str]
+    core_config_cls: tuple[str, str] | None
 
 
 def _base(installed: Any) -> _Base:
@@ -402,6 +405,9 @@ def _base(installed: Any) -> _Base:
         attr=attr,
         config_cls=_ref(fam.config_cls, "config_cls", fam.name),
         model_cls=_ref(fam.model_cls, "model_cls", fam.name),
+        core_config_cls=None
+        if fam.core_config_cls is None
+        else _ref(fam.core_config_cls, "core_config_cls", fam.name),
     )
 
 
@@ -867,12 +873,23 @@ packages = ["{pkg}"]
     files[f"{pkg}/__init__.py"] = f'"""The {name} family for porting."""\n'
     bmod, (cmod, ccls), (mmod, mcls) = plan.base.module, plan.base.config_cls, plan.base.model_cls
     base_name = plan.base.family.name
-    files[
-        f"{pkg}/model.py"
-    ] = f'''"""The {name} decoder as a NeMo 2.0 model: the {base_name} family's, to start from.
-Set the Megatron-Core fields that differ here (docs/families.md#{GUIDE_KEYS}: a LayerNorm with a
+    guide = f"""Set the Megatron-Core fields that differ here (docs/families.md#{GUIDE_KEYS}: a LayerNorm with a
 bias is ``normalization = "LayerNorm"``), or give ``transformer_layer_spec`` a spec of your own
 where the maths differs (docs/families.md#{GUIDE_MEGATRON})."""
+    model_class = f'''class {cls}Model(BaseModel):
+    """NeMo 2.0 model of the {name} family; its own class, so NeMo finds its connectors."""
+
+    def __init__(self, config=None, optim=None, tokenizer=None, model_transform=None):
+        super().__init__(
+            config or {cls}Config(), optim=optim, tokenizer=tokenizer, model_transform=model_transform
+        )
+'''
+    if plan.base.core_config_cls is None:
+        classes = (f"{pkg}.model:{cls}Config", f"{pkg}.model:{cls}Model", None)
+        files[
+            f"{pkg}/model.py"
+        ] = f'''"""The {name} decoder as a NeMo 2.0 model: the {base_name} family's, to start from.
+{guide}"""
 
 from __future__ import annotations
 
@@ -887,14 +904,52 @@ class {cls}Config(BaseConfig):
     """Megatron GPT config of the {name} family."""
 
 
-class {cls}Model(BaseModel):
-    """NeMo 2.0 model of the {name} family; its own class, so NeMo finds its connectors."""
-
-    def __init__(self, config=None, optim=None, tokenizer=None, model_transform=None):
-        super().__init__(
-            config or {cls}Config(), optim=optim, tokenizer=tokenizer, model_transform=model_transform
+{model_class}'''
+    else:
+        kmod, kcls = plan.base.core_config_cls
+        classes = (
+            f"{pkg}.model_nemo:{cls}Config",
+            f"{pkg}.model_nemo:{cls}Model",
+            f"{pkg}.model:{cls}Core",
         )
+        files[
+            f"{pkg}/model.py"
+        ] = f'''"""The {name} decoder's Megatron-Core config: the {base_name} family's, to start from.
+{guide}
+No NeMo here (porting.mcore): ``porting verify`` builds the model from this class alone; its
+NeMo classes, in ``model_nemo.py``, inherit every field and method."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from {kmod} import {kcls} as BaseCore
+
+
+@dataclass
+class {cls}Core(BaseCore):
+    """Megatron GPT config of the {name} family."""
 '''
+        files[
+            f"{pkg}/model_nemo.py"
+        ] = f'''"""The {name} family's NeMo 2.0 classes: the config of ``model.py`` as NeMo's GPT config
+(the class a checkpoint's ``context/io.json`` names) and its model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from {cmod} import {ccls} as BaseConfig
+from {mmod} import {mcls} as BaseModel
+from {pkg}.model import {cls}Core
+
+
+@dataclass
+class {cls}Config({cls}Core, BaseConfig):
+    """NeMo's GPT config with the fields and maths of {cls}Core."""
+
+
+{model_class}'''
     config_lines = "\n".join(
         f"    {entry(lit)},{plan.comments.get(i, '')}" for i, entry in enumerate(plan.entries)
     )
@@ -959,8 +1014,9 @@ FAMILY = Family(
     model_types={lit(plan.model_types)},
     config_entries=CONFIG,
     weights=WEIGHTS,
-    config_cls="{pkg}.model:{cls}Config",
-    model_cls="{pkg}.model:{cls}Model",
+    config_cls={lit(classes[0])},
+    model_cls={lit(classes[1])},
+    core_config_cls={lit(classes[2])},
     shape_context=BASE.shape_context,
     context_symbols=BASE.context_symbols,
     hf_model_class={lit(plan.hf_class)},

@@ -347,10 +347,14 @@ def test_base_picks_the_family_to_start_from(tmp_path, capsys):
     assert "model.layers.*.self_attn.q_proj.bias" in said.split("(Undecided): ")[2]
     text = (out / "porting_family_s2" / "converter.py").read_text()
     assert "from converters.llama import FAMILY as BASE" in text
-    assert (
-        "from models.llama import LlamaConfig as BaseConfig"
-        in (out / "porting_family_s2" / "model.py").read_text()
-    )
+    # its Megatron config NeMo-free on Llama's, its NeMo classes on Llama's NeMo ones
+    model = (out / "porting_family_s2" / "model.py").read_text()
+    assert "from models.llama import LlamaCore as BaseCore" in model
+    assert "import nemo" not in model and "from nemo" not in model
+    nemo = (out / "porting_family_s2" / "model_nemo.py").read_text()
+    assert "from models.llama_nemo import LlamaConfig as BaseConfig" in nemo
+    assert "class S2Config(S2Core, BaseConfig):" in nemo
+    assert "core_config_cls='porting_family_s2.model:S2Core'" in text
     other = tmp_path / "q"
     assert main(["new-family", "s3", "--from", str(hf), "--out", str(other), "--base", "nope"]) == 2
     assert "no installed family of that name" in capsys.readouterr().err
