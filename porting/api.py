@@ -20,7 +20,7 @@ from porting.convert.checkpoint import (
     remove_stale,
     staged,
 )
-from porting.convert.connectors import export_into, model_class
+from porting.convert.export import export_into
 from porting.convert.hf_files import family_for_hf_dir
 from porting.convert.layouts.registry import is_hf_dir, layout_named
 from porting.errors import PortingError
@@ -61,6 +61,8 @@ def import_hf(
     refuse_overlap(out, [("HF directory", hf_dir)])
     layout = layout_named(fmt)
     family, _ = family_for_hf_dir(hf_dir, family)
+    from porting.convert.connectors import model_class
+
     importer = model_class(family).importer(f"hf://{Path(hf_dir).resolve()}")
     importer.dtype, importer.allow_pickle = dtype, allow_pickle
     importer.vocab_divisor, importer.show_progress = vocab_divisor, show_progress

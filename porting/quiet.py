@@ -36,6 +36,9 @@ _WARNINGS = (
     # without Transformer Engine, Apex or CUDA (the launcher of `porting train --executor torchrun`)
     ("Transformer Engine and Apex are not installed", UserWarning),
     ("Failed to create unified memory mempool", UserWarning),
+    # megatron/core/models/backends.py and gpt_layer_specs.py build the local spec's norms on
+    # torch when Apex is missing (the CPU), said on import whatever the command
+    ("Apex is not installed. Falling back to Torch Norm", UserWarning),
     # lightning/fabric/plugins/environments/slurm.py, on any host with `srun` on the PATH (a Slurm
     # login node): NeMo's connectors build a Lightning trainer for one local process, which is
     # what we want there; `porting train --executor slurm` launches with srun itself.

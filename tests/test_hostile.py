@@ -245,12 +245,12 @@ def test_outputs_follow_the_umask(tiny_llama, tmp_path):
 
 
 def test_disk_full_is_a_located_error_and_leaves_nothing(ckpt, tmp_path, capsys, monkeypatch):
-    from porting.convert import connectors
+    from porting.convert import export
 
     def full(src, dst, *a, **k):
         raise OSError(errno.ENOSPC, "No space left on device", str(dst))
 
-    monkeypatch.setattr(connectors.shutil, "copyfile", full)
+    monkeypatch.setattr(export.shutil, "copyfile", full)
     out = tmp_path / "out"
     code = main(["export", str(ckpt), "--out", str(out), "--no-verify"])
     err = capsys.readouterr().err

@@ -23,6 +23,7 @@ import torch
 from porting import proof
 from porting.contract import registry
 from porting.convert.megatron import build_config, build_mcore_model, init_parallel
+from porting.demo import compare_hf_dirs
 
 CASES = [
     (family.name, arch)
@@ -98,10 +99,10 @@ def _run_fresh(code: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_verify_loads_no_nemo(tiny_llama, tiny_nemo, tmp_path):
+def test_verify_and_export_load_no_nemo(tiny_llama, tiny_nemo, tmp_path):
     """`porting verify` of a checkpoint written now and of one written before the NeMo classes
-    moved (its io.json naming them in models.llama): both pass, and neither loads NeMo or
-    Lightning."""
+    moved (its io.json naming them in models.llama), and `porting export` of the first: all pass,
+    and none loads NeMo or Lightning, or says a word on stderr."""
     old = tmp_path / "old"
     shutil.copytree(tiny_nemo, old)
     io_json = old / "context" / "io.json"
@@ -116,13 +117,16 @@ def test_verify_loads_no_nemo(tiny_llama, tiny_nemo, tmp_path):
         from porting.cli import main
         for ckpt in ({str(tiny_nemo)!r}, {str(old)!r}):
             assert main(["verify", {str(tiny_llama)!r}, ckpt]) == 0
+        assert main(["export", {str(tiny_nemo)!r}, "--out", {str(tmp_path / "hf")!r}]) == 0
         loaded = sorted(m for m in sys.modules if m.split(".")[0] in {HEAVY!r})
         print("HEAVY", loaded)
         """
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("parity PASS") == 2, result.stdout
+    assert result.stdout.count("parity PASS") == 3, result.stdout
     assert "HEAVY []" in result.stdout, result.stdout
+    assert result.stderr == "", result.stderr
+    assert compare_hf_dirs(tiny_llama, tmp_path / "hf").exact
 
 
 def test_old_class_names_are_the_nemo_classes():

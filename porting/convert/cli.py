@@ -139,6 +139,12 @@ def _launched(args, command: str, what: str, reads, refuse_early=None) -> int:
     return 0
 
 
+def _uses_nemo(args) -> bool:
+    """Whether the command runs NeMo: import and convert write through its connectors; export
+    builds its model from the family's NeMo-free config (porting.convert.export)."""
+    return args.command != "export"
+
+
 @contextlib.contextmanager
 def _converting(args, reads, what: str, refuse_early=None) -> Iterator[str]:
     """The prologue the three conversions share, ordered so that a refusal needing no model
@@ -149,7 +155,7 @@ def _converting(args, reads, what: str, refuse_early=None) -> Iterator[str]:
     architecture, a bad value), then an output that exists without ``--overwrite``; the output
     locked before NeMo's import (seconds), so that a second run on it fails at once; this
     process's GPUs hidden (conversion is host work; a device gate runs in a child that sees them);
-    NeMo's own narration quieted once the conversion API has imported it.
+    NeMo's own narration quieted once loaded (export runs without it).
     """
     from porting.convert import ranks
     from porting.convert.checkpoint import prepare_output
@@ -167,9 +173,11 @@ def _converting(args, reads, what: str, refuse_early=None) -> Iterator[str]:
 
         device = resolve_device(args.device)
         cpu.hide_gpus()
-        import porting.api  # noqa: F401  (NeMo, imported here so that its logger is quieted once)
+        import porting.api  # noqa: F401
 
-        quiet.quiet_nemo()
+        if _uses_nemo(args):
+            import porting.convert.connectors  # noqa: F401  (NeMo: its logger quieted once)
+        quiet.quiet_nemo(load=_uses_nemo(args))
         yield device
 
 
@@ -259,7 +267,9 @@ def _in_rank(args, run) -> int:
     cpu.hide_gpus()
     import porting.api as api
 
-    quiet.quiet_nemo()
+    if _uses_nemo(args):
+        import porting.convert.connectors  # noqa: F401  (NeMo: its logger quieted once)
+    quiet.quiet_nemo(load=_uses_nemo(args))
     _leave_report(run(api), args)
     return 0
 

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import logging
-import math
 import os
 import shutil
 from pathlib import Path
@@ -28,33 +26,25 @@ from porting.contract import config_map
 from porting.contract.family import Family, ShapeContext
 from porting.convert import hf_files, ranks, streaming_save
 from porting.convert.checkpoint import (
-    Checkpoint,
     atomic_dir,
-    extra_file,
     open_checkpoint,
-    tokenizer_files,
 )
-from porting.convert.dist_reader import CheckpointParameters, DistCheckpointReader
+from porting.convert.export import export_into, shapes_of
 from porting.convert.hf_files import read_hf_config
-from porting.convert.layouts import check_saved_metadata
 from porting.convert.manifest import EXTRA_HF_FILES, Manifest, write_manifest
-from porting.convert.mapping import WeightProducer, export_owners, export_weights, import_weights
+from porting.convert.mapping import WeightProducer, import_weights
 from porting.convert.megatron import (
     DTYPES,
     build_config,
-    build_mcore_model,
-    checkpoint_config,
     dtype_name,
-    init_parallel,
 )
 from porting.convert.preflight import (
     check_float_dtypes,
     check_gate_memory,
     check_hf_checkpoint,
-    check_nemo_layout,
 )
-from porting.convert.safetensors_io import SafetensorsSource, StreamingShardWriter
-from porting.convert.table_check import check_table, hf_meta_shapes
+from porting.convert.safetensors_io import SafetensorsSource
+from porting.convert.table_check import check_table
 from porting.errors import PortingError
 
 log = logging.getLogger(__name__)
@@ -268,7 +258,7 @@ class PortingImporter(io.ModelConnector):
             if not k.endswith("_extra_state")
         }
         # The table against both models of this config, on meta tensors, before any tensor is read.
-        check_table(family, ctx, hf_shapes, _shapes(target))
+        check_table(family, ctx, hf_shapes, shapes_of(target))
         progress = (
             (lambda n: tqdm(total=n, desc="import", unit="tensor", leave=False))
             if self.show_progress
@@ -407,93 +397,3 @@ def model_class(family: Family) -> type:
     ``llm.import_ckpt`` / ``llm.export_ckpt`` and ``model.importer`` look up)."""
     register_connectors(family)
     return family.model_class()
-
-
-def _shapes(params: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
-    return {k: tuple(v.shape) for k, v in params.items()}
-
-
-def export_into(
-    checkpoint: Checkpoint, out: Path, family: Family, max_shard_bytes: int = 5 * 2**30
-) -> Manifest:
-    """Write the HF directory for our ``checkpoint`` (any layout) of ``family`` into ``out``.
-
-    Streamed: the Megatron model is built on the meta device from the manifest (its layout says
-    where each parameter lives), each parameter is read from ``weights/`` when the table reaches
-    it, run backwards through the table, cast to the import dtype and written into its place in
-    the planned safetensors shards. One parameter and its HF tensors are in memory at a time.
-    """
-    from accelerate import init_empty_weights
-
-    manifest = checkpoint.manifest
-    # Not read here, but a checkpoint whose metadata would run code on load is hostile.
-    check_saved_metadata(checkpoint, family)
-    if manifest.family != family.name:
-        raise PortingError(
-            f"{checkpoint.path}: a {manifest.family!r} checkpoint, not one of family "
-            f"{family.name!r}"
-        )
-    init_parallel()
-    config = checkpoint_config(checkpoint, family)
-    with init_empty_weights():
-        model = build_mcore_model(config)
-    ctx = family.shape_context(config, manifest.vocab_size)
-    if ctx.padded_vocab_size != manifest.padded_vocab_size:
-        raise PortingError(
-            f"{checkpoint.path}: model vocabulary {ctx.padded_vocab_size} differs from the "
-            f"manifest's padded vocabulary {manifest.padded_vocab_size}"
-        )
-    meta = {
-        k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")
-    }
-    check_table(family, ctx, hf_meta_shapes(family, manifest.hf_config), _shapes(meta))
-    # Training keeps fp32 master weights; HF gets the import dtype, and the tensors the source
-    # stored in float32 beside them (the manifest's fp32_tensors) float32 again.
-    fp32 = frozenset(manifest.fp32_tensors)
-
-    def dtype_of(key: str) -> torch.dtype:
-        return torch.float32 if key in fp32 else DTYPES[manifest.dtype]
-
-    # The transforms run on meta tensors first: every HF tensor's name, shape and dtype, before
-    # any data, so the shards and their headers are planned up front.
-    specs = [
-        (key, tuple(t.shape), dtype_of(key))
-        for key, t in export_weights(meta, family.weights, ctx, ctx.num_layers)
-    ]
-    # A launched export: each rank makes and writes its share of the tensors into the planned
-    # files (porting.convert.ranks), rank 0 made them first and names them once all are done.
-    world, rank = ranks.world_size(), ranks.rank()
-    keep = None
-    if world > 1:
-        sizes = {key: math.prod(shape) * dtype.itemsize for key, shape, dtype in specs}
-        owner = export_owners(family.weights, ctx, ctx.num_layers, meta, sizes, world)
-        keep = lambda key: owner[key] == rank  # noqa: E731
-    writer = StreamingShardWriter(
-        out, specs, max_shard_bytes,
-        mine=None if keep is None else {k for k in owner if keep(k)}, create=rank == 0,
-    )  # fmt: skip
-    if world > 1:
-        torch.distributed.barrier()  # the files exist, at their sizes, before any rank writes
-    loc = checkpoint.located
-    reader = DistCheckpointReader(loc.weights)
-    sharded = model.sharded_state_dict(prefix=loc.prefix)
-    check_nemo_layout(sharded, reader, str(loc.manifest_path))
-    params = CheckpointParameters(reader, sharded, meta, loc.prefix)
-    for key, tensor in export_weights(params, family.weights, ctx, ctx.num_layers, keep):
-        writer.write(key, tensor.to(dtype_of(key)))
-        del tensor
-    writer.finish()
-    if world > 1:
-        torch.distributed.barrier()
-    if rank != 0:
-        return manifest
-    writer.publish()
-    del model, meta
-    gc.collect()
-    hf_config = config_map.to_hf(config, manifest.hf_config, family.config_entries)
-    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    for f in tokenizer_files(checkpoint):
-        shutil.copyfile(f, out / f.name)
-    for name in manifest.extra_files:
-        shutil.copyfile(extra_file(checkpoint, name), out / name)
-    return manifest

@@ -1,0 +1,122 @@
+"""Export: one of our checkpoints (any layout) to an HF directory, streamed, without NeMo.
+
+The Megatron model is built on the meta device from the family's NeMo-free config
+(:func:`porting.convert.megatron.checkpoint_config`), so an export loads Megatron-Core and torch,
+never NeMo or Lightning; NeMo's ``llm.export_ckpt`` reaches the same function through
+:class:`porting.convert.connectors.PortingExporter`.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import shutil
+from pathlib import Path
+
+import torch
+
+from porting.contract import config_map
+from porting.contract.family import Family
+from porting.convert import ranks
+from porting.convert.checkpoint import Checkpoint, extra_file, tokenizer_files
+from porting.convert.dist_reader import CheckpointParameters, DistCheckpointReader
+from porting.convert.layouts import check_saved_metadata
+from porting.convert.manifest import Manifest
+from porting.convert.mapping import export_owners, export_weights
+from porting.convert.megatron import DTYPES, build_mcore_model, checkpoint_config, init_parallel
+from porting.convert.preflight import check_nemo_layout
+from porting.convert.safetensors_io import StreamingShardWriter
+from porting.convert.table_check import check_table, hf_meta_shapes
+from porting.errors import PortingError
+
+
+def shapes_of(params: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    """``{name: shape}`` of a state dict, for the table check."""
+    return {k: tuple(v.shape) for k, v in params.items()}
+
+
+def export_into(
+    checkpoint: Checkpoint, out: Path, family: Family, max_shard_bytes: int = 5 * 2**30
+) -> Manifest:
+    """Write the HF directory for our ``checkpoint`` (any layout) of ``family`` into ``out``.
+
+    Streamed: the Megatron model is built on the meta device from the manifest (its layout says
+    where each parameter lives), each parameter is read from ``weights/`` when the table reaches
+    it, run backwards through the table, cast to the import dtype and written into its place in
+    the planned safetensors shards. One parameter and its HF tensors are in memory at a time.
+    """
+    from accelerate import init_empty_weights
+
+    manifest = checkpoint.manifest
+    # Not read here, but a checkpoint whose metadata would run code on load is hostile.
+    check_saved_metadata(checkpoint, family)
+    if manifest.family != family.name:
+        raise PortingError(
+            f"{checkpoint.path}: a {manifest.family!r} checkpoint, not one of family "
+            f"{family.name!r}"
+        )
+    init_parallel()
+    config = checkpoint_config(checkpoint, family)
+    with init_empty_weights():
+        model = build_mcore_model(config)
+    ctx = family.shape_context(config, manifest.vocab_size)
+    if ctx.padded_vocab_size != manifest.padded_vocab_size:
+        raise PortingError(
+            f"{checkpoint.path}: model vocabulary {ctx.padded_vocab_size} differs from the "
+            f"manifest's padded vocabulary {manifest.padded_vocab_size}"
+        )
+    meta = {
+        k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")
+    }
+    check_table(family, ctx, hf_meta_shapes(family, manifest.hf_config), shapes_of(meta))
+    # Training keeps fp32 master weights; HF gets the import dtype, and the tensors the source
+    # stored in float32 beside them (the manifest's fp32_tensors) float32 again.
+    fp32 = frozenset(manifest.fp32_tensors)
+
+    def dtype_of(key: str) -> torch.dtype:
+        return torch.float32 if key in fp32 else DTYPES[manifest.dtype]
+
+    # The transforms run on meta tensors first: every HF tensor's name, shape and dtype, before
+    # any data, so the shards and their headers are planned up front.
+    specs = [
+        (key, tuple(t.shape), dtype_of(key))
+        for key, t in export_weights(meta, family.weights, ctx, ctx.num_layers)
+    ]
+    # A launched export: each rank makes and writes its share of the tensors into the planned
+    # files (porting.convert.ranks), rank 0 made them first and names them once all are done.
+    world, rank = ranks.world_size(), ranks.rank()
+    keep = None
+    if world > 1:
+        sizes = {key: math.prod(shape) * dtype.itemsize for key, shape, dtype in specs}
+        owner = export_owners(family.weights, ctx, ctx.num_layers, meta, sizes, world)
+        keep = lambda key: owner[key] == rank  # noqa: E731
+    writer = StreamingShardWriter(
+        out, specs, max_shard_bytes,
+        mine=None if keep is None else {k for k in owner if keep(k)}, create=rank == 0,
+    )  # fmt: skip
+    if world > 1:
+        torch.distributed.barrier()  # the files exist, at their sizes, before any rank writes
+    loc = checkpoint.located
+    reader = DistCheckpointReader(loc.weights)
+    sharded = model.sharded_state_dict(prefix=loc.prefix)
+    check_nemo_layout(sharded, reader, str(loc.manifest_path))
+    params = CheckpointParameters(reader, sharded, meta, loc.prefix)
+    for key, tensor in export_weights(params, family.weights, ctx, ctx.num_layers, keep):
+        writer.write(key, tensor.to(dtype_of(key)))
+        del tensor
+    writer.finish()
+    if world > 1:
+        torch.distributed.barrier()
+    if rank != 0:
+        return manifest
+    writer.publish()
+    del model, meta
+    gc.collect()
+    hf_config = config_map.to_hf(config, manifest.hf_config, family.config_entries)
+    (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    for f in tokenizer_files(checkpoint):
+        shutil.copyfile(f, out / f.name)
+    for name in manifest.extra_files:
+        shutil.copyfile(extra_file(checkpoint, name), out / name)
+    return manifest
