@@ -132,7 +132,11 @@ def shutdown_parallel() -> None:
 
 
 def checkpoint_config(
-    ckpt: Checkpoint | str | Path, family: Family, dtype: torch.dtype | None = None
+    ckpt: Checkpoint | str | Path,
+    family: Family,
+    dtype: torch.dtype | None = None,
+    *,
+    nemo: bool = False,
 ):
     """The Megatron config of one of our checkpoints (a path is opened here), rebuilt from its
     manifest.
@@ -141,7 +145,8 @@ def checkpoint_config(
     import; ``context/io.json`` is never read, since NeMo deserialises it by importing and calling
     whatever it names. ``dtype`` is the precision the model will run in (default: the
     checkpoint's); a bf16 checkpoint run in fp32 for parity must not keep ``bf16=True``, which
-    makes Megatron's fp32 softmax cast its output back to bf16.
+    makes Megatron's fp32 softmax cast its output back to bf16. ``nemo``: NeMo's config class
+    (a NeMo model, for training), not the NeMo-free one (:func:`build_config`).
     """
     checkpoint = open_checkpoint(ckpt)
     manifest = checkpoint.manifest
@@ -156,6 +161,7 @@ def checkpoint_config(
         DTYPES[manifest.dtype] if dtype is None else dtype,
         vocab_divisor=1,
         padded_vocab_size=manifest.padded_vocab_size,
+        nemo=nemo,
     )
     # Before anyone builds the model this config describes: its size against the weights' own.
     check_nemo_counts(checkpoint, config)

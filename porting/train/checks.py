@@ -692,7 +692,7 @@ def preflight(spec: TrainSpec) -> Preflight:
     check_io_json(spec.checkpoint, family)
     for resumable in sorted((Path(spec.out) / "checkpoints").glob("*/context")):
         check_io_json(resumable.parent, family)
-    config = checkpoint_config(checkpoint, family)
+    config = checkpoint_config(checkpoint, family, nemo=True)  # NeMo's: the model it trains
     check_memory(spec)
     check_run_dir(spec, manifest, config)
     warnings = validate(spec, config, manifest.vocab_size)
