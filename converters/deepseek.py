@@ -47,7 +47,7 @@ from porting.contract.transforms import GATED_MLP, VOCAB_PAD, TransformPair
 from porting.errors import PortingError
 
 if TYPE_CHECKING:  # annotations only: the family's tables load without its Megatron side
-    from models.deepseek import DeepseekConfig
+    from models.deepseek import DeepseekCore
 
 # transformers' DeepseekV3Config defaults (DeepSeek-V3's values), for a config.json without them
 _DEFAULTS = {
@@ -529,7 +529,7 @@ WEIGHTS = (
 )
 
 
-def shape_context(config: DeepseekConfig, vocab_size: int) -> DeepseekShapeContext:
+def shape_context(config: DeepseekCore, vocab_size: int) -> DeepseekShapeContext:
     """Shape facts of a DeepSeek config for the table (``vocab_size`` is the HF, unpadded one)."""
     return DeepseekShapeContext.from_config(
         config,

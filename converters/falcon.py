@@ -28,7 +28,7 @@ from porting.contract.transforms import VOCAB_PAD
 from porting.errors import PortingError
 
 if TYPE_CHECKING:  # annotations only: the family's tables load without its Megatron side
-    from models.falcon import FalconConfig
+    from models.falcon import FalconCore
 
 
 def _query_groups_to_mcore(hf: dict) -> dict:
@@ -64,9 +64,9 @@ def _query_groups_to_mcore(hf: dict) -> dict:
     return {"num_query_groups": heads}
 
 
-def _query_groups_to_hf(c: FalconConfig) -> dict:
+def _query_groups_to_hf(c: FalconCore) -> dict:
     # num_kv_heads means something only in the new architecture; elsewhere it is carried as it was
-    # (the classic layouts are fixed by multi_query, which FalconConfig keeps consistent).
+    # (the classic layouts are fixed by multi_query, which FalconCore keeps consistent).
     return {"num_kv_heads": c.num_query_groups} if c.new_decoder_architecture else {}
 
 
@@ -76,7 +76,7 @@ def _ffn_to_mcore(hf: dict) -> dict:
     return {"ffn_hidden_size": 4 * hf["hidden_size"] if ffn is None else ffn}
 
 
-def _ffn_to_hf(c: FalconConfig) -> dict:
+def _ffn_to_hf(c: FalconCore) -> dict:
     # At the default the original spelling (absent, null or explicit) is carried unchanged.
     return {} if c.ffn_hidden_size == 4 * c.hidden_size else {"ffn_hidden_size": c.ffn_hidden_size}
 
@@ -200,7 +200,7 @@ WEIGHTS = (
 )
 
 
-def shape_context(config: FalconConfig, vocab_size: int) -> FalconShapeContext:
+def shape_context(config: FalconCore, vocab_size: int) -> FalconShapeContext:
     """Shape facts of a Falcon config for the table (``vocab_size`` is the HF, unpadded one)."""
     return FalconShapeContext.from_config(
         config,

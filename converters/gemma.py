@@ -28,7 +28,7 @@ _ACTIVATIONS = {
 }
 
 if TYPE_CHECKING:  # annotations only: the family's tables load without its Megatron side
-    from models.gemma import GemmaConfig
+    from models.gemma import GemmaCore
 
 
 def _activation(name, field: str):
@@ -170,7 +170,7 @@ WEIGHTS = (
 )
 
 
-def shape_context(config: GemmaConfig, vocab_size: int) -> GemmaShapeContext:
+def shape_context(config: GemmaCore, vocab_size: int) -> GemmaShapeContext:
     """Shape facts of a Gemma config for the table (``vocab_size`` is the HF, unpadded one)."""
     return GemmaShapeContext.from_config(config, vocab_size, sandwich=config.sandwich_norms)
 

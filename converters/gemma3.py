@@ -22,7 +22,7 @@ from porting.contract.mapping import Rename
 from porting.errors import PortingError
 
 if TYPE_CHECKING:  # annotations only: the family's tables load without its Megatron side
-    from models.gemma3 import Gemma3Config
+    from models.gemma3 import Gemma3Core
 
 
 def _layer_types(hf: dict) -> list[str]:
@@ -131,7 +131,7 @@ WEIGHTS = (
 )
 
 
-def shape_context(config: Gemma3Config, vocab_size: int) -> gemma.GemmaShapeContext:
+def shape_context(config: Gemma3Core, vocab_size: int) -> gemma.GemmaShapeContext:
     """Shape facts of a Gemma 3 config for the table (``vocab_size`` is the HF, unpadded one)."""
     return gemma.GemmaShapeContext.from_config(config, vocab_size, sandwich=True)
 

@@ -39,7 +39,7 @@ from porting.errors import PortingError
 if TYPE_CHECKING:  # annotations only: the family's tables load without its Megatron side
     import torch
 
-    from models.gpt_oss import GptOssConfig
+    from models.gpt_oss import GptOssCore
 
 # GptOssExperts (transformers 4.57) fixes these; the original release's config names the limit
 SWIGLU_LIMIT = 7.0
@@ -220,7 +220,7 @@ WEIGHTS = (
 )
 
 
-def shape_context(config: GptOssConfig, vocab_size: int) -> GptOssShapeContext:
+def shape_context(config: GptOssCore, vocab_size: int) -> GptOssShapeContext:
     """Shape facts of a gpt-oss config for the table (``vocab_size`` is the HF, unpadded one)."""
     return GptOssShapeContext.from_config(
         config,

@@ -23,7 +23,7 @@ from porting.contract.transforms import GATED_MLP, QKV, VOCAB_PAD
 from porting.errors import PortingError
 
 if TYPE_CHECKING:  # annotations only: the family's tables load without its Megatron side
-    from models.llama import LlamaConfig
+    from models.llama import LlamaCore
 
 
 def _query_groups_to_mcore(hf: dict) -> dict:
@@ -400,7 +400,7 @@ WEIGHTS = (
 )
 
 
-def shape_context(config: LlamaConfig, vocab_size: int) -> ShapeContext:
+def shape_context(config: LlamaCore, vocab_size: int) -> ShapeContext:
     """Shape facts of a Llama-layout config for the transforms (``vocab_size`` is the HF, unpadded one)."""
     return ShapeContext.from_config(
         config, vocab_size, attention_bias=config.add_bias_linear, mlp_bias=config.add_bias_linear

@@ -50,7 +50,7 @@ _FIELDS = (
 )
 
 if TYPE_CHECKING:  # annotations only: the family's tables load without its Megatron side
-    from models.moe import MoEConfig
+    from models.moe import MoECore
 
 
 def _required(hf: dict, name: str):
@@ -205,7 +205,7 @@ WEIGHTS = (
 )
 
 
-def shape_context(config: MoEConfig, vocab_size: int) -> MoEShapeContext:
+def shape_context(config: MoECore, vocab_size: int) -> MoEShapeContext:
     """Shape facts of an MoE config for the table (``vocab_size`` is the HF, unpadded one)."""
     return MoEShapeContext.from_config(
         config,

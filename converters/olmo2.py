@@ -21,7 +21,7 @@ from porting.contract.mapping import Rename
 from porting.errors import PortingError
 
 if TYPE_CHECKING:  # annotations only: the family's tables load without its Megatron side
-    from models.olmo2 import Olmo2Config
+    from models.olmo2 import Olmo2Core
 
 
 def attention_to_mcore(hf: dict, model_type: str) -> dict:
@@ -71,7 +71,7 @@ WEIGHTS = (
 )
 
 
-def shape_context(config: Olmo2Config, vocab_size: int) -> ShapeContext:
+def shape_context(config: Olmo2Core, vocab_size: int) -> ShapeContext:
     """Shape facts of an OLMo 2 config for the table (``vocab_size`` is the HF, unpadded one)."""
     return ShapeContext.from_config(config, vocab_size)
 

@@ -20,7 +20,7 @@ from porting.contract.family import Family, Variant
 from porting.errors import PortingError
 
 if TYPE_CHECKING:  # annotations only: the family's tables load without its Megatron side
-    from models.olmoe import OlmoeConfig
+    from models.olmoe import OlmoeCore
 
 
 def _required(hf: dict, name: str):
@@ -71,7 +71,7 @@ CONFIG = (
 WEIGHTS = moe.WEIGHTS
 
 
-def shape_context(config: OlmoeConfig, vocab_size: int) -> moe.MoEShapeContext:
+def shape_context(config: OlmoeCore, vocab_size: int) -> moe.MoEShapeContext:
     """Shape facts of an OLMoE config for the table (``vocab_size`` is the HF, unpadded one)."""
     return moe.MoEShapeContext.from_config(
         config,

@@ -33,7 +33,7 @@ from porting.contract.transforms import QKV, TransformPair
 from porting.errors import PortingError
 
 if TYPE_CHECKING:  # annotations only: the family's tables load without its Megatron side
-    from models.phi3 import Phi3Config
+    from models.phi3 import Phi3Core
 
 # the spellings transformers 4.57's Phi3Config reads as LongRoPE (_rope_scaling_adjustment renames
 # "su" and "yarn" to it); "yarn" is refused, since it names another method everywhere else
@@ -189,7 +189,7 @@ WEIGHTS = (
 )
 
 
-def shape_context(config: Phi3Config, vocab_size: int) -> ShapeContext:
+def shape_context(config: Phi3Core, vocab_size: int) -> ShapeContext:
     """Shape facts of a Phi-3 config for the table (``vocab_size`` is the HF, unpadded one)."""
     return ShapeContext.from_config(config, vocab_size)
 

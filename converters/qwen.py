@@ -26,7 +26,7 @@ from porting.errors import PortingError
 _MODEL_TYPES = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 
 if TYPE_CHECKING:  # annotations only: the family's tables load without its Megatron side
-    from models.qwen import QwenConfig
+    from models.qwen import QwenCore
 
 
 def _attention_to_mcore(hf: dict) -> dict:
@@ -124,7 +124,7 @@ WEIGHTS = (
 )
 
 
-def shape_context(config: QwenConfig, vocab_size: int) -> QwenShapeContext:
+def shape_context(config: QwenCore, vocab_size: int) -> QwenShapeContext:
     """Shape facts of a Qwen config for the table (``vocab_size`` is the HF, unpadded one)."""
     return QwenShapeContext.from_config(
         config, vocab_size, qkv_bias=config.add_qkv_bias, qk_norm=config.qk_layernorm

@@ -216,7 +216,8 @@ def _patch_nemo() -> None:
 
 
 def enable() -> None:
-    """Install the CPU shims for Megatron-Core and NeMo once per process (no-op under CUDA)."""
+    """Install the CPU shims for Megatron-Core once per process, and NeMo's once NeMo is loaded
+    (each call looks again: a process that verified first may import later); no-op under CUDA."""
     global _ENABLED
     if cuda_available():
         return

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -70,7 +71,9 @@ def default_layer_spec(config: GPTCore, vp_stage: int | None = None) -> ModuleSp
 @dataclass
 class GPTCore(TransformerConfig):
     """Megatron-Core's ``TransformerConfig`` plus the GPT model's own fields, named and
-    defaulted as NeMo's ``GPTConfig`` has them (a NeMo subclass keeps every default it had)."""
+    defaulted as NeMo's ``GPTConfig`` has them. Every field NeMo's class re-defaults is here too:
+    ``XCore`` comes first in ``XConfig(XCore, GPTConfig)``'s MRO, so its defaults are the ones
+    the NeMo class gets."""
 
     fp16_lm_cross_entropy: bool = False
     parallel_output: bool = True
@@ -85,6 +88,10 @@ class GPTCore(TransformerConfig):
     masked_softmax_fusion: bool = True
     cross_entropy_loss_fusion: bool = True
     deallocate_pipeline_outputs: bool = True
+    # NeMo's rule: on where Apex's fused weight-gradient kernel is installed
+    gradient_accumulation_fusion: bool = (
+        importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+    )
     scatter_embedding_sequence_parallel: bool = True
     vocab_size: int | None = None
     transformer_layer_spec: ModuleSpec | Callable = default_layer_spec

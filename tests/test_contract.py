@@ -34,7 +34,9 @@ def test_a_reference_to_a_missing_name_says_which_module_lacks_it():
 def test_our_families_name_their_megatron_side_instead_of_importing_it():
     for family in (llama.FAMILY, gemma.FAMILY):
         assert isinstance(family.config_cls, str) and isinstance(family.model_cls, str)
-        assert family.megatron_modules == {family.config_cls.split(":")[0]}
+        named = (family.config_cls, family.model_cls, family.core_config_cls)
+        assert family.megatron_modules == {ref.split(":")[0] for ref in named}
+        assert len(family.megatron_modules) == 2  # models.x_nemo and the NeMo-free models.x
     assert all(isinstance(s, str) for s in gemma.FAMILY.context_symbols)
 
 

@@ -138,3 +138,44 @@ def test_old_class_names_are_the_nemo_classes():
     assert models.llama.LlamaModel is models.llama_nemo.LlamaModel
     with pytest.raises(AttributeError, match="'models.llama' has no attribute 'Nope'"):
         _ = models.llama.Nope
+
+
+def test_gpt_core_defaults_every_field_as_nemos_gpt_config():
+    """XCore comes first in XConfig(XCore, GPTConfig)'s MRO, so each field NeMo's GPTConfig
+    re-defaults must be declared by GPTCore with NeMo's default, or the NeMo class loses it."""
+    import dataclasses
+
+    from nemo.collections.llm.gpt.model.base import GPTConfig
+
+    from porting.mcore import GPTCore
+
+    def default(cls, name):
+        f = cls.__dataclass_fields__[name]
+        return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+    nemo_only = {"transformer_layer_spec", "forward_step_fn", "data_step_fn", "generation_config"}
+    nemo_only |= {
+        "use_transformer_engine_full_layer_spec",
+        "tp_comm_overlap_cfg",
+        "tp_only_amax_red",
+    }
+    declared = set(vars(GPTConfig)["__annotations__"]) - nemo_only
+    assert "gradient_accumulation_fusion" in declared  # NeMo's default follows Apex: not a constant
+    for name in sorted(declared):
+        assert name in vars(GPTCore)["__annotations__"], f"{name}: NeMo's GPTConfig declares it"
+        assert default(GPTCore, name) == default(GPTConfig, name), name
+
+
+def test_a_config_cls_not_built_on_the_core_config_is_refused():
+    """A family made from another with its config_cls replaced but not its core_config_cls
+    would verify another model than it imports."""
+    import dataclasses
+
+    from converters import llama
+    from porting.errors import PortingError
+
+    odd = dataclasses.replace(
+        llama.FAMILY, name="odd", config_cls="models.falcon_nemo:FalconConfig"
+    )
+    with pytest.raises(PortingError, match="FalconConfig is not built on its core_config_cls"):
+        build_config(odd, _hf_config("LlamaForCausalLM"), torch.float32, 1, nemo=True)

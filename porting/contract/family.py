@@ -3,7 +3,7 @@
 A family is a plugin: a :class:`Family` object in any importable module, named by an entry point
 in the ``porting.families`` group of the package that ships it (docs/families.md). The module that
 defines it imports only :mod:`porting.contract`: its Megatron classes are named
-(``"models.falcon:FalconConfig"``, :mod:`porting.contract.named`) and loaded by the engine when a
+(``"models.falcon_nemo:FalconConfig"``, :mod:`porting.contract.named`) and loaded by the engine when a
 conversion needs them, so that listing the families or refusing a config imports no torch, NeMo or
 Megatron.
 """

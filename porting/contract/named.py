@@ -2,7 +2,7 @@
 
 A family's tables must load for ``porting families`` and for every refusal without importing
 torch, NeMo or Megatron (seconds and most of a gigabyte). So the contract names the Megatron side
-as ``"module:qualname"`` (``"models.falcon:FalconConfig"``) and the engine loads it when a
+as ``"module:qualname"`` (``"models.falcon_nemo:FalconConfig"``) and the engine loads it when a
 conversion needs it; a config entry that must hand the Megatron config a function (an activation,
 a layer spec) returns a :class:`Named` and the engine resolves it as the config is built.
 """

@@ -47,8 +47,12 @@ def _in_namespaces(module: str) -> bool:
 def allowed(module: str, name: str, family=None) -> bool:
     """Whether ``module.name`` may appear in an ``io.json``; imports only allowed namespaces.
 
-    ``family`` (the checkpoint's) adds its ``context_symbols`` and the classes defined in its
-    config's and model's modules, so that an outside package's family needs no entry here.
+    ``family`` (the checkpoint's) adds its ``context_symbols``, the classes it names
+    (``config_cls``, ``model_cls``: allowed without importing them, so that verification never
+    loads NeMo for them) and the classes defined in its config's, model's and core config's
+    modules, or moved from there to another of them (:func:`porting.mcore.moved_to`: names that
+    checkpoints written before still use), so that an outside package's family needs no entry
+    here.
     """
     if name in _EXACT.get(module, ()):
         return True
@@ -63,10 +67,11 @@ def allowed(module: str, name: str, family=None) -> bool:
             namespace = vars(importlib.import_module(module))
             # a class it held before moving to another of the family's modules
             moved = getattr(namespace.get("__getattr__"), "moved", {})
-            if name in moved:
-                return moved[name] in family.megatron_modules
+            if moved.get(name) in family.megatron_modules:
+                return True
             obj = namespace.get(name)
-            return isinstance(obj, type) and obj.__module__ == module
+            if isinstance(obj, type) and obj.__module__ == module:
+                return True
     if not _in_namespaces(module) or not name.isidentifier():
         return False
     try:

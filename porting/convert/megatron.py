@@ -83,6 +83,16 @@ def build_config(
     # after its parent inherits the parent's flag, stays unwrapped, and its context then records
     # every field Megatron filled in (init_method as a partial of torch.nn.init.normal_).
     config_cls = family.config_class(nemo=nemo)
+    if nemo and family.core_config_cls is not None:
+        core = family.config_class(nemo=False)
+        if not issubclass(config_cls, core):
+            # a family made from another by dataclasses.replace that changed config_cls only
+            raise PortingError(
+                f"family {family.name} ({family.source}): its config_cls {config_cls.__name__} "
+                f"is not built on its core_config_cls {core.__name__}, so verify and export "
+                "would build another model than import; set core_config_cls to the NeMo-free "
+                "config under config_cls (or None)"
+            )
     if "__wrapped_init__" not in vars(config_cls):
         config_cls.__wrapped_init__ = False
     config = config_cls(**named.resolve(kwargs))
