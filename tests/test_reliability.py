@@ -57,14 +57,14 @@ def _refused(argv, capsys, *needles) -> str:
 @pytest.fixture
 def no_model_built(monkeypatch):
     """Fail the test if a command builds a model or reads a tensor before it refuses."""
-    from porting.convert import connectors, megatron, table_check
+    from porting.convert import connectors, export, megatron, table_check
     from porting.convert.safetensors_io import SafetensorsSource
 
     def built(*a, **k):
         raise AssertionError("a model was built before the config was checked")
 
     monkeypatch.setattr(connectors.PortingImporter, "nemo_setup", built)
-    monkeypatch.setattr(connectors, "build_mcore_model", built)
+    monkeypatch.setattr(export, "build_mcore_model", built)
     monkeypatch.setattr(megatron, "build_mcore_model", built)
     monkeypatch.setattr(SafetensorsSource, "get", built)
     return table_check
