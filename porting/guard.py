@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import os
@@ -395,6 +396,27 @@ def output_lock(output: str | os.PathLike, what: str) -> Iterator[Path]:
         os.close(fd)
 
 
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_RETURN_THRESHOLD = 1 << 20
+_TRIM_DEFAULT = 128 << 10  # glibc's own
+_returning = False  # return_freed_memory() is in effect
+
+
+def _libc():
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name:
+        return None
+    try:
+        libc = ctypes.CDLL(name)
+    except OSError:
+        return None
+    # a C library without them (musl) is left as it is
+    return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+
+
 def return_freed_memory() -> None:
     """Make freed tensor buffers go back to the OS at once (glibc only; a no-op elsewhere).
 
@@ -404,17 +426,85 @@ def return_freed_memory() -> None:
     the number of layers. A fixed 1 MiB threshold maps every tensor separately and unmaps it on
     free.
     """
-    import ctypes
-    import ctypes.util
+    global _returning
+    libc = _libc()
+    if libc is not None:
+        libc.mallopt(_M_MMAP_THRESHOLD, _RETURN_THRESHOLD)  # fixed, so never raised
+        _returning = True
 
-    name = ctypes.util.find_library("c")
-    if not name:
-        return
-    try:
-        libc = ctypes.CDLL(name)
-        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: fixed, so never raised
-    except (OSError, AttributeError):
-        return
+
+class ReusedHeap:
+    """Within (``with``): blocks under ``threshold`` come from glibc's heap, and a freed one
+    serves the next allocation of its size instead of going back to the OS; after:
+    :func:`return_freed_memory`'s setting again, the heap trimmed.
+
+    For a loop that allocates the same activations in each step (the streamed gate, layer after
+    layer). Returned at once, each of them is mapped afresh in the next step, and the kernel
+    faults in and zeroes every page again: 4.4 M page faults and ~10 s of system time on an
+    8-layer 7B-shaped gate, against ~11 s of matmuls. Larger blocks (a layer's weights, which the
+    gate keeps in reused buffers anyway) are still mapped and unmapped.
+
+    The heap can fragment: on a 32-layer 7B-shaped gate it grew by 15-30 MB a layer in some
+    runs (not in others: the order of frees depends on the reader thread). So a loop calls
+    :meth:`step` after each step, and each time the heap has grown by ``slack`` since the last
+    trim its free pages go back to the OS (to be faulted in again where reused): its resident
+    size then has a bound that does not grow with the steps. Measured on that gate: 5.0 M page
+    faults and 16 s of system time against 12.0 M and 32 s, peak RSS 2.90 GB against 2.72 GB.
+
+    A no-op where :func:`return_freed_memory` is not in effect (glibc's own threshold keeps
+    freed blocks already) or glibc (2.33 on, for ``mallinfo2``) is not the allocator.
+    """
+
+    def __init__(self, threshold: int = 64 << 20, slack: int = 256 << 20) -> None:
+        self.threshold = threshold
+        self.slack = slack
+        self._libc = None
+        self._trimmed_at: int | None = None
+
+    def __enter__(self) -> ReusedHeap:
+        libc = _libc() if _returning else None
+        if libc is not None and hasattr(libc, "mallinfo2"):
+            libc.mallinfo2.restype = _MallInfo2
+            self._libc = libc
+            libc.mallopt(_M_MMAP_THRESHOLD, self.threshold)
+            libc.mallopt(_M_TRIM_THRESHOLD, -1)  # step() trims, not every free at the top
+        return self
+
+    def step(self) -> None:
+        """A step of the loop is over: trim if the heap's free part is past its bound."""
+        if self._libc is None:
+            return
+        size = self._libc.mallinfo2().arena
+        if self._trimmed_at is None:
+            self._trimmed_at = size
+        elif size - self._trimmed_at > self.slack:
+            self._libc.malloc_trim(0)
+            self._trimmed_at = size
+
+    def __exit__(self, *exc) -> None:
+        libc, self._libc = self._libc, None
+        if libc is not None:
+            libc.mallopt(_M_MMAP_THRESHOLD, _RETURN_THRESHOLD)
+            libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_DEFAULT)
+            libc.malloc_trim(0)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 _PR_SET_PDEATHSIG = 1
@@ -424,8 +514,6 @@ def die_with_parent() -> None:
     """Have the kernel SIGKILL this process when its parent dies (Linux; elsewhere a no-op)."""
     if not sys.platform.startswith("linux"):
         return
-    import ctypes
-
     parent = os.getppid()
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:

@@ -661,6 +661,7 @@ def verify(
     family.config_class(nemo=False)
     family.hf_class(manifest.hf_architecture)
     from megatron.core.models.gpt import gpt_layer_specs, gpt_model  # noqa: F401
+
     quiet.quiet_nemo(load=False)
     started = time.perf_counter()
     # Not read here, but a checkpoint whose metadata would run code on load is hostile.

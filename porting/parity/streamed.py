@@ -60,6 +60,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from porting.errors import PortingError, check_finite
+from porting.guard import ReusedHeap
 from porting.parity.floor import machine_gflops
 from porting.parity.modules import (
     expert_lists,
@@ -660,19 +661,22 @@ def streamed_logits(
     the :class:`~porting.convert.checkpoint.Checkpoint` the caller opened; ``hf_read``: the HF
     side's ``(config dict, SafetensorsSource)`` where the caller has read them.
     """
-    return _streamed_logits(
-        hf_dir,
-        ckpt,
-        family,
-        prompts,
-        vocab_size,
-        show_progress,
-        allow_pickle,
-        scratch_dir,
-        torch.device(device),
-        hf_probe,
-        hf_read,
-    )
+    # the same activations in every layer: freed blocks serve the next layer's
+    with ReusedHeap() as heap:
+        return _streamed_logits(
+            hf_dir,
+            ckpt,
+            family,
+            prompts,
+            vocab_size,
+            show_progress,
+            allow_pickle,
+            scratch_dir,
+            torch.device(device),
+            hf_probe,
+            hf_read,
+            heap,
+        )
 
 
 def _streamed_logits(
@@ -685,8 +689,9 @@ def _streamed_logits(
     allow_pickle,
     scratch_dir,
     device,
-    hf_probe=None,
-    hf_read=None,
+    hf_probe,
+    hf_read,
+    heap: ReusedHeap,
 ):
     from tqdm import tqdm
 
@@ -718,6 +723,7 @@ def _streamed_logits(
         torch.save({"in": hidden.detach().cpu(), "out": output.detach().cpu()}, kept / f"{i}.pt")
         if i == n - 1:
             last["kwargs"] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+        heap.step()
         bar.update()
 
     grab = hf.model.get_output_embeddings().register_forward_pre_hook(
@@ -779,6 +785,7 @@ def _streamed_logits(
                     own_on_hf_input=same_input or not max_rel <= LAYER_RTOL,
                 )
             )
+            heap.step()
             bar.update()
 
         positions = torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(ids)
