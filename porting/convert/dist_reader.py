@@ -438,8 +438,22 @@ class DistCheckpointReader:
 
         if isinstance(sharded, ShardedTensorFactory):
             built = sharded.build()
+            if out is not None and _concatenates(sharded, built, out):
+                start = 0  # each part straight into its rows: no merged copy of the whole
+                for part in built:
+                    rows = part.local_shape[0]
+                    self.read_sharded(part, out=out[start : start + rows])
+                    start += rows
+                return out
             merged = sharded.merge_fn(_map_sharded(built, self.read_sharded))
-            return merged if out is None else out.copy_(merged)
+            if out is None:
+                return merged
+            if tuple(merged.shape) != tuple(out.shape):
+                raise PortingError(
+                    f"{self.dir}: {sharded.key!r} merges to {tuple(merged.shape)}, read into a "
+                    f"buffer of {tuple(out.shape)}"
+                )
+            return out.copy_(merged)
         if not isinstance(sharded, ShardedTensor):
             raise PortingError(f"cannot read {type(sharded).__name__} {sharded!r}")
         if sharded.flattened_range is not None:
@@ -458,6 +472,28 @@ class DistCheckpointReader:
             None if out is None else out.view(shape),
         )
         return region.reshape(sharded.local_shape)
+
+
+# Megatron's gated-MLP factory (``apply_swiglu_sharded_factory``): its merge is ``torch.cat`` of
+# the parts along the first axis. Another factory is merged by its own function.
+_CAT_MERGE = (
+    "megatron.core.transformer.mlp",
+    "apply_swiglu_sharded_factory.<locals>.sh_ten_merge_fn",
+)
+
+
+def _concatenates(factory, built, out: torch.Tensor) -> bool:
+    """Whether ``factory`` merges ``built`` by concatenating them along the first axis into
+    ``out``'s shape."""
+    merge = factory.merge_fn
+    if (getattr(merge, "__module__", None), getattr(merge, "__qualname__", None)) != _CAT_MERGE:
+        return False
+    if not isinstance(built, list) or not built:
+        return False
+    shapes = [tuple(part.local_shape) for part in built]
+    if any(s[1:] != tuple(out.shape[1:]) for s in shapes):
+        return False
+    return sum(s[0] for s in shapes) == out.shape[0]
 
 
 def _map_sharded(tree, fn):

@@ -226,29 +226,77 @@ class _Stage:
 
 
 class _Buffers:
-    """Two sets of fp32 parameter buffers on ``device``, used in turn by consecutive layers.
+    """Two fp32 areas on ``device``, used in turn by consecutive layers, and by both models.
 
-    Layer ``i`` computes in set ``i % 2`` while layer ``i + 1`` is read into the other. Reusing
-    them costs no fresh pages per layer: a new 800 MB buffer (a 7B layer in fp32) is 200,000 page
-    faults, and freeing it an unmap.
+    Layer ``i`` computes in area ``i % 2`` while layer ``i + 1`` is read into the other. Reusing
+    them costs no fresh pages: a new 800 MB buffer (a 7B layer in fp32) is 200,000 page faults,
+    and freeing it an unmap. The Megatron model's layers take the areas the HF model's used
+    (:meth:`reserve`), and the embedding and the output layer, which run while no layer is
+    loaded, take one of them too where they fit (:meth:`head`): 0.7 M page faults fewer on a 7B
+    gate. Without :meth:`reserve` (an expert's tensors) each name keeps a buffer of its own.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._sets: tuple[dict, dict] = ({}, {})
+        self._numel = 0
+        self._areas: list[torch.Tensor | None] = [None, None]
+        self.clear()
+
+    def reserve(self, numel: int) -> None:
+        """A model whose layers hold up to ``numel`` values each takes the areas (each made when
+        first used, so that an embedding larger than a layer is not read beside them)."""
+        self.clear()
+        if numel > self._numel:
+            self._areas = [None, None]
+        self._numel = max(numel, self._numel)
+
+    def _area(self, k: int) -> torch.Tensor | None:
+        if self._areas[k] is None and self._numel:
+            self._areas[k] = torch.empty(self._numel, dtype=torch.float32, device=self.device)
+        return self._areas[k]
 
     def take(self, layer: int, name: str, shape: torch.Size) -> torch.Tensor:
-        """The buffer for parameter ``name`` of ``layer`` (made on first use of that shape)."""
-        buffers = self._sets[layer % 2]
+        """The buffer for parameter ``name`` of ``layer`` (the same one for every layer of its
+        parity, while its shape is the same)."""
+        k = layer % 2
+        buffers = self._sets[k]
         buf = buffers.get(name)
         if buf is None or buf.shape != shape:
-            buf = buffers[name] = torch.empty(shape, dtype=torch.float32, device=self.device)
+            buf = buffers[name] = self._carve(k, shape)
         return buf
 
+    def _carve(self, k: int, shape: torch.Size) -> torch.Tensor:
+        area, start = self._area(k), self._next[k]
+        if area is None or start + shape.numel() > area.numel():
+            return torch.empty(shape, dtype=torch.float32, device=self.device)
+        self._next[k] = start + shape.numel()
+        return area[start : start + shape.numel()].view(shape)
+
+    def head(self) -> Take:
+        """What a module outside the layers, read while none of them is loaded, is read into:
+        area 0 where its tensors fit; where they do not, the areas are freed first."""
+        offset = [0]
+
+        def take(name: str, shape: torch.Size) -> torch.Tensor:
+            area, start = self._area(0), offset[0]
+            if area is not None and start + shape.numel() <= area.numel():
+                offset[0] = start + shape.numel()
+                return area[start : start + shape.numel()].view(shape)
+            if start == 0:  # the areas would stay resident beside it
+                self.free()
+            return torch.empty(shape, dtype=torch.float32, device=self.device)
+
+        return take
+
     def clear(self) -> None:
-        """Free both sets (the pass is over: what runs after it holds its own tensors)."""
-        for buffers in self._sets:
-            buffers.clear()
+        """Forget the buffers handed out (their layers are released); the areas stay."""
+        self._sets: tuple[dict, dict] = ({}, {})
+        self._next = [0, 0]
+
+    def free(self) -> None:
+        """Free the areas too (made again when next used)."""
+        self.clear()
+        self._areas = [None, None]
 
 
 def _cast_into(buf: torch.Tensor, value: torch.Tensor) -> None:
@@ -373,6 +421,20 @@ class _Side:
             for buffers in (self.buffers, self.expert_buffers):
                 if buffers is not None:
                     buffers.clear()
+
+
+def _layer_numel(layers: torch.nn.ModuleList) -> int:
+    """The most values one layer's own tensors (not its experts') hold."""
+    return max(
+        (
+            sum(
+                t.numel()
+                for _, t in stored_tensors(layer, tuple(p for p, _ in expert_lists(layer)))
+            )
+            for layer in layers
+        ),
+        default=0,
+    )
 
 
 def _megatron_linear_types() -> tuple[type, ...]:
@@ -503,6 +565,7 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
         source = SafetensorsSource(hf_dir, allow_pickle=allow_pickle, dequantizer=REFERENCE)
     available = set(source.keys())
     buffers = _Buffers(device)
+    buffers.reserve(_layer_numel(layers))
 
     def read(key: str, want: torch.Size | None, buf: torch.Tensor | None = None) -> torch.Tensor:
         if key not in available:
@@ -521,16 +584,18 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
     # untied, the embedding and the output layer are read when called (one of them, or a
     # layer, in memory at a time); tied, the one tensor stays
     on_call = {}
+    names = {id(p): n for n, p in model.named_parameters()}
+
+    def head(module: torch.nn.Module, own: dict[str, str]) -> dict[str, torch.Tensor]:
+        take = buffers.head()
+        # its parameters are meta tensors put there by release(), not the model's own
+        return {n: read(own[n], p.shape, take(n, p.shape)) for n, p in module.named_parameters()}
+
     if not tied:
-        names = {id(p): n for n, p in model.named_parameters()}
         for module in (model.get_input_embeddings(), model.get_output_embeddings()):
-            if module is None:
-                continue
-            own = {n: names[id(p)] for n, p in module.named_parameters()}
-            on_call[module] = lambda own=own, module=module: {
-                n: read(full, p.shape)
-                for (n, full), p in zip(own.items(), module.parameters(), strict=True)
-            }
+            if module is not None:
+                own = {n: names[id(p)] for n, p in module.named_parameters()}
+                on_call[module] = partial(head, module, own)
     streamed = {id(p) for m in on_call for p in m.parameters()}
     layer_params = {f"{prefix}.{i}.": layer for i, layer in enumerate(layers)}
     for name, p in model.named_parameters():
@@ -555,7 +620,8 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
     return side, config
 
 
-def _megatron_side(ckpt, family, device: torch.device):
+def _megatron_side(ckpt, family, device: torch.device, buffers: _Buffers):
+    """``buffers``: the HF side's (the areas its layers were read into), for this model's."""
     from accelerate import init_empty_weights
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
@@ -575,7 +641,7 @@ def _megatron_side(ckpt, family, device: torch.device):
     # Every key, offset and factory of the checkpoint's layout, without data.
     sharded = model.sharded_state_dict(prefix=loc.prefix)
     check_nemo_layout(sharded, reader, str(loc.manifest_path))
-    buffers = _Buffers(device)
+    buffers.reserve(_layer_numel(model.decoder.layers))
 
     def params_of(
         module_prefix: str, module: torch.nn.Module, take: Take | None = None, skip=()
@@ -592,9 +658,9 @@ def _megatron_side(ckpt, family, device: torch.device):
                 buf = torch.empty(p.shape, dtype=torch.float32, device=device)
             else:
                 buf = take(name, p.shape)
-            if device.type == "cpu" and isinstance(item, ShardedTensor):
+            if device.type == "cpu":  # a factory (a GLU's two halves) too
                 reader.read_sharded(item, out=buf)
-            else:  # a factory (a GLU's two halves) merges first
+            else:
                 value = reader.read_sharded(item)
                 _check_shape(str(weights), key, value.shape, p.shape)
                 _cast_into(buf, value)
@@ -607,7 +673,7 @@ def _megatron_side(ckpt, family, device: torch.device):
         for name in ("embedding", "output_layer"):
             module = getattr(model, name, None)
             if module is not None:
-                on_call[module] = partial(params_of, f"{name}.", module)
+                on_call[module] = lambda n=f"{name}.", m=module: params_of(n, m, buffers.head())
     for name, module in model.named_children():
         # the gate runs the main head (main_head_only); the MTP check reads its own
         if name not in ("decoder", "mtp") and module not in on_call:
@@ -743,11 +809,11 @@ def _streamed_logits(
         if head:
             hf_logits = hf_logits[..., :vocab_size].float().cpu()
         hf_prefix = next(name for name, m in hf.model.named_modules() if m is hf.layers)
-        hf_last, hf_read = hf.layers[-1], hf.read
+        hf_last, hf_read, buffers = hf.layers[-1], hf.read, hf.buffers
         hf = None  # the HF model is released before the Megatron side is built
 
         checkpoint = open_checkpoint(ckpt)
-        mc, mc_config = _megatron_side(checkpoint, family, device)
+        mc, mc_config = _megatron_side(checkpoint, family, device, buffers)
         if len(mc.layers) != n:
             raise PortingError(
                 f"{checkpoint.path}: {len(mc.layers)} Megatron layers against {n} in {hf_dir}/config.json"
@@ -797,6 +863,7 @@ def _streamed_logits(
             with main_head_only(mc.model):
                 mc_logits = mc.run(lambda: mc.model(ids, positions, None), on_mc_layer, stage)
             watch.remove()
+            buffers.free()
             ctx = family.shape_context(mc_config, vocab_size)
             got = []
             if ctx.mtp_layers and head:
