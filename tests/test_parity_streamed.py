@@ -107,3 +107,56 @@ def test_a_layer_of_the_wrong_width_is_named(tiny_llama, tiny_nemo, tmp_path):
     save_file(sd, hf / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(PortingError, match=r"model\.layers\.0\.mlp\.up_proj\.weight.*\(50, 64\)"):
         harness.verify(hf, tiny_nemo)
+
+
+def test_both_models_and_the_heads_share_two_areas():
+    from porting.parity.streamed import _Buffers
+
+    def base(t):
+        return t.untyped_storage().data_ptr()
+
+    b = _Buffers(torch.device("cpu"))
+    b.reserve(100)  # the HF model: layers of up to 100 values
+    q, k = b.take(0, "q", torch.Size([4, 5])), b.take(0, "k", torch.Size([10]))
+    r = b.take(1, "q", torch.Size([4, 5]))
+    area0, area1 = base(q), base(r)
+    assert base(k) == area0 != area1
+    assert k.data_ptr() == q.data_ptr() + 20 * 4  # carved one after the other
+    assert b.take(2, "q", torch.Size([4, 5])).data_ptr() == q.data_ptr()  # layer 2: layer 0's
+    assert base(b.take(0, "over", torch.Size([200]))) not in (area0, area1)  # past the area
+    b.reserve(80)  # the Megatron model: the same areas, forgotten views
+    assert base(b.take(1, "fc", torch.Size([80]))) == area1
+    assert base(b.head()("w", torch.Size([10, 10]))) == area0  # a head that fits
+    big = b.head()("w", torch.Size([200]))  # one that does not: the areas are freed first
+    assert base(big) not in (area0, area1) and b._areas == [None, None]
+    b.reserve(120)  # larger than the areas were: made again at that size, when used
+    assert b.take(0, "q", torch.Size([120])).untyped_storage().nbytes() == 120 * 4
+
+
+def test_a_gated_mlp_factory_reads_into_its_rows_as_its_merge_would(tiny_llama, tiny_nemo):
+    from accelerate import init_empty_weights
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    from porting.contract.registry import family_by_name
+    from porting.convert import dist_reader
+    from porting.convert.checkpoint import open_checkpoint
+    from porting.convert.megatron import build_mcore_model, checkpoint_config, init_parallel
+
+    init_parallel()
+    checkpoint = open_checkpoint(tiny_nemo)
+    config = checkpoint_config(checkpoint, family_by_name(checkpoint.family), torch.float32)
+    with init_empty_weights():
+        model = build_mcore_model(config)
+    loc = checkpoint.located
+    reader = dist_reader.DistCheckpointReader(loc.weights)
+    sharded = model.sharded_state_dict(prefix=loc.prefix)
+    factories = {k: v for k, v in sharded.items() if isinstance(v, ShardedTensorFactory)}
+    assert factories, "the tiny Llama's MLPs are gated: each fc1 is a factory"
+    for key, item in factories.items():
+        merged = item.merge_fn([reader.read_sharded(part) for part in item.build()])
+        out = torch.full(merged.shape, float("nan"))
+        assert dist_reader._concatenates(item, item.build(), out), key
+        assert torch.equal(reader.read_sharded(item, out=out), merged.float()), key
+        wrong = torch.empty(merged.shape[0] + 1, *merged.shape[1:])
+        with pytest.raises(PortingError, match="merges to"):
+            reader.read_sharded(item, out=wrong)
