@@ -401,6 +401,7 @@ _M_MMAP_THRESHOLD = -3
 _RETURN_THRESHOLD = 1 << 20
 _TRIM_DEFAULT = 128 << 10  # glibc's own
 _returning = False  # return_freed_memory() is in effect
+_reusing = False  # a ReusedHeap is in effect
 
 
 def _libc():
@@ -462,16 +463,20 @@ class ReusedHeap:
         self._trimmed_at: int | None = None
 
     def __enter__(self) -> ReusedHeap:
-        libc = _libc() if _returning else None
-        if libc is not None and hasattr(libc, "mallinfo2"):
-            libc.mallinfo2.restype = _MallInfo2
-            self._libc = libc
-            libc.mallopt(_M_MMAP_THRESHOLD, self.threshold)
-            libc.mallopt(_M_TRIM_THRESHOLD, -1)  # step() trims, not every free at the top
+        global _reusing
+        libc = _libc() if _returning and not _reusing else None  # an inner one is a no-op
+        if libc is None or not hasattr(libc, "mallinfo2"):
+            return self
+        # an older glibc (2.34 and before) refuses a threshold above 32 MiB
+        if not any(libc.mallopt(_M_MMAP_THRESHOLD, t) for t in (self.threshold, 32 << 20)):
+            return self
+        libc.mallinfo2.restype = _MallInfo2
+        libc.mallopt(_M_TRIM_THRESHOLD, -1)  # step() trims, not every free at the top
+        self._libc, self._trimmed_at, _reusing = libc, None, True
         return self
 
     def step(self) -> None:
-        """A step of the loop is over: trim if the heap's free part is past its bound."""
+        """A step of the loop is over: trim if the heap has grown by ``slack`` since the last."""
         if self._libc is None:
             return
         size = self._libc.mallinfo2().arena
@@ -479,14 +484,22 @@ class ReusedHeap:
             self._trimmed_at = size
         elif size - self._trimmed_at > self.slack:
             self._libc.malloc_trim(0)
-            self._trimmed_at = size
+            self._trimmed_at = self._libc.mallinfo2().arena  # trimming its top shrinks it
 
     def __exit__(self, *exc) -> None:
+        global _reusing
         libc, self._libc = self._libc, None
         if libc is not None:
             libc.mallopt(_M_MMAP_THRESHOLD, _RETURN_THRESHOLD)
-            libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_DEFAULT)
+            libc.mallopt(_M_TRIM_THRESHOLD, _trim_threshold())
             libc.malloc_trim(0)
+            _reusing = False
+
+
+def _trim_threshold() -> int:
+    """glibc's trim threshold as this process started with it (its environment's, else 128 KiB)."""
+    value = os.environ.get("MALLOC_TRIM_THRESHOLD_", "")
+    return int(value) if value.isdigit() and int(value) < 1 << 31 else _TRIM_DEFAULT
 
 
 class _MallInfo2(ctypes.Structure):

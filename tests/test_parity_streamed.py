@@ -156,7 +156,30 @@ def test_a_gated_mlp_factory_reads_into_its_rows_as_its_merge_would(tiny_llama, 
         merged = item.merge_fn([reader.read_sharded(part) for part in item.build()])
         out = torch.full(merged.shape, float("nan"))
         assert dist_reader._concatenates(item, item.build(), out), key
-        assert torch.equal(reader.read_sharded(item, out=out), merged.float()), key
+        with pytest.MonkeyPatch.context() as mp:  # read into its rows: never merged
+            mp.setattr(torch, "cat", lambda *a, **k: pytest.fail("merged"))
+            direct = reader.read_sharded(item, out=out)
+        assert torch.equal(direct, merged.float()), key
         wrong = torch.empty(merged.shape[0] + 1, *merged.shape[1:])
         with pytest.raises(PortingError, match="merges to"):
             reader.read_sharded(item, out=wrong)
+
+
+def test_a_released_layer_keeps_no_view_of_an_area():
+    from porting.parity.modules import release, set_param, stored_tensors
+    from porting.parity.streamed import _Buffers
+
+    class Router(torch.nn.Module):  # a weight and a persistent buffer, as a router's bias is
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.empty(4, 8, device="meta"))
+            self.register_buffer("bias", torch.empty(4, device="meta"))
+
+    layer, b = Router(), _Buffers(torch.device("cpu"))
+    b.reserve(64)
+    for name, t in list(stored_tensors(layer)):
+        set_param(layer, name, b.take(0, name, t.shape))
+    area = b._areas[0].untyped_storage().data_ptr()
+    assert {t.untyped_storage().data_ptr() for t in (layer.weight, layer.bias)} == {area}
+    release(layer)
+    assert layer.weight.is_meta and layer.bias.is_meta

@@ -83,10 +83,13 @@ def measure_gflops(
     vary by 20% from run to run). A sample repeats the product until it lasts ``sample_s``, so
     that a fast device is not timed at its clock's resolution."""
     device = torch.device(device)
-    # constants, not random draws: a product's speed does not depend on its (normal, finite)
-    # values, and drawing 45 M normals for the rate's shape was 0.2 s of each gate's re-sample
-    x = torch.full((rows, k), 0.5, device=device)
-    w = torch.full((n, k), 0.25, device=device)
+    # Random values (a GPU's clock follows the bits its products toggle: constants run faster),
+    # but ``w`` tiled from 1024 random rows: drawing 45 M normals for the rate's shape was 0.2 s
+    # of each gate's re-sample.
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.rand(rows, k, generator=g, device=device) - 0.5
+    block = torch.rand(min(n, 1024), k, generator=g, device=device) - 0.5
+    w = block.repeat(-(-n // block.shape[0]), 1)[:n]
     cuda = device.type == "cuda"
     tf32 = torch.backends.cuda.matmul.allow_tf32 if cuda else None
 

@@ -49,9 +49,11 @@ def expert_lists(layer: torch.nn.Module) -> list[tuple[str, torch.nn.ModuleList]
 
 
 def release(module: torch.nn.Module) -> None:
-    """Put ``module``'s parameters back on the meta device (frees their memory)."""
-    for name, p in list(module.named_parameters()):
-        set_param(module, name, torch.empty(p.shape, dtype=p.dtype, device="meta"))
+    """Put what was loaded of ``module`` (:func:`stored_tensors`: its parameters and persistent
+    buffers) back on the meta device: frees their memory, and leaves no view of a reused buffer
+    area behind (a router's expert bias would otherwise keep a whole area alive)."""
+    for name, t in list(stored_tensors(module)):
+        set_param(module, name, torch.empty(t.shape, dtype=t.dtype, device="meta"))
 
 
 # ``load(i, sub, e, expert, read)``: the stored tensors of expert ``e`` of the list at ``sub``

@@ -274,16 +274,19 @@ class _Buffers:
 
     def head(self) -> Take:
         """What a module outside the layers, read while none of them is loaded, is read into:
-        area 0 where its tensors fit; where they do not, the areas are freed first."""
+        area 0 where its tensors fit; where they do not, the areas are freed first and each of
+        its tensors gets its own memory. (An output layer in area 0 leaves area 1 resident
+        beside it: two areas, the layers' own peak.)"""
         offset = [0]
 
         def take(name: str, shape: torch.Size) -> torch.Tensor:
-            area, start = self._area(0), offset[0]
-            if area is not None and start + shape.numel() <= area.numel():
+            start = offset[0]
+            if start >= 0 and start + shape.numel() <= self._numel:
                 offset[0] = start + shape.numel()
-                return area[start : start + shape.numel()].view(shape)
-            if start == 0:  # the areas would stay resident beside it
+                return self._area(0)[start : start + shape.numel()].view(shape)
+            if start >= 0:  # the areas would stay resident beside it
                 self.free()
+                offset[0] = -1
             return torch.empty(shape, dtype=torch.float32, device=self.device)
 
         return take
@@ -373,7 +376,7 @@ class _Side:
         def post(mod, args, kwargs, output, i):
             on_layer(i, mod, args, kwargs, _output(output))
             release(mod)
-            if i == n - 1:  # what runs after the layers (the output layer) has their memory
+            if i == n - 1:  # what runs after them (the output layer) takes their areas (head())
                 for buffers in (self.buffers, self.expert_buffers):
                     if buffers is not None:
                         buffers.clear()
