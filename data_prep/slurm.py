@@ -17,7 +17,6 @@ Slurm is asked through ``scontrol`` (a finished job stays there for the cluster'
 from __future__ import annotations
 
 import json
-import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from data_prep import units
 from data_prep.report import report_path, write_json_atomic
 from porting import slurm as sl
 from porting.errors import PortingError
-from porting.guard import Terminated, output_lock
+from porting.guard import output_lock
 
 JOB_FILE = "job.json"
 SUBMITTED = "submitted.json"
@@ -39,20 +38,20 @@ def emit(
     partition: str | None = None,
     time_limit: str | None = None,
 ) -> dict:
-    """Write the job file and the sbatch scripts for ``job`` into ``directory``."""
+    """Write the job file and the sbatch scripts for ``job`` into ``directory``, as one set
+    (:func:`porting.shell.write_set`): a failure leaves none of them new."""
+    from porting import shell
+
     if not job.units:
         raise PortingError("the inputs hold no data: nothing to tokenize (use --executor local)")
     out = Path(directory).absolute()
-    (out / "logs").mkdir(parents=True, exist_ok=True)
-    (out / SUBMITTED).unlink(missing_ok=True)  # an earlier submission's ids are not this job's
-    write_json_atomic(out / JOB_FILE, units.job_to_json(job))
-    cli = f"{shlex.quote(sys.executable)} -m porting.cli prep-data"
-    job_file = shlex.quote(str(out / JOB_FILE))
-    logs = shlex.quote(str(out / "logs"))
+    python = shell.word(sys.executable, "this Python's path")
+    job_file = shell.word(str(out / JOB_FILE), "--emit")
+    logs = out / "logs"
     n = len(job.units)
     # in the scripts, so that submit.sh by hand asks for what the command would
     asked = "".join(
-        f"#SBATCH --{flag}={shlex.quote(value)}\n"
+        shell.directive(flag, value) + "\n"
         for flag, value in (("partition", partition), ("time", time_limit))
         if value
     )
@@ -60,21 +59,22 @@ def emit(
         "units.sbatch": (
             "#!/bin/bash\n"
             "#SBATCH --job-name=prep-data-units\n"
-            f"#SBATCH --array=0-{n - 1}\n"
+            f"{shell.directive('array', f'0-{n - 1}')}\n"
             "#SBATCH --cpus-per-task=1\n"
-            f"#SBATCH --output={logs}/unit-%a.out\n"
+            f"{shell.directive('output', shell.log_pattern(logs, 'unit-%a.out'), '--emit')}\n"
             f"{asked}"
             "set -euo pipefail\n"
-            f'exec {cli} run-unit --job {job_file} --unit "$SLURM_ARRAY_TASK_ID"\n'
+            f"exec {python} -m porting.cli prep-data run-unit --job {job_file} --unit "
+            '"$SLURM_ARRAY_TASK_ID"\n'
         ),
         "merge.sbatch": (
             "#!/bin/bash\n"
             "#SBATCH --job-name=prep-data-merge\n"
             "#SBATCH --cpus-per-task=1\n"
-            f"#SBATCH --output={logs}/merge.out\n"
+            f"{shell.directive('output', shell.log_pattern(logs, 'merge.out'), '--emit')}\n"
             f"{asked}"
             "set -euo pipefail\n"
-            f"exec {cli} finish --job {job_file}\n"
+            f"exec {python} -m porting.cli prep-data finish --job {job_file}\n"
         ),
         "submit.sh": (
             "#!/bin/bash\n"
@@ -85,10 +85,12 @@ def emit(
             'sbatch --dependency=afterok:"${units%%;*}" merge.sbatch\n'
         ),
     }
-    for name, text in scripts.items():
-        path = out / name
-        path.write_text(text)
-        path.chmod(0o755)
+    job_text = json.dumps(units.job_to_json(job), indent=2, ensure_ascii=False) + "\n"
+    files = {JOB_FILE: (job_text, 0o644)}
+    files |= {name: (text, 0o755) for name, text in scripts.items()}
+    shell.write_set(out, files, "--emit")
+    logs.mkdir(exist_ok=True)
+    (out / SUBMITTED).unlink(missing_ok=True)  # an earlier submission's ids are not this job's
     return {"emit": str(out), "units": n, "staging": job.staging, "scripts": sorted(scripts)}
 
 
@@ -258,7 +260,11 @@ def progress(directory: str | Path) -> Progress:
     merge_state = merge[0].get("JobState", "") if merge else None
     if merge_state == "COMPLETED" or (merge is None and produced):
         if not produced:
-            raise PortingError(f"merge job {sub['merge_job']} completed but {report} is missing")
+            raise sl.JobEnded(
+                f"merge job {sub['merge_job']} completed but {report} is missing: nothing is "
+                "taken as written. The output must be on a file system every node sees, not a "
+                "node-local path"
+            )
         return Progress(total, total, finished=True, line="merged")
     if merge is None:
         return Progress(done, total, failed=(
@@ -293,32 +299,35 @@ def cancel(directory: str | Path) -> list[str]:
 
 def follow(directory: str | Path, show_progress: bool, poll_s: float = 1.0) -> dict:
     """Watch the job of ``DIR`` to its end: the dataset's report, or an error naming the task
-    that failed and its log (the rest of the job cancelled, the finished units kept). Ctrl-C or
-    SIGTERM cancels the job too, as ``srun`` does."""
+    that failed and its log (the rest of the job cancelled, the finished units kept). Ctrl-C,
+    SIGTERM, or Slurm not answering for longer than :data:`porting.slurm.PATIENCE_S` cancels the
+    job too, as ``srun`` does (:func:`porting.slurm.follow`)."""
     from tqdm import tqdm
 
     out = Path(directory)
     job = load(out / JOB_FILE, staged=False)
-    now = progress(out)
-    bar = tqdm(total=now.total, unit="unit", desc="slurm", disable=not show_progress)
     try:
-        while True:
-            bar.update(now.done - bar.n)
-            bar.set_postfix_str(now.line, refresh=True)
-            if now.failed:
-                cancel(out)
-                raise PortingError(now.failed)
-            if now.finished:
-                break
-            time.sleep(poll_s)
-            now = progress(out)
-    except (KeyboardInterrupt, Terminated) as stop:
-        ids = cancel(out)
-        stop.kept = (
-            f"Slurm jobs {', '.join(ids)} cancelled; finished units kept in {job.staging}; "
-            "rerun the same command with --resume"
-        )
-        raise
+        sub = json.loads((out / SUBMITTED).read_text())
+    except (OSError, json.JSONDecodeError):
+        raise PortingError(f"{out}: nothing submitted from here ({SUBMITTED} missing)") from None
+    ids = [j for j in (sub.get("units_job"), sub.get("merge_job")) if j]
+    bar = tqdm(total=len(job.units), unit="unit", desc="slurm", disable=not show_progress)
+
+    def poll() -> bool:
+        now = progress(out)
+        bar.update(now.done - bar.n)
+        bar.set_postfix_str(now.line, refresh=True)
+        if now.failed:
+            cancel(out)
+            raise sl.JobEnded(now.failed)
+        return now.finished
+
+    try:
+        sl.follow(
+            ids, poll, poll_s=poll_s,
+            kept=f"Slurm jobs {', '.join(ids)} cancelled; finished units kept in {job.staging}; "
+            "rerun the same command with --resume",
+        )  # fmt: skip
     finally:
         bar.close()
     return json.loads(report_path(job.output_prefix).read_text())

@@ -8,12 +8,26 @@ job Slurm has forgotten by what it left behind.
 
 from __future__ import annotations
 
+import logging
+import os
 import re
 import shutil
 import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from porting.errors import PortingError
+
+log = logging.getLogger(__name__)
+
+# The ceilings of a launch, the planner's own (porting/planner/limits.py takes them from here): far
+# above any real allocation, low enough that a typo is refused rather than started.
+MAX_NODES = 262_144
+MAX_RANKS_PER_NODE = 1024
+# How long a follower waits out a controller that does not answer (a busy slurmctld says "Socket
+# timed out" routinely; a restart takes a minute or two) before it gives up and cancels the job.
+PATIENCE_S = 300.0
 
 # States after which a task will not run again (``squeue --help``); a REQUEUED one does.
 FAILED_STATES = frozenset({
@@ -47,11 +61,102 @@ def sbatch(argv: list[str], what: str) -> str:
     return done.stdout.strip().split(";")[0]
 
 
-def cancel(job_ids: list[str | None]) -> None:
-    """``scancel`` these jobs (those that are already over are left as they are)."""
+class Unreachable(PortingError):
+    """``scontrol`` did not answer (or answered with an error): worth asking again."""
+
+
+class JobEnded(PortingError):
+    """A followed job ended without its verdict (failed, cancelled, timed out, forgotten): there
+    is nothing left to cancel."""
+
+
+def check_launch_size(
+    nodes: int, ranks_per_node: int, *, local: bool, nodes_flag: str, ranks_flag: str
+) -> None:
+    """Refuse a launch no node can schedule: at least 1 of each, at most the planner's ceilings,
+    and on this node (``local``) no more ranks than the cores this process may run on."""
+    for flag, value, ceiling in ((nodes_flag, nodes, MAX_NODES),
+                                 (ranks_flag, ranks_per_node, MAX_RANKS_PER_NODE)):  # fmt: skip
+        if value < 1:
+            raise PortingError(f"{flag} must be at least 1, not {value}")
+        if value > ceiling:
+            raise PortingError(f"{flag} {value} is more than the limit of {ceiling}")
+    if local:
+        cores = len(os.sched_getaffinity(0))
+        if ranks_per_node > cores:
+            raise PortingError(
+                f"{ranks_flag} {ranks_per_node}: this node can run {cores} process(es) at once "
+                f"(its cores); give at most {cores}, or --executor slurm for more nodes"
+            )
+
+
+def cancel(job_ids: list[str | None]) -> str:
+    """``scancel`` these jobs (those that are already over are left as they are); what was done,
+    for a message."""
     ids = [j for j in job_ids if j]
-    if ids and shutil.which("scancel"):
-        subprocess.run(["scancel", *ids], capture_output=True, timeout=60)
+    if not ids:
+        return ""
+    named = f"Slurm job{'s' if len(ids) > 1 else ''} {', '.join(ids)}"
+    if shutil.which("scancel") is None:
+        return f"{named} could not be cancelled (scancel not on PATH): cancel {named} by hand"
+    try:
+        done = subprocess.run(["scancel", *ids], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return f"{named}: scancel did not answer in 60 s; run scancel {' '.join(ids)} by hand"
+    if done.returncode != 0 and "already completing or completed" not in done.stderr:
+        said = done.stderr.strip() or f"exit {done.returncode}"
+        return f"{named}: scancel failed ({said}); run scancel {' '.join(ids)} by hand"
+    return f"{named} cancelled"
+
+
+def follow(
+    job_ids: list[str | None],
+    poll: Callable[[], bool],
+    *,
+    poll_s: float = 1.0,
+    patience_s: float = PATIENCE_S,
+    kept: str | None = None,
+) -> None:
+    """Call ``poll()`` until it says the jobs are done (their verdict checked by it).
+
+    A Slurm that does not answer (:class:`Unreachable`) is asked again, less often, for up to
+    ``patience_s``. Every other way out but :class:`JobEnded` (an error, Slurm unreachable for
+    longer, Ctrl-C, SIGTERM) cancels the jobs first and says so: a job left behind would run later
+    against a directory that is gone, while a rerun may hold the output. A stop's message
+    (``kept``) says what remains.
+    """
+    from porting.guard import Terminated
+
+    failing_since = None
+    wait = poll_s
+    try:
+        while True:
+            try:
+                if poll():
+                    return
+                failing_since, wait = None, poll_s
+            except Unreachable as err:
+                now = time.monotonic()
+                if failing_since is None:
+                    failing_since = now
+                    log.warning("%s; asking again for up to %.0f s", err, patience_s)
+                elif now - failing_since >= patience_s:
+                    raise PortingError(
+                        f"{err}; Slurm did not answer for {now - failing_since:.0f} s"
+                    ) from err
+                wait = min(max(wait * 2, poll_s), 30.0, max(patience_s / 4, poll_s))
+            time.sleep(wait)
+    except JobEnded:
+        raise
+    except (KeyboardInterrupt, Terminated) as stop:
+        said = cancel(job_ids)
+        stop.kept = kept or said
+        raise
+    except PortingError as err:
+        raise PortingError(f"{err}\n{cancel(job_ids)}") from err
+    except BaseException:
+        log.error("%s", cancel(job_ids))
+        raise
 
 
 def tasks(job_id: str | None) -> list[dict] | None:
@@ -67,10 +172,13 @@ def tasks(job_id: str | None) -> list[dict] | None:
         raise PortingError(
             "scontrol not found on PATH: Slurm's client commands are needed to follow the job"
         ) from None
+    except subprocess.TimeoutExpired:
+        raise Unreachable(f"scontrol show job {job_id} did not answer in 60 s") from None
     if done.returncode != 0:
         if "Invalid job id" in done.stderr:
             return None
-        raise PortingError(f"scontrol show job {job_id}: {done.stderr.strip()}")
+        said = done.stderr.strip() or f"exit {done.returncode}"
+        raise Unreachable(f"scontrol show job {job_id}: {said}")
     return [dict(re.findall(r"(\w+)=(\S*)", line)) for line in done.stdout.splitlines() if line]
 
 
@@ -97,44 +205,58 @@ def torchrun_script(
     nodes: int,
     nproc_per_node: int,
     log_dir: Path,
-    command: str,
+    argv: list,
     *,
+    log_what: str = "--out",
     gpus_per_node: int | None = None,
     partition: str | None = None,
     time_limit: str | None = None,
-    sbatch_lines: tuple[str, ...] = (),
-    exports: dict[str, str] | None = None,
-    shell_lines: tuple[str, ...] = (),
+    switches: tuple[str, ...] = (),
+    exports: dict[str, tuple[str, str]] | None = None,
+    share_cores: bool = False,
 ) -> str:
-    """A batch script that runs ``porting COMMAND`` (already quoted) as torchrun ranks on every
-    node of the allocation, the job's log in ``log_dir/job-ID.out``.
+    """A batch script that runs ``porting ARGV`` as torchrun ranks on every node of the
+    allocation, the job's log in ``log_dir/job-ID.out``. Every value goes through
+    :mod:`porting.shell`: ``argv`` as words (a value named by its flag in an error), ``partition``
+    and ``time_limit`` as directives, ``exports`` (``NAME: (value, flag)``) as ``export`` lines,
+    ``log_dir`` as sbatch's ``--output`` (named ``log_what`` in an error).
 
     The rendezvous is the first node's ``NodeAddr`` (a node's name need not resolve as a host
     name) and a port drawn from the job id (two jobs on one node do not meet); torchrun is this
-    environment's, run by its Python.
+    environment's, run by its Python. ``share_cores`` gives each rank its share of the node's
+    cores unless the job's environment sets ``OMP_NUM_THREADS``.
     """
-    import shlex
     import sys
 
-    lines = [f"#SBATCH --{flag}={shlex.quote(value)}" for flag, value in (
+    from porting import shell
+
+    head = [
+        shell.directive("job-name", job_name),
+        shell.directive("nodes", nodes),
+        shell.directive("ntasks-per-node", 1),
+        "#SBATCH --exclusive",
+        shell.directive("output", shell.log_pattern(log_dir, "job-%j.out"), log_what),
+    ]
+    head += [shell.directive(flag, value) for flag, value in (
         ("partition", partition), ("time", time_limit)) if value]  # fmt: skip
     if gpus_per_node is not None:
-        lines.append(f"#SBATCH --gpus-per-node={gpus_per_node}")
-    head = "".join(f"{line}\n" for line in (*lines, *sbatch_lines))
-    env = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in (exports or {}).items())
-    env += "".join(f"{line}\n" for line in shell_lines)
+        head.append(shell.directive("gpus-per-node", gpus_per_node))
+    head += [f"#SBATCH --{switch}" for switch in switches]
+    env = [shell.export(k, value, what) for k, (value, what) in (exports or {}).items()]
+    if share_cores:
+        env.append(
+            f"cores=$(nproc); export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-$(( cores / "
+            f"{int(nproc_per_node)} > 0 ? cores / {int(nproc_per_node)} : 1 ))}}"
+        )
+    python = shell.word(sys.executable, "this Python's path")
+    lines = "\n".join([*head, ""])
     return f"""#!/bin/bash
-#SBATCH --job-name={job_name}
-#SBATCH --nodes={nodes}
-#SBATCH --ntasks-per-node=1
-#SBATCH --exclusive
-#SBATCH --output={shlex.quote(str(Path(log_dir).absolute()))}/job-%j.out
-{head}set -euo pipefail
+{lines}set -euo pipefail
 first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MASTER_ADDR=$(scontrol show node "$first" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
 export MASTER_PORT=${{MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}}
-{env}srun {shlex.quote(sys.executable)} -m torch.distributed.run \\
-  --nnodes={nodes} --nproc-per-node={nproc_per_node} \\
+{"".join(line + chr(10) for line in env)}srun {python} -m torch.distributed.run \\
+  --nnodes={int(nodes)} --nproc-per-node={int(nproc_per_node)} \\
   --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \\
-  -m porting.cli {command}
+  -m porting.cli {shell.command(argv)}
 """

@@ -56,8 +56,14 @@ class Slurm(UnitExecutor):
         return [*super().writes(cfg), ("--emit", emit_dir(cfg))]
 
     def refuse(self, cfg: PrepConfig) -> None:
-        from porting import slurm
+        from porting import shell, slurm
 
+        # each reaches the scripts: a control character would end the line it is written on
+        where = "--emit" if cfg.emit else "--output-prefix (the default --emit is beside it)"
+        shell.checked(str(Path(emit_dir(cfg)).absolute()), where)
+        for flag, value in (("--partition", cfg.partition), ("--time", cfg.time_limit)):
+            if value is not None:
+                shell.checked(value, flag)
         if not cfg.no_submit:
             slurm.sbatch_path()  # before anything is staged
 

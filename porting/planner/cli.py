@@ -9,7 +9,7 @@ import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from porting import guard
+from porting import guard, shell
 from porting.errors import PortingError
 from porting.planner.limits import (
     GLOBAL_BATCH,
@@ -333,6 +333,14 @@ def _cmd_plan(args) -> int:
         writes=[("--emit", args.emit)],
         files=[("--plot", args.plot), ("--save-constants", args.save_constants)],
     )
+    # the emitted train command's values: each a path, or a "$NAME" the scripts expand
+    refs = {
+        flag: None if value is None else shell.reference_or_value(value, flag)
+        for flag, value in (("--checkpoint", args.checkpoint), ("--data", args.data),
+                            ("--out", args.out))
+    }  # fmt: skip
+    if args.emit is not None:
+        shell.checked(str(Path(args.emit).absolute()), "--emit")
     args.seq_length = int(
         SEQ_LENGTH.check(_integer(args.seq_length, "--seq-length"), "--seq-length")
     )
@@ -415,16 +423,16 @@ def _cmd_plan(args) -> int:
             pass
     written: list[Path] = []
     if args.emit:
-        from porting.planner.emit import default_checkpoint, write_launch
+        from porting.planner.emit import DATA, OUT, default_checkpoint, write_launch
 
         written = write_launch(
             args.emit,
             result,
             ev,
             chosen,
-            checkpoint=args.checkpoint or default_checkpoint(args.model),
-            data=args.data or '"$DATA"',
-            run_dir=args.out or '"$OUT"',
+            checkpoint=refs["--checkpoint"] or default_checkpoint(args.model),
+            data=refs["--data"] or DATA,
+            run_dir=refs["--out"] or OUT,
         )
     if args.plot:
         from porting.planner.plot import write_plot

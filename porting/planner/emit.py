@@ -1,24 +1,29 @@
 """Launch files for a chosen layout: ``porting train`` flags, a NeMo ``MegatronStrategy`` snippet,
 per-node torchrun commands, a Slurm script, ``nccl.env`` and the nccl-tests that measure each level.
 
-Every file is written to a temporary name in the target directory and renamed into place.
+The files are one set (:func:`porting.shell.write_set`): staged, then renamed in together; every
+value in them goes through :mod:`porting.shell` (a ``"$NAME"`` the scripts expand is a
+:class:`~porting.shell.Ref`, never a string that begins with ``"$``).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shlex
 from pathlib import Path
 
+from porting import shell
 from porting.errors import PortingError
 from porting.planner.cluster import MIB, Cluster, NcclSettings, Site
 from porting.planner.perf import Evaluator, Prediction
 from porting.planner.placement import ORDER_TP_PP_DP, WAN
 from porting.planner.report import plan_dict, prediction_dict
 from porting.planner.search import Plan
+from porting.shell import Ref
 
 MASTER_PORT = 29500
+# what the emitted files expect in the environment unless --checkpoint / --data / --out are given
+CHECKPOINT, DATA, OUT = Ref("CHECKPOINT"), Ref("DATA"), Ref("OUT")
 
 
 def gpus_per_node(cluster: Cluster) -> int:
@@ -34,8 +39,13 @@ def gpus_per_node(cluster: Cluster) -> int:
 
 
 def train_argv(
-    p: Prediction, plan: Plan, checkpoint: str, data: str, out: str, plan_file: str | None = None
-) -> list[str]:
+    p: Prediction,
+    plan: Plan,
+    checkpoint: str | Ref,
+    data: str | Ref,
+    out: str | Ref,
+    plan_file: str | None = None,
+) -> list[str | Ref]:
     """``porting train`` arguments for a layout (the flags the train entry must accept).
 
     Every setting the plan's prediction assumed is spelled out (rank order, distributed optimizer
@@ -86,21 +96,13 @@ def train_argv(
     return argv
 
 
-def _required_vars(argv: list[str]) -> list[str]:
-    """Names of the shell variables (``"$NAME"``) the arguments refer to."""
-    return [a[2:-1] for a in argv if a.startswith('"$') and a.endswith('"')]
+def _required_vars(argv: list[str | Ref]) -> list[str]:
+    """Names of the shell variables the arguments refer to."""
+    return [a.name for a in argv if isinstance(a, Ref)]
 
 
-def _var_checks(argv: list[str]) -> str:
+def _var_checks(argv: list[str | Ref]) -> str:
     return "\n".join(f': "${{{v}:?set {v}}}"' for v in _required_vars(argv))
-
-
-def _shell_argv(argv: list[str]) -> str:
-    """Quote arguments, leaving ``"$VAR"`` references for the shell to expand."""
-    out = []
-    for a in argv:
-        out.append(a if a.startswith('"$') else shlex.quote(a))
-    return " ".join(out)
 
 
 def strategy_snippet(p: Prediction, plan: Plan) -> str:
@@ -208,7 +210,7 @@ def torchrun_commands(plan: Plan, argv: list[str], cluster: Cluster | None = Non
     """One torchrun command per node, nodes in rank order (site by site, in ``cluster``'s order
     of the sites: the placement's)."""
     cluster = cluster or plan.cluster
-    cmd = _shell_argv(argv)
+    cmd = shell.command(argv)
     order = " > ".join(s.name for s in cluster.sites)
     lines = [
         f"# torchrun per node of {plan.cluster.name}, in node-rank order (site by site: {order}).",
@@ -228,7 +230,7 @@ def torchrun_script(plan: Plan, argv: list[str], cluster: Cluster | None = None)
 
     FLAGS (``--steps 1000 --lr 3e-5``) are added to the planned ``porting train`` flags.
     """
-    cmd = _shell_argv(argv)
+    cmd = shell.command(argv)
     ranges, first = [], 0
     for s in (cluster or plan.cluster).sites:
         ranges.append(f"#   site {s.name}: node ranks {first}-{first + s.nodes - 1}")
@@ -442,19 +444,23 @@ def nccl_tests_script(cluster: Cluster, moe: bool = False) -> str:
 
 
 def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
-    """Write ``text`` to a temporary file next to ``path`` and rename it into place."""
+    """Write ``text`` to a temporary file next to ``path`` and rename it into place (the
+    temporary file removed if writing fails)."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
-def default_checkpoint(model_spec: str) -> str:
+def default_checkpoint(model_spec: str) -> str | Ref:
     """The ``--model`` argument when it is an imported checkpoint, else a shell variable."""
     path = Path(model_spec)
     if (path / "context" / "porting.json").is_file():
         return str(path.resolve())
-    return '"$CHECKPOINT"'
+    return CHECKPOINT
 
 
 def write_launch(
@@ -463,22 +469,22 @@ def write_launch(
     ev: Evaluator,
     p: Prediction | None = None,
     *,
-    checkpoint: str = '"$CHECKPOINT"',
-    data: str = '"$DATA"',
-    run_dir: str = '"$OUT"',
+    checkpoint: str | Ref = CHECKPOINT,
+    data: str | Ref = DATA,
+    run_dir: str | Ref = OUT,
 ) -> list[Path]:
-    """Write every launch file for ``p`` (default: the best layout) into ``out_dir``."""
+    """Write every launch file for ``p`` (default: the best layout) into ``out_dir``, as one
+    set: on a failure none of them is new."""
     p = p or plan.best
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     argv = train_argv(p, plan, checkpoint, data, run_dir, str(out.resolve() / "plan.json"))
     ranks = rank_cluster(plan, p)
     chosen = plan_dict(plan, top=0)
     chosen["layouts"] = [prediction_dict(p)]
-    chosen["train_argv"] = argv
+    chosen["train_argv"] = [str(a) for a in argv]
     files = {
         "plan.json": (json.dumps(chosen, indent=2, default=str) + "\n", 0o644),
-        "train_flags.txt": (" ".join(argv) + "\n", 0o644),
+        "train_flags.txt": (shell.command(argv) + "\n", 0o644),
         "strategy.py": (strategy_snippet(p, plan), 0o644),
         "torchrun.sh": (torchrun_script(plan, argv, ranks), 0o755),
         "torchrun_per_node.txt": (torchrun_commands(plan, argv, ranks), 0o644),
@@ -487,9 +493,4 @@ def write_launch(
         "nccl.env": (nccl_env(ev, p), 0o644),
         "nccl_tests.sh": (nccl_tests_script(plan.cluster, moe=plan.model.moe), 0o755),
     }
-    written = []
-    for name, (text, mode) in files.items():
-        path = out / name
-        write_atomic(path, text, mode)
-        written.append(path)
-    return written
+    return shell.write_set(out, files, "--emit")

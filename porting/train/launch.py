@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import os
-import shlex
 import sys
 import threading
-import time
 from pathlib import Path
 
 from porting.errors import PortingError
@@ -30,23 +28,42 @@ def slurm_script(
     """
     from porting import slurm
 
-    cmd = " ".join(shlex.quote(a) for a in argv)
     return slurm.torchrun_script(
-        job_name, spec.nodes, spec.gpus_per_node, Path(spec.out) / "slurm", f"train {cmd}",
+        job_name, spec.nodes, spec.gpus_per_node, Path(spec.out) / "slurm", ["train", *argv],
         gpus_per_node=None if cpu_nodes else spec.gpus_per_node, partition=partition,
         time_limit=time_limit,
     )  # fmt: skip
 
 
+def verdict_path(out: str | Path, job_id: str) -> Path:
+    """Where rank 0 of Slurm job ``job_id`` leaves its verdict: in the run directory, which the
+    submitting node reads (NeMo moves what sits at the top of it; ``slurm/`` it leaves)."""
+    return Path(out) / "slurm" / f"job-{job_id}.done"
+
+
+def leave_verdict(out: str | Path, text: str) -> None:
+    """Rank 0 of a Slurm job: the run's last line, for the follower that submitted it."""
+    job_id = os.environ.get("SLURM_JOB_ID")
+    if not job_id or not job_id.isdigit():
+        return
+    path = verdict_path(out, job_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text + "\n")
+    tmp.replace(path)
+
+
 def follow_slurm(job_id: str, log: Path, poll_s: float = 1.0, out: Path | None = None) -> None:
     """Print the job's log as it grows until the job ends; an error naming how it ended (and the
-    log's last lines) unless it completed. Ctrl-C or SIGTERM cancels the job, as ``srun`` does.
+    log's last lines) unless it completed with rank 0's verdict in ``out`` (a job that completed
+    without one did not train where this node looks: a node-local run directory). Ctrl-C,
+    SIGTERM or an error while following cancels the job, as ``srun`` does
+    (:func:`porting.slurm.follow`).
 
     A job that ended otherwise (cancelled, failed, timed out) has no rank left: its run directory
     ``out`` is settled here (:func:`porting.train.stop.settle_checkpoints`), so that a checkpoint
     it was writing is removed now, and said, rather than by NeMo on the resume."""
     from porting import slurm
-    from porting.guard import Terminated
     from porting.train.stop import settle_checkpoints
 
     shown = 0
@@ -68,44 +85,48 @@ def follow_slurm(job_id: str, log: Path, poll_s: float = 1.0, out: Path | None =
             sys.stdout.flush()
             shown += cut
 
-    try:
-        while True:
+    def poll() -> bool:
+        nonlocal restarts
+        show()
+        tasks = slurm.tasks(job_id)
+        state = tasks[0].get("JobState", "") if tasks else None
+        if tasks and int(tasks[0].get("Restarts", "0") or 0) > restarts:
+            # Slurm requeues a batch job whose node failed; the script runs again from the
+            # top, and `porting train` resumes from the last complete checkpoint.
+            restarts = int(tasks[0]["Restarts"])
+            print(
+                f"Slurm requeued job {job_id} (restart {restarts}): it resumes from its last "
+                "complete checkpoint when it runs again",
+                flush=True,
+            )
+        if state == "COMPLETED" or state is None:
             show()
-            tasks = slurm.tasks(job_id)
-            state = tasks[0].get("JobState", "") if tasks else None
-            if tasks and int(tasks[0].get("Restarts", "0") or 0) > restarts:
-                # Slurm requeues a batch job whose node failed; the script runs again from the
-                # top, and `porting train` resumes from the last complete checkpoint.
-                restarts = int(tasks[0]["Restarts"])
-                print(
-                    f"Slurm requeued job {job_id} (restart {restarts}): it resumes from its last "
-                    "complete checkpoint when it runs again",
-                    flush=True,
-                )
-            if state == "COMPLETED" or state is None:
-                show()
-                if state is None and "done: " not in log.read_text(errors="replace"):
-                    raise PortingError(
-                        f"Slurm no longer knows job {job_id} and its log {log} has no "
-                        f"'done:' line; it ends:\n{slurm.tail(log)}"
-                    )
-                return
-            if state in slurm.FAILED_STATES:
-                show()
-                longer = " with a longer --time" if state == "TIMEOUT" else ""
-                kept = "the checkpoints saved so far are kept"
-                if out is not None:
-                    kept = settle_checkpoints(out)
-                raise PortingError(
-                    f"Slurm job {job_id} ended {slurm.ended(tasks[0])}; its log {log} ends:\n"
-                    f"{slurm.tail(log)}\n{kept}: rerun the same command{longer} to resume from "
-                    "the last one"
-                )
-            time.sleep(poll_s)
-    except (KeyboardInterrupt, Terminated) as stop:
-        slurm.cancel([job_id])
-        stop.kept = f"Slurm job {job_id} cancelled; rerun the same command to resume"
-        raise
+            if out is not None and verdict_path(out, job_id).is_file():
+                return True
+            how = "completed" if state else "is no longer known to Slurm"
+            raise slurm.JobEnded(
+                f"Slurm job {job_id} {how} but rank 0 left no verdict "
+                f"({verdict_path(out or '.', job_id)}): nothing is taken as trained. The run "
+                "directory must be on a file system that every node sees, not a node-local "
+                f"path. Its log {log} ends:\n{slurm.tail(log)}"
+            )
+        if state in slurm.FAILED_STATES:
+            show()
+            longer = " with a longer --time" if state == "TIMEOUT" else ""
+            kept = "the checkpoints saved so far are kept"
+            if out is not None:
+                kept = settle_checkpoints(out)
+            raise slurm.JobEnded(
+                f"Slurm job {job_id} ended {slurm.ended(tasks[0])}; its log {log} ends:\n"
+                f"{slurm.tail(log)}\n{kept}: rerun the same command{longer} to resume from "
+                "the last one"
+            )
+        return False
+
+    slurm.follow(
+        [job_id], poll, poll_s=poll_s,
+        kept=f"Slurm job {job_id} cancelled; rerun the same command to resume",
+    )  # fmt: skip
 
 
 def launch_nemo_run(spec: TrainSpec, argv: list[str]) -> int:
