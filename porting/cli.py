@@ -52,7 +52,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in _SUBCOMMAND_MODULES:
         importlib.import_module(name).register(sub)
+    _whole_flags_only(parser)
     return parser
+
+
+def _whole_flags_only(parser: argparse.ArgumentParser) -> None:
+    """No abbreviated flags, in this parser and every subcommand's: ``--exec torchrun`` would be
+    taken for ``--executor``, while the launchers that rebuild a rank's arguments (and a reader
+    of a script or a log) know the full spellings only."""
+    parser.allow_abbrev = False
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in set(action.choices.values()):
+                _whole_flags_only(child)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,11 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     before = guard.child_pids()
     from porting.convert import ranks
 
-    if ranks.staging() is not None:  # a rank of a launched conversion ends with its launcher
-        guard.die_with_parent()
     try:
         with guard.signals_as_exceptions():
             try:
+                if ranks.staging() is not None:  # a rank of a launched conversion ends with it
+                    guard.die_with_parent()
                 code = int(args.func(args) or 0)
             except BaseException as err:
                 ranks.record_failure(err)

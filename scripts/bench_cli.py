@@ -74,7 +74,9 @@ def _tiny_checkpoint(work: Path) -> tuple[Path, Path]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     p.add_argument("--repeat", type=int, default=3, help="runs per command (median shown)")
     p.add_argument("--workdir", type=Path, help="where the tiny model goes (default: a temp dir)")
     args = p.parse_args()

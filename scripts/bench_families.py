@@ -19,7 +19,9 @@ from pathlib import Path
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     p.add_argument("--workdir", type=Path, help="where the models go (default: a temp dir)")
     args = p.parse_args()
     from porting import proof

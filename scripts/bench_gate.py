@@ -76,7 +76,9 @@ def _cell(rows: list[dict], key: str) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        allow_abbrev=False,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--before", type=Path, help="a checkout of the earlier code")
     p.add_argument("--rounds", type=int, default=2)

@@ -152,7 +152,9 @@ def run_child(which: str, hf: Path, out: Path) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        allow_abbrev=False,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--workdir", type=Path, default=Path("/tmp/porting-bench"))
     p.add_argument("--layers", type=int, default=18)

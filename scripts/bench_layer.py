@@ -95,7 +95,9 @@ def layer_cases() -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        allow_abbrev=False,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--heads", type=int, default=16)

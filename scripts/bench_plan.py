@@ -162,7 +162,7 @@ def worst() -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-70b")
     parser.add_argument("--cluster", type=Path, default=ROOT / "examples/clusters/three-sites.yaml")
     parser.add_argument("--global-batch", type=int, default=1024)

@@ -250,7 +250,9 @@ def executors(work: Path, corpus: Path, tiny: Path, hf: Path, unit_mb: float, sl
 
 def main() -> int:
     """Entry point."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     ap.add_argument("--workdir", default="/tmp/porting-bench-prep")
     ap.add_argument("--mb", type=float, default=100.0, help="corpus size in MB")
     ap.add_argument("--workers", type=int, default=2)

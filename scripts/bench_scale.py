@@ -404,7 +404,9 @@ llm.import_ckpt(model=llm.LlamaModel(placeholder), source="hf://" + sys.argv[1],
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     p.add_argument("--sizes", nargs="+", default=["7b", "7b-deep"], choices=[*SIZES, *ARCH_SIZES])
     p.add_argument("--workdir", type=Path, default=Path("bench-out/scale"))
     p.add_argument("--nemo", action="store_true", help="also run NeMo's own HFLlamaImporter")

@@ -527,7 +527,7 @@ def markdown(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Set up the bed, measure, compare, tear down; print the tables (or JSON)."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--rate-mbit", type=float, default=100, help="link bandwidth, each way")
     ap.add_argument("--sizes", default="65536,262144,1048576,4194304,8388608", help="message bytes")
     ap.add_argument("--reps", type=int, default=9, help="timed repetitions per size (median)")

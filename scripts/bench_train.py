@@ -116,7 +116,9 @@ def bench(ckpt: Path, args, device: torch.device, peak: float) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        allow_abbrev=False,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)

@@ -21,7 +21,9 @@ import tempfile
 
 def main() -> None:
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        allow_abbrev=False,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--device", default="cuda")
     p.add_argument("--hidden", type=int, default=1024)

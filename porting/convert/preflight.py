@@ -19,13 +19,12 @@ Shapes are then checked tensor by tensor once the (bounded) meta models exist
 from __future__ import annotations
 
 import fnmatch
-import os
 import re
 from typing import TYPE_CHECKING, Any
 
 from porting.contract.family import Family
 from porting.contract.mapping import EXPERT, LAYER, MTP, Ignore, Rename
-from porting.convert.ranks import STAGING_ENV
+from porting.convert.ranks import ranks_on_this_node
 from porting.errors import PortingError
 
 if TYPE_CHECKING:
@@ -211,7 +210,7 @@ def check_gate_memory(
         need, parts = gate_memory(shapes, bool(hf_config.get("tie_word_embeddings", True)))
     have = available_bytes()
     # the ranks of a launched conversion on this node each hold a gate of their own at once
-    here = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if os.environ.get(STAGING_ENV) else 1
+    here = ranks_on_this_node()
     if need * here > have:
         detail = ", ".join(f"{part} {size(n)}" for part, n in parts.items() if n)
         each = f" on each of the {here} ranks on this node" if here > 1 else ""

@@ -2,14 +2,16 @@
 
 ``porting import --executor torchrun --nproc-per-node N`` (or ``slurm``) claims the output as a
 one-process import does (lock, staging directory beside it), then starts N ranks of the same
-command through torchrun with the staging directory in :data:`STAGING_ENV`. Each rank joins one
+command through torchrun with the staging directory handed over in :data:`STAGING_ENV`
+(:mod:`porting.handoff`: a shell that carries the variable makes no rank). Each rank joins one
 process group (gloo on the CPU): NeMo's trainer runs data parallel over them, and Megatron's
 fully-parallel save (``FullyParallelSaveStrategyWrapper``) gives each rank a balanced share of the
 checkpoint's tensors to produce and write into the one ``torch_dist`` checkpoint (one
 ``.metadata``, every rank's ``__R_0.distcp``). The gate is a pipeline of the ranks
 (:class:`porting.parity.streamed._Stage`). Rank 0 writes the layout files, prints the report and
 leaves the verdict; the launcher moves the staging directory into place only when every rank
-succeeded, and otherwise removes it and names the rank that failed first and why.
+succeeded and rank 0's verdict is there, and otherwise removes it and names the rank that failed
+first and why.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import threading
 import traceback
 from pathlib import Path
 
+from porting import handoff
 from porting.errors import PortingError
 from porting.guard import Terminated
 
@@ -68,9 +71,18 @@ def add_launch_flags(p) -> None:
 
 def check_launch_flags(args) -> None:
     """Refuse, before anything starts, launch flags that cannot work."""
-    for flag, value in (("--nproc-per-node", args.nproc_per_node), ("--nnodes", args.nnodes)):
-        if value < 1:
-            raise PortingError(f"{flag} must be at least 1, not {value}")
+    from porting import slurm
+
+    slurm.check_launch_size(
+        args.nnodes if args.executor == "slurm" else 1, args.nproc_per_node,
+        local=args.executor == "torchrun", nodes_flag="--nnodes", ranks_flag="--nproc-per-node",
+    )  # fmt: skip
+    if args.executor == "slurm":
+        from porting import shell
+
+        for flag, value in (("--partition", args.partition), ("--time", args.time_limit)):
+            if value is not None:
+                shell.checked(value, flag)
     if args.whole_model:
         raise PortingError("--whole-model is one process's gate; the ranks' gate is streamed")
     if args.device == "cuda":
@@ -78,8 +90,6 @@ def check_launch_flags(args) -> None:
             f"--executor {args.executor} gates on the CPU; leave --device at auto or cpu"
         )
     if args.executor == "slurm":
-        from porting import slurm
-
         slurm.sbatch_path("--executor torchrun")
 
 
@@ -105,19 +115,32 @@ def launch(args, command: str, stage_dir: Path) -> tuple[str, bool]:
     flags ask for, writing into ``stage_dir``; return rank 0's report and its verdict."""
     argv = rank_argv(sys.argv, command)
     if args.executor == "slurm":
-        launch_slurm(
+        job = launch_slurm(
             command, argv, stage_dir, args.nnodes, args.nproc_per_node, args.partition,
             args.time_limit,
         )  # fmt: skip
-    else:
-        launch_torchrun(command, argv, stage_dir, args.nproc_per_node)
+        return report_of(stage_dir, job)
+    launch_torchrun(command, argv, stage_dir, args.nproc_per_node)
     return report_of(stage_dir)
 
 
 def staging() -> Path | None:
-    """The staging directory this rank writes into, or None outside a launched conversion."""
-    value = os.environ.get(STAGING_ENV)
-    return Path(value) if value else None
+    """The staging directory this rank writes into, or None outside a launched conversion; an
+    error naming :data:`STAGING_ENV` when a shell carried it without its launch."""
+    state = handoff.received(STAGING_ENV)
+    return None if state is None else Path(state["stage"])
+
+
+def ranks_on_this_node() -> int:
+    """How many ranks of this conversion share this node (1 outside a launched one)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if staging() is not None else 1
+
+
+def _handed(stage_dir: Path) -> dict[str, str]:
+    """The environment that makes the launched processes ranks of this conversion."""
+    where = stage_dir.absolute() / RANKS_DIR
+    where.mkdir(exist_ok=True)
+    return handoff.hand_off(STAGING_ENV, where, stage=str(stage_dir.absolute()))
 
 
 def rank() -> int:
@@ -176,16 +199,28 @@ def leave_report(text: str, passed: bool = True) -> None:
     (where / "verdict").write_text("passed\n" if passed else "failed\n")
 
 
-def report_of(stage_dir: Path) -> tuple[str, bool]:
+def report_of(stage_dir: Path, job: str | None = None) -> tuple[str, bool]:
     """The report rank 0 left (empty without the gate) and its verdict; the launch's files
-    removed: what remains of the staging directory is the output."""
+    removed: what remains of the staging directory is the output. Ranks that all ended well
+    but left no verdict did not finish this conversion where the launcher looks (a Slurm job
+    whose output was on a node-local path): that is refused, never taken for a success."""
     import shutil
 
     where = stage_dir / RANKS_DIR
-    said = (where / "report.out").read_text() if (where / "report.out").exists() else ""
-    passed = not (where / "verdict").exists() or (where / "verdict").read_text() == "passed\n"
+    try:
+        verdict = (where / "verdict").read_text()
+        said = (where / "report.out").read_text()
+    except OSError:
+        ran = f"Slurm job {job} completed" if job else "the ranks exited 0"
+        raise PortingError(
+            f"{ran} but rank 0 left no report in {where}: nothing is taken as written. The "
+            "output (and the directory the command runs in) must be on a file system that "
+            "every node sees, not a node-local path"
+        ) from None
+    if verdict not in ("passed\n", "failed\n"):
+        raise PortingError(f"{where / 'verdict'}: not a verdict ({verdict[:40]!r})")
     shutil.rmtree(where, ignore_errors=True)
-    return said, passed
+    return said, verdict == "passed\n"
 
 
 def _root_cause(log: str) -> tuple[int, str] | None:
@@ -244,7 +279,10 @@ def launch_torchrun(command: str, argv: list[str], stage_dir: Path, nproc: int) 
     # would give each one thread, with a banner saying so); a value the user set stands.
     cores = len(os.sched_getaffinity(0))
     threads = {"OMP_NUM_THREADS": str(max(1, cores // nproc))}
-    env = threads | os.environ | {STAGING_ENV: str(stage_dir)}
+    # torchrun's own temporary directories (torchelastic_*) go with the staging directory
+    tmp = stage_dir.absolute() / RANKS_DIR / "tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    env = threads | os.environ | _handed(stage_dir) | {"TMPDIR": str(tmp)}
     proc = subprocess.Popen(
         cmd, env=env, stderr=subprocess.PIPE, start_new_session=True,
         preexec_fn=die_with_parent,
@@ -303,83 +341,85 @@ def launch_slurm(
     nproc: int,
     partition: str | None,
     time_limit: str | None,
-) -> None:
+) -> str:
     """Submit ``porting COMMAND ARGV`` as a Slurm job of ``nodes`` x ``nproc`` torchrun ranks
     writing into ``stage_dir`` (which every node must see), follow it to its end, and raise
-    :class:`PortingError` naming the failing rank, or how the job ended. Ctrl-C or SIGTERM
-    cancels the job. The job is not requeued after a node failure: its ranks would start over
-    into a half-written directory; the conversion fails, and a rerun starts afresh."""
+    :class:`PortingError` naming the failing rank, or how the job ended; return its id. Ctrl-C,
+    SIGTERM or an error while following cancels the job (:func:`porting.slurm.follow`). The job
+    is not requeued after a node failure: its ranks would start over into a half-written
+    directory; the conversion fails, and a rerun starts afresh."""
     from porting import slurm
 
     where = stage_dir / RANKS_DIR
     where.mkdir(exist_ok=True)
     script = where / f"{command}.sbatch"
+    (value,) = _handed(stage_dir).values()
     script.write_text(
         slurm.torchrun_script(
-            f"porting-{command}", nodes, nproc, where,
-            " ".join(shlex.quote(a) for a in (command, *argv)), partition=partition,
-            time_limit=time_limit, sbatch_lines=("#SBATCH --no-requeue",),
-            exports={STAGING_ENV: str(stage_dir.absolute())},
-            shell_lines=(
-                # each rank its share of the node's cores (see launch_torchrun)
-                f"cores=$(nproc); export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-$(( cores / {nproc} "
-                f"> 0 ? cores / {nproc} : 1 ))}}",
-            ),
+            f"porting-{command}", nodes, nproc, where, [command, *argv],
+            log_what="--out" if command != "verify" else "the current directory",
+            partition=partition, time_limit=time_limit, switches=("no-requeue",),
+            exports={STAGING_ENV: (value, "--out")}, share_cores=True,
         )
     )  # fmt: skip
     job = slurm.sbatch([str(script)], f"the {command}")
     log = where / f"job-{job}.out"
     each = f"{nproc} rank{'s' if nproc > 1 else ''} each"
-    print(f"submitted Slurm job {job} ({nodes} nodes, {each})", file=sys.stderr, flush=True)
-    _follow(job, log, stage_dir, command)
+    print(
+        f"submitted Slurm job {job} ({nodes} nodes, {each}); log {log}", file=sys.stderr,
+        flush=True,
+    )  # fmt: skip
+    tail = _Log(log)
+    slurm.follow([job], lambda: _poll(job, tail, stage_dir))
+    return job
 
 
-def _follow(job: str, log: Path, stage_dir: Path, command: str, poll_s: float = 1.0) -> None:
-    import time
-
+def _poll(job: str, log: _Log, stage_dir: Path) -> bool:
+    """One look at a conversion's job (its new log lines shown): True once it has completed; an
+    error naming the failing rank, or how the job ended."""
     from porting import slurm
-    from porting.guard import Terminated
 
-    shown, quiet = 0, False
+    log.show()
+    tasks = slurm.tasks(job)
+    state = tasks[0].get("JobState", "") if tasks else None
+    if state == "COMPLETED":
+        return True
+    if state is None:
+        if (stage_dir / RANKS_DIR / "verdict").exists():  # rank 0 got to its end
+            return True
+        raise slurm.JobEnded(
+            f"Slurm no longer knows job {job}; its log ends:\n{slurm.tail(log.path)}"
+        )
+    if state in slurm.FAILED_STATES:
+        text = log.show()
+        if _root_cause(text) is not None or list((stage_dir / RANKS_DIR).glob("*.error")):
+            raise slurm.JobEnded(str(failure(stage_dir, text, f"Slurm job {job}")))
+        longer = "; give a longer --time" if state == "TIMEOUT" else ""
+        raise slurm.JobEnded(
+            f"Slurm job {job} ended {slurm.ended(tasks[0])}{longer}; nothing was written. "
+            f"Its log ends:\n{slurm.tail(log.path)}"
+        )
+    return False
 
-    def show() -> str:
-        nonlocal shown, quiet
+
+class _Log:
+    """A job's log as it grows: its new whole lines passed to this terminal until a failure's
+    report begins (as :func:`_forward` does for torchrun)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.shown, self.quiet = path, 0, False
+
+    def show(self) -> str:
+        """The log so far, its new lines shown."""
         try:
-            text = log.read_bytes().decode(errors="replace")
+            text = self.path.read_bytes().decode(errors="replace")
         except FileNotFoundError:
             return ""
         cut = text.rfind("\n") + 1
-        for line in text[shown:cut].splitlines(keepends=True):
-            quiet = quiet or bool(_FAILING.match(line))
-            if not quiet:
+        for line in text[self.shown : cut].splitlines(keepends=True):
+            self.quiet = self.quiet or bool(_FAILING.match(line))
+            if not self.quiet:
                 sys.stderr.write(line)
         sys.stderr.flush()
-        shown = max(shown, cut)
+        self.shown = max(self.shown, cut)
         return text
-
-    try:
-        while True:
-            text = show()
-            tasks = slurm.tasks(job)
-            state = tasks[0].get("JobState", "") if tasks else None
-            if state == "COMPLETED":
-                return
-            if state is None:
-                if (stage_dir / RANKS_DIR / "report.out").exists():  # rank 0 got to its end
-                    return
-                raise PortingError(
-                    f"Slurm no longer knows job {job}; its log ends:\n{slurm.tail(log)}"
-                )
-            if state in slurm.FAILED_STATES:
-                text = show()
-                if _root_cause(text) is not None or list((stage_dir / RANKS_DIR).glob("*.error")):
-                    raise failure(stage_dir, text, f"Slurm job {job}")
-                longer = "; give a longer --time" if state == "TIMEOUT" else ""
-                raise PortingError(
-                    f"Slurm job {job} ended {slurm.ended(tasks[0])}{longer}; nothing was written. "
-                    f"Its log ends:\n{slurm.tail(log)}"
-                )
-            time.sleep(poll_s)
-    except (KeyboardInterrupt, Terminated):
-        slurm.cancel([job])
-        raise

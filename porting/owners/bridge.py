@@ -156,7 +156,9 @@ def train(ckpt: str, steps: int, save: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``load`` or ``train`` (see the module docstring)."""
-    p = argparse.ArgumentParser(prog="porting.owners.bridge", description=__doc__)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, prog="porting.owners.bridge", description=__doc__
+    )
     p.add_argument("action", choices=["load", "train"])
     p.add_argument("ckpt", help="checkpoint root (latest_checkpointed_iteration.txt beside iter_*)")
     p.add_argument("--tokens", help="load: torch file with a list of 1-D token id tensors")

@@ -98,7 +98,9 @@ def _logits(model, tokens: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def main(argv: list[str] | None = None) -> int:
     """``load`` or ``save`` (see the module docstring)."""
-    p = argparse.ArgumentParser(prog="porting.owners.megatron_lm", description=__doc__)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, prog="porting.owners.megatron_lm", description=__doc__
+    )
     p.add_argument("action", choices=["load", "save"])
     p.add_argument("ckpt", help="checkpoint root (latest_checkpointed_iteration.txt beside iter_*)")
     p.add_argument("--tokens", required=True, help="torch file: a list of 1-D token id tensors")

@@ -10,6 +10,7 @@ in the launching process, so a bad run fails before a rank starts.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -491,6 +492,7 @@ def check_plan(spec: TrainSpec, manifest, config) -> None:
     layouts = plan.get("layouts")
     if not isinstance(model, dict) or not isinstance(layouts, list) or not layouts:
         raise PortingError(f"{path}: not a plan written by `porting plan --emit` (model, layouts)")
+    _check_plan_types(plan, path)
     facts = _model_facts(manifest, config)
     source = Path(spec.checkpoint) / "context" / "porting.json"
     for _, key, plan_key in _SHAPE:
@@ -579,6 +581,55 @@ def check_plan(spec: TrainSpec, manifest, config) -> None:
             f"{path}: layouts[0].rank_order is {order!r}, but --use-tp-pp-dp-mapping is "
             f"{'on' if spec.use_tp_pp_dp_mapping else 'off'}: the flags do not follow the plan"
         )
+
+
+# The fields of a plan.json that train reads, and their kinds: a plan is input, read as data
+# and typed before anything is compared (``true`` is not a TP of 1).
+_PLAN_KINDS = {
+    "model": dict, "layouts": list, "settings": dict, "global_batch": int, "seq_length": int,
+    "layouts[0]": dict, "layouts[0].layout": dict, "layouts[0].rank_order": str,
+    **{f"model.{key}": int for _, _, key in _SHAPE},
+    **{f"layouts[0].layout.{key}": int for key in (
+        "tp", "pp", "vp", "cp", "dp", "ep", "etp", "micro_batch", "instances", "first_layers",
+        "last_layers")},
+    "layouts[0].layout.recompute": str, "layouts[0].layout.sequence_parallel": bool,
+    **{f"settings.{key}": bool for key in (
+        "distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather",
+        "grad_reduce_in_fp32")},
+}  # fmt: skip
+
+
+def _check_plan_types(plan: dict, path: Path) -> None:
+    """Each field of :data:`_PLAN_KINDS` that the plan has is of its kind (null where absent
+    is allowed), else an error naming the field."""
+    names = {
+        dict: "an object",
+        list: "a list",
+        int: "an integer",
+        str: "a string",
+        bool: "true/false",
+    }
+    for where, kind in _PLAN_KINDS.items():
+        value: object = plan
+        for part in where.replace("[0]", ".0").split("."):
+            if isinstance(value, list) and part == "0":
+                value = value[0] if value else None
+            elif isinstance(value, dict):
+                value = value.get(part)
+            else:
+                value = None
+        if value is None:
+            continue
+        if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
+            shown = (
+                json.dumps(value)[:40]
+                if isinstance(value, str | int | float)
+                else type(value).__name__
+            )
+            raise PortingError(
+                f"{path}: {where} is {shown}, not {names[kind]}: not a plan written by "
+                "`porting plan --emit`"
+            )
 
 
 def stage_layers(spec: TrainSpec, layers: int) -> list[int]:

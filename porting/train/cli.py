@@ -232,9 +232,6 @@ def _rank_argv() -> list[str]:
     return out + ["--executor", "local"]
 
 
-_LOCK_HELD = "PORTING_TRAIN_LOCK_HELD"
-
-
 def _run_ranks(cmd: list[str], out: Path) -> int:
     """Run the rank launcher in its own process group; a stop of ours stops every rank with it.
 
@@ -242,13 +239,13 @@ def _run_ranks(cmd: list[str], out: Path) -> int:
     SIGKILL of this process reaches the launcher and the ranks through
     :func:`porting.train.stop.die_with_parent`.
     """
-    # torchrun sets OMP_NUM_THREADS=1 per rank when unset, with a banner saying so; the same
-    # value, given, keeps the banner out of the user's terminal
-    env = {"OMP_NUM_THREADS": "1"} | os.environ | {_LOCK_HELD: "1"}
 
     def launch() -> int:
+        # torchrun sets OMP_NUM_THREADS=1 per rank when unset, with a banner saying so; the same
+        # value, given, keeps the banner out of the user's terminal. The environment is taken
+        # now: stop.launched has handed the ranks their launcher and a private TMPDIR.
         proc = subprocess.Popen(
-            cmd, env=env | {"TMPDIR": os.environ["TMPDIR"]}, start_new_session=True,
+            cmd, env={"OMP_NUM_THREADS": "1"} | os.environ, start_new_session=True,
             preexec_fn=stop.die_with_parent,
         )  # fmt: skip
         return proc.wait()
@@ -258,10 +255,23 @@ def _run_ranks(cmd: list[str], out: Path) -> int:
 
 def _cmd_train(args) -> int:
     quiet.offline()
+    stop.launcher()  # a stray copy of the launcher's variable is refused before any work
     from porting.train import checks
 
     spec = _spec(args)
     checks.refuse_input_overlap(spec)
+    if args.executor != "local":
+        from porting import slurm
+
+        slurm.check_launch_size(
+            spec.nodes, spec.gpus_per_node, local=args.executor != "slurm",
+            nodes_flag="--nodes", ranks_flag="--gpus-per-node",
+        )  # fmt: skip
+        from porting import shell
+
+        for flag, value in (("--partition", args.partition), ("--time", args.time_limit)):
+            if value is not None:
+                shell.checked(value, flag)
     if args.executor != "local" or args.dry_run:
         # Every check that needs no trainer, in this process, before any rank is started.
         for w in checks.preflight(spec).warnings:
@@ -282,14 +292,13 @@ def _cmd_train(args) -> int:
 
         if not args.no_submit:
             slurm.sbatch_path()
-        (Path(spec.out) / "slurm").mkdir(parents=True, exist_ok=True)
-        script = Path(spec.out).absolute() / "slurm" / "train.sbatch"
-        script.write_text(
-            launch.slurm_script(
-                spec, _rank_argv(), cpu_nodes=args.cpu_nodes, partition=args.partition,
-                time_limit=args.time_limit,
-            )
+        text = launch.slurm_script(
+            spec, _rank_argv(), cpu_nodes=args.cpu_nodes, partition=args.partition,
+            time_limit=args.time_limit,
         )  # fmt: skip
+        script = Path(spec.out).absolute() / "slurm" / "train.sbatch"
+        script.parent.mkdir(parents=True, exist_ok=True)
+        script.write_text(text)
         if args.no_submit:
             print(f"wrote {script}; submit with: sbatch {script}")
             return 0
@@ -320,7 +329,6 @@ def _cmd_train(args) -> int:
         from porting.train import launch
 
         with guard.output_lock(spec.out, "training run"):
-            os.environ[_LOCK_HELD] = "1"
             argv = _rank_argv()
             return stop.launched(lambda: launch.launch_nemo_run(spec, argv), Path(spec.out))
     if spec.world_size > 1 and "LOCAL_RANK" not in os.environ and "SLURM_PROCID" not in os.environ:
@@ -341,18 +349,23 @@ def _cmd_train(args) -> int:
     r = recipe.recipe(spec)
     # The launching process holds the run's lock for its ranks; a run started otherwise (srun,
     # a hand-made torchrun) is locked by its first rank.
-    held = os.environ.get(_LOCK_HELD) == "1" or os.environ.get("RANK", "0") != "0"
+    ours = stop.launcher() is not None
+    held = ours or os.environ.get("RANK", "0") != "0"
     with contextlib.nullcontext() if held else guard.output_lock(spec.out, "training run"):
         # Ranks under our launcher leave settling the run directory, and saying so, to it.
-        quiet_rank = os.environ.get(_LOCK_HELD) == "1" and "RANK" in os.environ
+        quiet_rank = ours and "RANK" in os.environ
         out = stop.run_settled(lambda: recipe.run(r), Path(spec.out), quiet_rank)
     if os.environ.get("RANK", "0") == "0":  # one line for the run, not one per rank
         if spec.save_every:
-            print(
+            done = (
                 f"done: checkpoints in {out / 'checkpoints'} (last: {out / 'checkpoints' / 'last'})"
             )
         else:  # the GPU check's Falcon run said "checkpoints in ..." and had written none
-            print(f"done: {spec.steps} steps in {out}, no checkpoint written (--save-every 0)")
+            done = f"done: {spec.steps} steps in {out}, no checkpoint written (--save-every 0)"
+        print(done)
+        from porting.train.launch import leave_verdict
+
+        leave_verdict(spec.out, done)
     # Exit handlers of libraries NeMo imports (leptonai's Remote._atexit_cleanup) run a full
     # gc.collect() over the whole heap: seconds per process. Nothing left needs collecting.
     gc.freeze()

@@ -26,10 +26,11 @@ import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from porting import guard
+from porting import guard, handoff
 from porting.guard import die_with_parent
 
-LAUNCHER_ENV = "PORTING_TRAIN_LAUNCHER"  # "pid:create_time" of the process that started the ranks
+# the process that started the ranks (its pid and start time), handed over by porting.handoff
+LAUNCHER_ENV = "PORTING_TRAIN_LAUNCHER"
 UNFINISHED = "-unfinished"  # NeMo's ModelCheckpoint.UNFINISHED_CHECKPOINT_SUFFIX
 TMP_PREFIX = ".tmp-launcher-"
 
@@ -44,6 +45,13 @@ def _in_forked_child() -> None:
 _GUARDED = False
 
 
+def launcher() -> dict | None:
+    """The ``porting train`` process that started this rank (``pid``, ``created``), None when
+    no launcher of ours did; an error naming :data:`LAUNCHER_ENV` when a shell carried it here
+    without its launch (:mod:`porting.handoff`)."""
+    return handoff.received(LAUNCHER_ENV)
+
+
 def watch_launcher() -> None:
     """In a rank: end this process (and its launcher, torchrun) once the `porting train` process
     that started them is gone, SIGKILL included. NeMo-Run starts torchrun in a session of its own
@@ -53,10 +61,10 @@ def watch_launcher() -> None:
 
     import psutil
 
-    spec = os.environ.get(LAUNCHER_ENV)
-    if not spec:
+    started_by = launcher()
+    if started_by is None:
         return
-    pid, created = spec.split(":")
+    pid, created = started_by["pid"], started_by["created"]
 
     def alive() -> bool:
         try:
@@ -144,10 +152,13 @@ def launched(launch: Callable[[], int], out: Path) -> int:
     import psutil
 
     before = guard.child_pids()
-    os.environ[LAUNCHER_ENV] = f"{os.getpid()}:{psutil.Process().create_time()}"
     with private_tmpdir(out) as tmp:
-        previous = os.environ.get("TMPDIR")
-        os.environ["TMPDIR"] = str(tmp)
+        # the ranks know their launcher by this directory's token, not by the variable alone
+        handed = handoff.hand_off(
+            LAUNCHER_ENV, tmp, pid=os.getpid(), created=psutil.Process().create_time()
+        )
+        previous = {name: os.environ.get(name) for name in ("TMPDIR", *handed)}
+        os.environ.update(handed | {"TMPDIR": str(tmp)})
         try:
             code = launch()
         except BaseException as err:
@@ -156,10 +167,11 @@ def launched(launch: Callable[[], int], out: Path) -> int:
                 err.kept = settle_checkpoints(out)
             raise
         finally:
-            if previous is None:
-                os.environ.pop("TMPDIR", None)
-            else:
-                os.environ["TMPDIR"] = previous
+            for name, value in previous.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
     if code != 0:
         print(f"porting train: {settle_checkpoints(out)}", file=sys.stderr)
     return code

@@ -844,9 +844,10 @@ def markdown(report: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run every step (or the parity worker); 0 when every check passed."""
     p = argparse.ArgumentParser(
+        allow_abbrev=False,
         description="The GPU check: parity fp32/bf16, `porting train` bf16 with resume and "
         "export, Falcon vs stock throughput, planner vs measured. Writes OUTDIR/report.json, "
-        "report.md and check.log. Normally started by scripts/gpu/check.sh on a GPU machine."
+        "report.md and check.log. Normally started by scripts/gpu/check.sh on a GPU machine.",
     )
     p.add_argument("outdir", type=Path, nargs="?", help="where the report goes")
     p.add_argument("--work", type=Path, default=Path("/tmp/porting-gpu-check"), help="scratch")

@@ -870,6 +870,7 @@ def _print_table(carried: list[Carried], decisions: dict[str, Decision], tree: i
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog="wheelhouse.py",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -933,6 +934,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     r.add_argument("--python", default=sys.executable, help="interpreter (default: this one)")
     r.add_argument("--workdir", type=Path, help="keep the tiny models and outputs here")
+    for child in sub.choices.values():
+        child.allow_abbrev = False
     args = parser.parse_args(argv)
     if args.command == "trace":
         needed = trace(args.workdir)
