@@ -239,10 +239,16 @@ def check_outputs(reads, writes=(), files=()) -> None:
     ``HF directory``). ``writes``: ``(flag, path)`` for every directory or prefix it creates or
     replaces (its parents made as needed). ``files``: ``(flag, path)`` for every single file it
     writes at the end (a plot, a YAML): its directory must exist and the path must not be a
-    directory, so that a long run does not fail only when it is done. A path of None is skipped.
+    directory, so that a long run does not fail only when it is done. A path of None is skipped;
+    an output whose name (or the working directory it is under) holds a control character is
+    refused (:func:`porting.shell.checked`).
     """
+    from porting.shell import checked
+
     outputs = [(flag, path) for flag, path in [*writes, *files] if path is not None]
     for flag, path in outputs:
+        # an output's name reaches messages, logs and the scripts that launchers write
+        checked(str(Path(path).absolute()), flag)
         refuse_overlap(path, reads, flag)
     # Two outputs of one run in one place: the later write replaces or lands inside the earlier.
     for i, (flag, path) in enumerate(outputs):

@@ -114,19 +114,20 @@ def follow(
     poll: Callable[[], bool],
     *,
     poll_s: float = 1.0,
-    patience_s: float = PATIENCE_S,
+    patience_s: float | None = None,
     kept: str | None = None,
 ) -> None:
     """Call ``poll()`` until it says the jobs are done (their verdict checked by it).
 
     A Slurm that does not answer (:class:`Unreachable`) is asked again, less often, for up to
-    ``patience_s``. Every other way out but :class:`JobEnded` (an error, Slurm unreachable for
+    ``patience_s`` (default :data:`PATIENCE_S`). Every other way out but :class:`JobEnded` (an error, Slurm unreachable for
     longer, Ctrl-C, SIGTERM) cancels the jobs first and says so: a job left behind would run later
     against a directory that is gone, while a rerun may hold the output. A stop's message
     (``kept``) says what remains.
     """
     from porting.guard import Terminated
 
+    patience_s = PATIENCE_S if patience_s is None else patience_s
     failing_since = None
     wait = poll_s
     try:
@@ -252,7 +253,9 @@ def torchrun_script(
     lines = "\n".join([*head, ""])
     return f"""#!/bin/bash
 {lines}set -euo pipefail
-first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+# no pipe into head: under pipefail, scontrol writing on after head exits would end the job
+hosts=$(scontrol show hostnames "$SLURM_JOB_NODELIST")
+first=${{hosts%%$'\\n'*}}
 export MASTER_ADDR=$(scontrol show node "$first" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
 export MASTER_PORT=${{MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}}
 {"".join(line + chr(10) for line in env)}srun {python} -m torch.distributed.run \\

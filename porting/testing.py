@@ -655,3 +655,34 @@ def assert_same_checkpoint(one: Path, two: Path) -> None:
     for rank in (0, 1):
         mine = [w for w in weights if w.startswith(f"__{rank}_")]
         assert mine and all((two / "weights" / w).stat().st_size > 0 for w in mine), weights
+
+
+def on_a_small_disk(size: str, argv: list[str], out: Path) -> tuple[int, str, list[str]]:
+    """Run ``argv`` with ``out``'s parent a tmpfs of ``size`` (a mount namespace of its own:
+    ``unshare``, as root or, elsewhere, through a user namespace); returns the exit status, the
+    stderr and what the command left on the small disk."""
+    import os
+    import shutil
+    import subprocess
+
+    disk = out.parent
+    disk.mkdir(parents=True, exist_ok=True)
+    unshare = shutil.which("unshare")
+    assert unshare, "unshare (util-linux) is needed to give a command a small disk"
+    script = (
+        'mount -t tmpfs -o size="$0" tmpfs "$1" || exit 99; shift; "$@"; rc=$?; '
+        'echo "LEFT: $(ls -A "$DISK" | tr "\\n" " ")" >&2; exit $rc'
+    )
+    wrap = [unshare, "--mount", "--propagation", "private"]
+    if os.geteuid() != 0:
+        wrap.insert(1, "--map-root-user")
+    r = subprocess.run(
+        [*wrap, "sh", "-c", script, size, str(disk), *argv],
+        capture_output=True,
+        text=True,
+        env=child_env(DISK=str(disk)),
+        timeout=600,
+    )
+    assert r.returncode != 99, f"cannot mount a tmpfs here: {r.stderr[-2000:]}"
+    left = r.stderr.rsplit("LEFT:", 1)[1].split()
+    return r.returncode, r.stderr.rsplit("LEFT:", 1)[0], left

@@ -65,9 +65,12 @@ def test_two_ranks_write_the_one_process_checkpoint(variant, tiny_llama, tmp_pat
     else:  # experts: Megatron's save spreads them over the ranks one by one
         hf = _qwen3_moe(tmp_path / "hf", layers=3, seed=3)
     one = _import(hf, tmp_path / "one", "--json")
-    two = _import(hf, tmp_path / "two", "--json", *RANKS)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    two = _import(hf, tmp_path / "two", "--json", *RANKS, env=child_env(TMPDIR=str(tmp)))
     assert one.returncode == 0, one.stderr[-3000:]
     assert two.returncode == 0, two.stderr[-3000:]
+    assert list(tmp.iterdir()) == []  # torchrun's torchelastic_* went with the staging
     assert_same_checkpoint(tmp_path / "one", tmp_path / "two")
     _same_verdict(json.loads(one.stdout), json.loads(two.stdout))
     # our lines only, as one process says them

@@ -13,7 +13,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from porting.cli import main
-from porting.testing import child_env, with_edited_manifest
+from porting.testing import on_a_small_disk, with_edited_manifest
 
 
 def _digest(path: Path) -> str:
@@ -332,37 +331,10 @@ def test_copied_files_follow_the_umask(tiny_llama, tmp_path):
 # -- 3. a full disk ------------------------------------------------------------------------------
 
 
-def _on_a_small_disk(size: str, argv: list[str], out: Path) -> tuple[int, str, list[str]]:
-    """Run ``argv`` with ``out``'s parent a tmpfs of ``size`` (a mount namespace of its own:
-    ``unshare``, as root or, elsewhere, through a user namespace); returns the exit status, the
-    stderr and what the command left on the small disk."""
-    disk = out.parent
-    disk.mkdir(parents=True, exist_ok=True)
-    unshare = shutil.which("unshare")
-    assert unshare, "unshare (util-linux) is needed to give a command a small disk"
-    script = (
-        'mount -t tmpfs -o size="$0" tmpfs "$1" || exit 99; shift; "$@"; rc=$?; '
-        'echo "LEFT: $(ls -A "$DISK" | tr "\\n" " ")" >&2; exit $rc'
-    )
-    wrap = [unshare, "--mount", "--propagation", "private"]
-    if os.geteuid() != 0:
-        wrap.insert(1, "--map-root-user")
-    r = subprocess.run(
-        [*wrap, "sh", "-c", script, size, str(disk), *argv],
-        capture_output=True,
-        text=True,
-        env=child_env(DISK=str(disk)),
-        timeout=600,
-    )
-    assert r.returncode != 99, f"cannot mount a tmpfs here: {r.stderr[-2000:]}"
-    left = r.stderr.rsplit("LEFT:", 1)[1].split()
-    return r.returncode, r.stderr.rsplit("LEFT:", 1)[0], left
-
-
 def test_a_full_disk_during_import_is_one_line_and_leaves_nothing(tiny_llama, tmp_path):
     out = tmp_path / "disk" / "ck"
     argv = [sys.executable, "-m", "porting.cli", "import", str(tiny_llama), "--out", str(out)]
-    code, err, left = _on_a_small_disk("300k", argv + ["--no-verify"], out)
+    code, err, left = on_a_small_disk("300k", argv + ["--no-verify"], out)
     assert code == 2, err[-3000:]
     assert err.strip().splitlines()[-1] == (
         f"porting import: error: no space left on the device writing {out}; partial output removed"
@@ -378,7 +350,7 @@ def test_a_full_disk_during_a_train_checkpoint_is_one_line(tiny_nemo, train_corp
         "--data", str(train_corpus), "--out", str(out), "--steps", "4", "--save-every", "2",
         "--seq-length", "32", "--micro-batch", "2", "--global-batch", "4",
     ]  # fmt: skip
-    code, err, left = _on_a_small_disk("600k", argv, out)
+    code, err, left = on_a_small_disk("600k", argv, out)
     assert code == 2, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
     last = err.strip().splitlines()[-1]

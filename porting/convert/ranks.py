@@ -83,6 +83,10 @@ def check_launch_flags(args) -> None:
         for flag, value in (("--partition", args.partition), ("--time", args.time_limit)):
             if value is not None:
                 shell.checked(value, flag)
+        # every value the job's script will hold, and the directory its staging goes under
+        shell.command(rank_argv(sys.argv, args.command))
+        if args.command == "verify":
+            shell.checked(str(Path.cwd()), "the current directory (verify stages its report there)")
     if args.whole_model:
         raise PortingError("--whole-model is one process's gate; the ranks' gate is streamed")
     if args.device == "cuda":
