@@ -143,8 +143,18 @@ def _imports_of(prefix: str) -> set[str]:
 # by name at run time, ours exactly as an outside package's.
 COMMANDS = ("porting.cli", "porting.families", "porting.demo")
 LAYERS = (
-    ("core", ("porting", "porting.errors", "porting.guard", "porting.quiet", "porting.shell",
-              "porting.handoff", "porting.slurm")),  # fmt: skip
+    (
+        "core",
+        (
+            "porting",
+            "porting.errors",
+            "porting.guard",
+            "porting.quiet",
+            "porting.shell",
+            "porting.handoff",
+            "porting.slurm",
+        ),
+    ),  # fmt: skip
     ("contract", ("porting.contract", "porting.planner")),
     ("megatron side", ("models", "porting.cpu", "porting.mcore")),
     ("families", ("converters",)),
