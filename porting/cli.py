@@ -71,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script; returns the process exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    # what was typed, for the launchers that start ranks of the same command
+    args.typed = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
     quiet.install(args.verbose)
     # Our packages log at INFO; third-party libraries only from WARNING up unless -v.
     handler = logging.StreamHandler()

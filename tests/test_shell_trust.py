@@ -128,9 +128,9 @@ def fakes(tmp_path, monkeypatch):
 
 
 def _porting(monkeypatch, argv: list[str]) -> int:
-    """``porting ARGV`` in this process, with ``sys.argv`` as the console script would set it (a
-    launcher rebuilds its ranks' arguments from it)."""
-    monkeypatch.setattr(sys, "argv", ["porting", *argv])
+    """``porting ARGV`` in this process; ``sys.argv`` stays pytest's (a launcher rebuilds its
+    ranks' arguments from what was typed, ``args.typed``, not from it)."""
+    monkeypatch.setattr(sys, "argv", ["pytest", "-q"])
     return main(argv)
 
 

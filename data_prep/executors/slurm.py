@@ -5,6 +5,7 @@ over once submitted; ``--no-submit``: only written)."""
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 from data_prep.executors.base import UNIT_MB, Flag, PrepConfig, UnitExecutor
@@ -73,6 +74,11 @@ class Slurm(UnitExecutor):
         handed = super().run(cfg)
         if cfg.no_submit or cfg.no_wait:
             return handed
+        print(
+            f"submitted Slurm jobs {handed['units_job'] or '(no unit left)'} (units) and "
+            f"{handed['merge_job']} (merge); logs in {handed['emit']}/logs",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
         # Followed outside the output's lock: the merge job takes it.
         return slurm.follow(handed["emit"], cfg.show_progress)
 

@@ -84,7 +84,7 @@ def check_launch_flags(args) -> None:
             if value is not None:
                 shell.checked(value, flag)
         # every value the job's script will hold, and the directory its staging goes under
-        shell.command(rank_argv(sys.argv, args.command))
+        shell.command(rank_argv(args.typed, args.command))
         if args.command == "verify":
             shell.checked(str(Path.cwd()), "the current directory (verify stages its report there)")
     if args.whole_model:
@@ -117,7 +117,7 @@ def described(args) -> str:
 def launch(args, command: str, stage_dir: Path) -> tuple[str, bool]:
     """Run ``porting COMMAND`` (this one's arguments, launch flags dropped) as the ranks the
     flags ask for, writing into ``stage_dir``; return rank 0's report and its verdict."""
-    argv = rank_argv(sys.argv, command)
+    argv = rank_argv(args.typed, command)
     if args.executor == "slurm":
         job = launch_slurm(
             command, argv, stage_dir, args.nnodes, args.nproc_per_node, args.partition,
@@ -156,7 +156,8 @@ def world_size() -> int:
 
 
 def rank_argv(argv: list[str], command: str) -> list[str]:
-    """The arguments of ``porting COMMAND ...`` with the launch flags dropped (what a rank runs)."""
+    """The arguments of ``porting COMMAND ...`` (as typed: ``args.typed``) with the launch flags
+    dropped (what a rank runs). Exact, as no parser of ours takes an abbreviated flag."""
     argv = argv[argv.index(command) + 1 :]
     out, skip = [], False
     launch = {"--executor", "--nproc-per-node", "--nnodes", "--partition", "--time"}

@@ -215,9 +215,9 @@ def _spec(args):
     )
 
 
-def _rank_argv() -> list[str]:
+def _rank_argv(args) -> list[str]:
     """This command's arguments with the executor switched to local (what each rank runs)."""
-    argv = sys.argv[sys.argv.index("train") + 1 :]
+    argv = args.typed[args.typed.index("train") + 1 :]
     out, skip = [], False
     for a in argv:
         if skip:
@@ -272,6 +272,7 @@ def _cmd_train(args) -> int:
         for flag, value in (("--partition", args.partition), ("--time", args.time_limit)):
             if value is not None:
                 shell.checked(value, flag)
+        shell.command(_rank_argv(args))  # every value a rank's command line (or a script) holds
     if args.executor != "local" or args.dry_run:
         # Every check that needs no trainer, in this process, before any rank is started.
         for w in checks.preflight(spec).warnings:
@@ -293,7 +294,7 @@ def _cmd_train(args) -> int:
         if not args.no_submit:
             slurm.sbatch_path()
         text = launch.slurm_script(
-            spec, _rank_argv(), cpu_nodes=args.cpu_nodes, partition=args.partition,
+            spec, _rank_argv(args), cpu_nodes=args.cpu_nodes, partition=args.partition,
             time_limit=args.time_limit,
         )  # fmt: skip
         script = Path(spec.out).absolute() / "slurm" / "train.sbatch"
@@ -321,7 +322,7 @@ def _cmd_train(args) -> int:
             "-m",
             "porting.cli",
             "train",
-            *_rank_argv(),
+            *_rank_argv(args),
         ]
         with guard.output_lock(spec.out, "training run"):
             return _run_ranks(cmd, Path(spec.out))
@@ -329,7 +330,7 @@ def _cmd_train(args) -> int:
         from porting.train import launch
 
         with guard.output_lock(spec.out, "training run"):
-            argv = _rank_argv()
+            argv = _rank_argv(args)
             return stop.launched(lambda: launch.launch_nemo_run(spec, argv), Path(spec.out))
     if spec.world_size > 1 and "LOCAL_RANK" not in os.environ and "SLURM_PROCID" not in os.environ:
         raise PortingError(
