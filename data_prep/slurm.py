@@ -325,8 +325,7 @@ def follow(directory: str | Path, show_progress: bool, poll_s: float = 1.0) -> d
     try:
         sl.follow(
             ids, poll, poll_s=poll_s,
-            kept=f"Slurm jobs {', '.join(ids)} cancelled; finished units kept in {job.staging}; "
-            "rerun the same command with --resume",
+            then=f"finished units kept in {job.staging}; rerun the same command with --resume",
         )  # fmt: skip
     finally:
         bar.close()

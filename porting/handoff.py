@@ -47,22 +47,31 @@ def received(name: str) -> dict | None:
 
 @functools.lru_cache(maxsize=8)
 def _check(name: str, value: str) -> dict:
-    stray = PortingError(
-        f"{name} is set in this environment, but no launch of porting's is in progress behind "
-        "it: the variable is internal to porting's launchers (a shell or a script carried it "
-        f"here). Unset it (unset {name}) and run the command again"
-    )
     try:
         state = json.loads(value)
         where, token = Path(state["dir"]), state["token"]
     except (ValueError, KeyError, TypeError):
-        raise stray from None
+        raise _stray(name, None) from None
     if not isinstance(token, str) or not where.is_absolute():
-        raise stray
+        raise _stray(name, None)
     try:
         written = (where / TOKEN_FILE).read_text()
     except (OSError, UnicodeDecodeError):
-        raise stray from None
+        raise _stray(name, where) from None
     if not secrets.compare_digest(written, token):
-        raise stray
+        raise _stray(name, where)
     return state
+
+
+def _stray(name: str, where: Path | None) -> PortingError:
+    unseen = (
+        f", or this node does not see the launch's directory {where} (ranks on several nodes "
+        "need a file system they all see)"
+        if where is not None
+        else ""
+    )
+    return PortingError(
+        f"{name} is set in this environment, but no launch of porting's is in progress behind "
+        f"it: the variable is internal to porting's launchers (a shell or a script carried it "
+        f"here){unseen}. Unset it (unset {name}) and run the command again"
+    )

@@ -115,15 +115,15 @@ def follow(
     *,
     poll_s: float = 1.0,
     patience_s: float | None = None,
-    kept: str | None = None,
+    then: str | None = None,
 ) -> None:
     """Call ``poll()`` until it says the jobs are done (their verdict checked by it).
 
     A Slurm that does not answer (:class:`Unreachable`) is asked again, less often, for up to
     ``patience_s`` (default :data:`PATIENCE_S`). Every other way out but :class:`JobEnded` (an error, Slurm unreachable for
     longer, Ctrl-C, SIGTERM) cancels the jobs first and says so: a job left behind would run later
-    against a directory that is gone, while a rerun may hold the output. A stop's message
-    (``kept``) says what remains.
+    against a directory that is gone, while a rerun may hold the output. A stop's closing line
+    says what was cancelled, then ``then`` (what remains, what to do).
     """
     from porting.guard import Terminated
 
@@ -151,7 +151,7 @@ def follow(
         raise
     except (KeyboardInterrupt, Terminated) as stop:
         said = cancel(job_ids)
-        stop.kept = kept or said
+        stop.kept = f"{said}; {then}" if then else said
         raise
     except PortingError as err:
         raise PortingError(f"{err}\n{cancel(job_ids)}") from err

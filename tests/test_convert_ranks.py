@@ -191,8 +191,9 @@ def test_verify_over_two_ranks_gives_the_one_process_verdict(tiny_llama, tiny_ne
     assert json.loads(two.stdout)["first_divergent_layer"] == 1
 
 
-def test_the_gates_memory_is_counted_for_every_rank_on_the_node(tiny_llama, monkeypatch):
+def test_the_gates_memory_is_counted_for_every_rank_on_the_node(tiny_llama, monkeypatch, tmp_path):
     """Four ranks on a node each hold a gate at once: what fits one is refused for four."""
+    from porting import handoff
     from porting.contract.registry import family_by_name
     from porting.convert import preflight
     from porting.convert.hf_files import read_hf_config
@@ -204,7 +205,11 @@ def test_the_gates_memory_is_counted_for_every_rank_on_the_node(tiny_llama, monk
     need, _ = preflight.gate_memory(shapes, False)
     monkeypatch.setattr(preflight, "available_bytes", lambda: 2 * need)
     preflight.check_gate_memory("import", shapes, config, False)  # one process: fits
-    monkeypatch.setenv("PORTING_RANKS_STAGING", "/nonexistent")
+    # this process as a rank of a launch (porting.handoff: the token in the launch's directory)
+    ((name, value),) = handoff.hand_off(
+        "PORTING_RANKS_STAGING", tmp_path, stage=str(tmp_path)
+    ).items()
+    monkeypatch.setenv(name, value)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     with pytest.raises(PortingError, match="at once on each of the 4 ranks on this node"):
         preflight.check_gate_memory("import", shapes, config, False)

@@ -375,7 +375,7 @@ def launch_slurm(
         flush=True,
     )  # fmt: skip
     tail = _Log(log)
-    slurm.follow([job], lambda: _poll(job, tail, stage_dir))
+    slurm.follow([job], lambda: _poll(job, tail, stage_dir), then="partial outputs removed")
     return job
 
 

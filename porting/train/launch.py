@@ -125,7 +125,7 @@ def follow_slurm(job_id: str, log: Path, poll_s: float = 1.0, out: Path | None =
 
     slurm.follow(
         [job_id], poll, poll_s=poll_s,
-        kept=f"Slurm job {job_id} cancelled; rerun the same command to resume",
+        then="rerun the same command to resume",
     )  # fmt: skip
 
 
