@@ -21,8 +21,9 @@ from porting.errors import PortingError
 
 log = logging.getLogger(__name__)
 
-# The ceilings of a launch, the planner's own (porting/planner/limits.py takes them from here): far
-# above any real allocation, low enough that a typo is refused rather than started.
+# The ceilings of a launch, the planner's own (MAX_GPUS and MAX_GPUS_PER_NODE of
+# porting/planner/limits.py, held equal by a test): far above any real allocation, low enough
+# that a typo is refused rather than started.
 MAX_NODES = 262_144
 MAX_RANKS_PER_NODE = 1024
 # How long a follower waits out a controller that does not answer (a busy slurmctld says "Socket
@@ -120,10 +121,11 @@ def follow(
     """Call ``poll()`` until it says the jobs are done (their verdict checked by it).
 
     A Slurm that does not answer (:class:`Unreachable`) is asked again, less often, for up to
-    ``patience_s`` (default :data:`PATIENCE_S`). Every other way out but :class:`JobEnded` (an error, Slurm unreachable for
-    longer, Ctrl-C, SIGTERM) cancels the jobs first and says so: a job left behind would run later
-    against a directory that is gone, while a rerun may hold the output. A stop's closing line
-    says what was cancelled, then ``then`` (what remains, what to do).
+    ``patience_s`` (default :data:`PATIENCE_S`). Every other way out but :class:`JobEnded` (an
+    error, Slurm unreachable for longer, Ctrl-C, SIGTERM) cancels the jobs first and says so: a
+    job left behind would run later against a directory that is gone, while a rerun may hold the
+    output. A stop's closing line says what was cancelled, then ``then`` (what remains, what to
+    do).
     """
     from porting.guard import Terminated
 

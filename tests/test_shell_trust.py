@@ -589,6 +589,12 @@ def test_launch_sizes_no_node_can_schedule_are_refused():
             slurm.check_launch_size(nodes, ranks, local=local, nodes_flag="--nnodes",
                                     ranks_flag="--nproc-per-node")  # fmt: skip
     slurm.check_launch_size(slurm.MAX_NODES, 1024, local=False, nodes_flag="-", ranks_flag="-")
+    from porting.planner import limits
+
+    assert (slurm.MAX_NODES, slurm.MAX_RANKS_PER_NODE) == (
+        limits.MAX_GPUS,
+        limits.MAX_GPUS_PER_NODE,
+    )
 
 
 def test_each_launching_command_reaches_the_size_check(tiny_llama, tmp_path, monkeypatch, capsys):

@@ -261,14 +261,12 @@ def _cmd_train(args) -> int:
     spec = _spec(args)
     checks.refuse_input_overlap(spec)
     if args.executor != "local":
-        from porting import slurm
+        from porting import shell, slurm
 
         slurm.check_launch_size(
             spec.nodes, spec.gpus_per_node, local=args.executor != "slurm",
             nodes_flag="--nodes", ranks_flag="--gpus-per-node",
         )  # fmt: skip
-        from porting import shell
-
         for flag, value in (("--partition", args.partition), ("--time", args.time_limit)):
             if value is not None:
                 shell.checked(value, flag)
