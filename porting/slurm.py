@@ -27,8 +27,9 @@ log = logging.getLogger(__name__)
 MAX_NODES = 262_144
 MAX_RANKS_PER_NODE = 1024
 # How long a follower waits out a controller that does not answer (a busy slurmctld says "Socket
-# timed out" routinely; a restart takes a minute or two) before it gives up and cancels the job.
-PATIENCE_S = 300.0
+# timed out" for seconds at a time, several times its MessageTimeout of 10 s by default) before
+# it gives up and cancels the job.
+PATIENCE_S = 60.0
 
 # States after which a task will not run again (``squeue --help``); a REQUEUED one does.
 FAILED_STATES = frozenset({
@@ -147,7 +148,7 @@ def follow(
                     raise PortingError(
                         f"{err}; Slurm did not answer for {now - failing_since:.0f} s"
                     ) from err
-                wait = min(max(wait * 2, poll_s), 30.0, max(patience_s / 4, poll_s))
+                wait = min(max(wait * 2, poll_s), 15.0, max(patience_s / 4, poll_s))
             time.sleep(wait)
     except JobEnded:
         raise
