@@ -83,7 +83,12 @@ def check_launch_flags(args) -> None:
         for flag, value in (("--partition", args.partition), ("--time", args.time_limit)):
             if value is not None:
                 shell.checked(value, flag)
-        # every value the job's script will hold, and the directory its staging goes under
+        # every value the job's script will hold (the inputs named first: a positional one has
+        # no flag), and the directory its staging goes under
+        for what, value in (("HF directory", getattr(args, "hf_dir", None)),
+                            ("checkpoint", getattr(args, "ckpt", None))):  # fmt: skip
+            if value is not None:
+                shell.checked(str(value), what)
         shell.command(rank_argv(args.typed, args.command))
         if args.command == "verify":
             shell.checked(str(Path.cwd()), "the current directory (verify stages its report there)")
