@@ -37,16 +37,18 @@ def emit(
     directory: str | Path,
     partition: str | None = None,
     time_limit: str | None = None,
+    what: str = "--emit",
 ) -> dict:
     """Write the job file and the sbatch scripts for ``job`` into ``directory``, as one set
-    (:func:`porting.shell.write_set`): a failure leaves none of them new."""
+    (:func:`porting.shell.write_set`): a failure leaves none of them new. ``what`` names the
+    directory in an error (the flag it came from)."""
     from porting import shell
 
     if not job.units:
         raise PortingError("the inputs hold no data: nothing to tokenize (use --executor local)")
     out = Path(directory).absolute()
     python = shell.word(sys.executable, "this Python's path")
-    job_file = shell.word(str(out / JOB_FILE), "--emit")
+    job_file = shell.word(str(out / JOB_FILE), what)
     logs = out / "logs"
     n = len(job.units)
     # in the scripts, so that submit.sh by hand asks for what the command would
@@ -61,7 +63,7 @@ def emit(
             "#SBATCH --job-name=prep-data-units\n"
             f"{shell.directive('array', f'0-{n - 1}')}\n"
             "#SBATCH --cpus-per-task=1\n"
-            f"{shell.directive('output', shell.log_pattern(logs, 'unit-%a.out'), '--emit')}\n"
+            f"{shell.directive('output', shell.log_pattern(logs, 'unit-%a.out', what), what)}\n"
             f"{asked}"
             "set -euo pipefail\n"
             f"exec {python} -m porting.cli prep-data run-unit --job {job_file} --unit "
@@ -71,7 +73,7 @@ def emit(
             "#!/bin/bash\n"
             "#SBATCH --job-name=prep-data-merge\n"
             "#SBATCH --cpus-per-task=1\n"
-            f"{shell.directive('output', shell.log_pattern(logs, 'merge.out'), '--emit')}\n"
+            f"{shell.directive('output', shell.log_pattern(logs, 'merge.out', what), what)}\n"
             f"{asked}"
             "set -euo pipefail\n"
             f"exec {python} -m porting.cli prep-data finish --job {job_file}\n"
@@ -88,7 +90,7 @@ def emit(
     job_text = json.dumps(units.job_to_json(job), indent=2, ensure_ascii=False) + "\n"
     files = {JOB_FILE: (job_text, 0o644)}
     files |= {name: (text, 0o755) for name, text in scripts.items()}
-    shell.write_set(out, files, "--emit")
+    shell.write_set(out, files, what)
     logs.mkdir(exist_ok=True)
     (out / SUBMITTED).unlink(missing_ok=True)  # an earlier submission's ids are not this job's
     return {"emit": str(out), "units": n, "staging": job.staging, "scripts": sorted(scripts)}
@@ -196,22 +198,30 @@ def submit(job: units.Job, directory: str | Path) -> dict:
         units_job = sl.sbatch(
             [f"--array={_ranges(todo)}", str(out / "units.sbatch")], "the unit array"
         )
+    merge_job = None
     try:
         after = [f"--dependency=afterok:{units_job}", "--kill-on-invalid-dep=yes"]
         merge_job = sl.sbatch(
             [*(after if units_job else []), str(out / "merge.sbatch")], "the merge job"
         )
-    except BaseException:
-        if units_job:
-            sl.cancel([units_job])
+        record = {
+            "units_job": units_job,
+            "merge_job": merge_job,
+            "submitted_units": len(todo),
+            "submitted_at": time.time(),
+        }
+        # unrecorded, the jobs could be neither followed nor refused by a rerun: cancelled
+        write_json_atomic(out / SUBMITTED, record)
+        print(
+            f"submitted Slurm jobs {units_job or '(no unit left)'} (units) and {merge_job} "
+            f"(merge); logs in {out / 'logs'}",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
+    except BaseException as err:
+        said = sl.cancel([units_job, merge_job])
+        if isinstance(err, PortingError):
+            raise PortingError(f"{err}\n{said}" if said else str(err)) from err
         raise
-    record = {
-        "units_job": units_job,
-        "merge_job": merge_job,
-        "submitted_units": len(todo),
-        "submitted_at": time.time(),
-    }
-    write_json_atomic(out / SUBMITTED, record)
     return record
 
 
@@ -286,13 +296,18 @@ def progress(directory: str | Path) -> Progress:
     )
 
 
-def cancel(directory: str | Path) -> list[str]:
-    """Cancel what ``DIR`` submitted; the ids cancelled."""
+def submitted(directory: str | Path) -> list[str]:
+    """The ids of the jobs ``DIR`` submitted (none when nothing is recorded)."""
     try:
         sub = json.loads((Path(directory) / SUBMITTED).read_text())
     except (OSError, json.JSONDecodeError):
         return []
-    ids = [j for j in (sub.get("units_job"), sub.get("merge_job")) if j]
+    return [j for j in (sub.get("units_job"), sub.get("merge_job")) if isinstance(j, str) and j]
+
+
+def cancel(directory: str | Path) -> list[str]:
+    """Cancel what ``DIR`` submitted; the ids cancelled."""
+    ids = submitted(directory)
     sl.cancel(ids)
     return ids
 
@@ -300,17 +315,16 @@ def cancel(directory: str | Path) -> list[str]:
 def follow(directory: str | Path, show_progress: bool, poll_s: float = 1.0) -> dict:
     """Watch the job of ``DIR`` to its end: the dataset's report, or an error naming the task
     that failed and its log (the rest of the job cancelled, the finished units kept). Ctrl-C,
-    SIGTERM, or Slurm not answering for longer than :data:`porting.slurm.PATIENCE_S` cancels the
-    job too, as ``srun`` does (:func:`porting.slurm.follow`)."""
+    SIGTERM, an error, or Slurm not answering for longer than :data:`porting.slurm.PATIENCE_S`
+    cancels the job too, as ``srun`` does (:func:`porting.slurm.follow`)."""
     from tqdm import tqdm
 
     out = Path(directory)
-    job = load(out / JOB_FILE, staged=False)
+    ids = submitted(out)
     try:
-        sub = json.loads((out / SUBMITTED).read_text())
-    except (OSError, json.JSONDecodeError):
-        raise PortingError(f"{out}: nothing submitted from here ({SUBMITTED} missing)") from None
-    ids = [j for j in (sub.get("units_job"), sub.get("merge_job")) if j]
+        job = load(out / JOB_FILE, staged=False)
+    except PortingError as err:  # nothing could be followed: nothing is left running
+        raise PortingError(f"{err}\n{sl.cancel(ids)}") from err
     bar = tqdm(total=len(job.units), unit="unit", desc="slurm", disable=not show_progress)
 
     def poll() -> bool:
@@ -318,8 +332,7 @@ def follow(directory: str | Path, show_progress: bool, poll_s: float = 1.0) -> d
         bar.update(now.done - bar.n)
         bar.set_postfix_str(now.line, refresh=True)
         if now.failed:
-            cancel(out)
-            raise sl.JobEnded(now.failed)
+            raise sl.JobEnded(f"{now.failed}\n{sl.cancel(ids)}")
         return now.finished
 
     try:

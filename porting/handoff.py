@@ -11,7 +11,6 @@ is a rank of ours only when both agree. A variable without its launch is refused
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import secrets
@@ -45,7 +44,6 @@ def received(name: str) -> dict | None:
     return _check(name, value)
 
 
-@functools.lru_cache(maxsize=8)
 def _check(name: str, value: str) -> dict:
     try:
         state = json.loads(value)

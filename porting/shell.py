@@ -39,6 +39,7 @@ from porting.errors import PortingError
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _REFERENCE = re.compile(r'"?\$([A-Za-z_][A-Za-z0-9_]*)"?')
+_HETJOB = re.compile(r"hetjob|packjob", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -113,20 +114,36 @@ def command(argv: list[str | Ref], what: str = "argument") -> str:
 
 def directive(option: str, value: str | int, what: str | None = None) -> str:
     """``#SBATCH --option=value`` as sbatch reads it back to exactly ``value`` (in double quotes
-    unless it is one plain word)."""
+    unless it is one plain word). sbatch splits a heterogeneous job at any directive line that
+    contains ``hetjob`` or ``packjob``, quoted or not, in any case: such a value is refused."""
     if not re.fullmatch(r"[a-z][a-z-]*", option):
         raise ValueError(f"not an sbatch option: {option!r}")
-    text = checked(str(value), what or f"--{option}")
+    what = what or f"--{option}"
+    text = checked(str(value), what)
+    found = _HETJOB.search(text)
+    if found is not None:
+        raise PortingError(
+            f"{what}: {text!r} holds {found.group()!r}, which sbatch reads in a #SBATCH line as "
+            "the start of another component of a heterogeneous job; choose another name"
+        )
     if re.fullmatch(r"[A-Za-z0-9._:/%+@,=-]+", text):
         return f"#SBATCH --{option}={text}"
     escaped = text.replace("\\", "\\\\").replace('"', '\\"')
     return f'#SBATCH --{option}="{escaped}"'
 
 
-def log_pattern(directory: str | os.PathLike, name: str) -> str:
+def log_pattern(directory: str | os.PathLike, name: str, what: str) -> str:
     """An ``--output`` file name in ``directory``: sbatch expands ``%`` in it (``%j`` the job id),
-    so the directory's own ``%`` are doubled; ``name`` keeps its patterns."""
-    return str(Path(directory).absolute()).replace("%", "%%") + "/" + name
+    so the directory's own ``%`` are doubled; ``name`` keeps its patterns. A backslash anywhere
+    turns every pattern off (Slurm's ``src/common/fname.c``), so a directory holding one is
+    refused, named ``what``."""
+    text = checked(str(Path(directory).absolute()), what)
+    if "\\" in text:
+        raise PortingError(
+            f"{what}: {text!r} holds a backslash, which makes Slurm take a log file name "
+            "literally (no %j): choose a directory without one"
+        )
+    return text.replace("%", "%%") + "/" + name
 
 
 def export(name: str, value: str | Ref, what: str) -> str:
@@ -146,43 +163,59 @@ def write_set(
 ) -> list[Path]:
     """Write ``files`` (name: (text, mode)) into ``directory`` as one set.
 
-    A new directory is staged beside it and renamed into place once. Into an existing one (a
-    previous emit, with the user's own files beside it: a hostfile, measured logs), the set is
-    staged inside it, the old files of the same names moved aside, the new ones renamed in, and
-    the old ones removed; any failure puts the old ones back. Either way a failure (a full disk)
-    leaves no new file and says which file and where.
+    A new directory is staged beside it and renamed into place once (with the mode ``mkdir``
+    would give it). Into an existing one (a previous emit, with the user's own files beside it: a
+    hostfile, measured logs), the set is staged inside it, the old files of the same names moved
+    aside, the new ones renamed in, and the old ones removed; a failure puts the old ones back.
+    Either way a failure (a full disk) leaves no new file or directory and says which file and
+    where.
     """
-    out = Path(directory)
+    out = Path(directory).absolute()
     if out.exists() and not out.is_dir():
         raise PortingError(f"{what} {out}: not a directory (nothing was written)")
-    parent = out if out.is_dir() else out.absolute().parent
-    if not parent.is_dir():
-        parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.emit-", dir=parent))
-    current = None
+    made: list[Path] = []  # parents this call creates, removed again on a failure
+    stage = current = None
     try:
+        parent = out if out.is_dir() else out.parent
+        for missing in reversed([parent, *parent.parents]):
+            if not missing.exists():
+                missing.mkdir()
+                made.append(missing)
+        stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.emit-", dir=parent))
         for name, (text, mode) in files.items():
             current = stage / name
             current.write_text(text)
             os.chmod(current, mode)
         current = None
-        if not out.is_dir():
+        if out.is_dir():
+            _swap_in(out, stage, list(files))
+        else:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(stage, 0o777 & ~umask)
             os.replace(stage, out)
-            return [out / name for name in files]
-        _swap_in(out, stage, list(files))
+            stage = None
     except OSError as err:
+        for parent_made in reversed(made):
+            shutil.rmtree(parent_made, ignore_errors=True)
         where = f" writing {current.name}" if current is not None else ""
         full = err.errno in (errno.ENOSPC, errno.EDQUOT)
         reason = "no space left on the device" if full else (err.strerror or str(err))
         raise PortingError(f"{what} {out}: {reason}{where}; nothing was written") from err
     finally:
-        shutil.rmtree(stage, ignore_errors=True)
+        if stage is not None and not (stage / _KEPT).exists():
+            shutil.rmtree(stage, ignore_errors=True)
     return [out / name for name in files]
 
 
+# Left in a staging directory whose old files could not be put back: it then holds them.
+_KEPT = ".kept"
+
+
 def _swap_in(out: Path, stage: Path, names: list[str]) -> None:
-    """Move ``names`` from ``stage`` into ``out``, the old ones aside first and back on failure."""
-    aside = stage / ".old"
+    """Move ``names`` from ``stage`` into ``out``, the old ones aside first and back on failure
+    (if putting them back fails too, they stay in ``stage/.kept`` and the error says so)."""
+    aside = stage / ".aside"  # no name of a set begins with a dot
     aside.mkdir()
     moved_aside, moved_in = [], []
     try:
@@ -193,9 +226,15 @@ def _swap_in(out: Path, stage: Path, names: list[str]) -> None:
         for name in names:
             os.replace(stage / name, out / name)
             moved_in.append(name)
-    except OSError:
-        for name in moved_in:
-            (out / name).unlink(missing_ok=True)
-        for name in moved_aside:
-            os.replace(aside / name, out / name)
+    except OSError as err:
+        try:
+            for name in moved_in:
+                (out / name).unlink(missing_ok=True)
+            for name in moved_aside:
+                os.replace(aside / name, out / name)
+        except OSError:
+            os.replace(aside, stage / _KEPT)
+            raise OSError(
+                err.errno, f"{err.strerror}; the earlier files are kept in {stage / _KEPT}"
+            ) from err
         raise

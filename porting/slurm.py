@@ -56,7 +56,10 @@ def sbatch(argv: list[str], what: str) -> str:
             [sbatch_path(), "--parsable", *argv], capture_output=True, text=True, timeout=120
         )
     except subprocess.TimeoutExpired:
-        raise PortingError(f"sbatch did not answer in 120 s submitting {what}") from None
+        raise PortingError(
+            f"sbatch did not answer in 120 s submitting {what}; the job may have been queued all "
+            "the same: look for it with squeue --me and cancel it (scancel ID)"
+        ) from None
     if done.returncode != 0:
         said = (done.stderr or done.stdout).strip() or f"exit {done.returncode}"
         raise PortingError(f"sbatch refused {what}: {said}")
@@ -204,6 +207,15 @@ def ended(task: dict) -> str:
     )
 
 
+# What srun runs on each node: the command under a TMPDIR of its own (torchrun's torchelastic_*
+# directories), removed when it ends, stopped included (Slurm signals every process of the step).
+PRIVATE_TMPDIR = (
+    'tmp=$(mktemp -d "${TMPDIR:-/tmp}/porting-ranks.XXXXXX"); '
+    "trap 'rm -rf \"$tmp\"' EXIT; trap 'exit 143' TERM INT HUP; "
+    'TMPDIR="$tmp" "$@"'
+)
+
+
 def torchrun_script(
     job_name: str,
     nodes: int,
@@ -227,8 +239,9 @@ def torchrun_script(
 
     The rendezvous is the first node's ``NodeAddr`` (a node's name need not resolve as a host
     name) and a port drawn from the job id (two jobs on one node do not meet); torchrun is this
-    environment's, run by its Python. ``share_cores`` gives each rank its share of the node's
-    cores unless the job's environment sets ``OMP_NUM_THREADS``.
+    environment's, run by its Python, under a private ``TMPDIR`` on each node
+    (:data:`PRIVATE_TMPDIR`). ``share_cores`` gives each rank its share of the node's cores unless
+    the job's environment sets ``OMP_NUM_THREADS``.
     """
     import sys
 
@@ -239,7 +252,7 @@ def torchrun_script(
         shell.directive("nodes", nodes),
         shell.directive("ntasks-per-node", 1),
         "#SBATCH --exclusive",
-        shell.directive("output", shell.log_pattern(log_dir, "job-%j.out"), log_what),
+        shell.directive("output", shell.log_pattern(log_dir, "job-%j.out", log_what), log_what),
     ]
     head += [shell.directive(flag, value) for flag, value in (
         ("partition", partition), ("time", time_limit)) if value]  # fmt: skip
@@ -261,7 +274,8 @@ hosts=$(scontrol show hostnames "$SLURM_JOB_NODELIST")
 first=${{hosts%%$'\\n'*}}
 export MASTER_ADDR=$(scontrol show node "$first" | grep -o 'NodeAddr=[^ ]*' | cut -d= -f2)
 export MASTER_PORT=${{MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}}
-{"".join(line + chr(10) for line in env)}srun {python} -m torch.distributed.run \\
+{"".join(line + chr(10) for line in env)}srun bash -c {shell.word(PRIVATE_TMPDIR, "-")} porting-rank \\
+  {python} -m torch.distributed.run \\
   --nnodes={int(nodes)} --nproc-per-node={int(nproc_per_node)} \\
   --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \\
   -m porting.cli {shell.command(argv)}

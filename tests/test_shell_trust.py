@@ -42,15 +42,18 @@ CONTROL = ["\n", "\r", "\x00", "\t", "\x0b", "\x0c", "\x1b", "\x7f", "\x85", "\x
 
 def sbatch_options(script: str) -> list[str]:
     """The options sbatch takes from a script's ``#SBATCH`` lines, read as Slurm reads them
-    (``src/sbatch/opt.c``: the header loop stops at the first command; ``_get_argument``: quotes
-    group, a backslash escapes the next character inside quotes too, an unquoted ``#`` ends the
-    line, an unmatched quote is an error)."""
+    (``src/sbatch/opt.c``: the header loop stops at the first command, and a line that holds
+    ``hetjob`` or ``packjob`` anywhere starts another component of the job, refused here;
+    ``_get_argument``: quotes group, a backslash escapes the next character inside quotes too, an
+    unquoted ``#`` ends the line, an unmatched quote is an error)."""
     options = []
     for line in script.splitlines()[1:]:
         if not line.startswith("#SBATCH"):
             if line.strip() and not line.lstrip().startswith("#"):
                 break
             continue
+        if re.search("hetjob|packjob", line, re.IGNORECASE):
+            raise ValueError(f"a heterogeneous job's split in {line!r}")
         rest = line[len("#SBATCH") :]
         i = 0
         while True:
@@ -142,6 +145,13 @@ def test_a_directive_reads_back_to_its_value_in_sbatchs_own_reader():
         line = shell.directive("partition", value)
         assert sbatch_options(f"#!/bin/bash\n{line}\necho\n") == [f"--partition={value}"], line
     assert shell.directive("nodes", 2) == "#SBATCH --nodes=2"  # plain words stay plain
+    # sbatch starts another component of a heterogeneous job at such a line, quoted or not
+    for value in ("gpu-hetjob", "/runs/PackJob 1"):
+        with pytest.raises(PortingError, match=r"^--partition: .* heterogeneous job"):
+            shell.directive("partition", value)
+    # a backslash in an --output name makes Slurm expand no %j
+    with pytest.raises(PortingError, match=r"^--out: .* holds a backslash"):
+        shell.log_pattern("/runs/a\\b", "job-%j.out", "--out")
     # shlex.quote, what we wrote before, is not sbatch's quoting: the backslash is lost
     assert sbatch_options("#!/bin/bash\n#SBATCH --partition='a\\b'\n") == ["--partition=ab"]
 
@@ -185,7 +195,12 @@ def test_a_shell_variable_is_a_reference_with_nothing_around_it():
 def test_a_set_of_files_appears_whole_or_not_at_all(tmp_path, monkeypatch):
     files = {name: (f"{name} v1\n", 0o644) for name in ("a.json", "b.sh", "c.env")}
     new = tmp_path / "emit"
-    assert shell.write_set(new, files, "--emit") == [new / n for n in files]
+    umask = os.umask(0o022)
+    try:
+        assert shell.write_set(new, files, "--emit") == [new / n for n in files]
+    finally:
+        os.umask(umask)
+    assert new.stat().st_mode & 0o777 == 0o755  # as mkdir would make it, not mkdtemp's 0700
     (new / "hosts").write_text("mine\n")  # the user's own file beside the set
     v2 = {name: (f"{name} v2\n", 0o755) for name in files}
     shell.write_set(new, v2, "--emit")
@@ -204,7 +219,7 @@ def test_a_set_of_files_appears_whole_or_not_at_all(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Path, "write_text", full)
     v3 = {name: (f"{name} v3\n", 0o644) for name in files}
-    for target in (new, tmp_path / "fresh"):
+    for target in (new, tmp_path / "fresh", tmp_path / "p" / "q" / "emit"):
         with pytest.raises(PortingError) as err:
             shell.write_set(target, v3, "--emit")
         assert str(err.value) == (
@@ -221,7 +236,7 @@ def test_a_set_whose_swap_fails_puts_the_old_files_back(tmp_path, monkeypatch):
     replace = os.replace
 
     def failing(src, dst):
-        if Path(dst) == tmp_path / "d" / "c" and Path(src).parent.name != ".old":
+        if Path(dst) == tmp_path / "d" / "c" and Path(src).parent.name != ".aside":
             raise OSError(errno.EIO, "Input/output error")
         return replace(src, dst)
 
@@ -265,6 +280,7 @@ def test_a_conversions_job_script_runs_exactly_the_meant_command(tmp_path):
     ran = subprocess.run(["bash", "-c", script], env=env, cwd=tmp_path, capture_output=True)
     assert ran.returncode == 0, ran.stderr
     assert _calls(tmp_path, "srun") == [[
+        "bash", "-c", slurm.PRIVATE_TMPDIR, "porting-rank",
         sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=3",
         "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.1:20007", "--rdzv-id=7",
         "-m", "porting.cli", *argv,
@@ -272,6 +288,18 @@ def test_a_conversions_job_script_runs_exactly_the_meant_command(tmp_path):
     staging, threads = (tmp_path / "env").read_text().split("\0")[:2]
     assert staging == '{"dir": "/x y"}' and int(threads) >= 1
     assert not (tmp_path / "PWNED").exists()
+    # what srun runs on each node: the command under a TMPDIR of its own, gone after it, also
+    # when the command fails
+    for code in (0, 3):
+        node_tmp = tmp_path / f"node-tmp-{code}"
+        node_tmp.mkdir()
+        ran = subprocess.run(
+            ["bash", "-c", slurm.PRIVATE_TMPDIR, "porting-rank", "sh", "-c",
+             f'echo "$TMPDIR"; touch "$TMPDIR/torchelastic_x"; exit {code}'],
+            env={**os.environ, "TMPDIR": str(node_tmp)}, capture_output=True, text=True,
+        )  # fmt: skip
+        assert ran.returncode == code
+        assert Path(ran.stdout.strip()).parent == node_tmp and list(node_tmp.iterdir()) == []
 
 
 def test_prep_datas_scripts_read_back_to_the_meant_values(tmp_path):
@@ -522,6 +550,28 @@ def test_train_under_slurm_is_done_only_with_rank_0s_verdict(fakes, tmp_path, mo
     assert launch.verdict_path(run, "4242").read_text() == "done: 3 steps\n"
 
 
+def test_a_prep_data_submission_that_cannot_be_recorded_cancels_its_jobs(
+    fakes, tmp_path, monkeypatch
+):
+    from data_prep import slurm as prep_slurm
+    from data_prep import testing as T
+    from data_prep.run import prepare
+
+    tok = T.train_hf_bpe(T.synthetic_texts(40, seed=3), tmp_path / "tok", 300)
+    data = T.write_jsonl(tmp_path / "a.jsonl", [{"text": t} for t in T.synthetic_texts(30)])
+    ids = iter(["11", "12"])
+    monkeypatch.setattr(slurm, "sbatch", lambda argv, what: next(ids))
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(prep_slurm, "write_json_atomic", full)
+    cfg = T.prep_config([data], tmp_path / "out", tok, executor="slurm", no_wait=True)
+    with pytest.raises(OSError):
+        prepare(cfg)
+    assert _calls(tmp_path, "scancel") == [["11", "12"]]
+
+
 # -- 5. internal state never comes from the environment -----------------------------------------
 
 
@@ -529,6 +579,14 @@ def test_a_handed_over_state_needs_its_launchs_token(tmp_path, monkeypatch):
     env = handoff.hand_off("PORTING_X", tmp_path, stage="/s")
     monkeypatch.setenv("PORTING_X", env["PORTING_X"])
     assert handoff.received("PORTING_X")["stage"] == "/s"
+    ended = tmp_path / "ended"
+    ended.mkdir()
+    monkeypatch.setenv("PORTING_X", handoff.hand_off("PORTING_X", ended)["PORTING_X"])
+    assert handoff.received("PORTING_X") is not None
+    (ended / handoff.TOKEN_FILE).unlink()  # the launch is over: the same value no longer holds
+    with pytest.raises(PortingError, match="does not see the launch's directory"):
+        handoff.received("PORTING_X")
+    monkeypatch.setenv("PORTING_X", env["PORTING_X"])
     strays = [
         str(tmp_path),  # a path, as an older sbatch script exported it
         "garbage",
@@ -559,6 +617,22 @@ def test_a_stray_staging_variable_is_refused_by_name_and_writes_nowhere(
     assert err.startswith("porting import: error: PORTING_RANKS_STAGING is set in this environment")
     assert "unset PORTING_RANKS_STAGING" in err
     assert not out.exists() and list(elsewhere.iterdir()) == []
+
+
+def test_a_stray_rank_in_one_process_is_refused_by_name(
+    tiny_llama, tiny_nemo, train_corpus, tmp_path, monkeypatch, capsys
+):
+    """torchrun's RANK left in a shell: one process would take itself for rank 1 (a conversion
+    would leave out its manifest, a training run its lock and its verdict)."""
+    monkeypatch.setenv("RANK", "1")
+    out = tmp_path / "ck"
+    assert _porting(monkeypatch, ["import", str(tiny_llama), "--out", str(out), "--no-verify"]) == 2
+    assert capsys.readouterr().err.startswith("porting import: error: RANK=1 is set in this ")
+    argv = ["train", "--checkpoint", str(tiny_nemo), "--data", str(train_corpus), "--out",
+            str(tmp_path / "run"), "--steps", "1"]  # fmt: skip
+    assert _porting(monkeypatch, argv) == 2
+    assert capsys.readouterr().err.startswith("porting train: error: RANK=1 is set in this ")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_stray_train_launcher_variable_is_refused_by_name(tmp_path, monkeypatch, capsys):

@@ -5,11 +5,15 @@ over once submitted; ``--no-submit``: only written)."""
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
 from data_prep.executors.base import UNIT_MB, Flag, PrepConfig, UnitExecutor
 from data_prep.sources import Source
+
+
+def emit_flag(cfg: PrepConfig) -> str:
+    """How to name the emit directory in an error: the flag it came from."""
+    return "--emit" if cfg.emit else "--output-prefix (the default --emit is beside it)"
 
 
 def emit_dir(cfg: PrepConfig) -> Path:
@@ -60,8 +64,7 @@ class Slurm(UnitExecutor):
         from porting import shell, slurm
 
         # each reaches the scripts: a control character would end the line it is written on
-        where = "--emit" if cfg.emit else "--output-prefix (the default --emit is beside it)"
-        shell.checked(str(Path(emit_dir(cfg)).absolute()), where)
+        shell.checked(str(Path(emit_dir(cfg)).absolute()), emit_flag(cfg))
         for flag, value in (("--partition", cfg.partition), ("--time", cfg.time_limit)):
             if value is not None:
                 shell.checked(value, flag)
@@ -74,11 +77,6 @@ class Slurm(UnitExecutor):
         handed = super().run(cfg)
         if cfg.no_submit or cfg.no_wait:
             return handed
-        print(
-            f"submitted Slurm jobs {handed['units_job'] or '(no unit left)'} (units) and "
-            f"{handed['merge_job']} (merge); logs in {handed['emit']}/logs",
-            file=sys.stderr, flush=True,
-        )  # fmt: skip
         # Followed outside the output's lock: the merge job takes it.
         return slurm.follow(handed["emit"], cfg.show_progress)
 
@@ -91,7 +89,7 @@ class Slurm(UnitExecutor):
             slurm.refuse_live(emit_dir(cfg))
         job = units.plan_job(cfg, sources, tok_fp)
         units.open_staging(job, cfg.resume)
-        handed = slurm.emit(job, emit_dir(cfg), cfg.partition, cfg.time_limit)
+        handed = slurm.emit(job, emit_dir(cfg), cfg.partition, cfg.time_limit, emit_flag(cfg))
         if not cfg.no_submit:
             try:
                 handed |= slurm.submit(job, handed["emit"])

@@ -104,11 +104,20 @@ def check_launch_flags(args) -> None:
 
 def refuse_hand_launched(command: str) -> None:
     """A conversion started as ranks by someone else's launcher would run one whole conversion
-    per rank, racing for the output: the ranks are ours to start."""
-    if staging() is None and world_size() > 1:
+    per rank, racing for the output: the ranks are ours to start. A stray ``RANK`` in one
+    process would make it a rank that writes no manifest."""
+    if staging() is not None:
+        return
+    if world_size() > 1:
         raise PortingError(
             f"porting {command} runs as {world_size()} ranks of a launcher it did not start; "
             f"give --executor torchrun (this node) or --executor slurm instead"
+        )
+    if os.environ.get("RANK", "0") not in ("", "0"):
+        raise PortingError(
+            f"RANK={os.environ['RANK']} is set in this environment, but porting {command} runs "
+            "as one process here: unset RANK (the ranks of a conversion are porting's to start: "
+            "--executor torchrun or slurm)"
         )
 
 
@@ -153,11 +162,18 @@ def _handed(stage_dir: Path) -> dict[str, str]:
 
 
 def rank() -> int:
-    return int(os.environ.get("RANK", "0"))
+    """This rank of a launched conversion (0 in one process, whatever a shell carries)."""
+    return int(os.environ.get("RANK", "0")) if staging() is not None else 0
 
 
 def world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    """The ranks of the launcher that started this process (torchrun's ``WORLD_SIZE``)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise PortingError(
+            f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} in this environment is not a number"
+        ) from None
 
 
 def rank_argv(argv: list[str], command: str) -> list[str]:
@@ -181,7 +197,10 @@ def rank_argv(argv: list[str], command: str) -> list[str]:
 def record_failure(err: BaseException) -> None:
     """Leave this rank's reason for the launcher (one line for our errors, the last frames
     otherwise); a rank killed outright leaves none, and torchrun's record says so."""
-    root = staging()
+    try:
+        root = staging()
+    except PortingError:  # a stray variable, refused: no launch to tell
+        return
     if root is None:
         return
     if isinstance(err, PortingError):
@@ -364,12 +383,12 @@ def launch_slurm(
     where.mkdir(exist_ok=True)
     script = where / f"{command}.sbatch"
     (value,) = _handed(stage_dir).values()
+    log_what = "--out" if command != "verify" else "the current directory"
     script.write_text(
         slurm.torchrun_script(
-            f"porting-{command}", nodes, nproc, where, [command, *argv],
-            log_what="--out" if command != "verify" else "the current directory",
+            f"porting-{command}", nodes, nproc, where, [command, *argv], log_what=log_what,
             partition=partition, time_limit=time_limit, switches=("no-requeue",),
-            exports={STAGING_ENV: (value, "--out")}, share_cores=True,
+            exports={STAGING_ENV: (value, log_what)}, share_cores=True,
         )
     )  # fmt: skip
     job = slurm.sbatch([str(script)], f"the {command}")

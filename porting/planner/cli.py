@@ -339,8 +339,11 @@ def _cmd_plan(args) -> int:
         for flag, value in (("--checkpoint", args.checkpoint), ("--data", args.data),
                             ("--out", args.out))
     }  # fmt: skip
-    if args.emit is not None:
+    if args.emit is not None:  # as given and where its links lead: plan.json's path is resolved
         shell.checked(str(Path(args.emit).absolute()), "--emit")
+        shell.checked(str(Path(args.emit).resolve()), "--emit")
+        if args.checkpoint is None and args.model not in PRESETS:  # the default --checkpoint
+            shell.checked(str(Path(args.model).resolve()), "--model")
     args.seq_length = int(
         SEQ_LENGTH.check(_integer(args.seq_length, "--seq-length"), "--seq-length")
     )

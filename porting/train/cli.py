@@ -330,6 +330,12 @@ def _cmd_train(args) -> int:
         with guard.output_lock(spec.out, "training run"):
             argv = _rank_argv(args)
             return stop.launched(lambda: launch.launch_nemo_run(spec, argv), Path(spec.out))
+    if spec.world_size == 1 and os.environ.get("RANK", "0") not in ("", "0"):
+        # one process that took a stray RANK for its own would skip the run's lock and verdict
+        raise PortingError(
+            f"RANK={os.environ['RANK']} is set in this environment, but this run has one "
+            "process (--nodes 1 --gpus-per-node 1): unset RANK"
+        )
     if spec.world_size > 1 and "LOCAL_RANK" not in os.environ and "SLURM_PROCID" not in os.environ:
         raise PortingError(
             f"{spec.world_size} processes requested: use --executor torchrun (one node) or "

@@ -1,0 +1,67 @@
+"""Where the test suite's time goes: one row per test file from a pytest JUnit XML report.
+
+    scripts/env.sh test --junitxml=/tmp/junit.xml      # the whole suite, as CI runs it
+    .venv/bin/python scripts/bench_suite.py /tmp/junit.xml [--top 30]
+
+Prints a Markdown table (docs/testing.md keeps the latest): each file's cases, the seconds its
+cases took (setup, call and teardown, as pytest's report counts them; a session fixture's cost
+lands on the first case that asks for it), its share of the whole, and its slowest case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import xml.etree.ElementTree as ET
+from collections import defaultdict
+from pathlib import Path
+
+
+def per_file(report: Path) -> tuple[dict[str, dict], float, int]:
+    """``{file: {cases, seconds, slowest, slowest_s}}``, the suite's seconds and its cases."""
+    root = ET.parse(report).getroot()
+    files: dict[str, dict] = defaultdict(
+        lambda: {"cases": 0, "seconds": 0.0, "slowest": "", "slowest_s": 0.0}
+    )
+    total, cases = 0.0, 0
+    for case in root.iter("testcase"):
+        seconds = float(case.get("time", 0) or 0)
+        where = case.get("classname", "?").split(".")
+        name = "/".join(where[:-1] if where[-1][:1].isupper() else where) + ".py"
+        row = files[name]
+        row["cases"] += 1
+        row["seconds"] += seconds
+        if seconds > row["slowest_s"]:
+            row["slowest"], row["slowest_s"] = case.get("name", "?"), seconds
+        total += seconds
+        cases += 1
+    return dict(files), total, cases
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
+    p.add_argument("report", type=Path, help="pytest's --junitxml file")
+    p.add_argument("--top", type=int, default=30, help="rows to print (default 30)")
+    args = p.parse_args(argv)
+    files, total, cases = per_file(args.report)
+    print(f"{cases} cases, {total / 60:.1f} min of test time\n")
+    print("| file | cases | seconds | share | slowest case (s) |")
+    print("|---|---:|---:|---:|---|")
+    ranked = sorted(files.items(), key=lambda kv: -kv[1]["seconds"])
+    for name, row in ranked[: args.top]:
+        print(
+            f"| {name} | {row['cases']} | {row['seconds']:.0f} | "
+            f"{100 * row['seconds'] / total:.1f}% | {row['slowest']} ({row['slowest_s']:.0f}) |"
+        )
+    rest = ranked[args.top :]
+    if rest:
+        seconds = sum(r["seconds"] for _, r in rest)
+        print(
+            f"| {len(rest)} other files | {sum(r['cases'] for _, r in rest)} | {seconds:.0f} | "
+            f"{100 * seconds / total:.1f}% | |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
