@@ -30,6 +30,8 @@ MAX_RANKS_PER_NODE = 1024
 # timed out" for seconds at a time, several times its MessageTimeout of 10 s by default) before
 # it gives up and cancels the job.
 PATIENCE_S = 60.0
+# How long a cancel waits for the job's processes to stop (Slurm's KillWait is 30 s by default).
+ENDING_S = 45.0
 
 # States after which a task will not run again (``squeue --help``); a REQUEUED one does.
 FAILED_STATES = frozenset({
@@ -111,7 +113,27 @@ def cancel(job_ids: list[str | None]) -> str:
     if done.returncode != 0 and "already completing or completed" not in done.stderr:
         said = done.stderr.strip() or f"exit {done.returncode}"
         return f"{named}: scancel failed ({said}); run scancel {' '.join(ids)} by hand"
-    return f"{named} cancelled"
+    # scancel only signals: the caller removes what the ranks write into once they have stopped
+    deadline = time.monotonic() + ENDING_S
+    while time.monotonic() < deadline:
+        try:
+            if not any(_still_running(tasks(j)) for j in ids):
+                return f"{named} cancelled"
+        except PortingError:  # Slurm does not answer: nothing more to learn here
+            return f"{named} cancelled (Slurm did not say whether it has ended: check squeue)"
+        time.sleep(0.5)
+    return f"{named} cancelled (still ending after {ENDING_S:.0f} s: check squeue)"
+
+
+def _still_running(job_tasks: list[dict] | None) -> bool:
+    return bool(job_tasks) and any(t.get("JobState") in _ACTIVE for t in job_tasks)
+
+
+# States in which a job's processes may still be writing (squeue --help).
+_ACTIVE = frozenset({
+    "CONFIGURING", "COMPLETING", "RESIZING", "RUNNING", "SIGNALING", "STAGE_OUT", "STOPPED",
+    "SUSPENDED",
+})  # fmt: skip
 
 
 def follow(

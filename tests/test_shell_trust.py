@@ -492,7 +492,8 @@ def test_a_controller_that_stops_answering_ends_with_the_job_cancelled(
     argv = ["import", str(tiny_llama), "--out", str(out), "--executor", "slurm", "--nnodes", "1"]
     assert _porting(monkeypatch, argv) == 2
     err = capsys.readouterr().err
-    assert "Socket timed out" in err and err.strip().endswith("Slurm job 4242 cancelled"), err
+    assert "Socket timed out" in err, err
+    assert err.strip().splitlines()[-1].startswith("Slurm job 4242 cancelled (Slurm did not say")
     assert _calls(tmp_path, "scancel") == [["4242"]]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bin", "calls"]
 
