@@ -68,7 +68,10 @@ job=${1:-}
 shift || true
 case "$job" in
   demo) exec .venv/bin/porting demo "$@" ;;
-  test) owners_env; slurm_env; exec .venv/bin/python -m pytest -q "$@" ;;
+  # Two workers, a file at a time, the longest files first (tests/conftest.py, docs/testing.md).
+  test) owners_env; slurm_env
+    exec .venv/bin/python -m pytest -q -n "${PORTING_TEST_WORKERS:-2}" --dist loadfile \
+      --no-loadscope-reorder "$@" ;;
   owners) owners_env ;;
   --) exec "$@" ;;
   *) echo "usage: scripts/env.sh demo|test|owners|-- CMD" >&2; exit 2 ;;

@@ -68,7 +68,8 @@ SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort=$ctld_port
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$dir/munge/sock
+# a requeued job waits cred_expire before it may start again (120 s by default): kept short here
+AuthInfo=socket=$dir/munge/sock,cred_expire=20
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation=$dir/state

@@ -74,3 +74,30 @@ def slurm_cluster(tmp_path_factory):
             [str(script), "stop", str(home)], capture_output=True, text=True, timeout=120
         )
         assert stopped.returncode == 0, stopped.stderr
+
+
+# The suite runs on two pytest-xdist workers, a file at a time (scripts/env.sh test). A file's
+# cases stay on one worker, so its module fixtures are built once; the files below, measured the
+# longest (docs/testing.md), are handed out first, so that no worker is left with one at the end.
+LONGEST_FIRST = (
+    "test_slurm.py",
+    "test_gpu_check.py",
+    "test_train_multiproc.py",
+    "test_convert_ranks.py",
+    "test_output.py",
+    "test_train.py",
+    "test_owners.py",
+    "test_new_family.py",
+    "test_train_stop.py",
+    "test_reliability.py",
+    "test_prep_ray.py",
+    "test_prep_hostile.py",
+    "test_gpt_oss.py",
+    "test_deepseek.py",
+    "test_moe_train.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

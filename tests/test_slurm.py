@@ -326,7 +326,7 @@ def test_train_whose_node_fails_is_requeued_and_resumes(
         # ReturnToService=2: the node's slurmd registers again and it is back in service
         _wait_for("node2 back", lambda: "down" not in _slurm(
             slurm_cluster, "sinfo", "-h", "-n", "node2", "-o", "%t"))  # fmt: skip
-        # a requeued batch job becomes eligible again about 2 minutes later (Slurm's own delay)
+        # a requeued batch job becomes eligible again cred_expire later (20 s, scripts/slurm_local.sh)
         stdout, stderr = follower.communicate(timeout=TIMEOUT)
     finally:
         follower.kill()

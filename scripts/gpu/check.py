@@ -136,6 +136,7 @@ class Check:
     sizes: Sizes
     tiny: bool
     budget_s: float
+    families: list[str] | None = None
     started: float = field(default_factory=time.time)
     report: dict = field(default_factory=lambda: {"steps": {}, "checks": {}})
 
@@ -319,11 +320,9 @@ def build_models(c: Check) -> dict:
     # parity step compares each one's bf16 against transformers' own bf16 on the device.
     width = c.sizes.falcon_width
     for family in registry.families():
-        if family.name in (
-            "llama",
-            "tsuzumi",
-            "falcon",
-        ):  # built above; tsuzumi is the llama tables
+        if family.name in ("llama", "tsuzumi", "falcon"):  # built above; tsuzumi is llama's tables
+            continue
+        if c.families is not None and family.name not in c.families:
             continue
         for arch in family.architectures:
             fields = proof.tiny_fields(
@@ -866,6 +865,13 @@ def main(argv: list[str] | None = None) -> int:
         help="go on from the steps an earlier call left done in --work (a second device call "
         "while the machine is still warm); starts afresh when --work holds no report",
     )
+    p.add_argument(
+        "--families",
+        type=lambda v: [n for n in v.split(",") if n],
+        metavar="NAMES",
+        help="comma-separated: build and import only these of the other installed families "
+        "(default: every one); Llama and Falcon always run, every step needs them",
+    )
     p.add_argument("--parity-worker", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--device", default="cpu", help=argparse.SUPPRESS)
     p.add_argument("--bf16", action="store_true", help=argparse.SUPPRESS)
@@ -894,7 +900,16 @@ def main(argv: list[str] | None = None) -> int:
     earlier = args.work / "report.json"
     env = None if args.continue_ and earlier.exists() else _gpu()
     # the budget counts from here: what it guards is the steps
-    c = Check(args.outdir, args.work, TINY if args.tiny else FULL, args.tiny, args.budget_s)
+    if args.families is not None:
+        from porting.contract import registry
+
+        unknown = sorted(set(args.families) - {f.name for f in registry.families()})
+        if unknown:
+            p.error(f"--families: no installed family named {', '.join(unknown)}")
+    c = Check(
+        args.outdir, args.work, TINY if args.tiny else FULL, args.tiny, args.budget_s,
+        args.families,
+    )  # fmt: skip
     if args.continue_ and earlier.exists():
         c.report = json.loads(earlier.read_text())
         if c.report.get("tiny") != args.tiny:
