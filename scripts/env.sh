@@ -69,7 +69,8 @@ shift || true
 case "$job" in
   demo) exec .venv/bin/porting demo "$@" ;;
   # Two workers, a file at a time, the longest files first (tests/conftest.py, docs/testing.md).
-  test) owners_env; slurm_env
+  # The tests start hundreds of interpreters; with bytecode kept, none compiles our modules again.
+  test) owners_env; slurm_env; unset PYTHONDONTWRITEBYTECODE
     exec .venv/bin/python -m pytest -q -n "${PORTING_TEST_WORKERS:-2}" --dist loadfile \
       --no-loadscope-reorder "$@" ;;
   owners) owners_env ;;
