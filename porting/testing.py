@@ -501,11 +501,14 @@ def checkpoint_complete(out: Path) -> bool:
     )
 
 
-def signal_at_first_checkpoint(argv: list[str], out: Path, sig: int, timeout: float):
+def signal_at_first_checkpoint(
+    argv: list[str], out: Path, sig: int, timeout: float, env: dict | None = None
+):
     """Start the `porting train` command ``argv`` (run directory ``out``) in a session of its
     own, send ``sig`` to the whole group once a checkpoint is complete (SIGKILL: what a node
     failure does; SIGTERM: a scheduler; SIGINT: Ctrl-C) and wait for it to end. Returns the
-    ``CompletedProcess`` (output captured); fails if the run ended first or outlived ``timeout``."""
+    ``CompletedProcess`` (output captured); fails if the run ended first or outlived ``timeout``.
+    ``env`` defaults to :func:`child_env`."""
     import os
     import signal
     import subprocess
@@ -517,7 +520,7 @@ def signal_at_first_checkpoint(argv: list[str], out: Path, sig: int, timeout: fl
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
-        env=child_env(),
+        env=env or child_env(),
         # as started from a terminal: a suite run as a background job inherits SIGINT ignored
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )

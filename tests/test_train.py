@@ -17,7 +17,6 @@ import torch
 from porting.errors import PortingError
 from porting.testing import (
     TRAIN_TEXT,
-    child_env,
     kill_at_first_checkpoint,
     run_in_session,
     train_losses,
@@ -36,16 +35,6 @@ def _train_argv(ckpt, data, out, *extra: str) -> list[str]:
 
 def _run_train(ckpt, data, out, *extra: str, timeout: float = 600) -> subprocess.CompletedProcess:
     return run_in_session(_train_argv(ckpt, data, out, *extra), timeout)
-
-
-def _porting(*args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "porting.cli", *args],
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        **kw,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +176,20 @@ def test_validation_warns_past_the_trained_context(tiny_nemo, train_corpus):
     assert "exceeds the 256 positions" in warning
 
 
-def test_cli_dry_run_and_slurm_script(tiny_nemo, train_corpus, tmp_path):
+def test_cli_dry_run_and_slurm_script(tiny_nemo, train_corpus, tmp_path, capsys):
+    """The CLI in this process (each case is an argument check or a script written, none a
+    process's behaviour): what it prints and its exit status."""
+
+    def _porting(*args: str) -> subprocess.CompletedProcess:
+        from porting.cli import main
+
+        try:
+            code = main(list(args))
+        except SystemExit as stop:
+            code = stop.code
+        said = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, said.out, said.err)
+
     r = _porting(
         "train",
         "--checkpoint",

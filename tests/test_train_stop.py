@@ -17,7 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from porting.testing import processes_mentioning, run_in_session, signal_at_first_checkpoint
+from porting.testing import (
+    child_env,
+    processes_mentioning,
+    run_in_session,
+    signal_at_first_checkpoint,
+)
 
 TIMEOUT = 300
 COMMON = ["--seq-length", "32", "--micro-batch", "2", "--global-batch", "4", "--lr", "1e-2"]
@@ -30,7 +35,14 @@ def _argv(ckpt, data, out, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _assert_settled(out: Path, r: subprocess.CompletedProcess, sig: int, torchelastic: set) -> None:
+def _stopped(argv: list[str], out: Path, sig: int, tmp: Path) -> subprocess.CompletedProcess:
+    """The run stopped by ``sig`` at its first checkpoint, with a TMPDIR of its own: torchrun's
+    ``torchelastic_*`` directories go there, apart from other runs on the machine."""
+    tmp.mkdir()
+    return signal_at_first_checkpoint(argv, out, sig, TIMEOUT, env=child_env(TMPDIR=str(tmp)))
+
+
+def _assert_settled(out: Path, r: subprocess.CompletedProcess, sig: int, tmp: Path) -> None:
     name = signal.Signals(sig).name
     assert r.returncode == 128 + sig, r.stderr[-3000:]
     assert "Traceback" not in r.stderr, r.stderr[-3000:]
@@ -44,7 +56,7 @@ def _assert_settled(out: Path, r: subprocess.CompletedProcess, sig: int, torchel
     assert target.is_dir() and (target / "context" / "porting.json").is_file()
     assert not list((out / "checkpoints").glob("*-unfinished"))
     assert not list(out.glob(".tmp-launcher-*"))
-    assert set(Path("/tmp").glob("torchelastic_*")) <= torchelastic
+    assert not list(tmp.glob("torchelastic_*"))
     left = processes_mentioning(str(out), grace=5)
     assert not left, f"processes of the stopped run survive: {left}"
 
@@ -60,16 +72,15 @@ def test_a_stopped_run_leaves_a_resumable_directory_and_no_process(
     extra = ["--steps", "2000", "--executor", executor]
     if executor != "local":
         extra += ["--gpus-per-node", "2"]
-    torchelastic = set(Path("/tmp").glob("torchelastic_*"))
-    r = signal_at_first_checkpoint(_argv(tiny_nemo, train_corpus, out, *extra), out, sig, TIMEOUT)
-    _assert_settled(out, r, sig, torchelastic)
+    r = _stopped(_argv(tiny_nemo, train_corpus, out, *extra), out, sig, tmp_path / "tmp")
+    _assert_settled(out, r, sig, tmp_path / "tmp")
 
 
 def test_a_resumed_run_appends_to_the_metrics_history(tiny_nemo, train_corpus, tmp_path):
     out = tmp_path / "run"
     argv = _argv(tiny_nemo, train_corpus, out, "--steps", "2000")
-    r = signal_at_first_checkpoint(argv, out, signal.SIGTERM, TIMEOUT)
-    _assert_settled(out, r, signal.SIGTERM, set(Path("/tmp").glob("torchelastic_*")))
+    r = _stopped(argv, out, signal.SIGTERM, tmp_path / "tmp")
+    _assert_settled(out, r, signal.SIGTERM, tmp_path / "tmp")
     metrics = out / "csv" / "metrics.csv"
     with open(metrics) as f:
         first = [int(float(row["global_step"])) for row in csv.DictReader(f)]
