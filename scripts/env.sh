@@ -71,6 +71,7 @@ case "$job" in
   # Two workers, a file at a time, the longest files first (tests/conftest.py, docs/testing.md).
   # The tests start hundreds of interpreters; with bytecode kept, none compiles our modules again.
   test) owners_env; slurm_env; unset PYTHONDONTWRITEBYTECODE
+    echo "[env] environments ready after ${SECONDS} s; the tests start" >&2
     exec .venv/bin/python -m pytest -q -n "${PORTING_TEST_WORKERS:-2}" --dist loadfile \
       --no-loadscope-reorder "$@" ;;
   owners) owners_env ;;
