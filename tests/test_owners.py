@@ -196,35 +196,42 @@ def test_a_megatron_lm_checkpoint_we_did_not_write_exports_through_the_gate(tmp_
     _assert_logits(_hf_logits(tmp_path / "hf", tokens), tmp_path / "m.pt")
 
 
-def test_transformer_engine_stays_absent_for_megatron_core():
-    """The shim serves Bridge's one unguarded import and nothing else (porting.owners.shims)."""
+@pytest.fixture(scope="module")
+def bridge_facts() -> dict:
+    """What one owners' interpreter finds in Megatron-Bridge with our shim installed: one start-up
+    of Bridge (about 20 s here) for the two tests below."""
     out = _owners_code(
-        "import sys\n"
+        "import dataclasses, json, sys\n"
         "from porting.owners import shims\n"
         "shims.install()\n"
         "import megatron.bridge.training.model_load_save\n"
         "from megatron.bridge.peft import lora_layers\n"
         "import megatron.core.fp8_utils as fp8\n"
         "from megatron.core.models.gpt import gpt_layer_specs as specs\n"
-        "assert 'transformer_engine' not in sys.modules\n"
-        "assert not fp8.HAVE_TE and not specs.HAVE_TE\n"
-        "assert not isinstance(object(), lora_layers.te.Linear)\n"
+        "facts = {'te_loaded': 'transformer_engine' in sys.modules,\n"
+        "         'have_te': [fp8.HAVE_TE, specs.HAVE_TE],\n"
+        "         'object_is_te_linear': isinstance(object(), lora_layers.te.Linear)}\n"
         "try:\n"
         "    lora_layers.te.Linear(1, 1)\n"
         "except RuntimeError as err:\n"
-        "    print(err)\n"
-    )
-    assert "Transformer Engine is not installed" in out
-
-
-def test_our_provider_field_list_is_bridges():
-    """porting/convert/bridge_fields.json is GPTModelProvider's init fields."""
-    out = _owners_code(
-        "import dataclasses, json\n"
-        "from porting.owners import shims\n"
-        "shims.install()\n"
+        "    facts['te_linear_error'] = str(err)\n"
         "from megatron.bridge.models.gpt_provider import GPTModelProvider\n"
-        "print(json.dumps(sorted(f.name for f in dataclasses.fields(GPTModelProvider) if f.init)))\n"
+        "facts['provider_fields'] = sorted(\n"
+        "    f.name for f in dataclasses.fields(GPTModelProvider) if f.init)\n"
+        "print(json.dumps(facts))\n"
     )
+    return json.loads(out)
+
+
+def test_transformer_engine_stays_absent_for_megatron_core(bridge_facts):
+    """The shim serves Bridge's one unguarded import and nothing else (porting.owners.shims)."""
+    assert bridge_facts["te_loaded"] is False
+    assert bridge_facts["have_te"] == [False, False]
+    assert bridge_facts["object_is_te_linear"] is False
+    assert "Transformer Engine is not installed" in bridge_facts["te_linear_error"]
+
+
+def test_our_provider_field_list_is_bridges(bridge_facts):
+    """porting/convert/bridge_fields.json is GPTModelProvider's init fields."""
     ours = json.loads((REPO / "porting" / "convert" / "bridge_fields.json").read_text())
-    assert json.loads(out) == ours
+    assert bridge_facts["provider_fields"] == ours
