@@ -5,7 +5,10 @@
 
 Prints a Markdown table (docs/testing.md keeps the latest): each file's cases, the seconds its
 cases took (setup, call and teardown, as pytest's report counts them; a session fixture's cost
-lands on the first case that asks for it), its share of the whole, and its slowest case.
+lands on the first case that asks for it), its share of the whole, the CPU seconds of the test
+process and of the children it waited for (tests/conftest.py records both per case; what Slurm's
+daemons start is in neither), and its slowest case. With two workers the seconds add up to about
+twice the wall time.
 """
 
 from __future__ import annotations
@@ -18,10 +21,18 @@ from pathlib import Path
 
 
 def per_file(report: Path) -> tuple[dict[str, dict], float, int]:
-    """``{file: {cases, seconds, slowest, slowest_s}}``, the suite's seconds and its cases."""
+    """``{file: {cases, seconds, cpu_s, children_cpu_s, slowest, slowest_s}}``, the suite's
+    seconds and its cases."""
     root = ET.parse(report).getroot()
     files: dict[str, dict] = defaultdict(
-        lambda: {"cases": 0, "seconds": 0.0, "slowest": "", "slowest_s": 0.0}
+        lambda: {
+            "cases": 0,
+            "seconds": 0.0,
+            "cpu_s": 0.0,
+            "children_cpu_s": 0.0,
+            "slowest": "",
+            "slowest_s": 0.0,
+        }  # fmt: skip
     )
     total, cases = 0.0, 0
     for case in root.iter("testcase"):
@@ -31,6 +42,9 @@ def per_file(report: Path) -> tuple[dict[str, dict], float, int]:
         row = files[name]
         row["cases"] += 1
         row["seconds"] += seconds
+        for prop in case.iter("property"):
+            if prop.get("name") in ("cpu_s", "children_cpu_s"):
+                row[prop.get("name")] += float(prop.get("value", 0))
         if seconds > row["slowest_s"]:
             row["slowest"], row["slowest_s"] = case.get("name", "?"), seconds
         total += seconds
@@ -44,21 +58,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=30, help="rows to print (default 30)")
     args = p.parse_args(argv)
     files, total, cases = per_file(args.report)
-    print(f"{cases} cases, {total / 60:.1f} min of test time\n")
-    print("| file | cases | seconds | share | slowest case (s) |")
-    print("|---|---:|---:|---:|---|")
+    cpu = sum(r["cpu_s"] + r["children_cpu_s"] for r in files.values())
+    print(f"{cases} cases, {total / 60:.1f} min of test time, {cpu / 60:.1f} CPU-min counted\n")
+    print("| file | cases | seconds | share | CPU s (own + children) | slowest case (s) |")
+    print("|---|---:|---:|---:|---:|---|")
     ranked = sorted(files.items(), key=lambda kv: -kv[1]["seconds"])
     for name, row in ranked[: args.top]:
         print(
             f"| {name} | {row['cases']} | {row['seconds']:.0f} | "
-            f"{100 * row['seconds'] / total:.1f}% | {row['slowest']} ({row['slowest_s']:.0f}) |"
+            f"{100 * row['seconds'] / total:.1f}% | "
+            f"{row['cpu_s']:.0f} + {row['children_cpu_s']:.0f} | "
+            f"{row['slowest']} ({row['slowest_s']:.0f}) |"
         )
     rest = ranked[args.top :]
     if rest:
         seconds = sum(r["seconds"] for _, r in rest)
+        own = sum(r["cpu_s"] for _, r in rest)
+        children = sum(r["children_cpu_s"] for _, r in rest)
         print(
             f"| {len(rest)} other files | {sum(r['cases'] for _, r in rest)} | {seconds:.0f} | "
-            f"{100 * seconds / total:.1f}% | |"
+            f"{100 * seconds / total:.1f}% | {own:.0f} + {children:.0f} | |"
         )
     return 0
 

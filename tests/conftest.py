@@ -7,6 +7,7 @@ live here or in `porting.testing`, never in an importable `tests.` module.
 from __future__ import annotations
 
 import os
+import resource
 import tempfile
 
 import pytest
@@ -101,3 +102,30 @@ LONGEST_FIRST = (
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+_CPU_AT_SETUP = pytest.StashKey[tuple[float, float]]()
+
+
+def _cpu_s() -> tuple[float, float]:
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime, children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    item.stash[_CPU_AT_SETUP] = _cpu_s()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item):
+    """Each case's CPU seconds, its own process's and its children's (those waited for, with
+    theirs; not what Slurm's daemons start), as properties of the case in ``--junitxml``
+    (scripts/bench_suite.py sums them per file)."""
+    yield
+    start = item.stash.get(_CPU_AT_SETUP, None)
+    if start is not None:
+        me, children = (round(b - a, 2) for a, b in zip(start, _cpu_s(), strict=True))
+        item.user_properties += [("cpu_s", me), ("children_cpu_s", children)]
