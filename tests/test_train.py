@@ -17,6 +17,7 @@ import torch
 from porting.errors import PortingError
 from porting.testing import (
     TRAIN_TEXT,
+    cli_in_process,
     kill_at_first_checkpoint,
     run_in_session,
     train_losses,
@@ -181,14 +182,7 @@ def test_cli_dry_run_and_slurm_script(tiny_nemo, train_corpus, tmp_path, capsys)
     process's behaviour): what it prints and its exit status."""
 
     def _porting(*args: str) -> subprocess.CompletedProcess:
-        from porting.cli import main
-
-        try:
-            code = main(list(args))
-        except SystemExit as stop:
-            code = stop.code
-        said = capsys.readouterr()
-        return subprocess.CompletedProcess(args, code, said.out, said.err)
+        return cli_in_process(list(args), capsys)
 
     r = _porting(
         "train",
