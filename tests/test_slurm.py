@@ -272,23 +272,37 @@ def _assert_losses(got: dict[int, float], want: dict[int, float]) -> None:
     assert max(diffs.values()) <= 1e-5, diffs
 
 
-def test_train_on_two_nodes_cancelled_and_resumed_follows_one_process(
+def test_train_on_two_nodes_requeued_then_cancelled_and_resumed_follows_one_process(
     slurm_cluster, tiny_nemo, train_corpus, one_process, tmp_path
 ):
     """`porting train --executor slurm`: torchrun on both nodes, the rendezvous at the first
-    node's NodeAddr; scancel once a checkpoint is complete, then the same command resumes, and
-    every step's loss equals one process's (DP=2 over two nodes vs DP=1) within 1e-5."""
-    from porting.testing import processes_mentioning, train_losses
+    node's NodeAddr. Once a checkpoint is complete a node goes down: Slurm ends the job
+    (NODE_FAIL) and requeues it; the command says so and keeps following. Once the requeued job
+    runs, scancel: the command says how it ended and what to do; the same command resumes, and
+    every step's loss equals one process's (DP=2 over two nodes vs DP=1) within 1e-5. One run for
+    both ways a job ends early: each costs a two-node start-up of NeMo on these two cores."""
+    from porting.testing import foreign_lines, processes_mentioning, train_losses
 
     out = tmp_path / "two"
     argv = _two_nodes(tiny_nemo, train_corpus, out)
     follower, job = _at_first_checkpoint(argv, out, slurm_cluster)
     try:
+        _slurm(slurm_cluster, "scontrol", "update", "nodename=node2", "state=down",
+               "reason=porting-test")  # fmt: skip
+        _wait_for("the requeue", lambda: "Restarts=1" in _slurm(
+            slurm_cluster, "scontrol", "-o", "show", "job", job))  # fmt: skip
+        # ReturnToService=2: the node's slurmd registers again and it is back in service
+        _wait_for("node2 back", lambda: "down" not in _slurm(
+            slurm_cluster, "sinfo", "-h", "-n", "node2", "-o", "%t"))  # fmt: skip
+        # a requeued batch job becomes eligible again cred_expire later (20 s, scripts/slurm_local.sh)
+        _wait_for("the requeued job to run", lambda: "JobState=RUNNING" in _slurm(
+            slurm_cluster, "scontrol", "-o", "show", "job", job), timeout=TIMEOUT)  # fmt: skip
         _slurm(slurm_cluster, "scancel", job)
         stdout, stderr = follower.communicate(timeout=TIMEOUT)
     finally:
         follower.kill()
     assert follower.returncode == 2, stderr[-3000:]
+    assert f"Slurm requeued job {job} (restart 1): it resumes" in stdout
     assert f"Slurm job {job} ended CANCELLED" in stderr, stderr[-3000:]
     assert "rerun the same command to resume" in stderr
     assert "step 1/8" in stdout  # the job's log, followed
@@ -299,40 +313,9 @@ def test_train_on_two_nodes_cancelled_and_resumed_follows_one_process(
     done = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT, env=slurm_cluster)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert "done: checkpoints in" in done.stdout
-    from porting.testing import foreign_lines
-
     # the submitting command and the job's log it prints: our lines only
     foreign = foreign_lines(done.stdout + done.stderr)
     assert foreign == [], "\n".join(foreign)
-    _assert_losses(train_losses(out), one_process)
-
-
-def test_train_whose_node_fails_is_requeued_and_resumes(
-    slurm_cluster, tiny_nemo, train_corpus, one_process, tmp_path
-):
-    """A node goes down once the first checkpoint is complete: Slurm ends the job (NODE_FAIL) and
-    requeues it; the command says so and keeps following; once the node is back the job runs
-    again, resumes from the checkpoint, and the losses are one process's."""
-    from porting.testing import train_losses
-
-    out = tmp_path / "two"
-    follower, job = _at_first_checkpoint(_two_nodes(tiny_nemo, train_corpus, out), out,
-                                         slurm_cluster)  # fmt: skip
-    try:
-        _slurm(slurm_cluster, "scontrol", "update", "nodename=node2", "state=down",
-               "reason=porting-test")  # fmt: skip
-        _wait_for("the requeue", lambda: "Restarts=1" in _slurm(
-            slurm_cluster, "scontrol", "-o", "show", "job", job))  # fmt: skip
-        # ReturnToService=2: the node's slurmd registers again and it is back in service
-        _wait_for("node2 back", lambda: "down" not in _slurm(
-            slurm_cluster, "sinfo", "-h", "-n", "node2", "-o", "%t"))  # fmt: skip
-        # a requeued batch job becomes eligible again cred_expire later (20 s, scripts/slurm_local.sh)
-        stdout, stderr = follower.communicate(timeout=TIMEOUT)
-    finally:
-        follower.kill()
-    assert follower.returncode == 0, stderr[-3000:]
-    assert f"Slurm requeued job {job} (restart 1): it resumes" in stdout
-    assert "done: checkpoints in" in stdout
     _assert_losses(train_losses(out), one_process)
 
 
