@@ -99,9 +99,39 @@ LONGEST_FIRST = (
 )
 
 
+# `scripts/env.sh test -m quick`, a developer's loop (docs/testing.md): every family's parity at
+# TP=1 and its round trips, the config rules, the mapping and the hostile checks made at function
+# level. CI and the README's command run everything.
+QUICK_FAMILY_FILES = {
+    f"test_{family}.py" for family in (
+        "llama", "tsuzumi", "falcon", "qwen", "mistral", "gemma", "gemma3", "moe", "gpt_oss",
+        "deepseek", "olmo2", "olmoe", "phi3",
+    )
+}  # fmt: skip
+QUICK_IN_A_FAMILY_FILE = ("parity", "round_trip")
+QUICK_FILES = {
+    "test_config_rules.py", "test_contract.py", "test_mapping.py", "test_transforms.py",
+    "test_rope.py", "test_table_check.py", "test_noop_fields.py", "test_layout_hostile.py",
+    "test_plan_hostile.py", "test_bad_input.py", "test_fuzz.py",
+}  # fmt: skip
+
+
+def _quick(item) -> bool:
+    if item.path.name in QUICK_FILES:
+        return True
+    return (
+        item.path.name in QUICK_FAMILY_FILES
+        and any(word in item.name for word in QUICK_IN_A_FAMILY_FILE)
+        and "tensor_parallel" not in item.name  # its ranks are processes of their own
+    )
+
+
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    for item in items:
+        if _quick(item):
+            item.add_marker(pytest.mark.quick)
 
 
 _CPU_AT_SETUP = pytest.StashKey[tuple[float, float]]()
