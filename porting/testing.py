@@ -468,22 +468,6 @@ def child_env(**extra: str) -> dict:
     return env | {"PYTHONUNBUFFERED": "1"} | extra
 
 
-def cli_in_process(argv: list[str], capsys):
-    """``porting ARGV`` run by ``porting.cli.main`` in the test's own process, its output taken
-    with pytest's ``capsys``: for a case about what a command decides, writes and prints, not
-    about a process (its signals, its exit, its start-up). Returns a ``CompletedProcess``."""
-    import subprocess
-
-    from porting.cli import main
-
-    try:
-        code = main(list(argv))
-    except SystemExit as stop:
-        code = stop.code
-    said = capsys.readouterr()
-    return subprocess.CompletedProcess(argv, code, said.out, said.err)
-
-
 def run_in_session(argv: list[str], timeout: float, env: dict | None = None):
     """Run ``argv`` to its end in a session of its own; past ``timeout`` the whole group is
     killed and an ``AssertionError`` says so (a hang fails a test and leaves no process)."""

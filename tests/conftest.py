@@ -55,6 +55,37 @@ def train_corpus(tiny_llama, tmp_path_factory):
     )
 
 
+@pytest.fixture
+def cli(capsys):
+    """``cli(argv)``: ``porting ARGV`` run by ``porting.cli.main`` in the test's own process, for a
+    case about what a command decides, writes and prints, not about a process (its signals, its
+    exit, its start-up). Returns a ``CompletedProcess`` whose ``logged`` holds the messages our
+    packages logged (a process prints them on stderr; here an earlier ``main`` owns the handler)."""
+    import logging
+    import subprocess
+
+    from porting.cli import main
+
+    def run(argv: list[str]) -> subprocess.CompletedProcess:
+        records: list[logging.LogRecord] = []
+        keep = logging.Handler()
+        keep.emit = records.append
+        ours = logging.getLogger("porting")
+        ours.addHandler(keep)
+        try:
+            code = main(list(argv))
+        except SystemExit as stop:
+            code = stop.code
+        finally:
+            ours.removeHandler(keep)
+        said = capsys.readouterr()
+        done = subprocess.CompletedProcess(argv, code, said.out, said.err)
+        done.logged = [r.getMessage() for r in records]
+        return done
+
+    return run
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory):
     """A real two-node Slurm cluster on this host (``scripts/slurm_local.sh``), stopped after the

@@ -24,7 +24,6 @@ from porting import proof
 from porting.testing import (
     assert_same_checkpoint,
     child_env,
-    cli_in_process,
     processes_mentioning,
     run_in_session,
 )
@@ -60,13 +59,13 @@ def _nothing_left(out: Path) -> None:
 
 
 @pytest.mark.parametrize("variant", ["llama", "qwen3_moe"])
-def test_two_ranks_write_the_one_process_checkpoint(variant, tiny_llama, tmp_path, capsys, caplog):
+def test_two_ranks_write_the_one_process_checkpoint(variant, tiny_llama, tmp_path, cli):
     if variant == "llama":
         hf = tiny_llama
     else:  # experts: Megatron's save spreads them over the ranks one by one
         hf = _qwen3_moe(tmp_path / "hf", layers=3, seed=3)
     # the one-process reference in this process: the ranks are what runs as processes here
-    one = cli_in_process(["import", str(hf), "--out", str(tmp_path / "one"), "--json"], capsys)
+    one = cli(["import", str(hf), "--out", str(tmp_path / "one"), "--json"])
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     two = _import(hf, tmp_path / "two", "--json", *RANKS, env=child_env(TMPDIR=str(tmp)))
@@ -75,8 +74,8 @@ def test_two_ranks_write_the_one_process_checkpoint(variant, tiny_llama, tmp_pat
     assert list(tmp.iterdir()) == []  # torchrun's torchelastic_* went with the staging
     assert_same_checkpoint(tmp_path / "one", tmp_path / "two")
     _same_verdict(json.loads(one.stdout), json.loads(two.stdout))
-    # our lines only, as one process says them (here, to the log that pytest keeps)
-    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("imported ")]
+    # our lines only, as one process says them
+    said = [line for line in one.logged if line.startswith("imported ")]
     assert len(said) == 1 and two.stderr.splitlines() == said, two.stderr
     # and back: the ranks write their shares into the planned shards, byte for byte one
     # process's (shards small enough that every rank has several to write into)
@@ -87,7 +86,7 @@ def test_two_ranks_write_the_one_process_checkpoint(variant, tiny_llama, tmp_pat
         if extra:
             done = run_in_session([sys.executable, "-m", "porting.cli", *argv], TIMEOUT)
         else:
-            done = cli_in_process(argv, capsys)
+            done = cli(argv)
         assert done.returncode == 0, done.stderr[-3000:]
         exports[name] = json.loads(done.stdout)
     _same_verdict(exports["one"], exports["two"])

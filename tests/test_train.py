@@ -17,7 +17,6 @@ import torch
 from porting.errors import PortingError
 from porting.testing import (
     TRAIN_TEXT,
-    cli_in_process,
     kill_at_first_checkpoint,
     run_in_session,
     train_losses,
@@ -177,12 +176,12 @@ def test_validation_warns_past_the_trained_context(tiny_nemo, train_corpus):
     assert "exceeds the 256 positions" in warning
 
 
-def test_cli_dry_run_and_slurm_script(tiny_nemo, train_corpus, tmp_path, capsys):
+def test_cli_dry_run_and_slurm_script(tiny_nemo, train_corpus, tmp_path, cli):
     """The CLI in this process (each case is an argument check or a script written, none a
     process's behaviour): what it prints and its exit status."""
 
     def _porting(*args: str) -> subprocess.CompletedProcess:
-        return cli_in_process(list(args), capsys)
+        return cli(list(args))
 
     r = _porting(
         "train",
