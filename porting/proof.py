@@ -478,47 +478,153 @@ def prove_bridge_refused(hf_dir: str | Path, work: str | Path, fields: list[str]
     assert not out.exists() and not list(Path(work).glob(".bridge.partial-*"))
 
 
-# Every checkpoint in one launch of two ranks: starting NeMo twice per checkpoint would cost more
-# than the rest of a family's proof. A `python -c` child needs no importable test module.
-_TP2_SCRIPT = """
-import sys, torch
+# Two gloo ranks kept for the life of the process that asked: every TP=2 proof of a test session
+# (each family's, and a scaffolded family's) shares one launch, where starting NeMo twice per proof
+# cost more than the rest of a family's proof. Rank 0 reads a request (a JSON line) from its stdin
+# and hands it to rank 1; both build each checkpoint at TP=2 and rank 0 saves the gathered logits.
+# A `python -c` child needs no importable test module.
+_TP2_SERVER = """
+import importlib, json, sys, torch
 from porting.convert.megatron import init_parallel, mcore_logits, shutdown_parallel
 from porting.testing import load_checkpoint_model
-rank, out, ids, ckpts = int(sys.argv[1]), sys.argv[2], torch.load(sys.argv[3]), sys.argv[4:]
+rank = int(sys.argv[1])
 init_parallel(tp=2, rank=rank, world_size=2)
-logits = {}
-for ckpt in ckpts:
-    model, _ = load_checkpoint_model(ckpt, dtype=torch.float32)
-    logits[ckpt] = mcore_logits(model, ids)
-if rank == 0:
-    torch.save(logits, out)
+
+def resolve(ref):
+    module, _, path = ref.partition(":")
+    owner, _, attr = path.rpartition(".")
+    obj = importlib.import_module(module)
+    for part in filter(None, owner.split(".")):
+        obj = getattr(obj, part)
+    return obj, attr
+
+while True:
+    box = [json.loads(sys.stdin.readline() or "null")] if rank == 0 else [None]
+    torch.distributed.broadcast_object_list(box, src=0)
+    req = box[0]
+    if req is None:
+        break
+    saved = []
+    for target, source in req["patches"]:
+        (obj, attr), (src, src_attr) = resolve(target), resolve(source)
+        saved.append((obj, attr, vars(obj).get(attr, saved)))
+        setattr(obj, attr, getattr(src, src_attr))
+    try:
+        ids, logits = torch.load(req["ids"]), {}
+        for ckpt in req["ckpts"]:
+            model, _ = load_checkpoint_model(ckpt, dtype=torch.float32)
+            logits[ckpt] = mcore_logits(model, ids)
+            del model
+    finally:
+        for obj, attr, old in reversed(saved):
+            delattr(obj, attr) if old is saved else setattr(obj, attr, old)
+    if rank == 0:
+        torch.save(logits, req["out"])
+        print(req["token"], flush=True)
 shutdown_parallel()
 """
 
 
+class _TP2Ranks:
+    """The two ranks of :data:`_TP2_SERVER`, started at the first request, ended at exit."""
+
+    def __init__(self) -> None:
+        import atexit
+        import tempfile
+
+        from porting.cpu import free_port
+
+        self.logs = Path(tempfile.mkdtemp(prefix="porting-tp2-"))
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", _TP2_SERVER, str(rank)],
+                env=env,
+                stdin=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
+                stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
+                stderr=open(self.logs / f"rank{rank}.log", "w"),
+                text=True,
+            )
+            for rank in range(2)
+        ]
+        self.served = 0
+        atexit.register(self.close)
+
+    def ask(self, request: dict, timeout: float) -> None:
+        """Send ``request``, wait for rank 0 to say it saved the logits; a rank that dies or a
+        request past ``timeout`` ends both ranks and fails with their logs."""
+        import selectors
+        import time
+
+        self.served += 1
+        token = f"tp2-done-{os.getpid()}-{self.served}"
+        rank0 = self.procs[0]
+        rank0.stdin.write(json.dumps(request | {"token": token}) + "\n")
+        rank0.stdin.flush()
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as sel:
+            sel.register(rank0.stdout, selectors.EVENT_READ)
+            while time.monotonic() < deadline:
+                if sel.select(timeout=1.0):
+                    line = rank0.stdout.readline()
+                    if line.strip() == token:
+                        return
+                    if line:
+                        continue  # what a library printed; the answer is its own line
+                if any(p.poll() is not None for p in self.procs):
+                    break
+        self.close(kill=True)
+        logs = [(self.logs / f"rank{r}.log").read_text()[-3000:] for r in range(2)]
+        raise AssertionError(f"the TP=2 ranks failed:\n{logs[0]}\n{logs[1]}")
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs)
+
+    def close(self, kill: bool = False) -> None:
+        if not kill and self.alive():
+            try:
+                self.procs[0].stdin.close()  # end of input: both ranks leave their loop
+            except OSError:
+                pass
+            for p in self.procs:
+                try:
+                    p.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    pass
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+_TP2: _TP2Ranks | None = None
+
+
 def tp2_logits(
-    ckpts: list[str | Path], ids: torch.Tensor, work: str | Path
+    ckpts: list[str | Path],
+    ids: torch.Tensor,
+    work: str | Path,
+    patches: list[tuple[str, str]] = (),
 ) -> dict[str, torch.Tensor]:
-    """Megatron logits (padded vocabulary) of each checkpoint at tensor parallel 2 over gloo."""
-    from porting.cpu import free_port
+    """Megatron logits (padded vocabulary) of each checkpoint at tensor parallel 2 over gloo.
+
+    ``patches``: ``("module:Class.attr", "module:Other.attr")`` pairs set in both ranks for this
+    request only (a negative control that takes a reduction out); restored after it.
+    """
+    global _TP2
 
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
     torch.save(ids, work / "ids.pt")
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    args = [str(work / "tp2.pt"), str(work / "ids.pt"), *map(str, ckpts)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _TP2_SCRIPT, str(rank), *args],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    errors = [p.communicate(timeout=600)[1] for p in procs]
-    assert all(p.returncode == 0 for p in procs), errors[0][-3000:] + errors[1][-3000:]
+    if _TP2 is None or not _TP2.alive():
+        _TP2 = _TP2Ranks()
+    request = {
+        "ids": str(work / "ids.pt"),
+        "out": str(work / "tp2.pt"),
+        "ckpts": [str(c) for c in ckpts],
+        "patches": [list(p) for p in patches],
+    }
+    _TP2.ask(request, timeout=600)
     return torch.load(work / "tp2.pt", weights_only=True)
 
 

@@ -323,27 +323,6 @@ def make_falcon(
     return out
 
 
-def tp_logits_worker(
-    rank: int, world_size: int, ckpt: str, ids: torch.Tensor, out: str, port: int
-) -> None:
-    """One rank of a tensor-parallel logits run over gloo; rank 0 saves the gathered logits.
-
-    Runs in a ``torch.multiprocessing.spawn`` child, so it lives in an importable module.
-    """
-    import os
-
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    from porting.convert.megatron import init_parallel, mcore_logits, shutdown_parallel
-
-    init_parallel(tp=world_size, rank=rank, world_size=world_size)
-    model, _ = load_checkpoint_model(ckpt, dtype=torch.float32)
-    logits = mcore_logits(model, ids)
-    if rank == 0:
-        torch.save(logits, out)
-    shutdown_parallel()
-
-
 def with_edited_manifest(src: str | Path, dst: str | Path, edit) -> Path:
     """A copy of our nemo2 checkpoint ``src`` at ``dst`` whose ``porting.json`` (parsed) went
     through ``edit`` (a function that changes the dict in place): a crafted or lying manifest."""

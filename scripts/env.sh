@@ -71,6 +71,8 @@ case "$job" in
   # Two workers, a file at a time, the longest files first (tests/conftest.py, docs/testing.md).
   # The tests start hundreds of interpreters; with bytecode kept, none compiles our modules again.
   test) owners_env; slurm_env; unset PYTHONDONTWRITEBYTECODE
+    # the workers share the cores: a second OpenMP thread per process would only spin and wait
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
     echo "[env] environments ready after ${SECONDS} s; the tests start" >&2
     # the wall time, whatever the verdict, so each landing shows the trend against CI's 90 min
     rc=0

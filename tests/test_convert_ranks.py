@@ -60,15 +60,19 @@ def _nothing_left(out: Path) -> None:
 
 @pytest.mark.parametrize("variant", ["llama", "qwen3_moe"])
 def test_two_ranks_write_the_one_process_checkpoint(variant, tiny_llama, tmp_path, cli):
+    """The experts' variant is read by the ranks from two shards that split layer 0's experts
+    3 / 1 (Megatron's save spreads the experts over the ranks one by one); the one-process
+    reference reads the unsplit model."""
     if variant == "llama":
-        hf = tiny_llama
-    else:  # experts: Megatron's save spreads them over the ranks one by one
+        hf = ranks_hf = tiny_llama
+    else:
         hf = _qwen3_moe(tmp_path / "hf", layers=3, seed=3)
+        ranks_hf = _split_experts(hf, tmp_path / "split")
     # the one-process reference in this process: the ranks are what runs as processes here
     one = cli(["import", str(hf), "--out", str(tmp_path / "one"), "--json"])
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    two = _import(hf, tmp_path / "two", "--json", *RANKS, env=child_env(TMPDIR=str(tmp)))
+    two = _import(ranks_hf, tmp_path / "two", "--json", *RANKS, env=child_env(TMPDIR=str(tmp)))
     assert one.returncode == 0, one.stderr[-3000:]
     assert two.returncode == 0, two.stderr[-3000:]
     assert list(tmp.iterdir()) == []  # torchrun's torchelastic_* went with the staging
@@ -76,6 +80,7 @@ def test_two_ranks_write_the_one_process_checkpoint(variant, tiny_llama, tmp_pat
     _same_verdict(json.loads(one.stdout), json.loads(two.stdout))
     # our lines only, as one process says them
     said = [line for line in one.logged if line.startswith("imported ")]
+    said = [line.replace(str(hf), str(ranks_hf), 1) for line in said]  # the ranks' source
     assert len(said) == 1 and two.stderr.splitlines() == said, two.stderr
     # and back: the ranks write their shares into the planned shards, byte for byte one
     # process's (shards small enough that every rank has several to write into)
@@ -172,7 +177,7 @@ def test_launch_flags_are_checked_before_anything_starts(tiny_llama, tmp_path):
     _nothing_left(out)
 
 
-def test_verify_over_two_ranks_gives_the_one_process_verdict(tiny_llama, tiny_nemo, tmp_path):
+def test_verify_over_two_ranks_gives_the_one_process_verdict(tiny_llama, tiny_nemo, tmp_path, cli):
     """`porting verify --executor torchrun`: the gate as a pipeline of the ranks' layers gives one
     process's report, passing and failing alike (layer 1, on the second rank, is broken)."""
     import shutil
@@ -185,9 +190,9 @@ def test_verify_over_two_ranks_gives_the_one_process_verdict(tiny_llama, tiny_ne
     weights["model.layers.1.mlp.down_proj.weight"] *= 1.5
     save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
     for hf, code in ((tiny_llama, 0), (broken, 1)):
-        argv = [sys.executable, "-m", "porting.cli", "verify", str(hf), str(tiny_nemo), "--json"]
-        one = run_in_session(argv, TIMEOUT)
-        two = run_in_session([*argv, *RANKS], TIMEOUT)
+        argv = ["verify", str(hf), str(tiny_nemo), "--json"]
+        one = cli(argv)  # the reference in this process; the ranks are the processes here
+        two = run_in_session([sys.executable, "-m", "porting.cli", *argv, *RANKS], TIMEOUT)
         assert (one.returncode, two.returncode) == (code, code), (one.stderr + two.stderr)[-3000:]
         _same_verdict(json.loads(one.stdout), json.loads(two.stdout))
         assert two.stderr == "", two.stderr
@@ -238,19 +243,19 @@ def _resharded(hf: Path, out: Path, first: callable) -> Path:
     return out
 
 
-def test_experts_split_unevenly_over_shards_and_a_missing_shard(tmp_path):
-    """A layer's experts split 3 / 1 over two shards: two ranks import it to one process's
-    checkpoint of the unsplit model. An index naming a shard that is not there: refused, with its
-    name, before any rank writes; nothing left."""
-    hf = _qwen3_moe(tmp_path / "hf", layers=2, seed=5)
-    split = _resharded(hf, tmp_path / "split", lambda k: ".mlp.experts.0." in k or
-                       any(f"layers.0.mlp.experts.{e}." in k for e in (1, 2)))  # fmt: skip
-    one = _import(hf, tmp_path / "one")
-    two = _import(split, tmp_path / "two", *RANKS)
-    assert one.returncode == 0, one.stderr[-3000:]
-    assert two.returncode == 0, two.stderr[-3000:]
-    assert_same_checkpoint(tmp_path / "one", tmp_path / "two")
+def _split_experts(hf: Path, out: Path) -> Path:
+    """``hf`` (two layers or more of four experts) over two shards: layer 0's experts 0-2 and
+    every other layer's expert 0 in the first, the rest in the second."""
+    return _resharded(hf, out, lambda k: ".mlp.experts.0." in k or
+                      any(f"layers.0.mlp.experts.{e}." in k for e in (1, 2)))  # fmt: skip
 
+
+def test_an_index_naming_a_missing_shard_is_refused_before_any_rank_writes(tmp_path):
+    """An index naming a shard that is not there: refused, with its name, before any rank writes;
+    nothing left. (A layer's experts split unevenly over shards is the experts' variant of
+    test_two_ranks_write_the_one_process_checkpoint.)"""
+    hf = _qwen3_moe(tmp_path / "hf", layers=2, seed=5)
+    split = _split_experts(hf, tmp_path / "split")
     (split / "model-00001-of-00002.safetensors").unlink()
     out = tmp_path / "out" / "ckpt"
     refused = _import(split, out, *RANKS)

@@ -214,15 +214,10 @@ def test_llm_import_ckpt_then_nemo_loads_it_back(tiny_llama, tmp_path):
 
 
 def test_tensor_parallel_2_matches_tp_1(tiny_nemo, tmp_path):
-    import torch.multiprocessing as mp
-
-    from porting.cpu import free_port
-    from porting.testing import tp_logits_worker
+    from porting.proof import tp2_logits
 
     ids = torch.randint(0, 130, (2, 24), generator=torch.Generator().manual_seed(3))
     (tp1,) = parity.megatron_logits_from_checkpoint(tiny_nemo, [ids], 256)
-    out = tmp_path / "tp2.pt"
-    mp.spawn(tp_logits_worker, args=(2, str(tiny_nemo), ids, str(out), free_port()), nprocs=2)
-    tp2 = torch.load(out, weights_only=True)
+    tp2 = tp2_logits([tiny_nemo], ids, tmp_path)[str(tiny_nemo)]
     assert tp2.shape == (2, 24, 256)
     torch.testing.assert_close(tp2, tp1, atol=1e-5, rtol=1e-5)

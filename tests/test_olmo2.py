@@ -52,51 +52,18 @@ def test_tensor_parallel_2_matches_tp_1(converted, tmp_path):
     proof.prove_tp2([converted(v)[1] for v in ("gqa", "tied_head_dim")], tmp_path)
 
 
-# Two gloo ranks running the checkpoint with each rank's q/k norm over its own heads only
-_LOCAL_NORM_TP2 = """
-import sys, torch
-from models import olmo_attention
-olmo_attention.HeadShardedRMSNorm.mean_square = olmo_attention.RMSNorm.mean_square
-from porting.convert.megatron import init_parallel, mcore_logits, shutdown_parallel
-from porting.testing import load_checkpoint_model
-rank, out, ids, ckpt = int(sys.argv[1]), sys.argv[2], torch.load(sys.argv[3]), sys.argv[4]
-init_parallel(tp=2, rank=rank, world_size=2)
-model, _ = load_checkpoint_model(ckpt, dtype=torch.float32)
-logits = mcore_logits(model, ids)
-if rank == 0:
-    torch.save(logits, out)
-shutdown_parallel()
-"""
-
-
 def test_tensor_parallel_2_needs_the_norms_all_reduce(converted, tmp_path):
     """Negative control: at TP=2 with each rank's RMS taken over its own heads, the logits move
     far past the tolerance, so the TP test above sees the reduction."""
-    import os
-    import subprocess
-    import sys
-
-    from porting.cpu import free_port
     from porting.parity import harness
 
     ckpt = converted("gqa")[1]
     ids = torch.randint(0, 130, (2, 24), generator=torch.Generator().manual_seed(3))
-    torch.save(ids, tmp_path / "ids.pt")
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    args = [str(tmp_path / "tp2.pt"), str(tmp_path / "ids.pt"), str(ckpt)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _LOCAL_NORM_TP2, str(rank), *args],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    errors = [p.communicate(timeout=600)[1] for p in procs]
-    assert all(p.returncode == 0 for p in procs), errors[0][-3000:] + errors[1][-3000:]
-    local = torch.load(tmp_path / "tp2.pt", weights_only=True)
+    local_norm = [
+        ("models.olmo_attention:HeadShardedRMSNorm.mean_square",
+         "models.olmo_attention:RMSNorm.mean_square"),
+    ]  # fmt: skip
+    local = proof.tp2_logits([ckpt], ids, tmp_path, patches=local_norm)[str(ckpt)]
     (tp1,) = harness.megatron_logits_from_checkpoint(ckpt, [ids], local.shape[-1])
     assert (local - tp1).abs().max() > 100 * proof.ATOL
 
