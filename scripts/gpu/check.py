@@ -337,50 +337,69 @@ def build_models(c: Check) -> dict:
 
 
 def import_models(c: Check) -> dict:
-    """``porting import`` of every model, a core-scaled number at a time (host work). Without the
-    gate: the parity step runs the same whole-model comparison on the CPU, and on the device
-    besides."""
+    """``porting import`` of every model (host work), the models shared out round-robin over a
+    core-scaled number of worker processes, each running the command for its models one after
+    another. Without the gate: the parity step runs the same whole-model comparison on the CPU,
+    and on the device besides."""
     names = sorted(p.name for p in (c.work / "hf").iterdir())
-    # Each import is ~35 s of mostly single-threaded NeMo start-up on the H200 host (2026-11-26):
-    # two at a time took 252 s of the 480 s budget for 14 models. The device lends 15 minutes now,
-    # start-up included, so half the cores' count at once, two threads each (the 1.1B's
-    # conversion is a few seconds of that 35).
+    # An import is ~35 s of mostly single-threaded NeMo start-up on the H200 host and a few
+    # seconds of conversion for the 1.1B (2026-11-26): a process per model paid the start-up
+    # fourteen times (two at a time took 252 s of the 480 s budget). A worker pays it once for
+    # its share; half the cores' count of workers, two threads each.
     cores = os.cpu_count() or 2
-    at_once = max(2, cores // 2)
+    at_once = min(len(names), max(2, cores // 2))
     threads = max(1, cores // at_once)
     env = c.env(OMP_NUM_THREADS=str(threads))
-    procs = {}
-    seconds = {}
-    pending = list(names)
-    while pending or procs:
-        while pending and len(procs) < at_once:
-            name = pending.pop(0)
-            argv = [
-                sys.executable, "-m", "porting.cli", "import", str(c.work / "hf" / name),
-                "--out", str(c.work / "nemo" / name), "--no-verify",
-            ]  # fmt: skip
-            out = open(c.work / f"import-{name}.log", "w")
-            procs[name] = (
-                subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, text=True),
-                time.time(),
-                out,
-            )
-        for name, (proc, t0, fh) in list(procs.items()):
-            if proc.poll() is None:
-                if c.left_s() < 0:
-                    proc.kill()
-                continue
-            fh.close()
-            text = (c.work / f"import-{name}.log").read_text()
-            c._log(f"import {name}", proc.args, text)
-            if proc.returncode != 0:
-                for other, *_ in procs.values():
-                    other.kill()
-                raise RuntimeError(f"import {name}: exit {proc.returncode}: {text[-1500:]}")
-            seconds[name] = round(time.time() - t0, 1)
-            del procs[name]
+    workers = []
+    for i in range(at_once):
+        share = names[i::at_once]
+        log = c.work / f"import-worker-{i}.log"
+        argv = [sys.executable, __file__, "--import-worker", str(c.work), *share]
+        with open(log, "w") as fh:
+            proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env, text=True)
+        workers.append((proc, log, share))
+    while any(proc.poll() is None for proc, _, _ in workers):
+        # out of budget, or a worker failed: the others' imports would be of no use
+        if c.left_s() < 0 or any(proc.poll() for proc, _, _ in workers):
+            for proc, _, _ in workers:
+                proc.kill()
         time.sleep(0.5)
+    seconds = {}
+    for proc, log, share in workers:
+        text = log.read_text()
+        c._log(f"import {', '.join(share)}", proc.args, text)
+        for line in text.splitlines():
+            if line.startswith(IMPORTED):
+                name, took = line[len(IMPORTED) :].rsplit(" ", 1)
+                seconds[name] = float(took)
+        if proc.returncode != 0:
+            raise RuntimeError(f"import of {', '.join(share)}: exit {proc.returncode}: "
+                               f"{text[-1500:]}")  # fmt: skip
     return {"seconds": seconds}
+
+
+IMPORTED = "[import-worker] imported "
+
+
+def import_worker(work: Path, models: list[str]) -> int:
+    """In a process of its own: ``porting import`` of each model, one after another."""
+    from porting.cli import main
+
+    for name in models:
+        t0 = time.time()
+        argv = [
+            "import",
+            str(work / "hf" / name),
+            "--out",
+            str(work / "nemo" / name),
+            "--no-verify",
+        ]
+        code = main(argv)
+        if code != 0:
+            print(f"[import-worker] porting import {name}: exit {code}", flush=True)
+            return code
+        print(f"{IMPORTED}{name} {time.time() - t0:.1f}", flush=True)
+    return 0
 
 
 def _words() -> list[str]:
@@ -873,11 +892,16 @@ def main(argv: list[str] | None = None) -> int:
         "(default: every one); Llama and Falcon always run, every step needs them",
     )
     p.add_argument("--parity-worker", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--import-worker", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--device", default="cpu", help=argparse.SUPPRESS)
     p.add_argument("--bf16", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--role", default="device", help=argparse.SUPPRESS)
     p.add_argument("models", nargs="*", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.import_worker:
+        return import_worker(
+            args.import_worker, ([str(args.outdir)] if args.outdir else []) + args.models
+        )
     if args.parity_worker:
         names = ([str(args.outdir)] if args.outdir else []) + args.models
         parity_worker(names, args.parity_worker, args.device, args.bf16, args.role)
