@@ -478,17 +478,17 @@ def prove_bridge_refused(hf_dir: str | Path, work: str | Path, fields: list[str]
     assert not out.exists() and not list(Path(work).glob(".bridge.partial-*"))
 
 
-# Two gloo ranks kept for the life of the process that asked: every TP=2 proof of a test session
-# (each family's, and a scaffolded family's) shares one launch, where starting NeMo twice per proof
-# cost more than the rest of a family's proof. Rank 0 reads a request (a JSON line) from its stdin
-# and hands it to rank 1; both build each checkpoint at TP=2 and rank 0 saves the gathered logits.
-# A `python -c` child needs no importable test module.
+# Two ranks kept for the life of the process that asked: every TP=2 proof of a test session (each
+# family's, and a scaffolded family's) shares one launch, where starting NeMo twice per proof cost
+# more than the rest of a family's proof. Each rank reads a request (a JSON line) from its stdin,
+# joins a gloo group at TP=2 on the port the request names, builds each checkpoint, and leaves the
+# group again: waiting idle inside one, Megatron's ~20 gloo groups poll ~4% of a core per rank.
+# Rank 0 saves the gathered logits. A `python -c` child needs no importable test module.
 _TP2_SERVER = """
-import importlib, json, sys, torch
+import importlib, json, os, sys, torch
 from porting.convert.megatron import init_parallel, mcore_logits, shutdown_parallel
 from porting.testing import load_checkpoint_model
 rank = int(sys.argv[1])
-init_parallel(tp=2, rank=rank, world_size=2)
 
 def resolve(ref):
     module, _, path = ref.partition(":")
@@ -498,12 +498,10 @@ def resolve(ref):
         obj = getattr(obj, part)
     return obj, attr
 
-while True:
-    box = [json.loads(sys.stdin.readline() or "null")] if rank == 0 else [None]
-    torch.distributed.broadcast_object_list(box, src=0)
-    req = box[0]
-    if req is None:
-        break
+for line in sys.stdin:
+    req = json.loads(line)
+    os.environ["MASTER_PORT"] = str(req["port"])
+    init_parallel(tp=2, rank=rank, world_size=2)
     saved = []
     for target, source in req["patches"]:
         (obj, attr), (src, src_attr) = resolve(target), resolve(source)
@@ -518,10 +516,10 @@ while True:
     finally:
         for obj, attr, old in reversed(saved):
             delattr(obj, attr) if old is saved else setattr(obj, attr, old)
+    shutdown_parallel()
     if rank == 0:
         torch.save(logits, req["out"])
         print(req["token"], flush=True)
-shutdown_parallel()
 """
 
 
@@ -532,15 +530,13 @@ class _TP2Ranks:
         import atexit
         import tempfile
 
-        from porting.cpu import free_port
-
         self.logs = Path(tempfile.mkdtemp(prefix="porting-tp2-"))
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1")
         self.procs = [
             subprocess.Popen(
                 [sys.executable, "-c", _TP2_SERVER, str(rank)],
                 env=env,
-                stdin=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
+                stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
                 stderr=open(self.logs / f"rank{rank}.log", "w"),
                 text=True,
@@ -558,9 +554,13 @@ class _TP2Ranks:
 
         self.served += 1
         token = f"tp2-done-{os.getpid()}-{self.served}"
+        from porting.cpu import free_port
+
+        line = json.dumps(request | {"token": token, "port": free_port()}) + "\n"
+        for proc in self.procs:
+            proc.stdin.write(line)
+            proc.stdin.flush()
         rank0 = self.procs[0]
-        rank0.stdin.write(json.dumps(request | {"token": token}) + "\n")
-        rank0.stdin.flush()
         deadline = time.monotonic() + timeout
         with selectors.DefaultSelector() as sel:
             sel.register(rank0.stdout, selectors.EVENT_READ)
@@ -582,10 +582,11 @@ class _TP2Ranks:
 
     def close(self, kill: bool = False) -> None:
         if not kill and self.alive():
-            try:
-                self.procs[0].stdin.close()  # end of input: both ranks leave their loop
-            except OSError:
-                pass
+            for proc in self.procs:
+                try:
+                    proc.stdin.close()  # end of input: the rank leaves its loop
+                except OSError:
+                    pass
             for p in self.procs:
                 try:
                     p.wait(timeout=60)

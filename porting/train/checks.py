@@ -721,13 +721,16 @@ def check_memory(spec: TrainSpec) -> None:
         )
 
 
-def preflight(spec: TrainSpec) -> Preflight:
+def preflight(spec: TrainSpec, nemo: bool = True) -> Preflight:
     """Every check that can be made before a process is launched (no trainer, no model built).
 
     The checkpoint's manifest and ``io.json`` files, the layout, batch and data against the model
     (:func:`validate`), the run directory's checkpoints (:func:`check_run_dir`), a resume at another
     layout (:func:`check_layout_change`) and a plan (:func:`check_plan`). Raises
-    :class:`PortingError` naming the file and field; returns the warnings.
+    :class:`PortingError` naming the file and field; returns the warnings. ``nemo``: the config
+    is NeMo's class (the model a rank trains); otherwise the family's NeMo-free twin of it
+    (``Family.core_config_cls``, the same fields and model: tests/test_mcore.py), so a launcher
+    that only checks never loads NeMo.
     """
     from porting.contract.registry import family_by_name
     from porting.convert.checkpoint import open_checkpoint
@@ -743,7 +746,7 @@ def preflight(spec: TrainSpec) -> Preflight:
     check_io_json(spec.checkpoint, family)
     for resumable in sorted((Path(spec.out) / "checkpoints").glob("*/context")):
         check_io_json(resumable.parent, family)
-    config = checkpoint_config(checkpoint, family, nemo=True)  # NeMo's: the model it trains
+    config = checkpoint_config(checkpoint, family, nemo=nemo)
     check_memory(spec)
     check_run_dir(spec, manifest, config)
     warnings = validate(spec, config, manifest.vocab_size)
