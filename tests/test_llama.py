@@ -221,3 +221,16 @@ def test_tensor_parallel_2_matches_tp_1(tiny_nemo, tmp_path):
     tp2 = tp2_logits([tiny_nemo], ids, tmp_path)[str(tiny_nemo)]
     assert tp2.shape == (2, 24, 256)
     torch.testing.assert_close(tp2, tp1, atol=1e-5, rtol=1e-5)
+
+
+def test_a_failed_tp2_request_is_named_and_the_next_one_gets_fresh_ranks(tiny_nemo, tmp_path):
+    """The TP=2 ranks a worker keeps (porting.proof.tp2_logits): a request that fails in them
+    fails its test with their log, and the next proof is not left with dead ranks."""
+    from porting.proof import tp2_logits
+
+    ids = torch.randint(0, 130, (2, 24), generator=torch.Generator().manual_seed(3))
+    with pytest.raises(AssertionError, match="the TP=2 ranks failed(.|\n)*no-such-checkpoint"):
+        tp2_logits([tmp_path / "no-such-checkpoint"], ids, tmp_path / "bad")
+    (tp1,) = parity.megatron_logits_from_checkpoint(tiny_nemo, [ids], 256)
+    tp2 = tp2_logits([tiny_nemo], ids, tmp_path / "good")[str(tiny_nemo)]
+    torch.testing.assert_close(tp2, tp1, atol=1e-5, rtol=1e-5)
