@@ -250,17 +250,19 @@ def _split_experts(hf: Path, out: Path) -> Path:
                       any(f"layers.0.mlp.experts.{e}." in k for e in (1, 2)))  # fmt: skip
 
 
-def test_an_index_naming_a_missing_shard_is_refused_before_any_rank_writes(tmp_path):
-    """An index naming a shard that is not there: refused, with its name, before any rank writes;
-    nothing left. (A layer's experts split unevenly over shards is the experts' variant of
+def test_an_index_naming_a_missing_shard_is_refused_before_any_rank_starts(tmp_path):
+    """An index naming a shard that is not there: refused by the launcher, with its name, before
+    any rank starts; nothing left. (A layer's experts split unevenly over shards is the experts' variant of
     test_two_ranks_write_the_one_process_checkpoint.)"""
     hf = _qwen3_moe(tmp_path / "hf", layers=2, seed=5)
     split = _split_experts(hf, tmp_path / "split")
     (split / "model-00001-of-00002.safetensors").unlink()
     out = tmp_path / "out" / "ckpt"
+    out.parent.mkdir()
     refused = _import(split, out, *RANKS)
     assert refused.returncode == 2, refused.stderr[-3000:]
     last = refused.stderr.strip().splitlines()[-1]
     assert last.startswith("porting import: error: "), refused.stderr[-3000:]
     assert "model-00001-of-00002.safetensors" in last, last
+    assert "torchrun" not in refused.stderr and "rank " not in refused.stderr, refused.stderr
     _nothing_left(out)

@@ -188,7 +188,7 @@ def _cmd_import(args) -> int:
     reads = [("HF directory", args.hf_dir)]
     early = lambda: family_for_hf_dir(args.hf_dir, args.family)  # noqa: E731
     if args.executor != "local":
-        return _launched(args, "import", "checkpoint", reads, early)
+        return _launched(args, "import", "checkpoint", reads, lambda: _launchable(args))
     if ranks.staging() is not None:
         return _import_rank(args)
     with _converting(args, reads, "checkpoint", early) as device:
@@ -206,6 +206,20 @@ def _cmd_import(args) -> int:
     if not args.json:
         print(f"wrote {args.out}")
     return 0
+
+
+def _launchable(args) -> None:
+    """What the launcher checks before it starts a rank: the HF directory's config and family,
+    then its weight files (the index, every shard it names, every header), so that a checkpoint
+    the ranks would refuse is refused before they pay their start-up (NeMo's, each). Pickle
+    weights are left to the ranks: reading them means loading them whole."""
+    from porting.convert.hf_files import family_for_hf_dir
+
+    family_for_hf_dir(args.hf_dir, args.family)
+    if not args.allow_pickle:
+        from porting.convert.safetensors_io import SafetensorsSource
+
+        SafetensorsSource(args.hf_dir).close()
 
 
 def _import_options(args) -> dict:
