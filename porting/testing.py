@@ -517,11 +517,14 @@ def signal_at_first_checkpoint(
     return subprocess.CompletedProcess(argv, proc.returncode, stdout, stderr)
 
 
-def kill_at_first_checkpoint(argv: list[str], out: Path, timeout: float) -> None:
-    """SIGKILL the `porting train` run ``argv`` as soon as a checkpoint is complete."""
+def kill_at_first_checkpoint(
+    argv: list[str], out: Path, timeout: float, env: dict | None = None
+) -> None:
+    """SIGKILL the `porting train` run ``argv`` as soon as a checkpoint is complete (``env``:
+    as :func:`signal_at_first_checkpoint`)."""
     import signal
 
-    r = signal_at_first_checkpoint(argv, out, signal.SIGKILL, timeout)
+    r = signal_at_first_checkpoint(argv, out, signal.SIGKILL, timeout, env)
     assert r.returncode == -signal.SIGKILL, "the run ended before it could be killed"
 
 

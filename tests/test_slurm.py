@@ -1,8 +1,7 @@
 """Submitted to a real Slurm: the two-node cluster of ``scripts/slurm_local.sh`` on this host.
 
 prep-data's job array and merge are submitted with ``sbatch`` and followed to the end; the bytes
-must equal the local executor's, after a clean run and after an ``scancel`` mid-way and
-``--resume``. A task that fails is named with its log, and what cannot be submitted (no sbatch, a
+must equal the local executor's after an ``scancel`` mid-way and ``--resume``. A task that fails is named with its log, and what cannot be submitted (no sbatch, a
 partition that does not exist) fails before anything is written.
 """
 
@@ -74,32 +73,11 @@ def _wait_for(what, predicate, timeout=120.0):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def test_prep_data_submitted_and_followed_gives_the_local_bytes(slurm_cluster, corpus, tmp_path):
-    out = tmp_path / "out"
-    done = _prep(corpus["inputs"], corpus["tok"], out,
-                 ["--executor", "slurm", "--unit-mb", "0.012"], slurm_cluster)  # fmt: skip
-    assert done.returncode == 0, done.stderr + done.stdout
-    assert _bytes(out) == _bytes(corpus["local"])
-    from porting.testing import foreign_lines
-
-    assert foreign_lines(done.stdout + done.stderr) == []
-    report = json.loads(Path(f"{out}.prep-report.json").read_text())
-    assert report["executor"] == "slurm" and len(report["units"]) >= 4
-    local = json.loads(Path(f"{corpus['local']}.prep-report.json").read_text())
-    assert report["skipped_records"] == local["skipped_records"]
-    assert [r["line"] for r in report["skipped_records"]] == [41]
-    # the dataset's summary, as the local executor prints it; nothing left staged
-    assert "_text_document.bin/.idx  text:" in done.stdout, done.stdout
-    assert not Path(f"{out}.prep-data.units").exists()
-    sub = json.loads(Path(f"{out}.prep-data.slurm/submitted.json").read_text())
-    states = _slurm(slurm_cluster, "scontrol", "-o", "show", "job", sub["units_job"])
-    nodes = set(re.findall(r" NodeList=(\S+)", states))
-    assert nodes == {"node1", "node2"}, nodes  # the array ran on both nodes
-
-
-def test_prep_data_cancelled_mid_way_resumes_to_the_same_bytes(slurm_cluster, corpus, tmp_path):
+def test_prep_data_cancelled_mid_way_resumes_to_the_local_bytes(slurm_cluster, corpus, tmp_path):
     """scancel on the unit array while the command follows it: the command says so and keeps the
-    finished units; the same command with --resume submits only the others."""
+    finished units; the same command with --resume submits only the others, follows them over
+    both nodes and their merge to the end, and the dataset is the local executor's, byte for byte,
+    with its report's skipped records; it prints our lines only."""
     out = tmp_path / "out"
     staging = Path(f"{out}.prep-data.units")
     blocker = _block(slurm_cluster, "node1")  # the units run one at a time on node2
@@ -128,11 +106,24 @@ def test_prep_data_cancelled_mid_way_resumes_to_the_same_bytes(slurm_cluster, co
         _slurm(slurm_cluster, "scancel", blocker)
 
     done = _prep(corpus["inputs"], corpus["tok"], out, [*argv, "--resume"], slurm_cluster)
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 0, done.stderr + done.stdout
     sub = json.loads(Path(f"{out}.prep-data.slurm/submitted.json").read_text())
     report = json.loads(Path(f"{out}.prep-report.json").read_text())
     assert sub["submitted_units"] == len(report["units"]) - finished
     assert _bytes(out) == _bytes(corpus["local"])
+    from porting.testing import foreign_lines
+
+    assert foreign_lines(done.stdout + done.stderr) == []
+    assert report["executor"] == "slurm" and len(report["units"]) >= 4
+    local = json.loads(Path(f"{corpus['local']}.prep-report.json").read_text())
+    assert report["skipped_records"] == local["skipped_records"]
+    assert [r["line"] for r in report["skipped_records"]] == [41]
+    # the dataset's summary, as the local executor prints it; nothing left staged
+    assert "_text_document.bin/.idx  text:" in done.stdout, done.stdout
+    assert not staging.exists()
+    states = _slurm(slurm_cluster, "scontrol", "-o", "show", "job", sub["units_job"])
+    nodes = set(re.findall(r" NodeList=(\S+)", states))
+    assert nodes == {"node1", "node2"}, nodes  # the rest of the array ran on both nodes
 
 
 def test_a_failed_task_is_named_with_its_log_and_status_tells_where_a_job_stands(
@@ -320,11 +311,11 @@ def test_train_on_two_nodes_requeued_then_cancelled_and_resumed_follows_one_proc
 
 
 def test_a_plans_emitted_sbatch_runs_on_the_cluster_as_one_process(
-    slurm_cluster, tiny_nemo, train_corpus, tmp_path
+    slurm_cluster, tiny_nemo, train_corpus, one_process, tmp_path
 ):
     """`porting plan --emit` for two one-GPU sites, its train.sbatch submitted as it is (hosts
     file: the two nodes; extra train flags after the script): both ranks run, on both nodes, and
-    the losses are one process's within 1e-5."""
+    the losses are one process's (the module's reference run) within 1e-5."""
     import yaml
 
     from porting.testing import train_losses
@@ -348,7 +339,8 @@ def test_a_plans_emitted_sbatch_runs_on_the_cluster_as_one_process(
     )  # fmt: skip
     assert planned.returncode == 0, planned.stderr[-3000:]
     (emit / "hosts").write_text("node2\nnode1\n")  # site a on node2: ranks follow the file
-    extra = ["--steps", "6", "--save-every", "0", "--lr", "1e-2", "--warmup", "2"]
+    # the reference run's schedule; saving or not changes no loss
+    extra = ["--steps", "8", "--save-every", "0", "--lr", "1e-2", "--warmup", "2"]
     # submitted from the emitted directory, as its comment says, with this environment's torchrun
     from porting.cpu import free_port
 
@@ -369,34 +361,28 @@ def test_a_plans_emitted_sbatch_runs_on_the_cluster_as_one_process(
     assert "JobState=COMPLETED" in states, log.read_text()[-3000:]
     assert " NodeList=node[1-2] " in states
 
-    ref = subprocess.run(
-        [sys.executable, "-m", "porting.cli", "train", "--checkpoint", str(tiny_nemo), "--data",
-         str(train_corpus), "--out", str(tmp_path / "one"), "--seq-length", "32",
-         "--global-batch", "4", *extra],
-        capture_output=True, text=True, timeout=TIMEOUT, env=slurm_cluster,
-    )  # fmt: skip
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    got, want = train_losses(out), train_losses(tmp_path / "one")
-    assert sorted(got) == sorted(want) == list(range(6)), (got, log.read_text()[-2000:])
-    diffs = {s: abs(got[s] - want[s]) for s in want}
-    assert max(diffs.values()) <= 1e-5, diffs
+    got = train_losses(out)
+    assert sorted(got) == list(range(8)), (got, log.read_text()[-2000:])
+    _assert_losses(got, one_process)
 
 
 def test_train_killed_at_its_time_limit_says_so_and_keeps_its_checkpoints(
     slurm_cluster, tiny_nemo, train_corpus, tmp_path
 ):
     """--time 1 (Slurm's shortest limit, a minute) on a run that needs longer: the command ends
-    with one line naming TIMEOUT and what to do, exit 2, and the checkpoints written are complete."""
+    with one line naming TIMEOUT and what to do, exit 2, and the checkpoints written are complete.
+    One node: the limit ends a job whatever its size, and a second node would only train on for
+    the same minute (two nodes' ranks: the requeue test and the emitted sbatch above)."""
     from porting.testing import checkpoint_complete
 
     out = tmp_path / "run"
     argv = [*_train_argv(tiny_nemo, train_corpus), "--out", str(out), "--steps", "5000",
-            "--save-every", "20", "--nodes", "2", "--gpus-per-node", "1", "--executor", "slurm",
+            "--save-every", "20", "--nodes", "1", "--gpus-per-node", "1", "--executor", "slurm",
             "--time", "1"]  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT, env=slurm_cluster)
     assert done.returncode == 2, done.stderr[-3000:]
     (line,) = [x for x in done.stderr.splitlines() if x.startswith("porting train: error:")]
-    assert " ended TIMEOUT on node[1-2] " in line, line
+    assert re.search(r" ended TIMEOUT on node[12] ", line), line
     assert "rerun the same command with a longer --time to resume" in done.stderr
     assert checkpoint_complete(out)
 
