@@ -86,6 +86,21 @@ def cli(capsys):
     return run
 
 
+@pytest.fixture
+def prep_in_process(monkeypatch):
+    """``porting prep-data`` run by ``main`` encodes in the test's own process, the check against
+    Megatron's tokenizer included: no worker and no checking process starts (each would import
+    torch and Megatron-Core). For a case about what the command decides; the worker processes
+    are proven in tests/test_prep_tools.py (same bytes as in process) and
+    tests/test_prep_hostile.py (their signals and their end)."""
+    import functools
+
+    from data_prep import cli
+    from data_prep.executors.base import PrepConfig
+
+    monkeypatch.setattr(cli, "PrepConfig", functools.partial(PrepConfig, in_process=True))
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory):
     """A real two-node Slurm cluster on this host (``scripts/slurm_local.sh``), stopped after the

@@ -71,22 +71,32 @@ def test_import_verify_export_print_only_our_lines(workdir, tiny_llama, slurm_ho
     _assert_ours(_porting("export", "ckpt", "--out", "hf-back", cwd=workdir, env=slurm_host))
 
 
+# `sbatch --ntasks=4` running `porting import` in its script: Lightning would take the
+# allocation's four tasks as the world (or refuse `--ntasks`); a conversion is one process.
+ALLOCATION = {
+    "SLURM_JOB_ID": "77",
+    "SLURM_JOB_NAME": "convert",
+    "SLURM_NTASKS": "4",
+    "SLURM_NODELIST": "node[1-2]",
+    "SLURM_PROCID": "0",
+    "SLURM_LOCALID": "0",
+    "SLURM_NODEID": "0",
+}
+
+
 def test_the_megatron_layouts_print_only_our_lines(workdir, tiny_llama, slurm_host):
-    """import --format, convert between layouts (two labelled reports), verify and export."""
+    """import --format and convert between layouts (two labelled reports) inside a Slurm
+    allocation, where each is still one local process; verify and export on the login node."""
+    in_job = slurm_host | ALLOCATION
     _assert_ours(
         _porting(
-            "import",
-            str(tiny_llama),
-            "--out",
-            "mlm",
-            "--format",
-            "megatron-lm",
-            cwd=workdir,
-            env=slurm_host,
+            "import", str(tiny_llama), "--out", "mlm", "--format", "megatron-lm",
+            cwd=workdir, env=in_job,
         )
-    )
+    )  # fmt: skip
+    assert (workdir / "mlm" / "latest_checkpointed_iteration.txt").is_file()
     convert = _porting(
-        "convert", "mlm", "--to", "megatron-bridge", "--out", "bridge", cwd=workdir, env=slurm_host
+        "convert", "mlm", "--to", "megatron-bridge", "--out", "bridge", cwd=workdir, env=in_job
     )
     _assert_ours(convert)
     assert "export (mlm -> HF):" in convert.stdout
@@ -148,27 +158,6 @@ def test_verbose_brings_the_hidden_lines_back(workdir, tiny_llama, slurm_host):
     assert proc.returncode == 0
     hidden = foreign_lines(proc.stdout + proc.stderr)
     assert any("`srun` command is available" in line for line in hidden), hidden
-
-
-def test_import_inside_a_slurm_allocation_is_one_local_process(workdir, tiny_llama, slurm_host):
-    """`sbatch --ntasks=4` running `porting import` in its script: Lightning would take the
-    allocation's four tasks as the world (or refuse `--ntasks`); a conversion is one process."""
-    allocation = {
-        "SLURM_JOB_ID": "77",
-        "SLURM_JOB_NAME": "convert",
-        "SLURM_NTASKS": "4",
-        "SLURM_NODELIST": "node[1-2]",
-        "SLURM_PROCID": "0",
-        "SLURM_LOCALID": "0",
-        "SLURM_NODEID": "0",
-    }
-    env = slurm_host | allocation
-    _assert_ours(_porting("import", str(tiny_llama), "--out", "in-job", cwd=workdir, env=env))
-    convert = _porting(
-        "convert", "in-job", "--to", "megatron-lm", "--out", "in-job-mlm", cwd=workdir, env=env
-    )
-    _assert_ours(convert)
-    assert (workdir / "in-job-mlm" / "latest_checkpointed_iteration.txt").is_file()
 
 
 def test_the_foreign_line_finder_is_not_blind():

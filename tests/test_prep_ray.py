@@ -205,6 +205,27 @@ def test_interrupted_job_resumes_and_refuses_a_changed_input_or_tokenizer(
     assert not staging.exists()
 
 
+def test_a_run_that_keeps_no_record_fails_unless_asked(cluster, tok, tmp_path, capsys):
+    """Every record skipped and none kept: refused in one line, nothing written, unless
+    --allow-empty (tests/test_reliability.py has the local executor's case)."""
+    from porting.cli import main
+
+    src = tmp_path / "bad.jsonl"
+    src.write_text("not json\n" * 50)
+    out = tmp_path / "out" / "ds"
+    argv = [
+        "prep-data", "--input", str(src), "--output-prefix", str(out), "--tokenizer", str(tok),
+        "--on-error", "skip", "--no-progress", "--executor", "ray",
+    ]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "no record kept (50 skipped: 50 malformed_json); nothing written" in err, err
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == []
+    assert main([*argv, "--allow-empty"]) == 0
+    assert json.loads(Path(f"{out}.prep-report.json").read_text())["records"] == 0
+
+
 def test_killed_driver_resumes_through_the_cli(cluster, corpus, tok, local, tmp_path):
     prefix = tmp_path / "c"
     argv = [sys.executable, "-m", "porting.cli", "prep-data", "--input", str(corpus),
@@ -234,10 +255,11 @@ def test_killed_driver_resumes_through_the_cli(cluster, corpus, tok, local, tmp_
 
 
 def test_sigterm_cancels_the_units_stops_its_own_ray_and_keeps_what_finished(
-    corpus, tok, local, tmp_path
+    cluster, corpus, tok, local, tmp_path
 ):
     """Without --ray-address the command starts Ray itself; SIGTERM (what Slurm and Kubernetes
-    send) must still reach our handler, not Ray's native one that kills the process on the spot."""
+    send) must still reach our handler, not Ray's native one that kills the process on the spot.
+    The resume joins this module's Ray: where a resumed job runs is not what is proven here."""
     prefix = tmp_path / "c"
     argv = [sys.executable, "-m", "porting.cli", "prep-data", "--input", str(corpus),
             "--output-prefix", str(prefix), "--tokenizer", str(tok), "--append-eod",
@@ -260,7 +282,8 @@ def test_sigterm_cancels_the_units_stops_its_own_ray_and_keeps_what_finished(
     left = still_running(tree, grace=30)  # Ray's processes see their driver go within seconds
     assert not left, f"processes of the stopped job outlive it: {left}"
     assert _under(prefix) == [staging.name]
-    out = subprocess.run([*argv, "--resume"], capture_output=True, text=True, timeout=300)
+    resume = [*argv, "--resume", "--ray-address", cluster]
+    out = subprocess.run(resume, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert _bytes(prefix) == local[0]
 

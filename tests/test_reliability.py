@@ -207,7 +207,9 @@ def test_prep_data_merge_and_train_refuse_an_output_over_an_input(
 #    test_validation_catches_data_from_another_tokenizer) ------------------------------------------
 
 
-def test_prep_data_bounds_ids_by_the_hf_vocabulary_not_the_padded_one(tiny_nemo, tmp_path, capsys):
+def test_prep_data_bounds_ids_by_the_hf_vocabulary_not_the_padded_one(
+    tiny_nemo, tmp_path, capsys, prep_in_process
+):
     ckpt = _edited_ckpt(tiny_nemo, tmp_path / "ckpt", vocab_size=5)  # padded stays 256
     manifest = ckpt / "context" / "porting.json"
     manifest.write_text(manifest.read_text().replace('"vocab_size": 130', '"vocab_size": 5'))
@@ -231,7 +233,9 @@ def test_prep_data_bounds_ids_by_the_hf_vocabulary_not_the_padded_one(tiny_nemo,
 # -- 5. bounded memory in skip mode --------------------------------------------------------------
 
 
-def test_skip_mode_lists_a_bounded_number_of_problems_and_counts_the_rest(tiny_llama, tmp_path):
+def test_skip_mode_lists_a_bounded_number_of_problems_and_counts_the_rest(
+    tiny_llama, tmp_path, prep_in_process
+):
     from data_prep.records import PROBLEMS_LISTED
 
     src = tmp_path / "in.jsonl"
@@ -255,14 +259,16 @@ def test_skip_mode_lists_a_bounded_number_of_problems_and_counts_the_rest(tiny_l
     }  # fmt: skip
 
 
-@pytest.mark.parametrize("executor", ["local", "ray"])
-def test_a_run_that_keeps_no_record_fails_unless_asked(tiny_llama, tmp_path, capsys, executor):
+def test_a_run_that_keeps_no_record_fails_unless_asked(
+    tiny_llama, tmp_path, capsys, prep_in_process
+):
+    """On the local executor; the same on Ray: tests/test_prep_ray.py, on that module's Ray."""
     src = tmp_path / "bad.jsonl"
     src.write_text("not json\n" * 50)
     out = tmp_path / "out" / "ds"
     argv = [
         "prep-data", "--input", src, "--output-prefix", out, "--tokenizer", tiny_llama,
-        "--on-error", "skip", "--no-progress", "--executor", executor,
+        "--on-error", "skip", "--no-progress",
     ]  # fmt: skip
     _refused(argv, capsys, "no record kept (50 skipped: 50 malformed_json); nothing written")
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == []
