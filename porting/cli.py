@@ -190,6 +190,7 @@ def run() -> None:
     that would follow takes 2-3 s on these two cores and frees only memory the OS takes back."""
     global _EXIT_CODE
     atexit.register(_end_now)  # registered first, so it runs after every library's handler
+    guard.one_command_process()
     _EXIT_CODE = main()
     sys.exit(_EXIT_CODE)
 

@@ -440,6 +440,32 @@ def return_freed_memory() -> None:
         _returning = True
 
 
+_one_command = False  # this process runs one `porting` command, then exits (porting.cli.run)
+
+
+def one_command_process() -> None:
+    """Mark this process as the console script's: one command, then exit."""
+    global _one_command
+    _one_command = True
+
+
+def keep_loaded_out_of_collections() -> None:
+    """In a command's own process, once its libraries are loaded: every object alive now is left
+    out of the garbage collector's later passes (``gc.freeze``).
+
+    The libraries' millions of objects live until the process exits, and each full collection
+    walks them all again (~0.8 s over NeMo's heap on these cores); a conversion collects after
+    each model it lets go, to give that memory back at once, and then walks only what it made
+    since. A frozen object freed by reference counting still goes at once. Nothing is frozen in
+    a process that embeds us (``porting.cli.main`` or ``porting.api`` called by its own code):
+    its objects would never be collected.
+    """
+    if _one_command:
+        import gc
+
+        gc.freeze()
+
+
 class ReusedHeap:
     """Within (``with``): blocks under ``threshold`` come from glibc's heap, and a freed one
     serves the next allocation of its size instead of going back to the OS; after:

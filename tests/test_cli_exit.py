@@ -62,3 +62,32 @@ def test_a_refusal_through_the_console_script(tmp_path):
     )
     assert result.returncode == 2
     assert result.stderr.startswith("porting import: error: ") and "missing" in result.stderr
+
+
+def test_only_the_console_scripts_own_process_freezes_its_loaded_objects():
+    """guard.keep_loaded_out_of_collections freezes the heap (gc.freeze) in a process that
+    cli.run started, where every object lives until the command exits; in a process that calls
+    porting.cli.main or the API itself, its objects stay collectable."""
+    import gc
+
+    from porting import guard
+
+    before = gc.get_freeze_count()
+    guard.keep_loaded_out_of_collections()  # this process embeds us
+    assert gc.get_freeze_count() == before
+    code = textwrap.dedent(
+        """
+        import gc, sys
+        from porting import cli, guard
+
+        def command(argv=None):
+            guard.keep_loaded_out_of_collections()
+            print(gc.get_freeze_count() > 0, flush=True)
+            return 0
+
+        cli.main = command
+        cli.run()
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert (done.returncode, done.stdout) == (0, "True\n"), done.stderr

@@ -178,6 +178,7 @@ def _converting(args, reads, what: str, refuse_early=None) -> Iterator[str]:
         if _uses_nemo(args):
             import porting.convert.connectors  # noqa: F401  (NeMo: its logger quieted once)
         quiet.quiet_nemo(load=_uses_nemo(args))
+        guard.keep_loaded_out_of_collections()
         yield device
 
 

@@ -123,6 +123,7 @@ def _cmd_verify(args) -> int:
     from porting import cpu
     from porting.parity import harness
 
+    guard.keep_loaded_out_of_collections()
     device = resolve_device(args.device)
     if device == "cpu":
         cpu.hide_gpus()
