@@ -3,6 +3,11 @@
     scripts/env.sh test --junitxml=/tmp/junit.xml      # the whole suite, as CI runs it
     .venv/bin/python scripts/bench_suite.py /tmp/junit.xml [--top 30]
 
+    # and the interpreters each file starts (scripts/suite_children/sitecustomize.py):
+    mkdir /tmp/pl && PORTING_PROC_LOG=/tmp/pl PYTHONPATH=$PWD/scripts/suite_children \
+        scripts/env.sh test --junitxml=/tmp/junit.xml
+    .venv/bin/python scripts/bench_suite.py /tmp/junit.xml --children /tmp/pl
+
 Prints a Markdown table (docs/testing.md keeps the latest): each file's cases, the seconds its
 cases took (setup, call and teardown, as pytest's report counts them; a session fixture's cost
 lands on the first case that asks for it), its share of the whole, the CPU seconds of the test
@@ -52,22 +57,47 @@ def per_file(report: Path) -> tuple[dict[str, dict], float, int]:
     return dict(files), total, cases
 
 
+def children_per_file(directory: Path) -> dict[str, int]:
+    """``{file: interpreters started for its cases}`` from the records
+    scripts/suite_children/sitecustomize.py leaves in ``directory``."""
+    import json
+
+    counts: dict[str, int] = defaultdict(int)
+    for record in directory.glob("*.json"):
+        try:
+            test = json.loads(record.read_text())["test"]
+        except (OSError, ValueError, KeyError):
+            continue
+        if test:  # the workers themselves, and what starts between cases, belong to no file
+            counts[test.split("::", 1)[0]] += 1
+    return dict(counts)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("report", type=Path, help="pytest's --junitxml file")
     p.add_argument("--top", type=int, default=30, help="rows to print (default 30)")
+    p.add_argument(
+        "--children",
+        type=Path,
+        help="the PORTING_PROC_LOG directory of the same run: adds the interpreters each file "
+        "started",
+    )
     args = p.parse_args(argv)
     files, total, cases = per_file(args.report)
+    started = children_per_file(args.children) if args.children else None
     cpu = sum(r["cpu_s"] + r["children_cpu_s"] for r in files.values())
     print(f"{cases} cases, {total / 60:.1f} min of test time, {cpu / 60:.1f} CPU-min counted\n")
-    print("| file | cases | seconds | share | CPU s (own + children) | slowest case (s) |")
-    print("|---|---:|---:|---:|---:|---|")
+    more = " interpreters started |" if started is not None else ""
+    print(f"| file | cases | seconds | share | CPU s (own + children) |{more} slowest case (s) |")
+    print("|---|---:|---:|---:|---:|" + ("---:|" if started is not None else "") + "---|")
     ranked = sorted(files.items(), key=lambda kv: -kv[1]["seconds"])
     for name, row in ranked[: args.top]:
+        count = f" {started.get(name, 0)} |" if started is not None else ""
         print(
             f"| {name} | {row['cases']} | {row['seconds']:.0f} | "
             f"{100 * row['seconds'] / total:.1f}% | "
-            f"{row['cpu_s']:.0f} + {row['children_cpu_s']:.0f} | "
+            f"{row['cpu_s']:.0f} + {row['children_cpu_s']:.0f} |{count} "
             f"{row['slowest']} ({row['slowest_s']:.0f}) |"
         )
     rest = ranked[args.top :]
@@ -75,10 +105,13 @@ def main(argv: list[str] | None = None) -> int:
         seconds = sum(r["seconds"] for _, r in rest)
         own = sum(r["cpu_s"] for _, r in rest)
         children = sum(r["children_cpu_s"] for _, r in rest)
+        count = f" {sum(started.get(n, 0) for n, _ in rest)} |" if started is not None else ""
         print(
             f"| {len(rest)} other files | {sum(r['cases'] for _, r in rest)} | {seconds:.0f} | "
-            f"{100 * seconds / total:.1f}% | {own:.0f} + {children:.0f} | |"
+            f"{100 * seconds / total:.1f}% | {own:.0f} + {children:.0f} |{count} |"
         )
+    if started is not None:
+        print(f"\n{sum(started.values())} interpreters started by the cases in all.")
     return 0
 
 
