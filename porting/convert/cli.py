@@ -120,9 +120,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_convert)
 
 
-def _launched(args, command: str, what: str, reads, refuse_early=None) -> int:
+def _launched(args, command: str, what: str, reads, refuse_early=None, before_ranks=None) -> int:
     """The launcher's side of ``--executor torchrun|slurm``: the same refusals as one process,
-    the output claimed here, the ranks run into its staging directory (porting.convert.ranks)."""
+    the output claimed here, the ranks run into its staging directory (porting.convert.ranks).
+    ``before_ranks``: checks that take seconds, made once the output is claimed (a second run on
+    it is refused at once) and before any rank starts."""
     from porting.convert import ranks
     from porting.convert.checkpoint import claimed_output
 
@@ -132,6 +134,8 @@ def _launched(args, command: str, what: str, reads, refuse_early=None) -> int:
     if refuse_early is not None:
         refuse_early()
     with claimed_output(args.out, args.overwrite, what) as tmp:
+        if before_ranks is not None:
+            before_ranks()
         said, _ = ranks.launch(args, command, tmp)
     sys.stdout.write(said)
     if not args.json:
@@ -189,7 +193,9 @@ def _cmd_import(args) -> int:
     reads = [("HF directory", args.hf_dir)]
     early = lambda: family_for_hf_dir(args.hf_dir, args.family)  # noqa: E731
     if args.executor != "local":
-        return _launched(args, "import", "checkpoint", reads, lambda: _launchable(args))
+        return _launched(
+            args, "import", "checkpoint", reads, early, lambda: _weights_readable(args)
+        )
     if ranks.staging() is not None:
         return _import_rank(args)
     with _converting(args, reads, "checkpoint", early) as device:
@@ -209,14 +215,11 @@ def _cmd_import(args) -> int:
     return 0
 
 
-def _launchable(args) -> None:
-    """What the launcher checks before it starts a rank: the HF directory's config and family,
-    then its weight files (the index, every shard it names, every header), so that a checkpoint
-    the ranks would refuse is refused before they pay their start-up (NeMo's, each). Pickle
-    weights are left to the ranks: reading them means loading them whole."""
-    from porting.convert.hf_files import family_for_hf_dir
-
-    family_for_hf_dir(args.hf_dir, args.family)
+def _weights_readable(args) -> None:
+    """A launched import's weight files (the index, every shard it names, every header), read
+    by the launcher: a checkpoint the ranks would refuse is refused before they pay their
+    start-up (NeMo's, each). Pickle weights are left to the ranks: reading them means loading
+    them whole."""
     if not args.allow_pickle:
         from porting.convert.safetensors_io import SafetensorsSource
 
