@@ -129,23 +129,22 @@ def slurm_cluster(tmp_path_factory):
 # cases stay on one worker, so its module fixtures are built once; the files below, measured the
 # longest (docs/testing.md), are handed out first, so that no worker is left with one at the end.
 LONGEST_FIRST = (
-    "test_train_multiproc.py",
     "test_slurm.py",
+    "test_train_multiproc.py",
     "test_convert_ranks.py",
-    "test_output.py",
     "test_gpu_check.py",
-    "test_new_family.py",
-    "test_train_stop.py",
-    "test_reliability.py",
+    "test_output.py",
     "test_owners.py",
+    "test_new_family.py",
     "test_prep_ray.py",
     "test_train.py",
+    "test_train_stop.py",
     "test_prep_hostile.py",
-    "test_deepseek.py",
     "test_overlap.py",
-    "test_moe.py",
-    "test_formats.py",
     "test_moe_train.py",
+    "test_hostile.py",
+    "test_published.py",
+    "test_formats.py",
 )
 
 
