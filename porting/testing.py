@@ -552,6 +552,25 @@ def processes_mentioning(text: str, grace: float = 0.0) -> list[str]:
         time.sleep(0.1)
 
 
+def cpu_cluster(path: Path, name: str, gpus_per_site: dict[str, int]) -> Path:
+    """A ``porting plan --cluster`` file whose devices are this machine's CPU processes: one node
+    per site with that many devices, the sites (where more than one) joined by a 1 Gbit/s,
+    1 ms link. Written to ``path``; returns it."""
+    import yaml
+
+    spec = {
+        "name": name,
+        "gpu": {"name": "cpu", "peak_bf16_tflops": 1, "memory_gib": 16, "hbm_tbytes_s": 0.05},
+        "node": {"bandwidth_gbytes_s": 10, "latency_us": 5},
+        "site": {"bandwidth_gbit_s": 10, "latency_us": 10},
+        "sites": [{"name": s, "nodes": 1, "gpus_per_node": n} for s, n in gpus_per_site.items()],
+    }
+    if len(gpus_per_site) > 1:
+        spec["links"] = [{"sites": list(gpus_per_site)[:2], "bandwidth_gbit_s": 1, "rtt_ms": 1}]
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
 def train_losses(out: Path) -> dict[int, float]:
     """step -> ``reduced_train_loss`` from every metrics.csv of a `porting train` run directory
     (each restart writes its own)."""

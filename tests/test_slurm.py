@@ -316,20 +316,9 @@ def test_a_plans_emitted_sbatch_runs_on_the_cluster_as_one_process(
     """`porting plan --emit` for two one-GPU sites, its train.sbatch submitted as it is (hosts
     file: the two nodes; extra train flags after the script): both ranks run, on both nodes, and
     the losses are one process's (the module's reference run) within 1e-5."""
-    import yaml
+    from porting.testing import cpu_cluster, train_losses
 
-    from porting.testing import train_losses
-
-    gpu = {"name": "cpu", "peak_bf16_tflops": 1, "memory_gib": 16, "hbm_tbytes_s": 0.05}
-    cluster = tmp_path / "two-sites.yaml"
-    cluster.write_text(yaml.safe_dump({
-        "name": "two-sites", "gpu": gpu,
-        "node": {"bandwidth_gbytes_s": 10, "latency_us": 5},
-        "site": {"bandwidth_gbit_s": 10, "latency_us": 10},
-        "sites": [{"name": "a", "nodes": 1, "gpus_per_node": 1},
-                  {"name": "b", "nodes": 1, "gpus_per_node": 1}],
-        "links": [{"sites": ["a", "b"], "bandwidth_gbit_s": 1, "rtt_ms": 1}],
-    }))  # fmt: skip
+    cluster = cpu_cluster(tmp_path / "two-sites.yaml", "two-sites", {"a": 1, "b": 1})
     emit, out = tmp_path / "launch", tmp_path / "run"
     planned = subprocess.run(
         [sys.executable, "-m", "porting.cli", "plan", "--model", str(tiny_nemo), "--cluster",

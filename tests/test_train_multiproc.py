@@ -22,10 +22,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from porting.testing import (
     child_env,
+    cpu_cluster,
     kill_at_first_checkpoint,
     processes_mentioning,
     run_in_session,
@@ -113,14 +113,7 @@ def _pipeline_plan(tiny_nemo, train_corpus, tmp_path: Path, out: Path) -> tuple[
     from porting.cli import main
     from porting.cpu import free_port
 
-    gpu = {"name": "cpu", "peak_bf16_tflops": 1, "memory_gib": 16, "hbm_tbytes_s": 0.05}
-    cluster = tmp_path / "pair.yaml"
-    cluster.write_text(yaml.safe_dump({
-        "name": "cpu-pair", "gpu": gpu,
-        "node": {"bandwidth_gbytes_s": 10, "latency_us": 5},
-        "site": {"bandwidth_gbit_s": 10, "latency_us": 10},
-        "sites": [{"name": "box", "nodes": 1, "gpus_per_node": 2}],
-    }))  # fmt: skip
+    cluster = cpu_cluster(tmp_path / "pair.yaml", "cpu-pair", {"box": 2})
     emit = tmp_path / "launch"
     argv = ["plan", "--model", str(tiny_nemo), "--cluster", str(cluster), "--global-batch", "4"]
     argv += ["--seq-length", "32", "--layout", "tp=1,pp=2,mb=2,recompute=selective", "--overlap"]
@@ -228,23 +221,7 @@ def test_an_uneven_pipeline_across_two_sites_runs_as_emitted(train_corpus, tmp_p
     hf = make_llama(tmp_path / "hf3", num_layers=3, rope_theta=50000.0, intermediate_size=98)
     ckpt = tmp_path / "ckpt3"
     import_hf(hf, ckpt, show_progress=False)
-    cpu = {"name": "cpu", "peak_bf16_tflops": 1, "memory_gib": 16, "hbm_tbytes_s": 0.05}
-    cluster = tmp_path / "two-boxes.yaml"
-    cluster.write_text(
-        yaml.safe_dump(
-            {
-                "name": "two-boxes",
-                "gpu": cpu,
-                "node": {"bandwidth_gbytes_s": 10, "latency_us": 5},
-                "site": {"bandwidth_gbit_s": 10, "latency_us": 10},
-                "sites": [
-                    {"name": "a", "nodes": 1, "gpus_per_node": 1},
-                    {"name": "b", "nodes": 1, "gpus_per_node": 1},
-                ],
-                "links": [{"sites": ["a", "b"], "bandwidth_gbit_s": 1, "rtt_ms": 1}],
-            }
-        )
-    )
+    cluster = cpu_cluster(tmp_path / "two-boxes.yaml", "two-boxes", {"a": 1, "b": 1})
     emit, out = tmp_path / "launch", tmp_path / "run"
     argv = ["plan", "--model", str(ckpt), "--cluster", str(cluster), "--global-batch", "4"]
     argv += ["--seq-length", "32", "--layout", "pp=2,mb=2,recompute=none,order=default"]
