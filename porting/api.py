@@ -61,16 +61,16 @@ def import_hf(
     refuse_overlap(out, [("HF directory", hf_dir)])
     layout = layout_named(fmt)
     family, _ = family_for_hf_dir(hf_dir, family)
-    from porting.convert.connectors import model_class
-
-    importer = model_class(family).importer(f"hf://{Path(hf_dir).resolve()}")
-    importer.dtype, importer.allow_pickle = dtype, allow_pickle
-    importer.vocab_divisor, importer.show_progress = vocab_divisor, show_progress
-    if verify and device == "cpu":
-        importer.gate = "whole" if whole_model else "streamed"
+    options = dict(
+        dtype=dtype,
+        allow_pickle=allow_pickle,
+        vocab_divisor=vocab_divisor,
+        show_progress=show_progress,
+        gate=("whole" if whole_model else "streamed") if verify and device == "cpu" else None,
+    )
 
     def into(tmp: Path):
-        manifest = importer.convert_into(tmp)
+        manifest = nemo2_import(Path(hf_dir).resolve(), tmp, family, **options)
         if manifest is not None:  # rank 0 of a launched import, or the one process
             layout.write(tmp, _layout_config(family, manifest, vocab_divisor), manifest, family)
         if ranks.world_size() > 1:
@@ -84,6 +84,25 @@ def import_hf(
         return None
 
     return _written(out, overwrite, "checkpoint", into)
+
+
+def nemo2_import(hf_dir: Path, tmp: Path, family, **options):
+    """The NeMo 2 checkpoint of ``hf_dir`` in the empty directory ``tmp``, no gate: written
+    without NeMo where the family has a NeMo-free config (:mod:`porting.convert.hf_import`),
+    else by its NeMo importer. ``options``: ``import_into``'s. Returns the manifest (``None`` on
+    a launched import's ranks but rank 0)."""
+    if family.core_config_cls is not None:
+        from porting.convert.hf_import import import_into
+
+        return import_into(hf_dir, tmp, family, **options)
+    from porting import quiet
+    from porting.convert.connectors import model_class
+
+    quiet.quiet_nemo()
+    importer = model_class(family).importer(f"hf://{hf_dir}")
+    for name, value in options.items():
+        setattr(importer, name, value)
+    return importer.convert_into(tmp)
 
 
 def _written(out, overwrite: bool, what: str, into):
@@ -277,6 +296,5 @@ def _layout_config(family, manifest, vocab_divisor: int):
         DTYPES[manifest.dtype],
         vocab_divisor,
         padded_vocab_size=manifest.padded_vocab_size,
-        nemo=True,  # the class the NeMo checkpoint beside it records
     )
     return config

@@ -665,13 +665,11 @@ def broken_table(table, pattern: str, layer: int, breaker, num_layers: int):
 
 
 def import_with_table(hf_dir: str | Path, out: str | Path, family, table) -> Path:
-    """Import through the family's own importer with ``table`` in place of its weight table."""
-    from porting.convert.connectors import model_class
+    """Import as ``porting import`` does, with ``table`` in place of the family's weight table."""
+    from porting.api import nemo2_import
 
-    importer = model_class(family).importer(f"hf://{Path(hf_dir).resolve()}")
-    importer.FAMILY = dataclasses.replace(family, weights=table)
-    importer.show_progress = False
-    importer.convert_into(Path(out))
+    broken = dataclasses.replace(family, weights=table)
+    nemo2_import(Path(hf_dir).resolve(), Path(out), broken, show_progress=False)
     return Path(out)
 
 

@@ -40,9 +40,13 @@ _WARNINGS = (
     # torch when Apex is missing (the CPU), said on import whatever the command
     ("Apex is not installed. Falling back to Torch Norm", UserWarning),
     # lightning/fabric/plugins/environments/slurm.py, on any host with `srun` on the PATH (a Slurm
-    # login node): NeMo's connectors build a Lightning trainer for one local process, which is
-    # what we want there; `porting train --executor slurm` launches with srun itself.
+    # login node): a training's or NeMo's own importer's Lightning trainer is one local process
+    # there; `porting train --executor slurm` launches with srun itself.
     ("The `srun` command is available on your system but is not used", UserWarning),
+    # modelopt/torch/__init__.py, on import, for any transformers outside the range its HF
+    # plugins were tested with; the gate's FP8 reference uses only its FP8 tensor
+    # (porting/parity/hf_dequant.py), none of its HF plugins
+    ("transformers version ", UserWarning),
     # lightning/pytorch/loops/training_epoch_loop.py, at every resume mid-epoch: Megatron's
     # sampler resumes from the consumed samples the checkpoint holds, not the dataloader's state
     # (a resumed run's losses equal the uninterrupted run's: tests/test_train_stop.py)

@@ -240,8 +240,10 @@ def test_nemo_api_import_and_export(converted, tmp_path):
     from nemo.collections import llm
     from nemo.lightning import io
 
-    from models.falcon import FalconConfig, FalconModel
+    from models.falcon_nemo import FalconConfig
+    from porting.convert.connectors import model_class
 
+    FalconModel = model_class(falcon.FAMILY)  # its connectors registered, as the engine does
     hf_dir, _ = converted("11b_gqa_one_norm_untied")
     out = tmp_path / "via-llm"
     path = llm.import_ckpt(

@@ -1,9 +1,11 @@
-"""The streamed import writes the checkpoint Megatron's own save writes, tensor for tensor.
+"""The streamed import, written without NeMo, is the checkpoint NeMo's own import writes.
 
 For every tiny variant of both families, the streamed checkpoint (parameters produced one at a
-time as the writer reaches them) and the classic one (the model filled, then NeMo's stock
-``dist_checkpointing`` save) hold the same keys, the same chunks and ``torch.equal`` tensors, and
-the same ``common.pt``. That both load in Megatron (TP=1 and TP=2), in NeMo's training and in
+time as the writer reaches them, the context and trainer state written as data:
+:mod:`porting.convert.hf_import`) and the classic one (the model filled in NeMo's trainer, then
+NeMo's stock save and context dump) hold the same keys, the same chunks and ``torch.equal``
+tensors, the same ``common.pt`` and ``metadata.json``, and the same ``context/`` files, byte for
+byte (every published config's context: ``tests/test_nemo2_context.py``). That both load in Megatron (TP=1 and TP=2), in NeMo's training and in
 ``porting export`` is shown by the rest of the suite, which imports through the streamed path.
 """
 
@@ -45,10 +47,16 @@ def _import(hf_dir, out, streaming: bool):
     importer = model_class(family).importer(f"hf://{hf_dir}")
     importer.show_progress, importer.streaming = False, streaming
     importer.convert_into(out)
-    return out / "weights"
+    return out
 
 
-def _assert_same_checkpoint(a, b):
+def _assert_same_checkpoint(one, two):
+    for name in ("io.json", "model.yaml", "porting.json"):
+        assert (one / "context" / name).read_bytes() == (two / "context" / name).read_bytes()
+    tokenizers = [sorted((c / "context" / "nemo_tokenizer").iterdir()) for c in (one, two)]
+    assert [p.name for p in tokenizers[0]] == [p.name for p in tokenizers[1]]
+    assert all(p.read_bytes() == q.read_bytes() for p, q in zip(*tokenizers, strict=True))
+    a, b = one / "weights", two / "weights"
     ra, rb = DistCheckpointReader(a), DistCheckpointReader(b)
     assert sorted(ra._tensors) == sorted(rb._tensors)
     for key, md in ra._tensors.items():

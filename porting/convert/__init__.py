@@ -8,8 +8,10 @@
   registration each; ``manifest``: our ``porting.json`` in any of them;
 - ``checkpoint``: a checkpoint opened once per command (layout, manifest) and atomic output
   directories;
-- ``connectors``: the generic NeMo ``io.ModelConnector`` importer/exporter, registered on a
-  family's model class when a conversion first loads it;
+- ``hf_import``: HF -> NeMo 2 checkpoint, streamed, without NeMo; ``nemo2_context``: what NeMo
+  records beside the tensors (``context/io.json``, ``model.yaml``, ``common.pt``), as data;
+- ``connectors``: the generic NeMo ``io.ModelConnector`` importer/exporter (``llm.import_ckpt``),
+  registered on a family's model class when it is first loaded through it;
 - ``megatron``: process groups and loading a Megatron model from a checkpoint;
 - ``cli``: ``porting import`` / ``export`` / ``convert``, over :mod:`porting.api` (which adds the
   parity gate).

@@ -143,12 +143,6 @@ def _launched(args, command: str, what: str, reads, refuse_early=None, before_ra
     return 0
 
 
-def _uses_nemo(args) -> bool:
-    """Whether the command runs NeMo: import and convert write through its connectors; export
-    builds its model from the family's NeMo-free config (porting.convert.export)."""
-    return args.command != "export"
-
-
 @contextlib.contextmanager
 def _converting(args, reads, what: str, refuse_early=None) -> Iterator[str]:
     """The prologue the three conversions share, ordered so that a refusal needing no model
@@ -157,9 +151,9 @@ def _converting(args, reads, what: str, refuse_early=None) -> Iterator[str]:
     Offline; freed memory given back to the OS; the outputs checked against the inputs;
     ``refuse_early`` (the HF directory and its config: a missing directory, an unknown
     architecture, a bad value), then an output that exists without ``--overwrite``; the output
-    locked before NeMo's import (seconds), so that a second run on it fails at once; this
+    locked before Megatron's import (seconds), so that a second run on it fails at once; this
     process's GPUs hidden (conversion is host work; a device gate runs in a child that sees them);
-    NeMo's own narration quieted once loaded (export runs without it).
+    NeMo's own narration quieted where a family without a NeMo-free config loaded it.
     """
     from porting.convert import ranks
     from porting.convert.checkpoint import prepare_output
@@ -179,9 +173,7 @@ def _converting(args, reads, what: str, refuse_early=None) -> Iterator[str]:
         cpu.hide_gpus()
         import porting.api  # noqa: F401
 
-        if _uses_nemo(args):
-            import porting.convert.connectors  # noqa: F401  (NeMo: its logger quieted once)
-        quiet.quiet_nemo(load=_uses_nemo(args))
+        quiet.quiet_nemo(load=False)
         guard.keep_loaded_out_of_collections()
         yield device
 
@@ -218,7 +210,7 @@ def _cmd_import(args) -> int:
 def _weights_readable(args) -> None:
     """A launched import's weight files (the index, every shard it names, every header), read
     by the launcher: a checkpoint the ranks would refuse is refused before they pay their
-    start-up (NeMo's, each). Pickle weights are left to the ranks: reading them means loading
+    start-up (Megatron-Core's, each). Pickle weights are left to the ranks: reading them means loading
     them whole."""
     if not args.allow_pickle:
         from porting.convert.safetensors_io import SafetensorsSource
@@ -277,17 +269,14 @@ def _export_rank(args) -> int:
 
 
 def _in_rank(args, run) -> int:
-    """A rank's prologue (offline, no GPU: the ranks gate on the CPU; NeMo quieted once
-    imported), ``run(porting.api)``, and rank 0's report left for the launcher."""
+    """A rank's prologue (offline, no GPU: the ranks gate on the CPU), ``run(porting.api)``,
+    and rank 0's report left for the launcher."""
     from porting import cpu
 
     quiet.offline()
     cpu.hide_gpus()
     import porting.api as api
 
-    if _uses_nemo(args):
-        import porting.convert.connectors  # noqa: F401  (NeMo: its logger quieted once)
-    quiet.quiet_nemo(load=_uses_nemo(args))
     _leave_report(run(api), args)
     return 0
 

@@ -3,9 +3,9 @@
 :func:`model_class` loads a family's model class and, the first time, subclasses
 :class:`PortingImporter` / :class:`PortingExporter` for it and registers them on that class with
 ``io.model_importer`` / ``io.model_exporter`` (``llm.import_ckpt`` / ``llm.export_ckpt`` then find
-them); everything else
-(streaming weights through the table, the NeMo checkpoint, the manifest, the tokenizer) is here and
-serves every family.
+them). The checkpoint itself is written without NeMo (:mod:`porting.convert.hf_import`) for
+every family with a NeMo-free config; NeMo's own trainer and save write it here for a family
+without one, and for the filled-model reference the streamed checkpoint is tested against.
 """
 
 from __future__ import annotations
@@ -22,77 +22,22 @@ from nemo.lightning import io
 from tqdm import tqdm
 
 from porting import cpu
-from porting.contract import config_map
-from porting.contract.family import Family, ShapeContext
-from porting.convert import hf_files, ranks, streaming_save
+from porting.contract.family import Family
+from porting.convert import hf_files, hf_import, ranks, streaming_save
 from porting.convert.checkpoint import (
     atomic_dir,
     open_checkpoint,
 )
 from porting.convert.export import export_into, shapes_of
 from porting.convert.hf_files import read_hf_config
-from porting.convert.manifest import EXTRA_HF_FILES, Manifest, write_manifest
+from porting.convert.hf_import import TOKENIZER_SUBDIR, resolve_dtype
+from porting.convert.manifest import Manifest
 from porting.convert.mapping import WeightProducer, import_weights
-from porting.convert.megatron import (
-    DTYPES,
-    build_config,
-    dtype_name,
-)
-from porting.convert.preflight import (
-    check_float_dtypes,
-    check_gate_memory,
-    check_hf_checkpoint,
-)
+from porting.convert.megatron import build_config, dtype_name
 from porting.convert.safetensors_io import SafetensorsSource
 from porting.convert.table_check import check_table
-from porting.errors import PortingError
 
 log = logging.getLogger(__name__)
-
-TOKENIZER_SUBDIR = "context/nemo_tokenizer"
-
-
-def resolve_dtype(source: SafetensorsSource, requested: str | None, family: Family) -> torch.dtype:
-    """The weight dtype of the import: the checkpoint's own unless the user asks for another.
-
-    A checkpoint mixing floating dtypes is refused without an explicit ``--dtype``: picking one
-    would silently change some tensors. The family's ``fp32_tensors`` do not vote: a release keeps
-    them in float32 beside weights of another dtype, and so does the import.
-    """
-    if requested is not None:
-        if requested not in DTYPES:
-            raise PortingError(f"--dtype must be one of {', '.join(DTYPES)}, not {requested!r}")
-        return DTYPES[requested]
-    found = source.dtypes(skip=family.keeps_fp32)
-    if len(found) != 1:
-        names = ", ".join(sorted(dtype_name(d) for d in found)) or "none"
-        raise PortingError(
-            f"{source.dir}: weights mix dtypes ({names}); pass --dtype to choose the import dtype"
-        )
-    return found.pop()
-
-
-def kept_fp32(source: SafetensorsSource, family: Family) -> list[str]:
-    """The HF tensors of ``source`` that ``family`` declares ``fp32_tensors`` and that are stored
-    as float32: never cast on import, written back as F32 on export (the manifest lists them)."""
-    return sorted(
-        k for k in source.keys() if family.keeps_fp32(k) and source.stored_dtype(k)[0] == "F32"
-    )
-
-
-class _CastingSource:
-    """A tensor source that casts to the import dtype; used only when the user chose ``--dtype``.
-    The ``keep`` tensors stay as stored (the family's float32 ones)."""
-
-    def __init__(self, inner: SafetensorsSource, dtype: torch.dtype, keep: frozenset[str]) -> None:
-        self.inner, self.dtype, self.keep = inner, dtype, keep
-
-    def keys(self) -> list[str]:
-        return self.inner.keys()
-
-    def get(self, key: str) -> torch.Tensor:
-        t = self.inner.get(key)
-        return t.to(self.dtype) if t.is_floating_point() and key not in self.keep else t
 
 
 def _nemo_tokenizer(hf_dir: Path, staging: Path):
@@ -218,66 +163,67 @@ class PortingImporter(io.ModelConnector):
             self.convert_into(tmp)
         return Path(output_path)
 
-    def convert_into(self, out: Path) -> Manifest:
-        """Stream the HF weights through the family table into a NeMo checkpoint at ``out``."""
+    def convert_into(self, out: Path) -> Manifest | None:
+        """Stream the HF weights through the family table into a NeMo checkpoint at ``out``:
+        without NeMo (:func:`porting.convert.hf_import.import_into`) where the family has a
+        NeMo-free config and ``streaming`` is on, else through NeMo's trainer and save."""
+        if self.streaming and self.FAMILY.core_config_cls is not None:
+            return hf_import.import_into(
+                str(self),
+                out,
+                self.FAMILY,
+                dtype=self.dtype,
+                allow_pickle=self.allow_pickle,
+                vocab_divisor=self.vocab_divisor,
+                show_progress=self.show_progress,
+                gate=self.gate,
+            )
+        return self._through_nemo(Path(out))
+
+    def _through_nemo(self, out: Path) -> Manifest | None:
         cpu.enable()
         cpu.ensure_rendezvous_env()
-        out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         if getattr(self, "_tokenizer", None) is None:
             self._staging_root = out
-        hf_dir = Path(str(self))
         family = self.FAMILY
-        hf_config = self.hf_config
-        if not family.claims(hf_config):
-            raise PortingError(
-                f"{hf_dir}/config.json: architecture {hf_config['architectures'][0]!r} is not "
-                f"one of family {family.name}'s ({', '.join(family.keys)})"
-            )
-        for line in config_map.notes(hf_config, family.config_entries, str(hf_dir / "config.json")):
-            log.info(line)
-        source = self.source
-        check_float_dtypes(family, source)
-        dtype = resolve_dtype(source, self.dtype, family)
-        fp32 = kept_fp32(source, family)
-        reader = _CastingSource(source, dtype, frozenset(fp32)) if self.dtype else source
-        config, ctx = build_config(family, hf_config, dtype, self.vocab_divisor, nemo=True)
-        # What the config claims against the checkpoint's headers, before any model exists: a
-        # config that lies about its size must not be built first and refused after.
-        hf_shapes = check_hf_checkpoint(
-            family, hf_config, ctx, source, hf_dir / "config.json", "import"
+        prep = hf_import.prepare(
+            Path(str(self)),
+            family,
+            self.source,
+            dtype=self.dtype,
+            vocab_divisor=self.vocab_divisor,
+            gate=self.gate,
+            hf_config=self.hf_config,
         )
-        if self.gate is not None:
-            check_gate_memory("import", hf_shapes, hf_config, whole_model=self.gate == "whole")
+        config, ctx = build_config(
+            family, prep.hf_config, prep.dtype, self.vocab_divisor, nemo=True
+        )
         model = model_class(family)(config, tokenizer=self.tokenizer)
         # NeMo builds the module lazily (perform_initialization=False): its parameters are
         # allocated and never touched, so they cost address space, not memory. Synchronous,
-        # single-writer saving lets the streaming strategy below replace the stock one.
-        stock = {} if self.streaming else {"ckpt_async_save": True}
-        options = {"ckpt_async_save": False, "ckpt_parallel_save": False} | stock
+        # single-writer saving lets the streaming strategy below replace the stock one (and the
+        # context records the same strategy either way).
+        options = {"ckpt_async_save": False, "ckpt_parallel_save": False}
         ranked = ranks.world_size() > 1
         with contextlib.nullcontext() if ranked else _one_local_process():
             trainer = self.nemo_setup(model, _ranks_trainer(options) if ranked else None, **options)
-        # The local spec builds norms in fp32 whatever params_dtype says (torch.nn norms); NeMo's
-        # bf16 training wraps the whole module in half precision, so store every tensor in the
-        # checkpoint's dtype, as the source has it (NeMo's own importer fails exactly here).
-        model.module.to(dtype)
+        model.module.to(prep.dtype)  # as hf_import.import_into: every tensor in the import dtype
         target = {
             k: v
             for k, v in model.module.state_dict(keep_vars=True).items()
             if not k.endswith("_extra_state")
         }
-        # The table against both models of this config, on meta tensors, before any tensor is read.
-        check_table(family, ctx, hf_shapes, shapes_of(target))
+        check_table(family, ctx, prep.hf_shapes, shapes_of(target))
         progress = (
             (lambda n: tqdm(total=n, desc="import", unit="tensor", leave=False))
             if self.show_progress
             else None
         )
-        # Each parameter is produced from the HF shards when the writer reaches it and released
-        # once written (porting.convert.streaming_save); the model is never filled.
         if self.streaming:
-            producer = WeightProducer(reader, target, family.weights, ctx, ctx.num_layers, progress)
+            producer = WeightProducer(
+                prep.reader, target, family.weights, ctx, ctx.num_layers, progress
+            )
             del target
             streaming_save.install(trainer, model.module, producer, parallel=ranked)
             self.nemo_save(out, trainer)
@@ -287,11 +233,12 @@ class PortingImporter(io.ModelConnector):
                 producer.produced = set().union(*everyone)
             report = producer.finish()
         else:
-            report = import_weights(reader, target, family.weights, ctx, ctx.num_layers, progress)
+            report = import_weights(
+                prep.reader, target, family.weights, ctx, ctx.num_layers, progress
+            )
             del target
             self.nemo_save(out, trainer)
-        method, count = source.dequantized() or ("", 0)
-        source.close()
+        prep.source.close()
         self._source = None  # a pickle checkpoint's tensors go with it
         if not ranked:  # a launched import's process group stays for the layout and the gate
             _destroy_process_groups()
@@ -300,60 +247,25 @@ class PortingImporter(io.ModelConnector):
         gc.collect()
         manifest = None
         if ranks.rank() == 0:
-            manifest = self._write_extras(out, hf_dir, hf_config, ctx, dtype, fp32)
+            tok_dir = out / TOKENIZER_SUBDIR
+            if not tok_dir.is_dir():
+                # NeMo copies tokenizer artifacts into context/ on dump; keep a copy where the
+                # manifest says if a NeMo version does not.
+                shutil.copytree(self._tokenizer_dir, tok_dir, copy_function=shutil.copyfile)
+            manifest = hf_import.write_extras(out, prep)
         if self._tokenizer_dir.is_relative_to(out):
             shutil.rmtree(self._tokenizer_dir.parent, ignore_errors=True)
         if ranked:
             torch.distributed.barrier()
-        if manifest is None:
-            return None
-        log.info(
-            "imported %s (%s, %s%s): %d HF tensors -> %d Megatron parameters, %d ignored",
-            hf_dir,
-            family.name,
-            dtype_name(dtype),
-            f"; {count} {method} weights dequantized" if count else "",
-            report.consumed,
-            report.written,
-            len(report.ignored),
-        )
-        return manifest
-
-    def _write_extras(
-        self,
-        out: Path,
-        hf_dir: Path,
-        hf_config: dict,
-        ctx: ShapeContext,
-        dtype: torch.dtype,
-        fp32: list[str],
-    ) -> Manifest:
-        tok_dir = out / TOKENIZER_SUBDIR
-        if not tok_dir.is_dir():
-            # NeMo copies tokenizer artifacts into context/ on dump; keep a copy where the manifest
-            # says if a NeMo version does not.
-            shutil.copytree(self._tokenizer_dir, tok_dir, copy_function=shutil.copyfile)
-        extra_dir = out / "context" / "hf_extra"
-        extras = []
-        for name in EXTRA_HF_FILES:
-            if (hf_dir / name).exists():
-                extra_dir.mkdir(exist_ok=True)
-                # copyfile, not copy2: the output's files follow this run's umask, not the
-                # source file's mode (a world-readable copy of a private file, or the reverse).
-                shutil.copyfile(hf_dir / name, extra_dir / name)
-                extras.append(name)
-        manifest = Manifest(
-            family=self.FAMILY.name,
-            hf_architecture=hf_config["architectures"][0],
-            hf_config=hf_config,
-            vocab_size=ctx.vocab_size,
-            padded_vocab_size=ctx.padded_vocab_size,
-            dtype=dtype_name(dtype),
-            tokenizer={"kind": "hf", "path": TOKENIZER_SUBDIR},
-            extra_files=extras,
-            fp32_tensors=fp32,
-        )
-        write_manifest(out, manifest)
+        if manifest is not None:
+            log.info(
+                "imported %s through NeMo (%s, %s): %d HF tensors -> %d Megatron parameters",
+                prep.hf_dir,
+                family.name,
+                dtype_name(prep.dtype),
+                report.consumed,
+                report.written,
+            )
         return manifest
 
 

@@ -40,21 +40,17 @@ def padded_vocab(vocab_size: int, divisible_by: int) -> int:
     return int(math.ceil(vocab_size / divisible_by) * divisible_by)
 
 
-def build_config(
+def config_arguments(
     family: Family,
     hf_config: dict,
     dtype: torch.dtype,
     vocab_divisor: int,
     padded_vocab_size: int | None = None,
-    *,
-    nemo: bool = False,
-):
-    """The family's Megatron config for ``hf_config`` and its shape context.
+) -> dict:
+    """The keyword arguments of the family's Megatron config for ``hf_config`` (what NeMo's
+    ``context/io.json`` records of it: :mod:`porting.convert.nemo2_context`).
 
     ``padded_vocab_size`` (from a manifest) replaces the padding ``vocab_divisor`` would give.
-    ``nemo``: NeMo's config class (what a NeMo model is built from and ``context/io.json``
-    records); otherwise the family's NeMo-free one (``Family.core_config_cls``), which builds
-    the same Megatron-Core model without loading NeMo.
     Raises :class:`PortingError` for config fields the family cannot represent.
     """
     left = config_map.undecided(family.config_entries)
@@ -78,6 +74,26 @@ def build_config(
         pipeline_dtype=dtype,
         autocast_dtype=dtype,
     )
+    return named.resolve(kwargs)
+
+
+def build_config(
+    family: Family,
+    hf_config: dict,
+    dtype: torch.dtype,
+    vocab_divisor: int,
+    padded_vocab_size: int | None = None,
+    *,
+    nemo: bool = False,
+):
+    """The family's Megatron config for ``hf_config`` (:func:`config_arguments`) and its shape
+    context.
+
+    ``nemo``: NeMo's config class (what a NeMo model is built from and ``context/io.json``
+    records); otherwise the family's NeMo-free one (``Family.core_config_cls``), which builds
+    the same Megatron-Core model without loading NeMo.
+    """
+    kwargs = config_arguments(family, hf_config, dtype, vocab_divisor, padded_vocab_size)
     # NeMo records a config's constructor arguments for context/io.json by wrapping its class's
     # __init__ on first use, and skips a class whose flag it finds by getattr: a subclass built
     # after its parent inherits the parent's flag, stays unwrapped, and its context then records
@@ -95,8 +111,8 @@ def build_config(
             )
     if "__wrapped_init__" not in vars(config_cls):
         config_cls.__wrapped_init__ = False
-    config = config_cls(**named.resolve(kwargs))
-    return config, family.shape_context(config, vocab)
+    config = config_cls(**kwargs)
+    return config, family.shape_context(config, hf_config["vocab_size"])
 
 
 def init_parallel(tp: int = 1, pp: int = 1, rank: int = 0, world_size: int = 1) -> None:

@@ -221,20 +221,23 @@ def install(trainer, module: torch.nn.Module, producer: Producer, parallel: bool
 
     The trainer's strategy must have been built with ``ckpt_async_save=False`` and
     ``ckpt_parallel_save=False`` (NeMo then calls the sharded strategy's ``save`` directly).
-    ``parallel``: the ranks of the data-parallel group share the writing, as Megatron's
-    fully-parallel save shares it (``FullyParallelSaveStrategyWrapper``: each tensor's main
-    replica goes to one rank, balanced by size); a rank's producer is asked only for its share.
+    ``parallel``: the ranks of the data-parallel group share the writing (:func:`fully_parallel`).
     """
     io = trainer.strategy.checkpoint_io
     if getattr(io, "async_save", False) or not hasattr(io, "_save_sharded_strategy"):
         raise PortingError("streaming save needs NeMo's synchronous MegatronCheckpointIO")
     strategy = StreamingSaveStrategy(producer, params_by_storage(module))
-    if parallel:
-        from megatron.core import parallel_state
-        from megatron.core.dist_checkpointing.strategies.fully_parallel import (
-            FullyParallelSaveStrategyWrapper,
-        )
+    io._save_sharded_strategy = fully_parallel(strategy) if parallel else strategy
 
-        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        strategy = FullyParallelSaveStrategyWrapper(strategy, group)
-    io._save_sharded_strategy = strategy
+
+def fully_parallel(strategy: StreamingSaveStrategy):
+    """``strategy`` shared by the ranks of the data-parallel group, as Megatron's fully-parallel
+    save shares it (``FullyParallelSaveStrategyWrapper``: each tensor's main replica goes to one
+    rank, balanced by size); a rank's producer is asked only for its share."""
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelSaveStrategyWrapper,
+    )
+
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    return FullyParallelSaveStrategyWrapper(strategy, group)
