@@ -3,7 +3,8 @@
     scripts/env.sh test --junitxml=/tmp/junit.xml      # the whole suite, as CI runs it
     .venv/bin/python scripts/bench_suite.py /tmp/junit.xml [--top 30]
 
-    # and the interpreters each file starts (scripts/suite_children/sitecustomize.py):
+    # and the interpreters each file starts, and each kind's CPU seconds
+    # (scripts/suite_children/sitecustomize.py):
     mkdir /tmp/pl && PORTING_PROC_LOG=/tmp/pl PYTHONPATH=$PWD/scripts/suite_children \
         scripts/env.sh test --junitxml=/tmp/junit.xml
     .venv/bin/python scripts/bench_suite.py /tmp/junit.xml --children /tmp/pl
@@ -13,7 +14,9 @@ cases took (setup, call and teardown, as pytest's report counts them; a session 
 lands on the first case that asks for it), its share of the whole, the CPU seconds of the test
 process and of the children it waited for (tests/conftest.py records both per case; what Slurm's
 daemons start is in neither), and its slowest case. With two workers the seconds add up to about
-twice the wall time.
+twice the wall time. With ``--children``, a column of the interpreters each file started and a
+second table: the CPU seconds of each kind of interpreter (a ``porting`` subcommand, a script, a
+module), apart for those that loaded NeMo, Slurm's jobs included.
 """
 
 from __future__ import annotations
@@ -73,6 +76,36 @@ def children_per_file(directory: Path) -> dict[str, int]:
     return dict(counts)
 
 
+def children_by_command(directory: Path) -> dict[tuple[str, bool], list[float]]:
+    """``{(command, loaded NeMo): [CPU seconds of each interpreter]}`` from the exit records
+    scripts/suite_children/sitecustomize.py leaves in ``directory`` (an interpreter killed by a
+    signal leaves none). The command is ``porting <subcommand>`` for our CLI, else the script or
+    module an interpreter ran."""
+    import json
+
+    out: dict[tuple[str, bool], list[float]] = defaultdict(list)
+    for record in directory.glob("*.json"):
+        try:
+            argv = json.loads(record.read_text())["argv"]
+            ended = json.loads(record.with_suffix(".exit").read_text())
+        except (OSError, ValueError, KeyError):
+            continue
+        out[(_command(argv), "nemo" in ended["loaded"])].append(float(ended["cpu_s"]))
+    return dict(out)
+
+
+def _command(argv: list[str]) -> str:
+    for i, arg in enumerate(argv[:-1]):
+        if arg == "porting.cli" or arg.endswith("/porting"):
+            return f"porting {argv[i + 1]}"
+    if "-m" in argv[:-1]:
+        return argv[argv.index("-m") + 1]
+    if "-c" in argv:
+        return "python -c"
+    scripts = [a for a in argv[1:] if a.endswith(".py")]
+    return Path(scripts[0]).name if scripts else Path(argv[0]).name
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("report", type=Path, help="pytest's --junitxml file")
@@ -111,7 +144,16 @@ def main(argv: list[str] | None = None) -> int:
             f"{100 * seconds / total:.1f}% | {own:.0f} + {children:.0f} |{count} |"
         )
     if started is not None:
-        print(f"\n{sum(started.values())} interpreters started by the cases in all.")
+        print(f"\n{sum(started.values())} interpreters started by the cases in all.\n")
+        print("| interpreter | NeMo loaded | count | CPU s | CPU s each |")
+        print("|---|---|---:|---:|---:|")
+        commands = children_by_command(args.children)
+        for (command, nemo), cpu_s in sorted(commands.items(), key=lambda kv: -sum(kv[1])):
+            if sum(cpu_s) >= 10:
+                print(
+                    f"| {command} | {'yes' if nemo else 'no'} | {len(cpu_s)} | "
+                    f"{sum(cpu_s):.0f} | {sum(cpu_s) / len(cpu_s):.1f} |"
+                )
     return 0
 
 

@@ -67,3 +67,29 @@ def test_the_table_gains_a_column_of_interpreters(tmp_path, capsys):
     assert "| tests/test_a.py | 1 | 2 | 71.4% | 1 + 3 | 1 | test_one (2) |" in table, table
     assert "| tests/test_b.py | 1 | 1 | 28.6% | 0 + 0 | 0 | test_x (1) |" in table, table
     assert "1 interpreters started by the cases in all." in table
+
+
+def test_each_kind_of_interpreter_is_summed_apart_for_those_that_loaded_nemo(tmp_path):
+    log = tmp_path / "log"
+    log.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env |= {"PORTING_PROC_LOG": str(log), "PYTHONPATH": str(REPO / "scripts" / "suite_children")}
+    # one ends normally, one through os._exit (as our commands do), one loads a "nemo" module
+    nemo = tmp_path / "fake" / "nemo"
+    nemo.mkdir(parents=True)
+    (nemo / "__init__.py").write_text("")
+    for code, extra in (
+        ("pass", {}),
+        ("import os; os._exit(0)", {}),
+        ("import nemo", {"PYTHONPATH": env["PYTHONPATH"] + os.pathsep + str(nemo.parent)}),
+    ):
+        subprocess.run([sys.executable, "-c", code], env=env | extra, check=True)
+    kinds = _bench().children_by_command(log)
+    assert sorted((k, len(v)) for k, v in kinds.items()) == [
+        (("python -c", False), 2),
+        (("python -c", True), 1),
+    ]
+    assert all(t >= 0 for v in kinds.values() for t in v)
+    assert _bench()._command([sys.executable, "-m", "porting.cli", "import", "x"]) == (
+        "porting import"
+    )
