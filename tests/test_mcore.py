@@ -24,6 +24,7 @@ from porting import proof
 from porting.contract import registry
 from porting.convert.megatron import build_config, build_mcore_model, init_parallel
 from porting.demo import compare_hf_dirs
+from porting.testing import foreign_lines
 
 CASES = [
     (family.name, arch)
@@ -99,10 +100,11 @@ def _run_fresh(code: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_verify_and_export_load_no_nemo(tiny_llama, tiny_nemo, tmp_path):
+def test_conversions_load_no_nemo(tiny_llama, tiny_nemo, tmp_path):
     """`porting verify` of a checkpoint written now and of one written before the NeMo classes
-    moved (its io.json naming them in models.llama), and `porting export` of the first: all pass,
-    and none loads NeMo or Lightning, or says a word on stderr."""
+    moved (its io.json naming them in models.llama), `porting export` of the first, `porting
+    import` (NeMo 2's files written as data) and `porting convert` of its output: all pass, and
+    none loads NeMo or Lightning, or prints a line not ours."""
     old = tmp_path / "old"
     shutil.copytree(tiny_nemo, old)
     io_json = old / "context" / "io.json"
@@ -118,14 +120,17 @@ def test_verify_and_export_load_no_nemo(tiny_llama, tiny_nemo, tmp_path):
         for ckpt in ({str(tiny_nemo)!r}, {str(old)!r}):
             assert main(["verify", {str(tiny_llama)!r}, ckpt]) == 0
         assert main(["export", {str(tiny_nemo)!r}, "--out", {str(tmp_path / "hf")!r}]) == 0
+        assert main(["import", {str(tiny_llama)!r}, "--out", {str(tmp_path / "nemo")!r}]) == 0
+        mlm = {str(tmp_path / "mlm")!r}
+        assert main(["convert", {str(tmp_path / "nemo")!r}, "--to", "megatron-lm", "--out", mlm]) == 0
         loaded = sorted(m for m in sys.modules if m.split(".")[0] in {HEAVY!r})
         print("HEAVY", loaded)
         """
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("parity PASS") == 3, result.stdout
+    assert result.stdout.count("parity PASS") == 6, result.stdout
     assert "HEAVY []" in result.stdout, result.stdout
-    assert result.stderr == "", result.stderr
+    assert foreign_lines(result.stderr) == [], result.stderr  # the imports' summaries only
     assert compare_hf_dirs(tiny_llama, tmp_path / "hf").exact
 
 
