@@ -32,6 +32,11 @@ _EXACT = {
     "nemo.lightning.pytorch.optim.megatron": {"MegatronOptimizerModule"},
     "nemo.collections.common.tokenizers.huggingface.auto_tokenizer": {"AutoTokenizer"},
     "megatron.core.optimizer.optimizer_config": {"OptimizerConfig"},
+    # and what `porting train` adds to the contexts it saves
+    "megatron.core.distributed.distributed_data_parallel_config": {"DistributedDataParallelConfig"},
+    "nemo.collections.llm.gpt.data.pre_training": {"PreTrainingDataModule"},
+    "nemo.lightning.pytorch.optim.lr_scheduler": {"CosineAnnealingScheduler"},
+    "porting.train.recipe": {"BuiltLayout", "ThroughputLogger"},
 }
 # Namespaces whose classes (defined there, not re-exported from elsewhere) may be built: NeMo's and
 # Megatron's configs, models, strategies and tokenizers, Lightning's callbacks, our families and
