@@ -16,7 +16,9 @@ process and of the children it waited for (tests/conftest.py records both per ca
 daemons start is in neither), and its slowest case. With two workers the seconds add up to about
 twice the wall time. With ``--children``, a column of the interpreters each file started and a
 second table: the CPU seconds of each kind of interpreter (a ``porting`` subcommand, a script, a
-module), apart for those that loaded NeMo, Slurm's jobs included.
+module), apart for those that loaded NeMo, Slurm's jobs included. Where the report has the
+per-case times tests/conftest.py records, a table per xdist worker: its cases, the seconds they
+took, and when its first started and its last ended (a worker that ends early left a core idle).
 """
 
 from __future__ import annotations
@@ -58,6 +60,29 @@ def per_file(report: Path) -> tuple[dict[str, dict], float, int]:
         total += seconds
         cases += 1
     return dict(files), total, cases
+
+
+def per_worker(report: Path) -> dict[str, dict]:
+    """``{worker: {cases, busy_s, first_s, last_s}}``: the seconds its cases took, and when its
+    first case started and its last ended, counted from the run's first case (the properties
+    tests/conftest.py records; empty for a report without them)."""
+    spans: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for case in ET.parse(report).getroot().iter("testcase"):
+        props = {p.get("name"): p.get("value") for p in case.iter("property")}
+        if "started" in props and "ended" in props:
+            spans[props.get("worker", "?")].append((float(props["started"]), float(props["ended"])))
+    if not spans:
+        return {}
+    zero = min(a for runs in spans.values() for a, _ in runs)
+    return {
+        worker: {
+            "cases": len(runs),
+            "busy_s": sum(b - a for a, b in runs),
+            "first_s": min(a for a, _ in runs) - zero,
+            "last_s": max(b for _, b in runs) - zero,
+        }
+        for worker, runs in sorted(spans.items())
+    }
 
 
 def children_per_file(directory: Path) -> dict[str, int]:
@@ -143,6 +168,15 @@ def main(argv: list[str] | None = None) -> int:
             f"| {len(rest)} other files | {sum(r['cases'] for _, r in rest)} | {seconds:.0f} | "
             f"{100 * seconds / total:.1f}% | {own:.0f} + {children:.0f} |{count} |"
         )
+    workers = per_worker(args.report)
+    if workers:
+        print("\n| worker | cases | busy s | first case starts (s) | last case ends (s) |")
+        print("|---|---:|---:|---:|---:|")
+        for worker, row in workers.items():
+            print(
+                f"| {worker} | {row['cases']} | {row['busy_s']:.0f} | {row['first_s']:.0f} | "
+                f"{row['last_s']:.0f} |"
+            )
     if started is not None:
         print(f"\n{sum(started.values())} interpreters started by the cases in all.\n")
         print("| interpreter | NeMo loaded | count | CPU s | CPU s each |")

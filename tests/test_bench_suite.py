@@ -93,3 +93,28 @@ def test_each_kind_of_interpreter_is_summed_apart_for_those_that_loaded_nemo(tmp
     assert _bench()._command([sys.executable, "-m", "porting.cli", "import", "x"]) == (
         "porting import"
     )
+
+
+def test_each_worker_shows_its_cases_busy_seconds_and_when_it_ended(tmp_path, capsys):
+    def case(name, worker, started, ended):
+        return (
+            f'<testcase classname="tests.test_a" name="{name}" time="{ended - started}">'
+            f'<properties><property name="worker" value="{worker}"/>'
+            f'<property name="started" value="{started}"/>'
+            f'<property name="ended" value="{ended}"/></properties></testcase>'
+        )
+
+    report = tmp_path / "junit.xml"
+    report.write_text(
+        "<testsuites><testsuite>"
+        + case("test_1", "gw0", 1000.0, 1010.0)
+        + case("test_2", "gw0", 1012.0, 1100.0)
+        + case("test_3", "gw1", 1001.0, 1031.0)
+        + "</testsuite></testsuites>"
+    )
+    assert _bench().per_worker(report) == {
+        "gw0": {"cases": 2, "busy_s": 98.0, "first_s": 0.0, "last_s": 100.0},
+        "gw1": {"cases": 1, "busy_s": 30.0, "first_s": 1.0, "last_s": 31.0},
+    }
+    assert _bench().main([str(report)]) == 0
+    assert "| gw1 | 1 | 30 | 1 | 31 |" in capsys.readouterr().out
