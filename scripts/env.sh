@@ -68,8 +68,7 @@ job=${1:-}
 shift || true
 case "$job" in
   demo) exec .venv/bin/porting demo "$@" ;;
-  # Two workers, a file at a time, the longest files first, and a third that runs only the files
-  # that mostly wait on Slurm (tests/conftest.py, docs/testing.md).
+  # Two workers, a file at a time, the longest files first (tests/conftest.py, docs/testing.md).
   # The tests start hundreds of interpreters; with bytecode kept, none compiles our modules again.
   test) owners_env; slurm_env; unset PYTHONDONTWRITEBYTECODE
     # the workers share the cores: a second OpenMP thread per process would only spin and wait
@@ -77,8 +76,7 @@ case "$job" in
     echo "[env] environments ready after ${SECONDS} s; the tests start" >&2
     # the wall time, whatever the verdict, so each landing shows the trend against CI's 90 min
     rc=0
-    PORTING_WAIT_LANE=1 .venv/bin/python -m pytest -q -n $((${PORTING_TEST_WORKERS:-2} + 1)) \
-      --dist loadfile \
+    .venv/bin/python -m pytest -q -n "${PORTING_TEST_WORKERS:-2}" --dist loadfile \
       --no-loadscope-reorder "$@" || rc=$?
     echo "[env] wall time $((SECONDS / 60)) min $((SECONDS % 60)) s, set-up and tests (exit $rc)" >&2
     exit "$rc" ;;

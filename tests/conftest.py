@@ -152,69 +152,6 @@ LONGEST_FIRST = (
 )
 
 
-# Files whose cases mostly wait (on Slurm's scheduling, a requeue's credential expiry, a job's
-# one-minute time limit): with PORTING_WAIT_LANE=1 (scripts/env.sh test) the last xdist worker
-# runs only these and the others never do, so the two cores keep busy while they wait.
-WAITING = ("test_slurm.py",)
-
-
-def pytest_xdist_make_scheduler(config, log):
-    if os.environ.get("PORTING_WAIT_LANE") != "1" or config.getoption("dist") != "loadfile":
-        return None
-    from xdist.scheduler import LoadFileScheduling
-
-    class WaitLaneScheduling(LoadFileScheduling):
-        """Files as LoadFileScheduling hands them out, in collection order, except that the
-        worker with the highest number (the lane) takes only WAITING files and the others none;
-        a worker with no file left for it is shut down."""
-
-        lane: str | None = None
-
-        def _fits(self, node, scope: str) -> bool:
-            if self.lane is None:
-                return True
-            waits = scope.rsplit("/", 1)[-1] in WAITING
-            return waits == (node.gateway.id == self.lane)
-
-        def _assign_work_unit(self, node) -> None:
-            scope = next(s for s in self.workqueue if self._fits(node, s))
-            work_unit = self.workqueue.pop(scope)
-            self.assigned_work.setdefault(node, {})[scope] = work_unit
-            collection = self.registered_collections[node]
-            node.send_runtest_some(
-                [collection.index(nodeid) for nodeid, done in work_unit.items() if not done]
-            )
-
-        def _reschedule(self, node) -> None:
-            if node.shutting_down:
-                return
-            if not any(self._fits(node, s) for s in self.workqueue):
-                node.shutdown()
-            elif self._pending_of(self.assigned_work[node]) <= 2:
-                self._assign_work_unit(node)
-
-        def remove_node(self, node):
-            if node.gateway.id == self.lane:  # crashed: a restarted worker gets a new number
-                self.lane = None
-            return super().remove_node(node)
-
-        def schedule(self) -> None:
-            assert self.collection_is_completed
-            if self.collection is None:
-                if not self._check_nodes_have_same_collection():
-                    self.log("**Different tests collected, aborting run**")
-                    return
-                self.collection = list(next(iter(self.registered_collections.values())))
-                for nodeid in self.collection:
-                    self.workqueue.setdefault(self._split_scope(nodeid), {})[nodeid] = False
-                if len(self.nodes) > 1:
-                    self.lane = max((n.gateway.id for n in self.nodes), key=lambda i: int(i[2:]))
-            for node in self.nodes:
-                self._reschedule(node)
-
-    return WaitLaneScheduling(config, log)
-
-
 # `scripts/env.sh test -m quick`, a developer's loop (docs/testing.md): every family's parity at
 # TP=1 and its round trips, the config rules, the mapping and the hostile checks made at function
 # level. CI and the README's command run everything.

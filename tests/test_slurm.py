@@ -365,8 +365,10 @@ def test_train_killed_at_its_time_limit_says_so_and_keeps_its_checkpoints(
     from porting.testing import checkpoint_complete
 
     out = tmp_path / "run"
+    # a checkpoint every 4 steps, so that one lands within the minute even when NeMo starts slowly
+    # (every 20 steps left none once, on a machine loaded by a third test worker)
     argv = [*_train_argv(tiny_nemo, train_corpus), "--out", str(out), "--steps", "5000",
-            "--save-every", "20", "--nodes", "1", "--gpus-per-node", "1", "--executor", "slurm",
+            "--save-every", "4", "--nodes", "1", "--gpus-per-node", "1", "--executor", "slurm",
             "--time", "1"]  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT, env=slurm_cluster)
     assert done.returncode == 2, done.stderr[-3000:]
