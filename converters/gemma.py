@@ -130,6 +130,13 @@ CONFIG = (
     Carry("cache_implementation"),  # generation-time cache choice
     # Gemma-7B's config.json says rope_scaling: null; Gemma's rotary embedding is unscaled here
     NoOp("rope_scaling", (None,), "this family's Gemma rotary embedding is unscaled"),
+    # transformers 5 writes it null for Gemma and Gemma 2 (EmbeddingGemma's switch, added to the
+    # classes they share); their attention is causal
+    NoOp(
+        "use_bidirectional_attention",
+        (None, False),
+        "bidirectional attention (EmbeddingGemma) drops the causal mask",
+    ),
     # Gemma-2-9B's config.json repeats sliding_window under its early name, unread by transformers
     NoOp(
         "sliding_window_size",

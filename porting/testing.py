@@ -447,6 +447,28 @@ def child_env(**extra: str) -> dict:
     return env | {"PYTHONUNBUFFERED": "1"} | extra
 
 
+def run_owners(argv: list[str], timeout: float = 600):
+    """``python ARGV`` in the owners' environment (``.venv-owners``: Python 3.12, Megatron-Core
+    0.19, Megatron-Bridge, transformers 5; built by ``scripts/env.sh test``), with this checkout
+    on its path and no GPU; the completed process, which must have succeeded."""
+    import os
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    python = repo / ".venv-owners" / "bin" / "python"
+    if not python.exists():
+        raise AssertionError(
+            f"{python} missing: `scripts/env.sh test` builds the owners' environment"
+        )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env |= {"PYTHONPATH": str(repo), "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run(
+        [str(python), *argv], capture_output=True, text=True, timeout=timeout, env=env, cwd=repo
+    )
+    assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
+    return run
+
+
 def run_in_session(argv: list[str], timeout: float, env: dict | None = None):
     """Run ``argv`` to its end in a session of its own; past ``timeout`` the whole group is
     killed and an ``AssertionError`` says so (a hang fails a test and leaves no process)."""

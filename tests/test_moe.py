@@ -294,7 +294,9 @@ def test_damaged_moe_checkpoint_is_located_and_nothing_written(
         ("qwen2_moe", {"mlp_only_layers": [1]}, ["mlp_only_layers=[1]"]),
         ("qwen2_moe", {"use_sliding_window": True}, ["use_sliding_window=True"]),
         ("qwen3_moe", {"attention_bias": True}, ["attention_bias=True"]),
-        ("qwen3_moe", {"num_local_experts": 4}, ["num_local_experts are not Qwen-MoE fields"]),
+        ("qwen2_moe", {"num_local_experts": 4}, ["num_local_experts are not Qwen-MoE fields"]),
+        # Qwen3-MoE's 5.x name for num_experts, beside its 4.x one (porting.contract.hf_spelling)
+        ("qwen3_moe", {"num_local_experts": 4}, ["both num_local_experts (transformers 5) and"]),
         ("mixtral", {"num_experts_per_tok": 0}, ["num_experts_per_tok=0"]),
         ("mixtral", {"router_jitter_noise": 1.5}, ["router_jitter_noise=1.5"]),
         ("mixtral", {"model_type": "qwen2_moe"}, ["model_type='qwen2_moe'"]),
@@ -306,6 +308,7 @@ def test_damaged_moe_checkpoint_is_located_and_nothing_written(
         "window",
         "o_bias",
         "wrong_field",
+        "both_spellings",
         "topk0",
         "jitter",
         "model_type",

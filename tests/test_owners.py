@@ -9,8 +9,6 @@ HF vocabulary, fp32.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,40 +17,20 @@ import torch
 from porting.api import export_hf, import_hf
 from porting.convert.foreign import reading
 from porting.parity.harness import DEFAULT_ATOL, DEFAULT_RTOL
+from porting.testing import run_owners
 
 REPO = Path(__file__).resolve().parents[1]
-OWNERS_PYTHON = REPO / ".venv-owners" / "bin" / "python"
-
-
-def _run_owners(argv: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    """``python ARGV`` in the owners' environment (the repo on its path, no GPU), succeeded."""
-    if not OWNERS_PYTHON.exists():
-        pytest.fail(
-            f"{OWNERS_PYTHON} missing: `scripts/env.sh test` builds the owners' environment"
-        )
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
-    env |= {"PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""}
-    run = subprocess.run(
-        [str(OWNERS_PYTHON), *argv],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=REPO,
-    )
-    assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
-    return run
 
 
 def _owners(module: str, *args: str) -> str:
     """``python -m porting.owners.MODULE ARGS`` in the owners' environment; its output."""
-    run = _run_owners(["-m", f"porting.owners.{module}", *args])
+    run = run_owners(["-m", f"porting.owners.{module}", *args])
     return run.stdout + run.stderr
 
 
 def _owners_code(code: str) -> str:
     """``python -c CODE`` in the owners' environment; the last line it printed."""
-    return _run_owners(["-c", code]).stdout.strip().splitlines()[-1]
+    return run_owners(["-c", code]).stdout.strip().splitlines()[-1]
 
 
 def _tokens(path: Path, vocab: int) -> Path:

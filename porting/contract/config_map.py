@@ -156,7 +156,7 @@ FIELD_RULES: dict[str, Check] = {
     "layer_types": LAYER_TYPES.or_null(),
     "sliding_window_pattern": POSITIVE_INT,  # Gemma 3: every n-th layer global
     "rope_local_base_freq": POSITIVE_FLOAT,
-    "use_bidirectional_attention": BOOL,
+    "use_bidirectional_attention": BOOL.or_null(),  # null: transformers 5's Gemma 1/2 (causal)
     "original_max_position_embeddings": POSITIVE_INT,  # LongRoPE's pretraining length (Phi-3)
     "resid_pdrop": PROBABILITY,
     "embd_pdrop": PROBABILITY,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from porting.contract import config_map
+from porting.contract import config_map, hf_spelling
 from porting.contract.family import Family
 from porting.convert import ranks
 from porting.convert.checkpoint import Checkpoint, extra_file, tokenizer_files
@@ -113,7 +113,11 @@ def export_into(
     writer.publish()
     del model, meta
     gc.collect()
-    hf_config = config_map.to_hf(config, manifest.hf_config, family.config_entries)
+    hf_config = hf_spelling.as_written(
+        config_map.to_hf(config, manifest.hf_config, family.config_entries),
+        manifest.hf_config_as_written,
+        str(checkpoint.located.manifest_path),
+    )
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     for f in tokenizer_files(checkpoint):
         shutil.copyfile(f, out / f.name)

@@ -30,7 +30,7 @@ def foreign_manifest(loc: Located, hf_config: Path, tokenizer: Path | None):
     """
     from porting.convert.checkpoint import Adopted
     from porting.convert.dist_reader import DistCheckpointReader
-    from porting.convert.hf_files import family_for_hf_dir
+    from porting.convert.hf_files import family_for_hf_dir, read_hf_config_as_written
     from porting.convert.manifest import Manifest
     from porting.convert.megatron import build_config, dtype_name
 
@@ -41,6 +41,7 @@ def foreign_manifest(loc: Located, hf_config: Path, tokenizer: Path | None):
         hf_config = hf_config.parent
     family, cfg = family_for_hf_dir(hf_config)
     where = hf_config / "config.json"
+    written = read_hf_config_as_written(hf_config)[1]  # a 5.x config goes back out as it came
     reader = DistCheckpointReader(loc.weights)
     emb = loc.prefix + "embedding.word_embeddings.weight"
     if emb not in reader.keys():
@@ -58,6 +59,7 @@ def foreign_manifest(loc: Located, hf_config: Path, tokenizer: Path | None):
         vocab_size=vocab,
         padded_vocab_size=padded,
         dtype=dtype_name(dtype),
+        hf_config_as_written=written,
     )
     if tokenizer is None and any(hf_config.glob("tokenizer*")):
         tokenizer = hf_config  # the HF directory the config came from carries its tokenizer

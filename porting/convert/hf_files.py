@@ -13,7 +13,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from porting.contract import registry
+from porting.contract import hf_spelling, registry
 from porting.contract.family import Family
 from porting.errors import PortingError
 
@@ -164,7 +164,15 @@ def read_json(path: Path, model_dir: str | Path) -> Any:
 
 
 def read_hf_config(hf_dir: str | Path) -> dict:
-    """Read ``config.json`` of an HF model directory and check its shape.
+    """``config.json`` of an HF model directory in transformers 4.x's spelling
+    (:func:`read_hf_config_as_written`)."""
+    return read_hf_config_as_written(hf_dir)[0]
+
+
+def read_hf_config_as_written(hf_dir: str | Path) -> tuple[dict, dict | None]:
+    """Read ``config.json`` of an HF model directory and check its shape: the config in
+    transformers 4.x's spelling, and the file's own content where it is spelled as transformers 5
+    writes it (:mod:`porting.contract.hf_spelling`; None otherwise), for export to write back.
 
     Every file of the directory must pass :func:`check_model_files` first: the tokenizer and
     generation files are opened by ``transformers`` and copied by us, and a FIFO among them would
@@ -189,7 +197,9 @@ def read_hf_config(hf_dir: str | Path) -> dict:
             f"{path}: architectures={archs!r} must name exactly one architecture (a string); "
             "porting converts one architecture per checkpoint"
         )
-    return cfg
+    if not hf_spelling.is_v5(cfg):
+        return cfg, None
+    return hf_spelling.internal(cfg, str(path)), cfg
 
 
 def _json_kind(value: Any) -> str:

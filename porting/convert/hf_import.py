@@ -26,7 +26,7 @@ from porting.contract import config_map
 from porting.contract.family import Family, ShapeContext
 from porting.convert import hf_files, nemo2_context, ranks, streaming_save
 from porting.convert.export import shapes_of
-from porting.convert.hf_files import read_hf_config
+from porting.convert.hf_files import read_hf_config, read_hf_config_as_written
 from porting.convert.manifest import EXTRA_HF_FILES, Manifest, write_manifest
 from porting.convert.mapping import WeightProducer
 from porting.convert.megatron import DTYPES, config_arguments, dtype_name
@@ -266,6 +266,7 @@ def write_extras(out: Path, prep: Prepared) -> Manifest:
         tokenizer={"kind": "hf", "path": TOKENIZER_SUBDIR},
         extra_files=extras,
         fp32_tensors=prep.fp32,
+        hf_config_as_written=read_hf_config_as_written(prep.hf_dir)[1],
     )
     write_manifest(out, manifest)
     return manifest

@@ -37,6 +37,9 @@ class Manifest:
     extra_files: list[str] = field(default_factory=list)
     # HF tensors the source stored in float32 beside weights of ``dtype`` (Family.fp32_tensors)
     fp32_tensors: list[str] = field(default_factory=list)
+    # the source's config.json as it came, where transformers 5 spelled it (hf_config holds the
+    # 4.x spelling everything reads; export writes this form back: porting.contract.hf_spelling)
+    hf_config_as_written: dict | None = None
     format: str = FORMAT
     version: int = VERSION
 
@@ -47,7 +50,10 @@ def write_manifest(
     """Write ``porting.json`` (atomically) into ``meta``: by default the NeMo 2 ``context/``."""
     path = Path(meta if meta is not None else Path(ckpt) / "context") / MANIFEST
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(asdict(manifest), indent=2) + "\n")
+    data = asdict(manifest)
+    if data["hf_config_as_written"] is None:  # a 4.x source: the file as before this field
+        del data["hf_config_as_written"]
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
     tmp.replace(path)
 
 
@@ -91,4 +97,7 @@ def check_manifest(data, path: Path) -> Manifest:
     fp32 = data.get("fp32_tensors", [])
     if not isinstance(fp32, list) or not all(isinstance(k, str) for k in fp32):
         raise bad("fp32_tensors", f"must be a list of tensor names, not {fp32!r:.80}")
+    written = data.get("hf_config_as_written")
+    if written is not None and not isinstance(written, dict):
+        raise bad("hf_config_as_written", "must be an object")
     return Manifest(**data)

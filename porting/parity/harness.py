@@ -561,21 +561,27 @@ def hf_logits(
     """
     import transformers
 
-    from porting.convert.hf_files import read_hf_config
+    from porting.contract.hf_spelling import transformers_config
+    from porting.convert.hf_files import read_hf_config_as_written
 
     cls = (
         getattr(transformers, hf_model_class) if isinstance(hf_model_class, str) else hf_model_class
     )
-    if "quantization_config" in read_hf_config(hf_dir):
+    hf_config, written = read_hf_config_as_written(hf_dir)
+    if "quantization_config" in hf_config:
         from porting.parity.hf_dequant import load_whole
 
         model = load_whole(hf_dir, cls, attn_implementation).to(dtype)
     else:
+        # a config spelled by transformers 5 reaches the installed transformers in the 4.x
+        # spelling, which both read alike (porting.contract.hf_spelling)
+        spelled = {} if written is None else {"config": transformers_config(cls, hf_config)}
         model = cls.from_pretrained(
             str(hf_dir),
             dtype=dtype,
             attn_implementation=attn_implementation,
             local_files_only=True,
+            **spelled,
         )
     model.to(device).eval()
     out = [model(p.to(device)).logits.float().cpu() for p in prompts]

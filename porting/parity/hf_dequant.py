@@ -76,15 +76,18 @@ def load_whole(hf_dir, cls, attn_implementation: str) -> torch.nn.Module:
     loader cannot read without a GPU, from :data:`REFERENCE`'s weights into the model class."""
     import transformers
 
+    from porting.contract.hf_spelling import transformers_config
     from porting.contract.quantization import MXFP4, read_quantization
-    from porting.convert.hf_files import read_hf_config
+    from porting.convert.hf_files import read_hf_config_as_written
     from porting.convert.quant import compute_dtype
     from porting.convert.safetensors_io import SafetensorsSource
     from porting.errors import PortingError
 
     where = f"{hf_dir}/config.json"
-    hf_config = read_hf_config(hf_dir)
+    hf_config, written = read_hf_config_as_written(hf_dir)
     dtype = compute_dtype(hf_config, where)
+    # a config spelled by transformers 5: the installed transformers reads its 4.x spelling
+    spelled = {} if written is None else {"config": transformers_config(cls, hf_config)}
     if read_quantization(hf_config, where).method == MXFP4:
         model = cls.from_pretrained(
             str(hf_dir),
@@ -92,9 +95,12 @@ def load_whole(hf_dir, cls, attn_implementation: str) -> torch.nn.Module:
             attn_implementation=attn_implementation,
             quantization_config=transformers.Mxfp4Config(dequantize=True),
             local_files_only=True,
+            **spelled,
         )
         return model.float().eval()
-    config = cls.config_class.from_pretrained(str(hf_dir), local_files_only=True)
+    config = spelled.get("config") or cls.config_class.from_pretrained(
+        str(hf_dir), local_files_only=True
+    )
     del config.quantization_config  # the weights arrive dequantized
     model = cls._from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
     source = SafetensorsSource(hf_dir, dequantizer=REFERENCE)

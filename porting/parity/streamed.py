@@ -547,14 +547,24 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
     (verify reads both before the gate starts); read here otherwise."""
     from accelerate import init_empty_weights
 
-    from porting.convert.hf_files import read_hf_config
+    from porting.contract.hf_spelling import transformers_config
+    from porting.convert.hf_files import read_hf_config_as_written
     from porting.convert.safetensors_io import SafetensorsSource
 
-    hf_config, source = read or (read_hf_config(hf_dir), None)
+    hf_config, written = read_hf_config_as_written(hf_dir)
+    if read:
+        hf_config, source = read
+    else:
+        source = None
     # The family's class reads the config: AutoConfig would want the checkpoint's own code for a
-    # model_type transformers does not know (an auto_map checkpoint).
+    # model_type transformers does not know (an auto_map checkpoint). A config spelled by
+    # transformers 5 reaches it in the 4.x spelling (porting.contract.hf_spelling).
     cls = family.hf_class(hf_config["architectures"][0])
-    config = cls.config_class.from_pretrained(str(hf_dir), local_files_only=True)
+    config = (
+        cls.config_class.from_pretrained(str(hf_dir), local_files_only=True)
+        if written is None
+        else transformers_config(cls, hf_config)
+    )
     with init_empty_weights():
         model = cls._from_config(
             config, dtype=torch.float32, attn_implementation=family.hf_attn_implementation

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from porting.contract import hf_spelling
 from porting.errors import PortingError
 from porting.planner.limits import MAX_CONFIG_BYTES, parse_json, positive_int, read_text, show
 
@@ -654,7 +655,10 @@ def load_model(spec: str | Path) -> ModelShape:
             raise PortingError(
                 f"--model {text}: a directory with neither config.json nor context/porting.json"
             )
-    return from_hf_config(_read_json(path), str(path), path.parent.name or path.name)
+    cfg = _read_json(path)
+    if isinstance(cfg, dict):  # transformers 5's spelling read as 4.x's, as import reads it
+        cfg = hf_spelling.internal(cfg, str(path))
+    return from_hf_config(cfg, str(path), path.parent.name or path.name)
 
 
 def _read_json(path: Path) -> object:

@@ -1,0 +1,260 @@
+"""Checkpoints saved by transformers 5 (its default ``save_pretrained``, in the owners' environment:
+transformers 5.12): each architecture we claim imports through the gate (whose reference here is
+transformers 4.57, given the config in 4.x spelling: porting.contract.hf_spelling), the imported
+model's logits are the ones transformers 5 itself computed for the same tokens, and export writes
+the same ``config.json`` back, 5.x spelling and all, with every tensor equal.
+
+Tolerance: the gate's (atol = rtol = 1e-4) on every logit of the vocabulary, fp32.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from porting.parity.harness import DEFAULT_ATOL, DEFAULT_RTOL
+
+VOCAB = 128
+_SMALL = dict(
+    hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+    intermediate_size=96, vocab_size=VOCAB, max_position_embeddings=256, tie_word_embeddings=False,
+    bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)  # fmt: skip
+_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 64}  # fmt: skip
+_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+# name: (transformers 5 config class, its arguments beyond _SMALL, _SMALL's it does not take)
+CASES = {
+    "LlamaForCausalLM": ("LlamaConfig", {}, ()),
+    "LlamaForCausalLM-llama3": ("LlamaConfig", dict(rope_scaling=_LLAMA3, rope_theta=500000.0), ()),
+    "MistralForCausalLM": ("MistralConfig", dict(sliding_window=None), ()),
+    "Qwen2ForCausalLM-yarn": ("Qwen2Config", dict(rope_scaling=_YARN), ()),
+    "Qwen3ForCausalLM": ("Qwen3Config", dict(head_dim=16), ()),
+    "MixtralForCausalLM": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2), ()),
+    "Qwen2MoeForCausalLM": (
+        "Qwen2MoeConfig", dict(num_experts=4, shared_expert_intermediate_size=48, **_MOE), (),
+    ),
+    "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", dict(num_experts=4, head_dim=16, **_MOE), ()),
+    "GemmaForCausalLM": ("GemmaConfig", dict(head_dim=16), ()),
+    "Gemma2ForCausalLM": ("Gemma2Config", dict(head_dim=16, sliding_window=32), ()),
+    "Gemma3ForCausalLM": ("Gemma3TextConfig", dict(
+        head_dim=16, sliding_window=32, sliding_window_pattern=2,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+    ), ()),
+    "Phi3ForCausalLM": ("Phi3Config", {}, ()),
+    "Olmo2ForCausalLM": ("Olmo2Config", {}, ()),
+    "OlmoeForCausalLM": ("OlmoeConfig", dict(num_experts=4, num_experts_per_tok=2), ()),
+    "FalconForCausalLM": ("FalconConfig", dict(
+        num_kv_heads=1, new_decoder_architecture=False, multi_query=True, parallel_attn=True,
+        bias=False,
+    ), ("num_key_value_heads", "intermediate_size")),
+    "GptOssForCausalLM": ("GptOssConfig", dict(
+        num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=32,
+    ), ()),
+    "DeepseekV3ForCausalLM": ("DeepseekV3Config", dict(
+        num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        first_k_dense_replace=1, n_group=2, topk_group=1, q_lora_rank=32, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+    ), ()),
+}  # fmt: skip
+
+
+def _arguments(name: str, extra: dict, dropped: tuple[str, ...]) -> dict:
+    args = {**_SMALL, **extra, "architectures": [name.split("-")[0]]}
+    return {k: v for k, v in args.items() if k not in dropped}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """Every case saved by transformers 5 with its own logits beside it, and our test tokenizer
+    in each directory (the tokenizer is not what this file proves)."""
+    from porting.testing import make_tokenizer, run_owners
+
+    root = tmp_path_factory.mktemp("v5")
+    spec = root / "spec.json"
+    spec.write_text(json.dumps({n: [c, _arguments(n, *rest)] for n, (c, *rest) in CASES.items()}))
+    g = torch.Generator().manual_seed(7)
+    tokens = root / "tokens.pt"
+    torch.save([torch.randint(0, VOCAB, (n,), generator=g) for n in (13, 40)], tokens)
+    run_owners(["-m", "porting.owners.transformers5", "save", str(spec), str(root / "models"),
+                "--tokens", str(tokens)])  # fmt: skip
+    tok = root / "tokenizer"
+    make_tokenizer(tok, vocab_size=120)
+    for name in CASES:
+        for f in tok.iterdir():
+            shutil.copyfile(f, root / "models" / name / f.name)
+    return root
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_transformers_5_save_imports_gives_its_logits_and_exports_as_it_came(
+    name, saved, tmp_path
+):
+    from porting.api import export_hf, import_hf
+    from porting.demo import compare_hf_dirs
+    from porting.parity.harness import megatron_logits_from_checkpoint
+
+    hf = saved / "models" / name
+    written = json.loads((hf / "config.json").read_text())
+    assert "rope_parameters" in written or "num_local_experts" in written, written
+    ours = tmp_path / "nemo"
+    report = import_hf(hf, ours, show_progress=False)
+    assert report.passed
+    manifest = json.loads((ours / "context" / "porting.json").read_text())
+    assert manifest["hf_config_as_written"] == written
+    assert "rope_parameters" not in manifest["hf_config"]
+
+    theirs = torch.load(saved / "models" / f"{name}.logits.pt", weights_only=True)
+    tokens = torch.load(saved / "tokens.pt", weights_only=True)
+    got = megatron_logits_from_checkpoint(ours, [t.view(1, -1) for t in tokens], VOCAB)
+    for a, b in zip(got, theirs, strict=True):
+        torch.testing.assert_close(a, b, atol=DEFAULT_ATOL, rtol=DEFAULT_RTOL)
+
+    export_hf(ours, tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == written
+    back = compare_hf_dirs(hf, tmp_path / "hf")
+    assert back.exact, back
+
+
+# The translation itself, one function down: every form transformers 5.12 writes (the configs
+# above, as saved), what it refuses, and the way back.
+
+_V4_LLAMA = {"model_type": "llama", "rope_theta": 10000.0, "rope_scaling": None}
+
+
+def test_a_4x_config_is_read_as_it_is():
+    from porting.contract import hf_spelling
+
+    assert not hf_spelling.is_v5(_V4_LLAMA)
+    assert hf_spelling.internal(_V4_LLAMA) == _V4_LLAMA
+    assert hf_spelling.as_written(_V4_LLAMA, None) == _V4_LLAMA
+
+
+@pytest.mark.parametrize(
+    "written,internal",
+    [
+        (  # flat, unscaled: no rope_scaling at all (a 4.x class without one reads the same)
+            {"rope_parameters": {"rope_theta": 1e4, "rope_type": "default"}},
+            {"rope_theta": 1e4},
+        ),
+        (  # flat, scaled
+            {"rope_parameters": {"rope_theta": 5e5, "rope_type": "llama3", "factor": 8.0}},
+            {"rope_theta": 5e5, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+        ),
+        (  # Phi-3: the factor inside; "type" kept, its rope_type twin and the top-level
+            # original_max_position_embeddings copy dropped
+            {
+                "original_max_position_embeddings": 64,
+                "rope_parameters": {
+                    "partial_rotary_factor": 1.0, "rope_theta": 1e4, "rope_type": "longrope",
+                    "type": "longrope", "original_max_position_embeddings": 64,
+                    "short_factor": [1.0], "long_factor": [2.0],
+                },
+            },
+            {
+                "original_max_position_embeddings": 64, "partial_rotary_factor": 1.0,
+                "rope_theta": 1e4,
+                "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]},
+            },
+        ),
+        (  # Gemma 3: one object per layer type, with the mixin's two stray defaults beside them
+            {
+                "layer_types": ["sliding_attention", "full_attention"],
+                "rope_parameters": {
+                    "full_attention": {"factor": 8.0, "rope_theta": 1e6, "rope_type": "linear"},
+                    "sliding_attention": {"rope_theta": 1e4, "rope_type": "default"},
+                    "rope_theta": None, "rope_type": "default",
+                },
+            },
+            {
+                "layer_types": ["sliding_attention", "full_attention"], "rope_theta": 1e6,
+                "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                "rope_local_base_freq": 1e4,
+            },
+        ),
+        (  # the same object for every layer type: one flat setting
+            {"rope_parameters": {"full_attention": {"rope_theta": 1e4, "rope_type": "default"},
+                                 "sliding_attention": {"rope_theta": 1e4, "rope_type": "default"}}},
+            {"rope_theta": 1e4},
+        ),
+        (  # Qwen2-MoE's unused window: 0 in 5.x, null in 4.x (a 0 window stays refused)
+            {"rope_parameters": {"rope_theta": 1e4}, "sliding_window": 0,
+             "use_sliding_window": False},
+            {"rope_theta": 1e4, "sliding_window": None, "use_sliding_window": False},
+        ),
+        (  # Qwen3-MoE's expert count under its 5.x name
+            {"model_type": "qwen3_moe", "num_local_experts": 4},
+            {"model_type": "qwen3_moe", "num_experts": 4},
+        ),
+    ],
+)  # fmt: skip
+def test_each_5x_form_reads_as_its_4x_twin_and_writes_back_as_it_came(written, internal):
+    from porting.contract import hf_spelling
+
+    assert hf_spelling.is_v5(written)
+    assert hf_spelling.internal(written) == internal
+    assert hf_spelling.as_written(internal, written) == written
+    # a change to a key that is not translated is carried into the 5.x form
+    assert hf_spelling.as_written({**internal, "vocab_size": 7}, written) == {
+        **written,
+        "vocab_size": 7,
+    }
+
+
+@pytest.mark.parametrize(
+    "written,needle",
+    [
+        ({"rope_parameters": {"rope_theta": 1e4}, "rope_theta": 1e4},
+         "both rope_parameters (transformers 5) and rope_theta (transformers 4) are set"),
+        ({"rope_parameters": {"rope_type": "linear"}, "rope_scaling": None},
+         "both rope_parameters (transformers 5) and rope_scaling"),
+        ({"rope_parameters": [1.0]}, "rope_parameters must be an object"),
+        ({"rope_parameters": {"rope_type": "default", "factor": 2.0}},
+         "rope_parameters has rope_type 'default' with scaling keys factor"),
+        ({"rope_parameters": {"full_attention": {"rope_theta": 1e6},
+                              "sliding_attention": {"rope_theta": 1e4, "rope_type": "linear",
+                                                    "factor": 2.0}}},
+         "rope_parameters.sliding_attention is scaled"),
+        ({"rope_parameters": {"full_attention": {"rope_theta": 1e6},
+                              "chunked_attention": {"rope_theta": 1e4}}},
+         "rope_parameters differ per layer type (chunked_attention, full_attention)"),
+        ({"rope_parameters": {"full_attention": {"rope_theta": 1e6}, "rope_theta": 5.0}},
+         "rope_parameters mixes per-layer-type objects (full_attention) with rope_theta"),
+        ({"model_type": "qwen3_moe", "num_local_experts": 4, "num_experts": 4},
+         "both num_local_experts (transformers 5) and num_experts (transformers 4) are set"),
+    ],
+)  # fmt: skip
+def test_a_5x_config_the_4x_form_cannot_hold_is_refused_naming_the_key(written, needle):
+    from porting.contract import hf_spelling
+    from porting.errors import PortingError
+
+    with pytest.raises(PortingError, match=r"^cfg\.json: ") as err:
+        hf_spelling.internal(written, "cfg.json")
+    assert needle in str(err.value)
+
+
+def test_a_changed_rotary_setting_cannot_be_written_back_in_5x_form():
+    from porting.contract import hf_spelling
+    from porting.errors import PortingError
+
+    written = {"rope_parameters": {"rope_theta": 1e4, "rope_type": "default"}}
+    with pytest.raises(PortingError, match="rope_theta is 20000.0 now, 10000.0 when it was"):
+        hf_spelling.as_written({"rope_theta": 2e4}, written, "cfg.json")
+
+
+def test_the_planner_reads_a_5x_config_as_import_does(saved):
+    """`porting plan --model DIR` of a transformers 5 save: Qwen3-MoE's experts under their 5.x
+    name counted, the same shape as from the config in 4.x spelling."""
+    from porting.contract import hf_spelling
+    from porting.planner.model import from_hf_config, load_model
+
+    hf = saved / "models" / "Qwen3MoeForCausalLM"
+    shape = load_model(hf)
+    assert shape.experts == 4 and shape.top_k == 2
+    internal = hf_spelling.internal(json.loads((hf / "config.json").read_text()))
+    assert shape == from_hf_config(internal, "config.json", hf.name)
