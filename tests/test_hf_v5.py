@@ -10,7 +10,6 @@ Tolerance: the gate's (atol = rtol = 1e-4) on every logit of the vocabulary, fp3
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -71,8 +70,8 @@ def _arguments(name: str, extra: dict, dropped: tuple[str, ...]) -> dict:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> Path:
-    """Every case saved by transformers 5 with its own logits beside it, and our test tokenizer
-    in each directory (the tokenizer is not what this file proves)."""
+    """Every case saved by transformers 5, our test tokenizer re-saved by it too
+    (``TokenizersBackend``), with the logits it computes beside each."""
     from porting.testing import make_tokenizer, run_owners
 
     root = tmp_path_factory.mktemp("v5")
@@ -81,13 +80,9 @@ def saved(tmp_path_factory) -> Path:
     g = torch.Generator().manual_seed(7)
     tokens = root / "tokens.pt"
     torch.save([torch.randint(0, VOCAB, (n,), generator=g) for n in (13, 40)], tokens)
+    make_tokenizer(root / "tokenizer", vocab_size=120)
     run_owners(["-m", "porting.owners.transformers5", "save", str(spec), str(root / "models"),
-                "--tokens", str(tokens)])  # fmt: skip
-    tok = root / "tokenizer"
-    make_tokenizer(tok, vocab_size=120)
-    for name in CASES:
-        for f in tok.iterdir():
-            shutil.copyfile(f, root / "models" / name / f.name)
+                "--tokens", str(tokens), "--tokenizer", str(root / "tokenizer")])  # fmt: skip
     return root
 
 
@@ -102,6 +97,8 @@ def test_a_transformers_5_save_imports_gives_its_logits_and_exports_as_it_came(
     hf = saved / "models" / name
     written = json.loads((hf / "config.json").read_text())
     assert "rope_parameters" in written or "num_local_experts" in written, written
+    tokenizer = json.loads((hf / "tokenizer_config.json").read_text())
+    assert tokenizer["tokenizer_class"] == "TokenizersBackend"
     ours = tmp_path / "nemo"
     report = import_hf(hf, ours, show_progress=False)
     assert report.passed
@@ -119,6 +116,16 @@ def test_a_transformers_5_save_imports_gives_its_logits_and_exports_as_it_came(
     assert json.loads((tmp_path / "hf" / "config.json").read_text()) == written
     back = compare_hf_dirs(hf, tmp_path / "hf")
     assert back.exact, back
+    # the tokenizer leaves in the 4.x spelling (PreTrainedTokenizerFast), which 5.x reads too,
+    # and encodes as it came
+    from transformers import PreTrainedTokenizerFast
+
+    text = "The quick brown fox. 東京は日本の首都です。"
+    ids = [
+        PreTrainedTokenizerFast.from_pretrained(str(d))(text).input_ids
+        for d in (hf, tmp_path / "hf")
+    ]
+    assert ids[0] == ids[1]
 
 
 # The translation itself, one function down: every form transformers 5.12 writes (the configs
@@ -258,3 +265,27 @@ def test_the_planner_reads_a_5x_config_as_import_does(saved):
     assert shape.experts == 4 and shape.top_k == 2
     internal = hf_spelling.internal(json.loads((hf / "config.json").read_text()))
     assert shape == from_hf_config(internal, "config.json", hf.name)
+
+
+def test_a_tokenizers_backend_tokenizer_loads_as_the_fast_tokenizer_it_is_and_says_nothing(saved):
+    """transformers 5's ``TokenizersBackend`` (a tokenizer that is its tokenizer.json alone) is
+    4.x's ``PreTrainedTokenizerFast``: loaded as that, encoding as the tokenizer it was saved
+    from, with no warning that the class differs."""
+    import logging
+
+    from transformers import AutoTokenizer
+
+    from porting.convert.hf_files import load_tokenizer
+
+    records: list[logging.LogRecord] = []
+    keep = logging.Handler(logging.WARNING)
+    keep.emit = records.append
+    logging.getLogger("transformers").addHandler(keep)
+    try:
+        tok = load_tokenizer(saved / "models" / "LlamaForCausalLM")
+    finally:
+        logging.getLogger("transformers").removeHandler(keep)
+    assert [r.getMessage() for r in records] == []
+    assert type(tok).__name__ == "PreTrainedTokenizerFast"
+    text = "The quick brown fox. 東京は日本の首都です。 0123"
+    assert tok(text).input_ids == AutoTokenizer.from_pretrained(saved / "tokenizer")(text).input_ids

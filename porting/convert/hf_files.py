@@ -7,6 +7,7 @@ file.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import stat
@@ -115,20 +116,48 @@ def load_tokenizer(model_dir: str | Path):
     failure to load is one :class:`PortingError` naming the directory: the ``tokenizers`` library
     raises plain ``Exception`` for a ``tokenizer.json`` it cannot use, transformers ``OSError``,
     ``ValueError`` or ``RecursionError`` for its other files."""
-    from transformers import AutoTokenizer
+    import transformers
 
     if not Path(model_dir).is_dir():
         raise PortingError(f"{model_dir}: not a tokenizer directory")
     check_model_files(model_dir)
+    loader, said = transformers.AutoTokenizer, logging.getLogger(_TOKENIZER_LOGGER)
+    level = said.level
+    if _tokenizer_class(model_dir) == "TokenizersBackend" and not hasattr(
+        transformers, "TokenizersBackend"
+    ):
+        # transformers 5's class for a tokenizer that is its tokenizer.json alone, which 4.x
+        # calls PreTrainedTokenizerFast (and 5.x reads under that name too); the warning that
+        # the class named differs from the one loading it is about exactly this
+        loader = transformers.PreTrainedTokenizerFast
+        said.setLevel(logging.ERROR)
     try:
-        return AutoTokenizer.from_pretrained(
+        return loader.from_pretrained(
             str(model_dir), local_files_only=True, trust_remote_code=False
         )
     except Exception as err:
-        said = (str(err).strip().splitlines() or [""])[0][:300]
+        why = (str(err).strip().splitlines() or [""])[0][:300]
         raise PortingError(
-            f"{model_dir}: transformers cannot load its tokenizer ({type(err).__name__}: {said})"
+            f"{model_dir}: transformers cannot load its tokenizer ({type(err).__name__}: {why})"
         ) from err
+    finally:
+        said.setLevel(level)
+
+
+_TOKENIZER_LOGGER = "transformers.tokenization_utils_base"
+
+
+def _tokenizer_class(model_dir: str | Path) -> str | None:
+    """``tokenizer_class`` of the directory's ``tokenizer_config.json`` (checked by
+    :func:`check_model_files` first), None without one."""
+    from porting.convert import untrusted
+    from porting.convert.checkpoint import MAX_TOKENIZER_JSON_BYTES
+
+    path = Path(model_dir) / "tokenizer_config.json"
+    if not path.is_file():
+        return None
+    cfg = untrusted.read_json(path, Path(model_dir), max_bytes=MAX_TOKENIZER_JSON_BYTES)
+    return cfg.get("tokenizer_class") if isinstance(cfg, dict) else None
 
 
 def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
