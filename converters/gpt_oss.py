@@ -128,6 +128,13 @@ CONFIG = (
         (True,),
         "transformers' GptOssConfig biases q/k/v/o whatever config.json says",
     ),
+    # transformers 5 writes the SwiGLU's alpha into the config; 4.57's GptOssExperts and
+    # Megatron's quick_gelu both hard-code 1.702
+    NoOp(
+        "swiglu_alpha",
+        (1.702,),
+        "the experts' sigmoid(1.702 g) is fixed in transformers 4.57 and Megatron's quick_gelu",
+    ),
     NoOp(
         "hidden_act",
         ("silu",),

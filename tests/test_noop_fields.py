@@ -43,6 +43,9 @@ NOOPS = [
     ("meta-llama/Llama-2-7b-hf", "cross_attention_hidden_size", None, 64),
     ("meta-llama/Llama-2-7b-hf", "pruned_heads", {}, {"0": [1]}),
     ("Qwen/Qwen3-30B-A3B", "use_mrope", False, True),
+    # what transformers 5 adds to a saved config (porting.contract.hf_spelling has the rest)
+    ("openai/gpt-oss-20b", "swiglu_alpha", 1.702, 1.5),
+    ("google/gemma-2-2b", "use_bidirectional_attention", None, True),
 ]
 
 
