@@ -61,6 +61,10 @@ CASES = {
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
     ), ()),
 }  # fmt: skip
+# the MoE families' experts saved stacked (save_original_format=False), read as published
+PACKED = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
+          "DeepseekV3ForCausalLM")  # fmt: skip
+CASES |= {f"{name}-packed": CASES[name] for name in PACKED}
 
 
 def _arguments(name: str, extra: dict, dropped: tuple[str, ...]) -> dict:
@@ -114,8 +118,17 @@ def test_a_transformers_5_save_imports_gives_its_logits_and_exports_as_it_came(
 
     export_hf(ours, tmp_path / "hf")
     assert json.loads((tmp_path / "hf" / "config.json").read_text()) == written
-    back = compare_hf_dirs(hf, tmp_path / "hf")
-    assert back.exact, back
+    if name.endswith("-packed"):
+        # exported with the experts' published names, each equal to its rows of the stack
+        from porting.convert.safetensors_io import SafetensorsSource
+
+        stacked, back = SafetensorsSource(hf), SafetensorsSource(tmp_path / "hf")
+        assert sorted(back.keys()) == sorted(stacked.keys())
+        assert not [k for k in back.keys() if k.endswith(("gate_up_proj", "experts.down_proj"))]
+        assert all(torch.equal(stacked.get(k), back.get(k)) for k in back.keys())
+    else:
+        back = compare_hf_dirs(hf, tmp_path / "hf")
+        assert back.exact, back
     # the tokenizer leaves in the 4.x spelling (PreTrainedTokenizerFast), which 5.x reads too,
     # and encodes as it came
     from transformers import PreTrainedTokenizerFast
@@ -289,3 +302,32 @@ def test_a_tokenizers_backend_tokenizer_loads_as_the_fast_tokenizer_it_is_and_sa
     assert type(tok).__name__ == "PreTrainedTokenizerFast"
     text = "The quick brown fox. 東京は日本の首都です。 0123"
     assert tok(text).input_ids == AutoTokenizer.from_pretrained(saved / "tokenizer")(text).input_ids
+
+
+def test_stacked_experts_are_planned_per_published_name_and_a_broken_stack_is_refused():
+    from porting.convert import packed_experts
+    from porting.convert.packed_experts import Slice
+    from porting.errors import PortingError
+
+    layer = "model.layers.3."
+    shapes = {
+        f"{layer}mlp.experts.gate_up_proj": (2, 8, 16),
+        f"{layer}mlp.experts.down_proj": (2, 16, 4),
+        f"{layer}mlp.gate.weight": (2, 16),
+    }
+    plan = packed_experts.plan("mixtral", shapes, "ckpt")
+    assert plan[f"{layer}block_sparse_moe.experts.1.w3.weight"] == Slice(
+        f"{layer}mlp.experts.gate_up_proj", 1, (4, 8)
+    )
+    assert plan[f"{layer}block_sparse_moe.experts.0.w2.weight"] == Slice(
+        f"{layer}mlp.experts.down_proj", 0
+    )
+    assert plan[f"{layer}block_sparse_moe.gate.weight"] == f"{layer}mlp.gate.weight"
+    assert len(plan) == 2 * 3 + 1
+    assert packed_experts.plan("gpt_oss", shapes, "ckpt") == {}  # its published form
+    with pytest.raises(
+        PortingError, match=r"^ckpt: model.layers.3.mlp.experts.down_proj is missing"
+    ):
+        packed_experts.plan("qwen3_moe", {f"{layer}mlp.experts.gate_up_proj": (2, 8, 16)}, "ckpt")
+    with pytest.raises(PortingError, match=r"are not one layer's experts"):
+        packed_experts.plan("olmoe", shapes | {f"{layer}mlp.experts.down_proj": (2, 16, 5)}, "ckpt")

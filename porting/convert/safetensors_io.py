@@ -296,19 +296,38 @@ class SafetensorsSource:
             self._pickled = self._load_pickled()
         else:
             raise PortingError(f"{self.dir}: no weights found ({SAFE_SINGLE} or {SAFE_INDEX})")
+        # published name -> packed_experts.Slice, or the stored name a renamed tensor has
+        self._unpacked: dict[str, object] = {}
         if self._pickled is None:
-            self._plan_quantized()
+            config = self.dir / "config.json"
+            hf_config = read_json(config, self.dir) if _present(config) else {}
+            if not isinstance(hf_config, dict):
+                hf_config = {}
+            self._plan_quantized(hf_config, config)
+            self._plan_unpacked(hf_config)
 
-    def _plan_quantized(self) -> None:
+    def _plan_unpacked(self, hf_config: dict) -> None:
+        """Experts stored stacked by transformers 5 (:mod:`porting.convert.packed_experts`): each
+        expert's tensors presented under its published name."""
+        from porting.convert import packed_experts
+
+        shapes = {k: self._headers[f][k].shape for k, f in self._key_to_file.items()}
+        self._unpacked = packed_experts.plan(hf_config.get("model_type"), shapes, str(self.dir))
+        if self._unpacked and self._quant is not None:
+            raise PortingError(
+                f"{self.dir}: experts stored stacked (transformers 5's save_original_format="
+                "False) and quantized: not read; save it with its original names"
+            )
+        self._stacked = {
+            v.stored if isinstance(v, packed_experts.Slice) else v for v in self._unpacked.values()
+        }
+
+    def _plan_quantized(self, hf_config: dict, config: Path) -> None:
         """Read ``config.json``'s ``quantization_config`` and plan the dequantized weights; refused
         here, before any tensor is read, where it or the stored parts are not what we read."""
         from porting.contract.quantization import read_quantization
         from porting.convert import quant
 
-        config = self.dir / "config.json"
-        hf_config = read_json(config, self.dir) if _present(config) else {}
-        if not isinstance(hf_config, dict):
-            hf_config = {}
         method = read_quantization(hf_config, str(config))
         stored = {
             k: (self._headers[f][k].dtype, self._headers[f][k].shape, f)
@@ -382,7 +401,20 @@ class SafetensorsSource:
             return list(self._pickled)
         if self._quant is not None:
             return self._quant.keys(list(self._key_to_file))
+        if self._unpacked:
+            return [k for k in self._key_to_file if k not in self._stacked] + list(self._unpacked)
         return list(self._key_to_file)
+
+    def _unpack(self, key: str, view: torch.Tensor) -> torch.Tensor:
+        """The published tensor ``key`` inside ``view``, its stored stack."""
+        part = self._unpacked[key]
+        view = view[part.expert]
+        return view if part.rows is None else view[part.rows[0] : part.rows[1]]
+
+    def _stored(self, key: str) -> str:
+        """The stored tensor that holds published ``key``."""
+        part = self._unpacked.get(key, key)
+        return part if isinstance(part, str) else part.stored
 
     def _unchanged(self, path: Path, key: str) -> None:
         st = path.stat()
@@ -405,6 +437,10 @@ class SafetensorsSource:
             return
         if self._planned(key) is not None:
             yield self._dequantized(key)
+            return
+        if key in self._unpacked:
+            with self._view(self._stored(key), _ST_TO_TORCH) as view:
+                yield view if isinstance(self._unpacked[key], str) else self._unpack(key, view)
             return
         with self._view(key, _ST_TO_TORCH) as view:
             yield view
@@ -443,6 +479,15 @@ class SafetensorsSource:
             t = self._dequantized(key)
             check_finite(t, str(self._key_to_file[self._planned(key).parts[0]]), key)
             return t
+        if key in self._unpacked:
+            stored = self._stored(key)
+            if isinstance(self._unpacked[key], str):
+                return self.get(stored)
+            # one expert's rows copied out of the mapped stack: the stack is never read whole
+            with self._view(stored, _ST_TO_TORCH) as view:
+                t = self._unpack(key, view).clone()
+            check_finite(t, str(self._key_to_file[stored]), key)
+            return t
         path = self._key_to_file[key]
         self._unchanged(path, key)
         # A handle per read: the mapped pages are released right after the copy, so resident
@@ -468,6 +513,14 @@ class SafetensorsSource:
         plan = self._planned(key)
         if plan is not None:
             return plan.shape, self._key_to_file[plan.parts[0]]
+        if key in self._unpacked:
+            stored = self._stored(key)
+            shape, path = self.shape(stored)
+            part = self._unpacked[key]
+            if isinstance(part, str):
+                return shape, path
+            rows = shape[1] if part.rows is None else part.rows[1] - part.rows[0]
+            return (rows, *shape[2:]), path
         path = self._key_to_file[key]
         return self._headers[path][key].shape, path
 
@@ -479,6 +532,7 @@ class SafetensorsSource:
             return _TORCH_TO_ST.get(dtype, str(dtype).removeprefix("torch.")), self.dir
         if self._planned(key) is not None:
             return _TORCH_TO_ST[self._quant.dtype], self._key_to_file[self._planned(key).parts[0]]
+        key = self._stored(key)
         path = self._key_to_file[key]
         return self._headers[path][key].dtype, path
 

@@ -4,7 +4,8 @@
 for each entry
 ``name: [config class, {arguments}]`` of SPEC.json, a randomly initialised model of the config's
 ``architectures[0]`` with transformers 5's own classes, saves it with ``save_pretrained`` (its
-default: the weights' original names, the config in 5.x spelling) into ``OUT/name`` with the
+default: the weights' original names, or the experts stacked for a name ending ``-packed``;
+the config in 5.x spelling) into ``OUT/name`` with the
 tokenizer of DIR as transformers 5 saves it (``TokenizersBackend``), and saves the
 logits that transformers 5 computes for the token ids in T.pt into ``OUT/name.logits.pt``: a
 reference for what we import, computed by the spelling's owner, not by our translation of it.
@@ -34,7 +35,8 @@ def save(spec: Path, out: Path, tokens: Path, tokenizer: Path) -> None:
         model = getattr(transformers, config.architectures[0])(config).float().eval()
         for p in model.parameters():  # larger than the default init: logits that differ
             p.normal_(0, 0.1)
-        model.save_pretrained(out / name)
+        # "-packed": the experts as transformers 5 computes with them, stacked per layer
+        model.save_pretrained(out / name, save_original_format=not name.endswith("-packed"))
         tok.save_pretrained(out / name)
         logits = [model(t.view(1, -1)).logits.float() for t in ids]
         torch.save(logits, out / f"{name}.logits.pt")

@@ -1,0 +1,86 @@
+"""Experts as transformers 5 stores them with ``save_pretrained(save_original_format=False)``: one
+tensor per layer, read as the per-expert tensors of the checkpoint's original format.
+
+transformers 5 computes a mixture-of-experts layer from two stacked tensors, ``mlp.experts.
+gate_up_proj`` ``(experts, 2 * ffn, hidden)`` (each expert's gate rows, then its up rows) and
+``mlp.experts.down_proj`` ``(experts, hidden, ffn)``, and by default saves them back under the
+names the model was published with (``save_original_format=True``); asked not to, it writes the
+stacks. The families read the published names, so a stacked checkpoint is presented as the
+original: expert ``e``'s gate is ``gate_up_proj[e, :ffn]``, its up ``gate_up_proj[e, ffn:]``, its
+down ``down_proj[e]`` (checked against transformers 5.12's own conversion in
+``tests/test_hf_v5.py``). Mixtral's published names also keep the layer's ``block_sparse_moe``
+module, which transformers 5 renamed ``mlp``.
+
+gpt-oss is not here: its published format is already the stacked one, which its family reads.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from porting.errors import PortingError
+
+# model_type -> (the published names of expert e's gate, up and down weights, under the layer's
+# prefix; the published name of a module transformers 5 renamed, by its 5.x name)
+_PUBLISHED = {
+    "mixtral": (
+        ("block_sparse_moe.experts.{e}.w1.weight", "block_sparse_moe.experts.{e}.w3.weight",
+         "block_sparse_moe.experts.{e}.w2.weight"),
+        {"mlp.gate.weight": "block_sparse_moe.gate.weight"},
+    ),
+    **{
+        model_type: (
+            ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
+             "mlp.experts.{e}.down_proj.weight"),
+            {},
+        )
+        for model_type in ("qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
+    },
+}  # fmt: skip
+_STACK = re.compile(
+    r"^(?P<layer>.*\.layers\.\d+\.)mlp\.experts\.(?P<which>gate_up_proj|down_proj)$"
+)
+
+
+@dataclass(frozen=True)
+class Slice:
+    """A published tensor inside a stored one: ``stored[expert, rows]`` (``rows`` None: all)."""
+
+    stored: str
+    expert: int
+    rows: tuple[int, int] | None = None
+
+
+def plan(model_type: object, shapes: dict[str, tuple[int, ...]], where: str) -> dict[str, object]:
+    """``{published name: Slice or the stored name it was renamed to}`` for a checkpoint whose
+    stored tensors have ``shapes``; empty where no expert stack is stored (or the model type
+    keeps its stacks, as gpt-oss does). Refused naming the tensor: a stack without its twin, or
+    stacks whose shapes disagree."""
+    stacks = {k: m for k in shapes if (m := _STACK.match(k))}
+    if not stacks or model_type not in _PUBLISHED:
+        return {}
+    names, renamed = _PUBLISHED[model_type]
+    out: dict[str, object] = {}
+    layers = {m["layer"] for m in stacks.values()}
+    for layer in sorted(layers):
+        gate_up, down = f"{layer}mlp.experts.gate_up_proj", f"{layer}mlp.experts.down_proj"
+        for key in (gate_up, down):
+            if key not in shapes:
+                raise PortingError(f"{where}: {key} is missing beside its layer's other stack")
+        (e, two_ffn, hidden), (e2, hidden2, ffn) = shapes[gate_up], shapes[down]
+        if (e2, hidden2, 2 * ffn) != (e, hidden, two_ffn):
+            raise PortingError(
+                f"{where}: {gate_up} {shapes[gate_up]} and {down} {shapes[down]} are not one "
+                "layer's experts ((E, 2F, H) and (E, H, F))"
+            )
+        for expert in range(e):
+            gate, up, dn = (layer + n.format(e=expert) for n in names)
+            out[gate] = Slice(gate_up, expert, (0, ffn))
+            out[up] = Slice(gate_up, expert, (ffn, 2 * ffn))
+            out[dn] = Slice(down, expert)
+    for new, old in renamed.items():
+        for layer in sorted(layers):
+            if layer + new in shapes:
+                out[layer + old] = layer + new
+    return out
