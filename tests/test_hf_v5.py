@@ -331,3 +331,14 @@ def test_stacked_experts_are_planned_per_published_name_and_a_broken_stack_is_re
         packed_experts.plan("qwen3_moe", {f"{layer}mlp.experts.gate_up_proj": (2, 8, 16)}, "ckpt")
     with pytest.raises(PortingError, match=r"are not one layer's experts"):
         packed_experts.plan("olmoe", shapes | {f"{layer}mlp.experts.down_proj": (2, 16, 5)}, "ckpt")
+    # a hostile header: a billion empty experts, or a stack of the wrong rank
+    empty = {f"{layer}mlp.experts.gate_up_proj": (10**9, 0, 16),
+             f"{layer}mlp.experts.down_proj": (10**9, 16, 0)}  # fmt: skip
+    with pytest.raises(PortingError, match=r"a stack of 1 to 65536 experts of non-empty"):
+        packed_experts.plan("qwen3_moe", empty, "ckpt")
+    flat = {
+        f"{layer}mlp.experts.gate_up_proj": (8, 16),
+        f"{layer}mlp.experts.down_proj": (2, 16, 4),
+    }
+    with pytest.raises(PortingError, match=r"must each have three dimensions"):
+        packed_experts.plan("qwen3_moe", flat, "ckpt")

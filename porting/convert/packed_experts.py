@@ -38,6 +38,8 @@ _PUBLISHED = {
         for model_type in ("qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
     },
 }  # fmt: skip
+# the most experts a layer may stack (the planner's and the config rules' bound)
+MAX_EXPERTS = 1 << 16
 _STACK = re.compile(
     r"^(?P<layer>.*\.layers\.\d+\.)mlp\.experts\.(?P<which>gate_up_proj|down_proj)$"
 )
@@ -68,7 +70,19 @@ def plan(model_type: object, shapes: dict[str, tuple[int, ...]], where: str) -> 
         for key in (gate_up, down):
             if key not in shapes:
                 raise PortingError(f"{where}: {key} is missing beside its layer's other stack")
+        if len(shapes[gate_up]) != 3 or len(shapes[down]) != 3:
+            raise PortingError(
+                f"{where}: {gate_up} {shapes[gate_up]} and {down} {shapes[down]} must each have "
+                "three dimensions (experts first)"
+            )
         (e, two_ffn, hidden), (e2, hidden2, ffn) = shapes[gate_up], shapes[down]
+        # a header may declare empty stacks of any length: the count is bounded before a name is
+        # made for each expert
+        if not (0 < e <= MAX_EXPERTS and ffn > 0 and hidden > 0):
+            raise PortingError(
+                f"{where}: {gate_up} {shapes[gate_up]}: a stack of 1 to {MAX_EXPERTS} experts "
+                "of non-empty tensors is expected"
+            )
         if (e2, hidden2, 2 * ffn) != (e, hidden, two_ffn):
             raise PortingError(
                 f"{where}: {gate_up} {shapes[gate_up]} and {down} {shapes[down]} are not one "
