@@ -151,6 +151,11 @@ def test_a_4x_config_is_read_as_it_is():
     from porting.contract import hf_spelling
 
     assert not hf_spelling.is_v5(_V4_LLAMA)
+    # a model_type of any JSON kind is left for the config rules to refuse
+    for odd in ([1], {"a": 1}, None, 3):
+        assert hf_spelling.internal(_V4_LLAMA | {"model_type": odd}) == _V4_LLAMA | {
+            "model_type": odd
+        }
     assert hf_spelling.internal(_V4_LLAMA) == _V4_LLAMA
     assert hf_spelling.as_written(_V4_LLAMA, None) == _V4_LLAMA
 
@@ -325,6 +330,7 @@ def test_stacked_experts_are_planned_per_published_name_and_a_broken_stack_is_re
     assert plan[f"{layer}block_sparse_moe.gate.weight"] == f"{layer}mlp.gate.weight"
     assert len(plan) == 2 * 3 + 1
     assert packed_experts.plan("gpt_oss", shapes, "ckpt") == {}  # its published form
+    assert packed_experts.plan(["mixtral"], shapes, "ckpt") == {}  # the config rules refuse it
     with pytest.raises(
         PortingError, match=r"^ckpt: model.layers.3.mlp.experts.down_proj is missing"
     ):

@@ -32,11 +32,17 @@ _STRAY = {"rope_theta": None, "rope_type": "default"}
 RENAMED = {"qwen3_moe": {"num_local_experts": "num_experts"}}
 
 
+def _renamed(cfg: dict) -> dict[str, str]:
+    # any JSON value may stand where model_type should (the config rules refuse it after)
+    model_type = cfg.get("model_type")
+    return RENAMED.get(model_type, {}) if isinstance(model_type, str) else {}
+
+
 def is_v5(cfg: dict) -> bool:
     """Whether ``cfg`` uses a 5.x spelling this module translates."""
     if "rope_parameters" in cfg:
         return True
-    return any(new in cfg for new in RENAMED.get(cfg.get("model_type"), {}))
+    return any(new in cfg for new in _renamed(cfg))
 
 
 def internal(cfg: dict, where: str = "config.json") -> dict:
@@ -49,7 +55,7 @@ def internal(cfg: dict, where: str = "config.json") -> dict:
     if not is_v5(cfg):
         return cfg
     out: dict[str, Any] = {}
-    renamed = RENAMED.get(cfg.get("model_type"), {})
+    renamed = _renamed(cfg)
     for key, value in cfg.items():
         if key == "rope_parameters":
             for name in ("rope_scaling", _BASE, "rope_local_base_freq"):

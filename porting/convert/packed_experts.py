@@ -60,7 +60,7 @@ def plan(model_type: object, shapes: dict[str, tuple[int, ...]], where: str) -> 
     keeps its stacks, as gpt-oss does). Refused naming the tensor: a stack without its twin, or
     stacks whose shapes disagree."""
     stacks = {k: m for k in shapes if (m := _STACK.match(k))}
-    if not stacks or model_type not in _PUBLISHED:
+    if not stacks or not isinstance(model_type, str) or model_type not in _PUBLISHED:
         return {}
     names, renamed = _PUBLISHED[model_type]
     out: dict[str, object] = {}
