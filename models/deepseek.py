@@ -28,7 +28,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import MLATransformerConfig
@@ -66,15 +69,38 @@ class LatentDotProductAttention(DotProductAttention):
             self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
 
 
+class LatentSelfAttention(MLASelfAttention):
+    """``MLASelfAttention`` built from the modules its spec names.
+
+    Megatron-Core 0.19 re-resolves the q/kv projections and norms against the config's backend
+    (``transformer_impl``, Transformer Engine by default, whether installed or not) and, without a
+    query latent, wants the query projection fused with a norm that DeepSeek's ``q_proj`` does not
+    have. This spec is the local one and says what to build: a plain ``linear_q_proj`` without a
+    query latent, the latent norms as modules (0.15 built them so; there is nothing to resolve)."""
+
+    def _resolve_qk_norm_config(self, submodules) -> dict:
+        return {
+            "linear_q_proj": submodules.linear_q_proj or ColumnParallelLinear,
+            "linear_q_up_proj": submodules.linear_q_up_proj or ColumnParallelLinear,
+            "linear_kv_up_proj": submodules.linear_kv_up_proj or ColumnParallelLinear,
+            "q_layernorm": submodules.q_layernorm or IdentityOp,
+            "kv_layernorm": submodules.kv_layernorm or IdentityOp,
+        }
+
+
 def deepseek_block_spec(config: DeepseekCore):
     """Megatron-Core's local GPT block spec for ``config`` (dense first layers, MoE after), with
     every layer's MLA on :class:`LatentDotProductAttention` and its latent norms at transformers'
     epsilon."""
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     for layer in spec.layer_specs:
+        layer.submodules.self_attention.module = LatentSelfAttention
         attention = layer.submodules.self_attention.submodules
         attention.core_attention = LatentDotProductAttention
-        attention.q_layernorm = ModuleSpec(module=LatentRMSNorm)
+        # no query latent, no query norm
+        attention.q_layernorm = (
+            IdentityOp if config.q_lora_rank is None else ModuleSpec(module=LatentRMSNorm)
+        )
         attention.kv_layernorm = ModuleSpec(module=LatentRMSNorm)
     return spec
 

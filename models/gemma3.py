@@ -44,12 +44,13 @@ class LocalGlobalRotaryEmbedding(torch.nn.Module):
         """The table length ``GPTModel`` asks for (the same for both tables)."""
         return self.global_rope.get_rotary_seq_len(*args, **kwargs)
 
-    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False) -> torch.Tensor:
-        """``[2, seq, 1, 1, dim]``: the local table, then the global one."""
+    def forward(self, max_seq_len: int, *args, **kwargs) -> torch.Tensor:
+        """``[2, seq, 1, 1, dim]``: the local table, then the global one. The rest (offset,
+        packed_seq, Megatron-Core 0.19's cp_group) goes to both as given."""
         return torch.stack(
             (
-                self.local_rope(max_seq_len, offset, packed_seq),
-                self.global_rope(max_seq_len, offset, packed_seq),
+                self.local_rope(max_seq_len, *args, **kwargs),
+                self.global_rope(max_seq_len, *args, **kwargs),
             )
         )
 

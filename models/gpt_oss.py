@@ -23,7 +23,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import get_pg_size
 
 from models.moe import MoECore, moe_layer_spec
-from porting.mcore import moved_to
+from porting.mcore import moved_to, submodules_of
 
 
 class ExpertRowParallelLinear(RowParallelLinear):
@@ -51,7 +51,7 @@ def gpt_oss_layer_spec(config: GptOssCore) -> ModuleSpec:
     """The MoE family's layer spec with the experts' ``linear_fc2`` biased once per token under
     expert tensor parallelism (:class:`ExpertRowParallelLinear`)."""
     spec = moe_layer_spec(config)
-    experts = spec.submodules.mlp.submodules.experts.submodules
+    experts = submodules_of(submodules_of(spec.submodules.mlp).experts)
     if experts.linear_fc2 is RowParallelLinear:
         experts.linear_fc2 = ExpertRowParallelLinear
     elif (config.expert_tensor_parallel_size or config.tensor_model_parallel_size) > 1:

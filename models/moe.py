@@ -18,16 +18,20 @@ from dataclasses import dataclass
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from models.qwen import QwenCore
-from porting.mcore import default_layer_spec, moved_to
+from porting.mcore import default_layer_spec, moved_to, submodules_of
 
 
 def moe_layer_spec(config: MoECore) -> ModuleSpec:
     """The default GPT layer spec for ``config`` (Transformer Engine where installed, else local), with the
     shared expert's gate switched on when the config has one (upstream's spec hard-codes it off)."""
     spec = default_layer_spec(config)
-    shared = spec.submodules.mlp.submodules.shared_experts
-    if shared is not None:
-        shared.params = {**shared.params, "gate": config.moe_shared_expert_gate}
+    mlp = spec.submodules.mlp
+    # Megatron-Core 0.19 builds the MoE layer from a partial and passes the config's
+    # moe_shared_expert_gate to the shared expert itself; 0.15's ModuleSpec takes it as a param
+    if isinstance(mlp, ModuleSpec):
+        shared = submodules_of(mlp).shared_experts
+        if shared is not None:
+            shared.params = {**shared.params, "gate": config.moe_shared_expert_gate}
     return spec
 
 

@@ -85,9 +85,13 @@ class FullQKNormSelfAttention(SelfAttention):
         self.k_layernorm = HeadShardedRMSNorm(config, self.kv_projection_size, tp, eps)
         self.clip_qkv = getattr(config, "clip_qkv", None)
 
-    def get_query_key_value_tensors(self, hidden_states, key_value_states=None, split_qkv=True):
-        """``(query [sq, b, np, hn], key [sq, b, ng, hn], value [sq, b, ng, hn])`` of this rank."""
+    def get_query_key_value_tensors(
+        self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True
+    ):
+        """``(query [sq, b, np, hn], key [sq, b, ng, hn], value [sq, b, ng, hn])`` of this rank.
+        ``output_gate`` is Megatron-Core 0.19's gated attention, which OLMo does not have."""
         assert split_qkv, "the full-width q/k norm needs q and k apart"
+        assert not output_gate, "OLMo's attention has no output gate"
         # [sq, b, ng, (np/ng + 2) * hn], split into the groups' queries, key and value
         mixed, split = super().get_query_key_value_tensors(hidden_states, split_qkv=False)
         query, key, value = torch.split(mixed, split, dim=3)

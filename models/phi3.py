@@ -49,11 +49,12 @@ class LongRopeRotaryEmbedding(torch.nn.Module):
         """The table length ``GPTModel`` asks for (the rope's own rule)."""
         return self.rope.get_rotary_seq_len(*args, **kwargs)
 
-    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False) -> torch.Tensor:
-        """The stock table for ``max_seq_len`` positions, of the factors that length selects."""
+    def forward(self, max_seq_len: int, *args, **kwargs) -> torch.Tensor:
+        """The stock table for ``max_seq_len`` positions, of the factors that length selects;
+        the rest (offset, packed_seq, Megatron-Core 0.19's cp_group) goes to the rope as given."""
         chosen = self.long if max_seq_len > self.original else self.short
         self.rope.inv_freq = chosen.to(self.rope.inv_freq.device)
-        return self.rope(max_seq_len, offset, packed_seq)
+        return self.rope(max_seq_len, *args, **kwargs)
 
 
 @dataclass

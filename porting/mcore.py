@@ -22,6 +22,7 @@ classes build the same modules and the same logits for every family.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -66,6 +67,37 @@ def default_layer_spec(config: GPTCore, vp_stage: int | None = None) -> ModuleSp
         qk_layernorm=config.qk_layernorm,
         normalization=config.normalization,
     )
+
+
+def submodules_of(spec):
+    """The ``submodules`` a spec entry builds with: a ``ModuleSpec``'s field, or, where
+    Megatron-Core 0.19 writes the entry as ``functools.partial(Module, submodules=...)`` (its MoE
+    layer and experts), the partial's keyword."""
+    if isinstance(spec, ModuleSpec):
+        return spec.submodules
+    return spec.keywords["submodules"]
+
+
+@functools.cache
+def _checkpoint_named_mtp_layer() -> type:
+    """Megatron-Core 0.19's ``MultiTokenPredictionLayer`` with its decoder layer held as
+    ``transformer_layer``, the name checkpoints use (0.19 renamed the attribute
+    ``mtp_model_layer`` and maps it back only in its sharded state dict): a model's own parameter
+    names are then one set across Megatron-Core versions, for every table and reader that walks
+    them."""
+    from megatron.core.transformer.multi_token_prediction import MultiTokenPredictionLayer
+
+    class CheckpointNamedMtpLayer(MultiTokenPredictionLayer):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self._modules["transformer_layer"] = self._modules.pop("mtp_model_layer")
+
+        def __getattr__(self, name: str):
+            if name == "mtp_model_layer":
+                return self._modules["transformer_layer"]
+            return super().__getattr__(name)
+
+    return CheckpointNamedMtpLayer
 
 
 @dataclass
@@ -119,6 +151,9 @@ class GPTCore(TransformerConfig):
             mtp = get_gpt_mtp_block_spec(
                 self, self._layer_spec(vp_stage), use_transformer_engine=HAVE_TE, vp_stage=vp_stage
             )
+            for layer in mtp.layer_specs if mtp is not None else ():
+                if "mtp_model_layer" in getattr(layer.submodules, "__dataclass_fields__", {}):
+                    layer.module = _checkpoint_named_mtp_layer()
         if self.attention_backend == AttnBackend.local and hasattr(spec, "submodules"):
             from megatron.core.transformer.dot_product_attention import DotProductAttention
 

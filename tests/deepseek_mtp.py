@@ -76,6 +76,10 @@ def add_mtp_layer(hf_dir: str | Path, seed: int = 0) -> list[str]:
     tensors[prefix + "hnorm.weight"] = 1 + 0.1 * torch.randn(h, generator=gen)
     tensors[prefix + "eh_proj.weight"] = torch.randn(h, 2 * h, generator=gen) / (2 * h) ** 0.5
     tensors[prefix + "shared_head.norm.weight"] = 1 + 0.1 * torch.randn(h, generator=gen)
+    # transformers 5's layer stacks its experts; a release stores one tensor per expert
+    from porting.convert.packed_experts import unstacked
+
+    tensors = unstacked(tensors, "deepseek_v3", "the MTP layer")
     keep = {k: v for k, v in tensors.items() if not k.endswith("e_score_correction_bias")}
     tensors = {k: v.to(dtype) for k, v in keep.items()} | {
         k: v.float() for k, v in tensors.items() if k not in keep

@@ -102,6 +102,22 @@ def shrink(cfg: dict) -> dict:
     return c
 
 
+def _as_released(out: Path, model_type: str) -> None:
+    """Experts one tensor each, as every MoE release stores them: transformers 5 saves a model type
+    it has no conversion for (kimi_k2) with its experts stacked."""
+    from safetensors.torch import load_file, save_file
+
+    from porting.convert.packed_experts import unstacked
+
+    for shard in out.glob("*.safetensors"):
+        tensors = load_file(shard)
+        released = unstacked(tensors, model_type, str(shard))
+        if released.keys() != tensors.keys():
+            if len(list(out.glob("*.safetensors"))) > 1:
+                raise AssertionError(f"{out}: a sharded save's index would need rewriting too")
+            save_file(released, shard, metadata={"format": "pt"})
+
+
 def make_published(out: Path, cfg: dict, scale_dtype: str = "float32") -> Path:
     """A random-init HF directory whose ``config.json`` is exactly ``cfg`` (quantized as released,
     FP8 block scales in ``scale_dtype``, with the multi-token-prediction layer a DeepSeek-V3
@@ -126,6 +142,7 @@ def make_published(out: Path, cfg: dict, scale_dtype: str = "float32") -> Path:
     default = "bfloat16" if cfg.get("quantization_config") else "float32"
     dtype = DTYPES[cfg.get("torch_dtype") or cfg.get("dtype") or default]
     model.to(dtype).save_pretrained(str(out), safe_serialization=True)
+    _as_released(out, cfg.get("model_type"))
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     if cfg.get("num_nextn_predict_layers"):  # as DeepSeek-V3 ships: its MTP layer after the rest
         deepseek_mtp.add_mtp_layer(out)

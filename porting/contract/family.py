@@ -237,8 +237,10 @@ class Family:
     def source(self) -> str:
         """The file that defines the family, for messages that point an author at it: the module
         holding it as ``FAMILY`` (where its tables are), else its shape context's module."""
+        # a module's own namespace, not getattr: a lazy module (transformers 5's) imports a
+        # submodule for any name it is asked for
         module = next(
-            (m for m in list(sys.modules.values()) if getattr(m, "FAMILY", None) is self),
+            (m for m in list(sys.modules.values()) if vars(m).get("FAMILY") is self),
             sys.modules.get(getattr(self.shape_context, "__module__", "")),
         )
         path = getattr(module, "__file__", None)

@@ -9,7 +9,7 @@ from the family's config; we read one only as bounded YAML data
 never instantiating anything.
 
 ``bridge_fields.json`` lists the fields of ``megatron.bridge.models.gpt_provider.GPTModelProvider``
-in megatron-bridge 0.6.2 (a test in the owners' environment checks it against the class).
+in megatron-bridge 0.6.2 (a test on the current stack checks it against the class).
 """
 
 from __future__ import annotations
@@ -75,6 +75,7 @@ def run_config_for(config, family) -> dict:
     Bridge would build a different model.
     """
     import dataclasses
+    import enum
 
     import torch
 
@@ -109,6 +110,16 @@ def run_config_for(config, family) -> dict:
             model[name] = value
         elif isinstance(value, list | tuple) and all(isinstance(v, _PLAIN) for v in value):
             model[name] = list(value)
+        elif isinstance(value, enum.Enum):
+            # as Megatron's own YAML representer writes an enum (megatron/training/config/
+            # yaml_utils.py: _enum_representer); Megatron-Core 0.19's inference_cuda_graph_scope
+            cls = type(value)
+            model[name] = {
+                "_target_": f"{cls.__module__}.{cls.__qualname__}",
+                "_call_": True,
+                "_args_": [value.value],
+                "_name_": value.name,
+            }
         elif isinstance(value, torch.dtype):
             model[name] = {
                 "_target_": f"torch.{str(value).removeprefix('torch.')}",

@@ -131,9 +131,15 @@ def load_tokenizer(model_dir: str | Path):
         # the class named differs from the one loading it is about exactly this
         loader = transformers.PreTrainedTokenizerFast
         said.setLevel(logging.ERROR)
+    extra = {}
+    if loader is transformers.AutoTokenizer and _needs_remote_config(model_dir):
+        # transformers 5's AutoTokenizer reads the model's config first, and a config that needs
+        # its own code (auto_map) then fails in the generic class's rope set-up; the tokenizer
+        # class is named in tokenizer_config.json, so the model's config decides nothing here
+        extra["config"] = transformers.PretrainedConfig()
     try:
         return loader.from_pretrained(
-            str(model_dir), local_files_only=True, trust_remote_code=False
+            str(model_dir), local_files_only=True, trust_remote_code=False, **extra
         )
     except Exception as err:
         why = (str(err).strip().splitlines() or [""])[0][:300]
@@ -145,6 +151,16 @@ def load_tokenizer(model_dir: str | Path):
 
 
 _TOKENIZER_LOGGER = "transformers.tokenization_utils_base"
+
+
+def _needs_remote_config(model_dir: str | Path) -> bool:
+    """Whether the directory's ``config.json`` maps its classes to its own code (``auto_map``)
+    while ``tokenizer_config.json`` names the tokenizer's class."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file() or not _tokenizer_class(model_dir):
+        return False
+    cfg = read_json(path, model_dir)
+    return isinstance(cfg, dict) and "auto_map" in cfg
 
 
 def _tokenizer_class(model_dir: str | Path) -> str | None:

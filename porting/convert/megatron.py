@@ -267,13 +267,20 @@ def load_mcore_from_checkpoint(
 def main_head_only(model: torch.nn.Module) -> Iterator[None]:
     """Run ``model`` without its multi-token-prediction block: Megatron-Core 0.15.3 runs the block
     only towards a loss (``GPTModel._postprocess`` clones the labels), and logits are the main
-    head's."""
+    head's. 0.19 also reads the config's ``mtp_num_layers`` there (to split the hidden states
+    among the heads' losses), so that is unset too while the model runs; the model is built."""
     had = getattr(model, "mtp_process", False)
+    config = getattr(model, "config", None)
+    layers = getattr(config, "mtp_num_layers", None)
     model.mtp_process = False
+    if layers:
+        config.mtp_num_layers = None
     try:
         yield
     finally:
         model.mtp_process = had
+        if layers:
+            config.mtp_num_layers = layers
 
 
 def _gathered(out: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,9 @@ _PUBLISHED = {
              "mlp.experts.{e}.down_proj.weight"),
             {},
         )
-        for model_type in ("qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
+        # kimi_k2: DeepseekV3ForCausalLM under its own model_type, for which transformers 5 has
+        # no conversion back and always saves the stacks
+        for model_type in ("qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "kimi_k2")
     },
 }  # fmt: skip
 # the most experts a layer may stack (the planner's and the config rules' bound)
@@ -97,4 +99,69 @@ def plan(model_type: object, shapes: dict[str, tuple[int, ...]], where: str) -> 
         for layer in sorted(layers):
             if layer + new in shapes:
                 out[layer + old] = layer + new
+    return out
+
+
+def published_shapes(
+    model_type: object, shapes: dict[str, tuple[int, ...]], where: str
+) -> dict[str, tuple[int, ...]]:
+    """``shapes`` with every expert stack replaced by the published per-expert tensors it holds
+    (and a renamed module by its published name): what a transformers 5 model's own state dict
+    looks like to a family's weight table, which names the published format."""
+    published = plan(model_type, shapes, where)
+    if not published:
+        return shapes
+    stored = {s.stored if isinstance(s, Slice) else s for s in published.values()}
+    out = {k: v for k, v in shapes.items() if k not in stored}
+    for name, src in published.items():
+        if isinstance(src, Slice):
+            shape = shapes[src.stored][1:]
+            if src.rows is not None:
+                shape = (src.rows[1] - src.rows[0], *shape[1:])
+            out[name] = tuple(shape)
+        else:
+            out[name] = shapes[src]
+    return out
+
+
+def published_parts(
+    model_type: object, key: str, shape: tuple[int, ...]
+) -> list[tuple[str, Slice | None]] | None:
+    """What a transformers 5 model's tensor ``key`` (of ``shape``) is made of in a checkpoint saved
+    with its published names: ``[(published name, where it goes in key)]`` (None: all of it, a
+    renamed module), the inverse of :func:`plan`; None where ``key`` is not a stack or a renamed
+    module of ``model_type``."""
+    if not isinstance(model_type, str) or model_type not in _PUBLISHED:
+        return None
+    names, renamed = _PUBLISHED[model_type]
+    for new, old in renamed.items():
+        if key.endswith("." + new):
+            return [(key.removesuffix(new) + old, None)]
+    m = _STACK.match(key)
+    if m is None or len(shape) != 3 or not 0 < shape[0] <= MAX_EXPERTS:
+        return None
+    layer, gate_up = m["layer"], m["which"] == "gate_up_proj"
+    gate, up, down = names
+    if not gate_up:
+        return [(layer + down.format(e=e), Slice(key, e)) for e in range(shape[0])]
+    ffn = shape[1] // 2
+    return [
+        (layer + name.format(e=e), Slice(key, e, rows))
+        for e in range(shape[0])
+        for name, rows in ((gate, (0, ffn)), (up, (ffn, 2 * ffn)))
+    ]
+
+
+def unstacked(tensors: dict, model_type: object, where: str) -> dict:
+    """``tensors`` (name -> tensor) with every expert stack written as the published per-expert
+    tensors it holds (contiguous copies), and a renamed module under its published name."""
+    published = plan(model_type, {k: tuple(v.shape) for k, v in tensors.items()}, where)
+    stored = {s.stored if isinstance(s, Slice) else s for s in published.values()}
+    out = {k: v for k, v in tensors.items() if k not in stored}
+    for name, src in published.items():
+        if isinstance(src, Slice):
+            t = tensors[src.stored][src.expert]
+            out[name] = (t if src.rows is None else t[src.rows[0] : src.rows[1]]).contiguous()
+        else:
+            out[name] = tensors[src]
     return out

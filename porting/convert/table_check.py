@@ -50,8 +50,12 @@ def hf_meta_shapes(family: Family, hf_config: dict) -> dict[str, tuple[int, ...]
             f"config.json: transformers' {cls.__name__} cannot be built from this config "
             f"({type(err).__name__}: {said}); the gate has no reference to compare against"
         ) from err
-    # A tied output is one tensor under two names; safetensors files hold it once.
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    # A tied output is one tensor under two names; safetensors files hold it once. transformers 5
+    # holds a MoE layer's experts stacked; the table names them as published.
+    from porting.convert.packed_experts import published_shapes
+
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    return published_shapes(hf_config.get("model_type"), shapes, f"transformers' {cls.__name__}")
 
 
 def check_table(
@@ -62,7 +66,6 @@ def check_table(
 ) -> None:
     """Raise :class:`PortingError` naming the family file and entry where the table and the two
     models disagree (see the module docstring); return quietly when they agree."""
-    where = family.source
 
     def entry(i: int) -> str:
         e = family.weights[i]
@@ -71,7 +74,7 @@ def check_table(
         return f"WEIGHTS[{i}] ({type(e).__name__} {name}{target})"
 
     def fail(msg: str) -> PortingError:
-        return PortingError(f"family {family.name} ({where}): {msg}")
+        return PortingError(f"family {family.name} ({family.source}): {msg}")
 
     concrete, ignores = expand(family.weights, ctx, ctx.num_layers)
     hf_shapes = dict(hf_shapes)

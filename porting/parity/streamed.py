@@ -549,6 +549,7 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
 
     from porting.contract.hf_spelling import transformers_config
     from porting.convert.hf_files import read_hf_config_as_written
+    from porting.convert.packed_experts import published_parts
     from porting.convert.safetensors_io import SafetensorsSource
 
     hf_config, written = read_hf_config_as_written(hf_dir)
@@ -582,7 +583,18 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
 
     def read(key: str, want: torch.Size | None, buf: torch.Tensor | None = None) -> torch.Tensor:
         if key not in available:
-            raise PortingError(f"{hf_dir}: tensor {key!r} is missing")
+            parts = want is not None and published_parts(config.model_type, key, tuple(want))
+            if not parts or any(name not in available for name, _ in parts):
+                raise PortingError(f"{hf_dir}: tensor {key!r} is missing")
+            # transformers 5's model stacks what the checkpoint stores per expert
+            if buf is None:
+                buf = torch.empty(want, dtype=torch.float32, device=device)
+            for name, part in parts:
+                into = buf if part is None else buf[part.expert]
+                if part is not None and part.rows is not None:
+                    into = into[part.rows[0] : part.rows[1]]
+                into.copy_(read(name, into.shape))
+            return buf
         stored = torch.Size(source.shape(key)[0])
         want = stored if want is None else want
         _check_shape(str(hf_dir), key, stored, want)
