@@ -448,18 +448,17 @@ def child_env(**extra: str) -> dict:
 
 
 def run_owners(argv: list[str], timeout: float = 600):
-    """``python ARGV`` in the owners' environment (``.venv-owners``: Python 3.12, Megatron-Core
-    0.19, Megatron-Bridge, transformers 5; built by ``scripts/env.sh test``), with this checkout
-    on its path and no GPU; the completed process, which must have succeeded."""
+    """``python ARGV`` on the current stack, where the owners' loaders live (``.venv``: Python
+    3.12, Megatron-Core 0.19, Megatron-Bridge, transformers 5; built by ``scripts/env.sh``), with
+    this checkout first on its path and no GPU; the completed process, which must have
+    succeeded. From a test on the NeMo 2 stack this is the other environment."""
     import os
     import subprocess
 
     repo = Path(__file__).resolve().parents[1]
-    python = repo / ".venv-owners" / "bin" / "python"
+    python = repo / ".venv" / "bin" / "python"
     if not python.exists():
-        raise AssertionError(
-            f"{python} missing: `scripts/env.sh test` builds the owners' environment"
-        )
+        raise AssertionError(f"{python} missing: `scripts/env.sh test` builds the current stack")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
     env |= {"PYTHONPATH": str(repo), "PYTHONWARNINGS": "ignore", "CUDA_VISIBLE_DEVICES": ""}
     run = subprocess.run(

@@ -1,39 +1,59 @@
 #!/usr/bin/env bash
-# Creates or reuses the project virtualenv at .venv, installs what it needs, then runs one job:
-#   scripts/env.sh demo   - the end-to-end demo (`porting demo`)
-#   scripts/env.sh test   - the whole test suite
-#   scripts/env.sh owners - only build or refresh .venv-owners (below)
-#   scripts/env.sh -- CMD - any command inside the environment
-# `test` also builds or reuses .venv-owners (Python 3.12, Megatron-LM's and Megatron-Bridge's own
-# packages pinned in scripts/owners.lock), where the tests load our checkpoints with the owners'
-# loaders (docs/formats.md), and installs Debian's Slurm (apt, as root) for the tests that submit
-# to a local two-node cluster (scripts/slurm_local.sh).
+# Creates or reuses the project's two environments, each from its lock set (scripts/locks/,
+# docs/environments.md), with porting installed into it, then runs one job:
+#   scripts/env.sh demo        - the end-to-end demo (`porting demo`) on the current stack
+#   scripts/env.sh test        - the whole test suite: every test on the NeMo 2 stack, and the
+#                                files tests/conftest.py lists for the current stack there too
+#   scripts/env.sh current     - only build or refresh .venv (below)
+#   scripts/env.sh nemo2       - only build or refresh .venv-nemo2 (below)
+#   scripts/env.sh -- CMD      - any command with .venv/bin first on the PATH
+#   scripts/env.sh nemo2 -- CMD - the same in .venv-nemo2
+# .venv is `current` (the default): Python 3.12, Megatron-Core 0.19, Megatron-Bridge 0.6,
+# transformers 5. .venv-nemo2 is `nemo2`: Python 3.11, NeMo 2.7.3, Megatron-Core 0.15,
+# transformers 4.57, for training with NeMo 2 and NeMo 2's own loader. `test` also installs
+# Debian's Slurm (apt, as root) for the tests that submit to a local two-node cluster
+# (scripts/slurm_local.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-owners_env() {
-  local lock=scripts/owners.lock stamp=.venv-owners/.porting-installed want
-  want=$(sha256sum "$lock" | cut -d' ' -f1)
-  if [ -x .venv-owners/bin/python ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then return; fi
-  local py="" candidate
+python_of() {
   # A pyenv shim answers `command -v` for a version it does not select; ask each to run.
-  for candidate in python3.12 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python; do
-    if "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
-      py=$candidate
-      break
+  local want=$1 candidate
+  for candidate in "python$want" "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$want".*/bin/python; do
+    if "$candidate" -c "import sys; assert sys.version_info[:2] == tuple(map(int, '$want'.split('.')))" 2>/dev/null; then
+      echo "$candidate"
+      return
     fi
   done
-  if [ -z "$py" ]; then
-    echo "[env] Python 3.12 not found (needed for .venv-owners: Megatron-Core 0.19, Megatron-Bridge)" >&2
-    exit 1
-  fi
-  echo "[env] installing the owners' environment into .venv-owners (first run takes a few minutes)" >&2
-  rm -rf .venv-owners
-  "$py" -m venv .venv-owners
-  .venv-owners/bin/python -m pip install -q --upgrade pip
-  .venv-owners/bin/python -m pip install -q --no-deps -r "$lock"
+  echo "[env] Python $want not found (needed for $2)" >&2
+  exit 1
+}
+
+build_env() {
+  # DIR LOCK PYTHON-VERSION: the lock's exact versions with --no-deps (a lock is a whole closure:
+  # megatron-bridge declares one that does not install on a CPU), then porting itself, editable;
+  # rebuilt whenever the lock or pyproject.toml changes.
+  local dir=$1 lock=$2 version=$3 stamp want py
+  stamp=$dir/.porting-installed
+  want=$(cat "$lock" pyproject.toml | sha256sum | cut -d' ' -f1)
+  if [ -x "$dir/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then return; fi
+  py=$(python_of "$version" "$dir")
+  echo "[env] installing $lock into $dir (first run takes a few minutes)" >&2
+  rm -rf "$dir"
+  "$py" -m venv "$dir"
+  "$dir/bin/python" -m pip install -q --upgrade pip
+  # torch first, alone: the build on this machine's disk; otherwise a multi-GB CUDA build is pulled
+  "$dir/bin/python" -m pip install -q "$(grep -E '^torch==' "$lock")"
+  "$dir/bin/python" -m pip install -q --no-deps -r "$lock"
+  "$dir/bin/python" -m pip install -q --no-deps -e .
+  # every requirement porting declares is met by the lock (pip check would also report what
+  # megatron-bridge declares and the lock leaves out on purpose)
+  "$dir/bin/python" scripts/check_lock.py
   echo "$want" > "$stamp"
 }
+
+current_env() { build_env .venv scripts/locks/current.lock 3.12; }
+nemo2_env() { build_env .venv-nemo2 scripts/locks/nemo2.lock 3.11; }
 
 slurm_env() {
   # The tests submit to a real two-node Slurm that scripts/slurm_local.sh starts on this host.
@@ -52,35 +72,37 @@ slurm_env() {
     { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends $pkgs >/dev/null; }
 }
 
-stamp=.venv/.porting-installed
-want=$(cat pyproject.toml | sha256sum | cut -d' ' -f1)
-if [ ! -x .venv/bin/python ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "[env] installing into .venv (first run takes a few minutes)" >&2
-  python3.11 -m venv .venv
-  .venv/bin/python -m pip install -q --upgrade pip
-  # torch first: the CPU build on this machine's disk; otherwise a multi-GB CUDA build is pulled.
-  .venv/bin/python -m pip install -q torch==2.13.0
-  .venv/bin/python -m pip install -q -e '.[test]'
-  echo "$want" > "$stamp"
-fi
-
 job=${1:-}
 shift || true
 case "$job" in
-  demo) exec .venv/bin/porting demo "$@" ;;
+  demo) current_env; exec .venv/bin/porting demo "$@" ;;
   # Two workers, a file at a time, the longest files first (tests/conftest.py, docs/testing.md).
   # The tests start hundreds of interpreters; with bytecode kept, none compiles our modules again.
-  test) owners_env; slurm_env; unset PYTHONDONTWRITEBYTECODE
+  test) nemo2_env; current_env; slurm_env; unset PYTHONDONTWRITEBYTECODE
     # the workers share the cores: a second OpenMP thread per process would only spin and wait
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
     echo "[env] environments ready after ${SECONDS} s; the tests start" >&2
     # the wall time, whatever the verdict, so each landing shows the trend against CI's 90 min
     rc=0
-    .venv/bin/python -m pytest -q -n "${PORTING_TEST_WORKERS:-2}" --dist loadfile \
+    .venv-nemo2/bin/python -m pytest -q -n "${PORTING_TEST_WORKERS:-2}" --dist loadfile \
       --no-loadscope-reorder "$@" || rc=$?
+    echo "[env] the current stack's files (.venv, tests/conftest.py: CURRENT_STACK_FILES)" >&2
+    # its own report beside a --junitxml one, so that neither run overwrites the other's
+    args=()
+    for arg in "$@"; do
+      if [[ $arg == --junitxml=* ]]; then
+        path=${arg#--junitxml=}
+        arg="--junitxml=$(dirname "$path")/current-$(basename "$path")"
+      fi
+      args+=("$arg")
+    done
+    .venv/bin/python -m pytest -q -n "${PORTING_TEST_WORKERS:-2}" --dist loadfile \
+      --no-loadscope-reorder "${args[@]}" || rc=$?
     echo "[env] wall time $((SECONDS / 60)) min $((SECONDS % 60)) s, set-up and tests (exit $rc)" >&2
     exit "$rc" ;;
-  owners) owners_env ;;
-  --) exec "$@" ;;
-  *) echo "usage: scripts/env.sh demo|test|owners|-- CMD" >&2; exit 2 ;;
+  current) current_env ;;
+  nemo2) nemo2_env
+    if [ "${1:-}" = "--" ]; then shift; PATH="$PWD/.venv-nemo2/bin:$PATH" exec "$@"; fi ;;
+  --) current_env; PATH="$PWD/.venv/bin:$PATH" exec "$@" ;;
+  *) echo "usage: scripts/env.sh demo|test|current|nemo2|-- CMD|nemo2 -- CMD" >&2; exit 2 ;;
 esac

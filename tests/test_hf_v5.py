@@ -1,4 +1,4 @@
-"""Checkpoints saved by transformers 5 (its default ``save_pretrained``, in the owners' environment:
+"""Checkpoints saved by transformers 5 (its default ``save_pretrained``, on the current stack:
 transformers 5.12): each architecture we claim imports through the gate (whose reference here is
 transformers 4.57, given the config in 4.x spelling: porting.contract.hf_spelling), the imported
 model's logits are the ones transformers 5 itself computed for the same tokens, and export writes

@@ -1,6 +1,6 @@
 """Our Megatron-LM and Megatron-Bridge checkpoints, loaded by their owners' own code, and theirs
-by ours: each in the owners' environment (.venv-owners: Python 3.12, megatron-core 0.19.2,
-megatron-bridge 0.6.2; built by scripts/env.sh test), through porting/owners/.
+by ours: each on the current stack (.venv: Python 3.12, megatron-core 0.19.2, megatron-bridge
+0.6.2; built by scripts/env.sh), through porting/owners/.
 
 Tolerance: the parity gate's (atol = rtol = 1e-4, porting.parity.harness) on every logit of the
 HF vocabulary, fp32.
@@ -23,13 +23,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _owners(module: str, *args: str) -> str:
-    """``python -m porting.owners.MODULE ARGS`` in the owners' environment; its output."""
+    """``python -m porting.owners.MODULE ARGS`` on the current stack (.venv); its output."""
     run = run_owners(["-m", f"porting.owners.{module}", *args])
     return run.stdout + run.stderr
 
 
 def _owners_code(code: str) -> str:
-    """``python -c CODE`` in the owners' environment; the last line it printed."""
+    """``python -c CODE`` on the current stack (.venv); the last line it printed."""
     return run_owners(["-c", code]).stdout.strip().splitlines()[-1]
 
 

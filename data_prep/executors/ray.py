@@ -12,6 +12,7 @@ import time
 
 from data_prep.executors.base import UNIT_MB, Flag, PrepConfig, UnitExecutor
 from data_prep.sources import Source
+from porting.errors import PortingError
 from porting.guard import Terminated, signals_deferred
 
 log = logging.getLogger(__name__)
@@ -33,6 +34,14 @@ class Ray(UnitExecutor):
     )
 
     def refuse(self, cfg: PrepConfig) -> None:
+        import importlib.util
+
+        # Ray is an extra (porting[ray]): most installs prepare data on one host
+        if importlib.util.find_spec("ray") is None:
+            raise PortingError(
+                "--executor ray: Ray is not installed in this environment; install it with "
+                "`pip install 'porting[ray]'` (or choose --executor local)"
+            )
         if cfg.ray_address:
             from data_prep.ray_exec import check_reachable
 

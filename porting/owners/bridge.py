@@ -1,4 +1,4 @@
-"""Megatron-Bridge's own loader and training loop, run in the owners' environment (scripts/env.sh).
+"""Megatron-Bridge's own loader and training loop, run on the current stack (.venv, scripts/env.sh).
 
 ``python -m porting.owners.bridge load CKPT --tokens T.pt --out L.pt`` loads CKPT's newest
 iteration with ``megatron.bridge.training.model_load_save.load_megatron_model`` (the model built

@@ -1,4 +1,4 @@
-"""Megatron-LM's own save and load paths, run in the owners' environment (scripts/env.sh).
+"""Megatron-LM's own save and load paths, run on the current stack (.venv, scripts/env.sh).
 
 ``python -m porting.owners.megatron_lm load CKPT --tokens T.pt --out L.pt [--spec MOD FN]``
 loads CKPT with ``megatron.training.checkpointing.load_checkpoint`` into a ``GPTModel`` whose

@@ -1,4 +1,4 @@
-"""Checkpoints as transformers 5 saves them, and its own logits for them, in the owners' environment.
+"""Checkpoints as transformers 5 saves them, and its own logits for them, on the current stack (.venv).
 
 ``python -m porting.owners.transformers5 save SPEC.json OUT --tokens T.pt --tokenizer DIR`` builds,
 for each entry
