@@ -83,3 +83,17 @@ def test_installing_this_checkout_here_changes_nothing_else(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     planned = [i["metadata"]["name"] for i in json.loads(report.read_text())["install"]]
     assert planned == ["porting"]
+
+
+def test_train_without_nemo2_is_refused_naming_the_environment_to_use(monkeypatch):
+    import importlib.util
+
+    from porting.errors import PortingError
+    from porting.train import cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "nemo" else real(name, *a)
+    )
+    with pytest.raises(PortingError, match=r"lacks nemo .*scripts/env.sh nemo2 -- porting train"):
+        cli._need_nemo2()

@@ -253,6 +253,21 @@ def _run_ranks(cmd: list[str], out: Path) -> int:
     return stop.launched(launch, out)
 
 
+def _need_nemo2() -> None:
+    """Refuse at once, before any rank starts, where NeMo 2 is not installed: the training loop is
+    NeMo 2's (its LLM collection and Lightning trainer)."""
+    import importlib.util
+
+    missing = [m for m in ("nemo", "lightning") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise PortingError(
+            f"porting train runs NeMo 2's training loop, and this environment lacks "
+            f"{' and '.join(missing)} (the current stack, docs/environments.md): train in the "
+            "nemo2 environment (`scripts/env.sh nemo2 -- porting train ...`) or install "
+            "`porting[nemo2]` (Python 3.11); --dry-run checks a run here without it"
+        )
+
+
 def _cmd_train(args) -> int:
     quiet.offline()
     stop.launcher()  # a stray copy of the launcher's variable is refused before any work
@@ -287,6 +302,7 @@ def _cmd_train(args) -> int:
             f"{spec.global_batch // (spec.micro_batch * spec.data_parallel)} accumulation steps"
         )
         return 0
+    _need_nemo2()
     if args.executor == "slurm":
         from porting import slurm
         from porting.train import launch
