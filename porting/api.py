@@ -131,9 +131,12 @@ def export_hf(
     rtol: float | None = None,
     device: str = "cpu",
     quantize: str | None = None,
+    hf_layout: str = "as-imported",
 ):
     """Export our checkpoint (in any layout; a path is opened here) to an HF directory at
-    ``out``; gate it on parity.
+    ``out``; gate it on parity. ``hf_layout``: a mixture of experts' tensors as the import read
+    them, one per expert (``published``) or stacked as transformers 5 stores them (``stacked``;
+    :func:`porting.convert.export.export_into`).
 
     Returns the parity report (``None`` with ``verify=False``). ``atol``, ``rtol``, ``device``:
     the gate's (:func:`porting.parity.harness.verify`). The weights are written in the
@@ -155,7 +158,16 @@ def export_hf(
         report = None
         checkpoint = open_checkpoint(ckpt)
         family = family_by_name(checkpoint.family)
-        export_into(checkpoint, tmp, family, max_shard_bytes)
+        stacked = hf_layout == "stacked" or (
+            hf_layout == "as-imported" and checkpoint.manifest.hf_experts == "stacked"
+        )
+        if quantize and stacked:
+            # FP8 releases store their experts one tensor each, with a scale per block of each
+            raise PortingError(
+                f"--quantize {quantize} writes experts one tensor each, as FP8 releases do; "
+                "add --hf-layout published"
+            )
+        export_into(checkpoint, tmp, family, max_shard_bytes, hf_layout)
         if first:
             _unquantized_config(tmp, checkpoint.manifest.dtype)
         if ranks.world_size() > 1:

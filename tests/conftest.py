@@ -174,7 +174,7 @@ QUICK_FILES = {
 # Megatron-Core 0.19, transformers 5, no NeMo); every file runs on the NeMo 2 stack. A file here
 # must not need NeMo: the published catalogue (every family, import with the gate under
 # transformers 5 and export back identical) and the environments' own checks.
-CURRENT_STACK_FILES = {"test_published.py", "test_environments.py"}
+CURRENT_STACK_FILES = {"test_published.py", "test_environments.py", "test_hf_v5.py"}
 ON_CURRENT_STACK = importlib.util.find_spec("nemo") is None
 
 

@@ -1,8 +1,9 @@
 """Checkpoints saved by transformers 5 (its default ``save_pretrained``, on the current stack:
-transformers 5.12): each architecture we claim imports through the gate (whose reference here is
-transformers 4.57, given the config in 4.x spelling: porting.contract.hf_spelling), the imported
-model's logits are the ones transformers 5 itself computed for the same tokens, and export writes
-the same ``config.json`` back, 5.x spelling and all, with every tensor equal.
+transformers 5.12): each architecture we claim imports through the gate, the imported model's
+logits are the ones transformers 5 itself computed for the same tokens, and export writes the same
+files back (``config.json`` in 5.x spelling, experts stacked where they came stacked). Runs on
+both stacks: the gate's reference is transformers 4.57 on nemo2 (given the config in 4.x
+spelling: porting.contract.hf_spelling) and transformers 5 itself on the current one.
 
 Tolerance: the gate's (atol = rtol = 1e-4) on every logit of the vocabulary, fp32.
 """
@@ -90,6 +91,17 @@ def saved(tmp_path_factory) -> Path:
     return root
 
 
+def _stored(hf_dir: Path) -> set[str]:
+    """The tensor names an HF directory's safetensors files store (not as read)."""
+    from safetensors import safe_open
+
+    names = set()
+    for shard in Path(hf_dir).glob("*.safetensors"):
+        with safe_open(shard, "pt") as f:
+            names |= set(f.keys())
+    return names
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_transformers_5_save_imports_gives_its_logits_and_exports_as_it_came(
     name, saved, tmp_path
@@ -118,19 +130,25 @@ def test_a_transformers_5_save_imports_gives_its_logits_and_exports_as_it_came(
 
     export_hf(ours, tmp_path / "hf")
     assert json.loads((tmp_path / "hf" / "config.json").read_text()) == written
+    # the same tensors under the same stored names as saved: stacked experts stacked again
+    back = compare_hf_dirs(hf, tmp_path / "hf")
+    assert back.exact, back
+    assert _stored(tmp_path / "hf") == _stored(hf)
     if name.endswith("-packed"):
-        # exported with the experts' published names, each equal to its rows of the stack
+        assert any(k.endswith("mlp.experts.gate_up_proj") for k in _stored(hf))
+        # asked for the published form: each expert under its own name, its rows of the stack
         from porting.convert.safetensors_io import SafetensorsSource
+        from porting.errors import PortingError
 
-        stacked, back = SafetensorsSource(hf), SafetensorsSource(tmp_path / "hf")
-        assert sorted(back.keys()) == sorted(stacked.keys())
-        assert not [k for k in back.keys() if k.endswith(("gate_up_proj", "experts.down_proj"))]
+        with pytest.raises(PortingError, match=r"FP8 releases do; add --hf-layout published"):
+            export_hf(ours, tmp_path / "fp8", quantize="fp8-block")
+        assert not (tmp_path / "fp8").exists()
+        export_hf(ours, tmp_path / "published", hf_layout="published", verify=False)
+        stacked, back = SafetensorsSource(hf), SafetensorsSource(tmp_path / "published")
+        assert _stored(tmp_path / "published") == set(stacked.keys())
         assert all(torch.equal(stacked.get(k), back.get(k)) for k in back.keys())
-    else:
-        back = compare_hf_dirs(hf, tmp_path / "hf")
-        assert back.exact, back
-    # the tokenizer leaves in the 4.x spelling (PreTrainedTokenizerFast), which 5.x reads too,
-    # and encodes as it came
+    # the tokenizer leaves as the installed transformers spells it (4.57: PreTrainedTokenizerFast,
+    # which 5.x reads too), and encodes as it came
     from transformers import PreTrainedTokenizerFast
 
     text = "The quick brown fox. 東京は日本の首都です。"
@@ -287,10 +305,11 @@ def test_the_planner_reads_a_5x_config_as_import_does(saved):
 
 def test_a_tokenizers_backend_tokenizer_loads_as_the_fast_tokenizer_it_is_and_says_nothing(saved):
     """transformers 5's ``TokenizersBackend`` (a tokenizer that is its tokenizer.json alone) is
-    4.x's ``PreTrainedTokenizerFast``: loaded as that, encoding as the tokenizer it was saved
-    from, with no warning that the class differs."""
+    4.x's ``PreTrainedTokenizerFast``: under 4.x loaded as that (under 5.x as itself), encoding as
+    the tokenizer it was saved from, with no warning that the class differs."""
     import logging
 
+    import transformers
     from transformers import AutoTokenizer
 
     from porting.convert.hf_files import load_tokenizer
@@ -304,7 +323,8 @@ def test_a_tokenizers_backend_tokenizer_loads_as_the_fast_tokenizer_it_is_and_sa
     finally:
         logging.getLogger("transformers").removeHandler(keep)
     assert [r.getMessage() for r in records] == []
-    assert type(tok).__name__ == "PreTrainedTokenizerFast"
+    native = hasattr(transformers, "TokenizersBackend")
+    assert type(tok).__name__ == ("TokenizersBackend" if native else "PreTrainedTokenizerFast")
     text = "The quick brown fox. 東京は日本の首都です。 0123"
     assert tok(text).input_ids == AutoTokenizer.from_pretrained(saved / "tokenizer")(text).input_ids
 
@@ -348,3 +368,58 @@ def test_stacked_experts_are_planned_per_published_name_and_a_broken_stack_is_re
     }
     with pytest.raises(PortingError, match=r"must each have three dimensions"):
         packed_experts.plan("qwen3_moe", flat, "ckpt")
+
+
+def test_published_experts_written_stacked_read_back_bit_for_bit(tmp_path):
+    """Export's stacked form (--hf-layout stacked): each expert's tensors written at their rows
+    of the layer's stacks, which read back (as published names) equal to what was written; the
+    files are safetensors' own (loaded by safetensors itself)."""
+    from safetensors.torch import load_file
+
+    from porting.convert.packed_experts import stacked_plan
+    from porting.convert.safetensors_io import SafetensorsSource, StreamingShardWriter
+    from porting.errors import PortingError
+
+    torch.manual_seed(0)
+    experts, ffn, hidden, layer = 3, 4, 6, "model.layers.1."
+    tensors = {"model.embed_tokens.weight": torch.randn(10, hidden, dtype=torch.bfloat16)}
+    for e in range(experts):
+        for w, shape in (("w1", (ffn, hidden)), ("w3", (ffn, hidden)), ("w2", (hidden, ffn))):
+            name = f"{layer}block_sparse_moe.experts.{e}.{w}.weight"
+            tensors[name] = torch.randn(shape, dtype=torch.bfloat16)
+    tensors[f"{layer}block_sparse_moe.gate.weight"] = torch.randn(experts, hidden).bfloat16()
+    specs = [(k, tuple(v.shape), v.dtype) for k, v in tensors.items()]
+    stored, parts = stacked_plan("mixtral", specs, "ckpt")
+    assert [k for k, *_ in stored] == [
+        "model.embed_tokens.weight",
+        f"{layer}mlp.experts.gate_up_proj",
+        f"{layer}mlp.experts.down_proj",
+        f"{layer}mlp.gate.weight",
+    ]
+    assert dict((k, s) for k, s, _ in stored)[f"{layer}mlp.experts.gate_up_proj"] == (3, 8, 6)
+    assert parts[f"{layer}block_sparse_moe.experts.2.w3.weight"] == (
+        f"{layer}mlp.experts.gate_up_proj",
+        2 * 8 * 6 + 4 * 6,
+    )
+    shapes = {k: s for k, s, _ in specs}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mixtral"}))
+    writer = StreamingShardWriter(
+        tmp_path, stored, parts={k: (*v, shapes[k]) for k, v in parts.items()}
+    )
+    for key, tensor in reversed(tensors.items()):  # any order
+        writer.write(key, tensor)
+    writer.close()
+    raw = load_file(tmp_path / "model.safetensors")
+    assert torch.equal(raw[f"{layer}mlp.experts.down_proj"][1],
+                       tensors[f"{layer}block_sparse_moe.experts.1.w2.weight"])  # fmt: skip
+    back = SafetensorsSource(tmp_path)
+    assert set(back.keys()) == set(tensors)
+    assert all(torch.equal(back.get(k), t) for k, t in tensors.items())
+
+    with pytest.raises(PortingError, match=r"not every one of 3 experts has its gate, up and"):
+        stacked_plan("mixtral", [s for s in specs if ".experts.1.w3." not in s[0]], "ckpt")
+    with pytest.raises(PortingError, match=r"model_type 'llama' has no stacked expert form"):
+        stacked_plan("llama", specs, "ckpt")
+    odd = [(k, (ffn + 1, hidden) if ".experts.0.w1." in k else s, d) for k, s, d in specs]
+    with pytest.raises(PortingError, match=r"differ in shape or dtype"):
+        stacked_plan("mixtral", odd, "ckpt")

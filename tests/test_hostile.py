@@ -224,6 +224,8 @@ def test_tokenizer_path_stays_inside_the_checkpoint(ckpt, tmp_path, capsys, kind
         ({"version": 99}, "version"),
         ({"fp32_tensors": "model.layers.0.mlp.gate.e_score_correction_bias"}, "fp32_tensors"),
         ({"fp32_tensors": [3]}, "fp32_tensors"),
+        ({"hf_experts": "sideways"}, "hf_experts"),
+        ({"hf_experts": ["stacked"]}, "hf_experts"),
     ],
 )
 def test_a_malformed_manifest_is_named(ckpt, tmp_path, capsys, changes, needle):

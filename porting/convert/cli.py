@@ -93,6 +93,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "ship them (the parity gate runs on the unquantized weights first). Default: the "
         "checkpoint's dtype, without a quantization_config",
     )
+    p.add_argument(
+        "--hf-layout",
+        choices=["as-imported", "published", "stacked"],
+        default="as-imported",
+        help="a mixture of experts' tensors: one per expert under the names the model was "
+        "published with (published), or each layer's experts in one gate_up_proj and one "
+        "down_proj as transformers 5 saves them with save_original_format=False (stacked; "
+        "Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3). Default: the form the import read",
+    )
     add_source_flags(p)
     p.add_argument("--json", action="store_true", help="print the parity report as JSON")
     add_gate_flags(p)
@@ -254,6 +263,7 @@ def _export_options(args) -> dict:
         atol=args.atol,
         rtol=args.rtol,
         quantize=args.quantize,
+        hf_layout=args.hf_layout,
     )
 
 

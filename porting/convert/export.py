@@ -36,10 +36,38 @@ def shapes_of(params: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.shape) for k, v in params.items()}
 
 
+HF_LAYOUTS = ("as-imported", "published", "stacked")
+
+
+def _hf_layout(hf_layout: str, manifest: Manifest, specs: list, where: str):
+    """The stored tensors for ``hf_layout`` and the parts written into them (None: each tensor
+    is stored as itself)."""
+    if hf_layout not in HF_LAYOUTS:
+        raise PortingError(f"--hf-layout must be one of {', '.join(HF_LAYOUTS)}, not {hf_layout!r}")
+    if hf_layout == "as-imported":
+        hf_layout = manifest.hf_experts or "published"
+    if hf_layout == "published":
+        return specs, None
+    from porting.convert.packed_experts import stacked_plan
+
+    stored, parts = stacked_plan(manifest.hf_config.get("model_type"), specs, where)
+    shapes = {key: shape for key, shape, _ in specs}
+    return stored, {key: (into, at, shapes[key]) for key, (into, at) in parts.items()}
+
+
 def export_into(
-    checkpoint: Checkpoint, out: Path, family: Family, max_shard_bytes: int = 5 * 2**30
+    checkpoint: Checkpoint,
+    out: Path,
+    family: Family,
+    max_shard_bytes: int = 5 * 2**30,
+    hf_layout: str = "as-imported",
 ) -> Manifest:
     """Write the HF directory for our ``checkpoint`` (any layout) of ``family`` into ``out``.
+
+    ``hf_layout``: a mixture of experts' tensors one per expert under their published names
+    (``published``), or each layer's experts stacked as transformers 5 stores them with
+    ``save_original_format=False`` (``stacked``); ``as-imported`` (the default) writes the form
+    the source came in.
 
     Streamed: the Megatron model is built on the meta device from the manifest (its layout says
     where each parameter lives), each parameter is read from ``weights/`` when the table reaches
@@ -91,9 +119,11 @@ def export_into(
         sizes = {key: math.prod(shape) * dtype.itemsize for key, shape, dtype in specs}
         owner = export_owners(family.weights, ctx, ctx.num_layers, meta, sizes, world)
         keep = lambda key: owner[key] == rank  # noqa: E731
+    stored, parts = _hf_layout(hf_layout, manifest, specs, str(checkpoint.path))
     writer = StreamingShardWriter(
-        out, specs, max_shard_bytes,
+        out, stored, max_shard_bytes,
         mine=None if keep is None else {k for k in owner if keep(k)}, create=rank == 0,
+        parts=parts,
     )  # fmt: skip
     if world > 1:
         torch.distributed.barrier()  # the files exist, at their sizes, before any rank writes

@@ -267,6 +267,7 @@ def write_extras(out: Path, prep: Prepared) -> Manifest:
         extra_files=extras,
         fp32_tensors=prep.fp32,
         hf_config_as_written=read_hf_config_as_written(prep.hf_dir)[1],
+        hf_experts="stacked" if prep.source.experts_stacked else None,
     )
     write_manifest(out, manifest)
     return manifest

@@ -40,6 +40,9 @@ class Manifest:
     # the source's config.json as it came, where transformers 5 spelled it (hf_config holds the
     # 4.x spelling everything reads; export writes this form back: porting.contract.hf_spelling)
     hf_config_as_written: dict | None = None
+    # "stacked" where the source stored a mixture of experts' tensors as transformers 5 does with
+    # save_original_format=False (export writes that form back unless asked otherwise)
+    hf_experts: str | None = None
     format: str = FORMAT
     version: int = VERSION
 
@@ -51,8 +54,9 @@ def write_manifest(
     path = Path(meta if meta is not None else Path(ckpt) / "context") / MANIFEST
     tmp = path.with_suffix(".json.tmp")
     data = asdict(manifest)
-    if data["hf_config_as_written"] is None:  # a 4.x source: the file as before this field
-        del data["hf_config_as_written"]
+    for name in ("hf_config_as_written", "hf_experts"):  # unset: the file as before the field
+        if data[name] is None:
+            del data[name]
     tmp.write_text(json.dumps(data, indent=2) + "\n")
     tmp.replace(path)
 
@@ -100,4 +104,6 @@ def check_manifest(data, path: Path) -> Manifest:
     written = data.get("hf_config_as_written")
     if written is not None and not isinstance(written, dict):
         raise bad("hf_config_as_written", "must be an object")
+    if data.get("hf_experts") not in (None, "stacked"):
+        raise bad("hf_experts", f"must be 'stacked' or absent, not {data['hf_experts']!r:.80}")
     return Manifest(**data)

@@ -165,3 +165,74 @@ def unstacked(tensors: dict, model_type: object, where: str) -> dict:
         else:
             out[name] = tensors[src]
     return out
+
+
+def stacked_plan(
+    model_type: object, specs: list[tuple[str, tuple[int, ...], object]], where: str
+) -> tuple[list[tuple[str, tuple[int, ...], object]], dict[str, tuple[str, int]]]:
+    """The tensors of ``specs`` (name, shape, dtype, in write order; the published per-expert
+    names) as transformers 5 stores them with ``save_original_format=False``: each layer's experts
+    in one ``gate_up_proj`` and one ``down_proj``, a renamed module under its 5.x name. Returns the
+    stored specs (a stack where its first expert was) and ``{published name: (stored name, offset
+    in elements)}`` for every tensor written into a stack or renamed (offset 0). Refused naming
+    the layer: experts missing or of different shapes or dtypes."""
+    if not isinstance(model_type, str) or model_type not in _PUBLISHED:
+        raise PortingError(f"{where}: model_type {model_type!r} has no stacked expert form")
+    (gate, up, down), renamed = _PUBLISHED[model_type]
+    patterns = {
+        which: re.compile(
+            r"^(?P<layer>.*\.layers\.\d+\.)"
+            + r"(?P<e>\d+)".join(re.escape(part) for part in name.split("{e}"))
+            + "$"
+        )
+        for which, name in (("gate", gate), ("up", up), ("down", down))
+    }
+    by_name = {key: (shape, dtype) for key, shape, dtype in specs}
+    layers: dict[str, dict[str, dict[int, str]]] = {}
+    for key in by_name:
+        for which, pattern in patterns.items():
+            if m := pattern.match(key):
+                layers.setdefault(m["layer"], {}).setdefault(which, {})[int(m["e"])] = key
+    parts: dict[str, tuple[str, int]] = {}
+    stacks: dict[str, tuple[tuple[int, ...], object]] = {}
+    for layer, found in layers.items():
+        count = 1 + max(e for experts in found.values() for e in experts)
+        names = [found.get(w, {}).get(e) for w in ("gate", "up", "down") for e in range(count)]
+        if None in names:
+            raise PortingError(
+                f"{where}: {layer}: not every one of {count} experts has its "
+                "gate, up and down weights; they cannot be stacked"
+            )
+        shapes = {by_name[n] for n in names if patterns["down"].match(n) is None}
+        downs = {by_name[n] for n in names if patterns["down"].match(n) is not None}
+        if len(shapes) != 1 or len(downs) != 1:
+            raise PortingError(
+                f"{where}: {layer}: the experts' weights differ in shape or dtype; "
+                "they cannot be stacked"
+            )
+        ((ffn, hidden), dtype), ((hidden2, ffn2), dtype2) = shapes.pop(), downs.pop()
+        if (hidden2, ffn2, dtype2) != (hidden, ffn, dtype):
+            raise PortingError(
+                f"{where}: {layer}: down_proj {(hidden2, ffn2)} is not the "
+                f"transpose of gate_proj {(ffn, hidden)}; they cannot be stacked"
+            )
+        gate_up, down_proj = f"{layer}mlp.experts.gate_up_proj", f"{layer}mlp.experts.down_proj"
+        stacks[gate_up] = ((count, 2 * ffn, hidden), dtype)
+        stacks[down_proj] = ((count, hidden, ffn), dtype)
+        for e in range(count):
+            parts[found["gate"][e]] = (gate_up, e * 2 * ffn * hidden)
+            parts[found["up"][e]] = (gate_up, e * 2 * ffn * hidden + ffn * hidden)
+            parts[found["down"][e]] = (down_proj, e * hidden * ffn)
+    for key in by_name:
+        for new, old in renamed.items():
+            if key.endswith("." + old) and key.removesuffix(old) in layers:
+                parts[key] = (key.removesuffix(old) + new, 0)
+                stacks[key.removesuffix(old) + new] = by_name[key]
+    out, placed = [], set()
+    for key, shape, dtype in specs:
+        stored = parts.get(key, (key, 0))[0]
+        if stored in placed:
+            continue
+        placed.add(stored)
+        out.append((stored, *stacks[stored]) if stored in stacks else (key, shape, dtype))
+    return out, parts

@@ -322,6 +322,11 @@ class SafetensorsSource:
             v.stored if isinstance(v, packed_experts.Slice) else v for v in self._unpacked.values()
         }
 
+    @property
+    def experts_stacked(self) -> bool:
+        """Whether experts are stored stacked (and read here as their published tensors)."""
+        return bool(self._unpacked)
+
     def _plan_quantized(self, hf_config: dict, config: Path) -> None:
         """Read ``config.json``'s ``quantization_config`` and plan the dequantized weights; refused
         here, before any tensor is read, where it or the stored parts are not what we read."""
@@ -603,10 +608,14 @@ class StreamingShardWriter:
         max_shard_bytes: int = 5 * 2**30,
         mine: set[str] | None = None,
         create: bool = True,
+        parts: dict[str, tuple[str, int, tuple[int, ...]]] | None = None,
     ) -> None:
         """``mine``: the tensors this writer writes (default all): the ranks of a launched export
         write their shares into the same planned files, which the one with ``create`` makes
-        (headers, sizes) before the others open them."""
+        (headers, sizes) before the others open them. ``parts``: tensors written into a stored
+        one, ``{name: (stored name, offset in elements, shape)}`` (experts stacked as
+        transformers 5 stores them: :func:`porting.convert.packed_experts.stacked_plan`); each
+        is written with :meth:`write` under its own name, ``mine`` names them so too."""
         self.out_dir = Path(out_dir)
         self._where: dict[str, tuple[int, int, int, torch.dtype, tuple[int, ...]]] = {}
         shards: list[list[tuple[str, tuple[int, ...], torch.dtype, int]]] = [[]]
@@ -648,14 +657,22 @@ class StreamingShardWriter:
             for key, shape, dtype, nbytes in ordered:
                 start = header[key]["data_offsets"][0]
                 self._where[key] = (i, 8 + len(raw) + start, nbytes, dtype, shape)
-        self._pending = set(self._where) if mine is None else set(self._where) & set(mine)
+        self._parts = dict(parts or {})
+        whole = set(self._where) - {stored for stored, _, _ in self._parts.values()}
+        every = whole | set(self._parts)
+        self._pending = every if mine is None else every & set(mine)
 
     def write(self, key: str, tensor: torch.Tensor) -> None:
         """Write one tensor's bytes at its place (its name, shape and dtype as announced)."""
         if key not in self._pending:
             raise PortingError(f"export produced HF key {key!r} unannounced or twice")
-        shard, offset, nbytes, dtype, shape = self._where[key]
-        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+        if key in self._parts:
+            stored, first, shape = self._parts[key]
+            shard, offset, _, dtype, _ = self._where[stored]
+            offset += first * dtype.itemsize
+        else:
+            shard, offset, _, dtype, shape = self._where[key]
+        if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
             raise PortingError(
                 f"export produced {key!r} as {tuple(tensor.shape)} {tensor.dtype}, "
                 f"announced {shape} {dtype}"
