@@ -69,6 +69,13 @@ def import_hf(
         gate=("whole" if whole_model else "streamed") if verify and device == "cpu" else None,
     )
 
+    # a model the layout cannot describe is refused before any tensor is read
+    from porting.convert.hf_files import read_hf_config
+    from porting.convert.megatron import DTYPES, build_config
+
+    config, _ = build_config(family, read_hf_config(hf_dir), DTYPES["float32"], vocab_divisor)
+    layout.check_config(config, family)
+
     def into(tmp: Path):
         manifest = nemo2_import(Path(hf_dir).resolve(), tmp, family, **options)
         if manifest is not None:  # rank 0 of a launched import, or the one process

@@ -140,4 +140,8 @@ def _cmd_demo(args) -> int:
     quiet.offline()
     cpu.hide_gpus()
     quiet.quiet_nemo()
+    # transformers 5's save_pretrained draws a bar for every tiny model the demo builds
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     return run_demo(args.workdir)

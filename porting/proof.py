@@ -463,19 +463,25 @@ def prove_formats(
 
 def prove_bridge_refused(hf_dir: str | Path, work: str | Path, fields: list[str]) -> None:
     """A family whose config has ``fields`` that Megatron-Bridge's ``GPTModelProvider`` lacks is
-    refused in the megatron-bridge layout, the first such field named, and nothing is written."""
+    refused in the megatron-bridge layout, the first such field named, before any tensor is read
+    (the same refusal for the directory without its weights), and nothing is written."""
+    import shutil
+
     from porting.api import import_hf
     from porting.errors import PortingError
 
-    out = Path(work) / "bridge"
-    try:
-        import_hf(hf_dir, out, fmt="megatron-bridge", show_progress=False)
-    except PortingError as err:
-        assert any(f"config field {f}=" in str(err) for f in fields), err
-        assert "GPTModelProvider" in str(err)
-    else:
-        raise AssertionError("the megatron-bridge layout was written")
-    assert not out.exists() and not list(Path(work).glob(".bridge.partial-*"))
+    bare = Path(work) / "bridge-no-weights"
+    shutil.copytree(hf_dir, bare, ignore=shutil.ignore_patterns("*.safetensors*", "*.bin"))
+    for source in (hf_dir, bare):
+        out = Path(work) / "bridge"
+        try:
+            import_hf(source, out, fmt="megatron-bridge", show_progress=False)
+        except PortingError as err:
+            assert any(f"sets {f}=" in str(err) for f in fields), err
+            assert "GPTModelProvider" in str(err)
+        else:
+            raise AssertionError("the megatron-bridge layout was written")
+        assert not out.exists() and not list(Path(work).glob(".bridge.partial-*"))
 
 
 # Two ranks kept for the life of the process that asked: every TP=2 proof of a test session (each

@@ -52,12 +52,18 @@ _WARNINGS = (
     # sampler resumes from the consumed samples the checkpoint holds, not the dataloader's state
     # (a resumed run's losses equal the uninterrupted run's: tests/test_train_stop.py)
     ("You're resuming from a checkpoint that ended before the epoch ended", UserWarning),
+    # megatron/core/transformer/transformer_config.py (0.19), for every config: its own default
+    # cuda_graph_scope, which nothing here sets (and no CPU run captures)
+    ("full scope is deprecated", UserWarning),
 )
 
 # Log records silenced by default: (logger name, message prefix); an empty prefix means the logger
 # only narrates, so it is set to ERROR instead.
 _RECORDS = (
     ("megatron.core.utils", "fused_indices_to_multihot has reached end of life"),
+    # torch/utils/cpp_extension.py, on import, where the torch build is a CUDA one and the machine
+    # has no GPU (the current stack's torch on the CPU)
+    ("torch.utils.cpp_extension", "No CUDA runtime is found"),
     ("nemo.collections.llm.gpt.model.megatron.hyena.hyena_mixer", "WARNING: transformer_engine"),
     ("nemo_logger", "The deploy module could not be imported"),
     ("nemo_logger", "The evaluate module could not be imported"),

@@ -92,9 +92,10 @@ def run_config_for(config, family) -> dict:
             ):
                 continue
             raise PortingError(
-                f"family {family.name}: config field {name}={value!r} has no counterpart in "
-                f"Megatron-Bridge's GPTModelProvider; the megatron-bridge layout cannot describe "
-                "this model (use --format megatron-lm or nemo2)"
+                f"family {family.name}: Megatron-Bridge's GPTModelProvider cannot describe this "
+                f"model (the family's Megatron config sets {name}={value!r}, a field the "
+                "provider lacks) and no provider class of the family's own is built yet: use "
+                "--format megatron-lm or nemo2"
             )
         if name in _DTYPES:
             model[name] = {

@@ -79,6 +79,11 @@ class Layout(Protocol):
         says it (for messages)."""
         ...
 
+    def check_config(self, config, family) -> None:
+        """Refuse, before any tensor is converted, a model this layout cannot describe
+        (``config``: the family's Megatron config of the HF config being imported)."""
+        ...
+
     def write(self, out: Path, config, manifest: Manifest, family) -> None:
         """Turn the NeMo 2 checkpoint the streamed writer made at ``out`` (``manifest`` in its
         ``context/``) into this layout, in place; ``config``: the family's Megatron config of it."""

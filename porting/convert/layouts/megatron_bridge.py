@@ -34,6 +34,9 @@ class MegatronBridge(MegatronLM):
         model = check_run_config(loc.weights / RUN_CONFIG, loc.root)
         return model, f"{loc.weights / RUN_CONFIG} (model)"
 
+    def check_config(self, config, family) -> None:
+        run_config_for(config, family)
+
     def write(self, out: Path, config, manifest: Manifest, family) -> None:
         # A config Bridge's provider cannot describe is refused before anything is moved.
         run_config = run_config_for(config, family)

@@ -395,6 +395,9 @@ class MegatronLM:
             return {}, str(loc.weights)
         return vars(args), f"{loc.weights}/common state (args)"
 
+    def check_config(self, config, family) -> None:
+        """Every family's model: the saved arguments are checked against the HF config on read."""
+
     def write(self, out: Path, config, manifest: Manifest, family) -> None:
         from_nemo2(out, config, manifest)
         (out / TRACKER).write_text(f"{ITERATION}\n")

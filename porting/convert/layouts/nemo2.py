@@ -49,6 +49,9 @@ class NeMo2:
         # (porting.convert.context); the tensors' shapes are checked against the manifest instead.
         return {}, str(loc.meta / "io.json")
 
+    def check_config(self, config, family) -> None:
+        """Every family's model: NeMo 2's io.json names the family's own classes."""
+
     def write(self, out: Path, config, manifest: Manifest, family) -> None:
         """Nothing to do: the streamed writer's output is this layout."""
 
