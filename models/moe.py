@@ -13,7 +13,7 @@ Expert outputs are weighted after the expert, as HF does. Experts are one module
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -35,6 +35,11 @@ def moe_layer_spec(config: MoECore) -> ModuleSpec:
     return spec
 
 
+# Megatron-Bridge's default spec builds these layers too: Bridge runs on Megatron-Core 0.19, where
+# the shared expert's gate comes from the config (moe_shared_expert_gate), as above
+moe_layer_spec.megatron_bridge_spec = "megatron.bridge.models.gpt_provider.default_layer_spec"
+
+
 @dataclass
 class MoECore(QwenCore):
     """Megatron GPT config for the MoE family (defaults: Mixtral-8x7B's routing)."""
@@ -50,8 +55,9 @@ class MoECore(QwenCore):
     moe_router_load_balancing_type: str = "aux_loss"
     moe_aux_loss_coeff: float = 0.001
     # which HF names the MLP has ("mixtral": block_sparse_moe.experts.N.w1; "qwen":
-    # mlp.experts.N.gate_proj), for the weight table's choice on export
-    hf_mlp_layout: str = "mixtral"
+    # mlp.experts.N.gate_proj), for the weight table's choice on export; not the Megatron model's,
+    # so a Megatron-Bridge run_config.yaml leaves it out (porting.convert.bridge)
+    hf_mlp_layout: str = field(default="mixtral", metadata={"megatron": False})
     transformer_layer_spec: ModuleSpec | object = moe_layer_spec
 
 

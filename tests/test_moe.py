@@ -232,8 +232,7 @@ def test_round_trip_is_exact(variant, converted, tmp_path):
 
 
 def test_every_layout_round_trips_exactly(converted, tmp_path):
-    proof.prove_formats(converted("qwen2_moe")[0], tmp_path, formats=("megatron-lm",))
-    proof.prove_bridge_refused(converted("qwen2_moe")[0], tmp_path, ["hf_mlp_layout"])
+    proof.prove_formats(converted("qwen2_moe")[0], tmp_path)
 
 
 def _damaged(converted, tmp_path, variant, change):

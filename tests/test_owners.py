@@ -100,6 +100,45 @@ def test_megatron_bridge_loader_reads_ours(ours, tmp_path):
     _assert_logits(ours["hf"], tmp_path / "logits.pt")
 
 
+def test_megatron_bridge_loader_reads_our_mixture_of_experts(tmp_path):
+    """A Qwen2-MoE (shared expert behind its sigmoid gate) imported as megatron-bridge: Bridge's
+    loader builds it with Bridge's own default spec from our run_config.yaml (no class of ours),
+    and its logits equal HF's."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    from porting.testing import make_tokenizer
+
+    hf = tmp_path / "hf"
+    torch.manual_seed(0)
+    model = Qwen2MoeForCausalLM(
+        Qwen2MoeConfig(
+            vocab_size=130, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        )
+    )  # fmt: skip
+    with torch.no_grad():  # norms and biases off their init, so a dropped one shows
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(str(hf))
+    make_tokenizer(hf, vocab_size=120)
+    ckpt = tmp_path / "bridge"
+    import_hf(hf, ckpt, fmt="megatron-bridge", show_progress=False)
+    run_config = (ckpt / "iter_0000000" / "run_config.yaml").read_text()
+    assert "_target_: megatron.bridge.models.gpt_provider.default_layer_spec" in run_config
+    targets = {
+        line.split(":", 1)[1].strip() for line in run_config.splitlines() if "_target_:" in line
+    }
+    assert all(t.startswith(("megatron.", "torch.")) for t in targets), targets
+    tokens = _tokens(tmp_path / "tokens.pt", 130)
+    log = _owners(
+        "bridge", "load", str(ckpt), "--tokens", str(tokens), "--out", str(tmp_path / "logits.pt")
+    )
+    assert "megatron-bridge loaded" in log and "as GPTModel" in log
+    _assert_logits(_hf_logits(hf, tokens), tmp_path / "logits.pt")
+
+
 def test_bridge_trains_from_ours_and_the_result_exports_through_the_gate(
     ours, tiny_llama, tmp_path
 ):

@@ -82,7 +82,8 @@ def run_config_for(config, family) -> dict:
     model: dict = {"_target_": PROVIDER}
     for f in dataclasses.fields(config):
         name, value = f.name, getattr(config, f.name)
-        if name in _RUNTIME or name.startswith("_"):
+        # a field a family marks as not the Megatron model's (porting's own bookkeeping)
+        if name in _RUNTIME or name.startswith("_") or f.metadata.get("megatron") is False:
             continue
         if name not in _FIELDS:
             if (
@@ -105,8 +106,11 @@ def run_config_for(config, family) -> dict:
         elif name == "activation_func":
             model[name] = {"_target_": _qualified(value), "_call_": False}
         elif name == "transformer_layer_spec":
+            # a family's spec function may name Bridge's function that builds the same layers
+            # (``megatron_bridge_spec``): Bridge's loader instantiates only its allowed prefixes
             target = _qualified(value) if callable(value) else None
-            model[name] = {"_target_": _SPECS.get(target, target), "_call_": False}
+            target = _SPECS.get(target) or getattr(value, "megatron_bridge_spec", None) or target
+            model[name] = {"_target_": target, "_call_": False}
         elif isinstance(value, _PLAIN):
             model[name] = value
         elif isinstance(value, list | tuple) and all(isinstance(v, _PLAIN) for v in value):

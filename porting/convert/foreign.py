@@ -49,9 +49,9 @@ def foreign_manifest(loc: Located, hf_config: Path, tokenizer: Path | None):
     padded = reader.global_shape(emb)[0]
     dtype = reader.dtype(emb)
     config, _ = build_config(family, cfg, dtype, 1, padded_vocab_size=padded)
-    check_saved_shape(loc, config, f"{where} ({family.name})")
+    check_saved_shape(loc, config, f"{where} ({family.name})", family)
     vocab = cfg["vocab_size"]  # a positive integer: the family's config map checked it
-    check_vocabulary(loc, vocab, padded, where)
+    check_vocabulary(loc, vocab, padded, where, family)
     manifest = Manifest(
         family=family.name,
         hf_architecture=cfg["architectures"][0],
@@ -68,7 +68,7 @@ def foreign_manifest(loc: Located, hf_config: Path, tokenizer: Path | None):
     )
 
 
-def check_vocabulary(loc: Located, vocab: int, rows: int, where) -> None:
+def check_vocabulary(loc: Located, vocab: int, rows: int, where, family=None) -> None:
     """The HF config's ``vocab`` against the ``rows`` of the checkpoint's embedding (``where``:
     the config's file, for messages).
 
@@ -86,7 +86,7 @@ def check_vocabulary(loc: Located, vocab: int, rows: int, where) -> None:
         raise PortingError(
             f"{where}: vocab_size {vocab} does not fit the checkpoint's {rows} embedding rows"
         )
-    saved, source = loc.layout.saved_config(loc)
+    saved, source = loc.layout.saved_config(loc, family)
     divisor = saved.get("make_vocab_size_divisible_by")
     tp = saved.get("tensor_model_parallel_size")
     counts = all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in (divisor, tp))

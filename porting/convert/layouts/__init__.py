@@ -57,7 +57,7 @@ def check_saved_metadata(ckpt: Checkpoint | str | os.PathLike, family) -> None:
         1,
         padded_vocab_size=manifest.padded_vocab_size,
     )
-    check_saved_shape(loc, config, checkpoint.source)
+    check_saved_shape(loc, config, checkpoint.source, family)
     # The layer count and vocabulary first: named by the manifest's field, and a manifest claiming
     # 10**5 layers is refused before even a meta model of that size is built.
     check_nemo_counts(checkpoint, config)
@@ -101,11 +101,12 @@ _SAVED_SHAPE = (
 )
 
 
-def check_saved_shape(loc: Located, config, where: str) -> None:
+def check_saved_shape(loc: Located, config, where: str, family=None) -> None:
     """What the checkpoint saved about its architecture (its layout's
     :meth:`~porting.convert.layouts.base.Layout.saved_config`) against ``config`` (from
-    ``where``): the first disagreement is one line naming both files, the field and both values."""
-    saved, source = loc.layout.saved_config(loc)
+    ``where``; ``family``: ``config``'s): the first disagreement is one line naming both files, the
+    field and both values."""
+    saved, source = loc.layout.saved_config(loc, family)
     for name, attr in _SAVED_SHAPE:
         ours, theirs = getattr(config, attr, None), saved.get(name)
         if name == "num_query_groups" and theirs is None:

@@ -74,9 +74,10 @@ class Layout(Protocol):
         code (``family``: the checkpoint's, whose declared symbols are allowed)."""
         ...
 
-    def saved_config(self, loc: Located) -> tuple[dict, str]:
+    def saved_config(self, loc: Located, family=None) -> tuple[dict, str]:
         """The model's architecture as the checkpoint saved it for its owner, and the file that
-        says it (for messages)."""
+        says it (for messages); ``family``: the checkpoint's, whose declared symbols the file may
+        name."""
         ...
 
     def check_config(self, config, family) -> None:

@@ -30,8 +30,8 @@ class MegatronBridge(MegatronLM):
         super().check_saved(loc, family)
         check_run_config(loc.weights / RUN_CONFIG, loc.root, family)
 
-    def saved_config(self, loc: Located) -> tuple[dict, str]:
-        model = check_run_config(loc.weights / RUN_CONFIG, loc.root)
+    def saved_config(self, loc: Located, family=None) -> tuple[dict, str]:
+        model = check_run_config(loc.weights / RUN_CONFIG, loc.root, family)
         return model, f"{loc.weights / RUN_CONFIG} (model)"
 
     def check_config(self, config, family) -> None:

@@ -389,7 +389,7 @@ class MegatronLM:
     def check_saved(self, loc: Located, family=None) -> None:
         read_common(loc)
 
-    def saved_config(self, loc: Located) -> tuple[dict, str]:
+    def saved_config(self, loc: Located, family=None) -> tuple[dict, str]:
         args = read_common(loc).get("args")
         if not isinstance(args, argparse.Namespace):
             return {}, str(loc.weights)

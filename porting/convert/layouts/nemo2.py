@@ -44,7 +44,7 @@ class NeMo2:
 
         check_io_json(loc.root, family)
 
-    def saved_config(self, loc: Located) -> tuple[dict, str]:
+    def saved_config(self, loc: Located, family=None) -> tuple[dict, str]:
         # NeMo's io.json describes the model as objects to import and call
         # (porting.convert.context); the tensors' shapes are checked against the manifest instead.
         return {}, str(loc.meta / "io.json")
