@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -80,6 +81,11 @@ class GemmaCore(GPTCore):
     sandwich_norms: bool = False
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # what keeps Megatron-Bridge's GPTModelProvider from building this model (porting.convert.bridge)
+    megatron_bridge_refusal: ClassVar[str] = (
+        "the embedding scale and the final soft-cap are added by the family's configure_model, "
+        "which Bridge's provider does not run"
+    )
 
     def __post_init__(self) -> None:
         # TransformerConfig.__post_init__ rejects fusions whose kernels are missing: off first

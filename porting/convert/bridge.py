@@ -79,6 +79,13 @@ def run_config_for(config, family) -> dict:
 
     import torch
 
+    refusal = getattr(type(config), "megatron_bridge_refusal", None)
+    if refusal:  # a model-level piece the provider cannot hold, said by the family
+        raise PortingError(
+            f"family {family.name}: Megatron-Bridge's GPTModelProvider cannot describe this "
+            f"model ({refusal}) and no provider class of the family's own is built yet: use "
+            "--format megatron-lm or nemo2"
+        )
     model: dict = {"_target_": PROVIDER}
     for f in dataclasses.fields(config):
         name, value = f.name, getattr(config, f.name)

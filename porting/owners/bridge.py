@@ -11,6 +11,9 @@ with the model provider read from CKPT by Bridge's ``load_model_config``, and sa
 Without Transformer Engine (on the CPU), a ``run_config.yaml`` that names Bridge's
 ``default_layer_spec`` (Transformer Engine layers) is built with Bridge's ``local_layer_spec``,
 through the loader's own ``mp_overrides``: the same parameters under the same checkpoint keys.
+A family's own spec (Gemma's, OLMo 2's, gpt-oss's) picks the local layers itself, and is left as
+named: its package's prefix is registered with Bridge's ``register_allowed_target_prefix``, as
+a user who loads such a checkpoint in Bridge does (docs/formats.md).
 """
 
 from __future__ import annotations
@@ -35,11 +38,25 @@ def _iteration(ckpt: str) -> str:
     return str(root / f"iter_{int(text):07d}")
 
 
-def _spec_overrides() -> dict:
-    """Bridge's local spec where Transformer Engine's cannot be built (see the docstring)."""
+_BRIDGE_SPEC = "megatron.bridge.models.gpt_provider.default_layer_spec"
+
+
+def _spec_overrides(iteration: str) -> dict:
+    """Bridge's local spec where Transformer Engine's cannot be built and the checkpoint names
+    Bridge's own spec; a family's own spec's package registered (see the docstring)."""
     import importlib.util
 
-    if importlib.util.find_spec("transformer_engine") is not None:
+    import yaml
+    from megatron.bridge.utils.instantiate_utils import register_allowed_target_prefix
+
+    model = yaml.safe_load((Path(iteration) / "run_config.yaml").read_text())["model"]
+    target = (model.get("transformer_layer_spec") or {}).get("_target_", "")
+    for name in model.values():
+        if isinstance(name, dict) and not name.get("_target_", "megatron.").startswith(
+            ("megatron.", "torch.")
+        ):
+            register_allowed_target_prefix(name["_target_"].split(".")[0] + ".")
+    if target != _BRIDGE_SPEC or importlib.util.find_spec("transformer_engine") is not None:
         return {}
     from megatron.bridge.models.gpt_provider import local_layer_spec
 
@@ -55,7 +72,7 @@ def load(ckpt: str, tokens: list[torch.Tensor]) -> list[torch.Tensor]:
 
     path = _iteration(ckpt)
     model = load_megatron_model(
-        path, use_cpu_init=True, skip_temp_dist_context=True, mp_overrides=_spec_overrides()
+        path, use_cpu_init=True, skip_temp_dist_context=True, mp_overrides=_spec_overrides(path)
     )
     model = model[0] if isinstance(model, list) else model
     model.eval()
@@ -93,8 +110,9 @@ def train(ckpt: str, steps: int, save: str) -> None:
 
     from porting import cpu
 
+    overrides = _spec_overrides(_iteration(ckpt))
     model, _ = load_model_config(_iteration(ckpt))
-    for key, value in _spec_overrides().items():
+    for key, value in overrides.items():
         setattr(model, key, value)
     # Fused kernels off where they do not exist (on the CPU, all): Bridge warms each up first.
     cpu.kernel_safe_config(model)
