@@ -57,9 +57,10 @@ def decisions(wh, here, image):
     return wh.select(here, image, wh.collect_pins(set(here), "3.12"))
 
 
-def _project_pins() -> dict[str, Requirement]:
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    return {canonicalize_name(r.name): r for r in map(Requirement, deps)}
+def _project_pins(wh) -> dict[str, Requirement]:
+    """pyproject.toml's pins for the kit's stack; a name pinned twice (megatron-core, in the
+    package and in the nemo2 extra) keeps its tighter, later pin."""
+    return {canonicalize_name(r.name): r for r in wh.project_requirements()}
 
 
 def test_needed_lists_the_stack_and_not_the_repo(needed):
@@ -70,8 +71,8 @@ def test_needed_lists_the_stack_and_not_the_repo(needed):
     assert "plan" in needed["pyyaml"].commands
 
 
-def test_needed_versions_meet_pyproject_pins(needed):
-    pins = _project_pins()
+def test_needed_versions_meet_pyproject_pins(wh, needed):
+    pins = _project_pins(wh)
     for name, item in needed.items():
         if name in pins:
             assert pins[name].specifier.contains(item.version, prereleases=True), (name, item)
@@ -113,12 +114,12 @@ def test_decide(wh, ours, image, in_image, spec, project, carry):
     assert dec.carry is carry, dec.reason
 
 
-def test_selection_carries_our_pinned_stack_and_never_torch(decisions, here):
+def test_selection_carries_our_pinned_stack_and_never_torch(wh, decisions, here):
     carried = {n for n, d in decisions.items() if d.carry}
     assert {"transformers", "tokenizers", "huggingface-hub", "nemo-toolkit"} <= carried
     assert {"protobuf", "packaging", "fsspec", "lightning"} <= carried  # pins the image misses
     assert not {"torch", "numpy", "pyarrow", "wandb", "accelerate"} & carried
-    pins = _project_pins()
+    pins = _project_pins(wh)
     for name in carried & set(pins):
         assert pins[name].specifier.contains(here[name].version, prereleases=True), name
 

@@ -69,7 +69,7 @@ OWN_DISTRIBUTION = "porting"
 
 # Never carried: ours is the CPU build on this machine's disk, the image's is built for its CUDA.
 # The image's must still meet the pins of what uses it (megatron-core and nemo-toolkit want
-# torch>=2.6); pyproject.toml's torch==2.13.0 names the CPU build and is not read for it.
+# torch>=2.6); pyproject.toml's torch range names the CPU builds and is not read for it.
 MACHINE_BUILDS = frozenset({"torch"})
 
 # What the rehearsal (a venv with the image's packages at their newest, the wheelhouse on
@@ -534,6 +534,20 @@ def _applies(req: Requirement, env: dict[str, str], extras: set[str]) -> bool:
     return any(marker.evaluate(env | {"extra": e}) for e in extras | {""})
 
 
+# The kit runs the NeMo 2 stack's commands (training goes through NeMo 2): porting's requirements
+# and its nemo2 extra, which holds transformers below 5 and Megatron-Core below 0.16.
+KIT_EXTRAS = ("nemo2",)
+
+
+def project_requirements(pyproject: Path = ROOT / "pyproject.toml") -> list[Requirement]:
+    """pyproject.toml's requirements for the kit's stack (``KIT_EXTRAS``)."""
+    project = tomllib.loads(pyproject.read_text())["project"]
+    texts = list(project["dependencies"])
+    for extra in KIT_EXTRAS:
+        texts += project["optional-dependencies"][extra]
+    return [Requirement(t) for t in texts]
+
+
 def collect_pins(
     needed: set[str], python_version: str, pyproject: Path = ROOT / "pyproject.toml"
 ) -> Pins:
@@ -543,9 +557,8 @@ def collect_pins(
     stubbed) pin nothing."""
     pins = Pins()
     env = _marker_env(python_version)
-    project = tomllib.loads(pyproject.read_text())["project"]
     extras: dict[str, set[str]] = defaultdict(set)
-    for req in map(Requirement, project["dependencies"]):
+    for req in project_requirements(pyproject):
         name = canonicalize_name(req.name)
         extras[name] |= req.extras
         if name in needed and name not in MACHINE_BUILDS and _applies(req, env, set()):
