@@ -174,11 +174,11 @@ QUICK_FILES = {
 # Megatron-Core 0.19, transformers 5, no NeMo); every file runs on the NeMo 2 stack. A file here
 # must not need NeMo: the published catalogue (every family, import with the gate under
 # transformers 5 and export back identical), transformers 5's own saves, the three layouts and
-# their hostile metadata, the weight tables against both models, the no-op field rules, and the
-# environments' own checks.
+# their hostile metadata, verify's pairing of an HF directory with a checkpoint, the weight tables
+# against both models, the no-op field rules, and the environments' own checks.
 CURRENT_STACK_FILES = {
-    "test_published.py", "test_hf_v5.py", "test_formats.py", "test_table_check.py",
-    "test_noop_fields.py", "test_environments.py",
+    "test_published.py", "test_hf_v5.py", "test_formats.py", "test_verify_pair.py",
+    "test_table_check.py", "test_noop_fields.py", "test_environments.py",
 }  # fmt: skip
 ON_CURRENT_STACK = importlib.util.find_spec("nemo") is None
 

@@ -24,9 +24,17 @@ ROOT = Path(__file__).resolve().parents[1]
 HEAVY = {"torch", "nemo", "megatron", "transformers", "lightning"}
 
 
+def _config(hf: Path) -> dict:
+    """``hf``'s config.json in the 4.x spelling the edits below use (a transformers 5 save, on the
+    current stack, spells the rotary settings as rope_parameters)."""
+    from porting.contract.hf_spelling import internal
+
+    return internal(json.loads((hf / "config.json").read_text()))
+
+
 def _edited(hf: Path, out: Path, **changes) -> Path:
     shutil.copytree(hf, out)
-    cfg = json.loads((out / "config.json").read_text()) | changes
+    cfg = _config(out) | changes
     (out / "config.json").write_text(json.dumps(cfg))
     return out
 
@@ -123,7 +131,7 @@ def test_differences_compare_what_the_fields_set(tiny_llama):
     spells out the head width its width and heads imply is the same model; one that changes it
     is named by its HF field."""
     llama = family_by_name("llama")
-    base = json.loads((tiny_llama / "config.json").read_text())
+    base = _config(tiny_llama)
     base.pop("head_dim", None)
     implied = base["hidden_size"] // base["num_attention_heads"]
 
