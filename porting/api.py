@@ -20,7 +20,7 @@ from porting.convert.checkpoint import (
     remove_stale,
     staged,
 )
-from porting.convert.export import export_into
+from porting.convert.export import export_into, resolved_hf_layout
 from porting.convert.hf_files import family_for_hf_dir
 from porting.convert.layouts.registry import is_hf_dir, layout_named
 from porting.errors import PortingError
@@ -165,10 +165,7 @@ def export_hf(
         report = None
         checkpoint = open_checkpoint(ckpt)
         family = family_by_name(checkpoint.family)
-        stacked = hf_layout == "stacked" or (
-            hf_layout == "as-imported" and checkpoint.manifest.hf_experts == "stacked"
-        )
-        if quantize and stacked:
+        if quantize and resolved_hf_layout(hf_layout, checkpoint.manifest) == "stacked":
             # FP8 releases store their experts one tensor each, with a scale per block of each
             raise PortingError(
                 f"--quantize {quantize} writes experts one tensor each, as FP8 releases do; "

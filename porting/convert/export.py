@@ -39,14 +39,19 @@ def shapes_of(params: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
 HF_LAYOUTS = ("as-imported", "published", "stacked")
 
 
-def _hf_layout(hf_layout: str, manifest: Manifest, specs: list, where: str):
-    """The stored tensors for ``hf_layout`` and the parts written into them (None: each tensor
-    is stored as itself)."""
+def resolved_hf_layout(hf_layout: str, manifest: Manifest) -> str:
+    """``published`` or ``stacked``: what ``hf_layout`` asks of this checkpoint's export."""
     if hf_layout not in HF_LAYOUTS:
         raise PortingError(f"--hf-layout must be one of {', '.join(HF_LAYOUTS)}, not {hf_layout!r}")
     if hf_layout == "as-imported":
-        hf_layout = manifest.hf_experts or "published"
-    if hf_layout == "published":
+        return manifest.hf_experts or "published"
+    return hf_layout
+
+
+def _hf_layout(hf_layout: str, manifest: Manifest, specs: list, where: str):
+    """The stored tensors for ``hf_layout`` and the parts written into them (None: each tensor
+    is stored as itself)."""
+    if resolved_hf_layout(hf_layout, manifest) == "published":
         return specs, None
     from porting.convert.packed_experts import stacked_plan
 
