@@ -45,7 +45,9 @@ build_env() {
   # torch first, alone: the build on this machine's disk; otherwise a multi-GB CUDA build is pulled
   "$dir/bin/python" -m pip install -q "$(grep -E '^torch==' "$lock")"
   "$dir/bin/python" -m pip install -q --no-deps -r "$lock"
-  "$dir/bin/python" -m pip install -q --no-deps -e .
+  # (setuptools warns every editable build that a folder named like the package may shadow it:
+  # here that folder is the package)
+  PYTHONWARNINGS=ignore "$dir/bin/python" -m pip install -q --no-deps -e .
   # every requirement porting declares is met by the lock (pip check would also report what
   # megatron-bridge declares and the lock leaves out on purpose)
   "$dir/bin/python" scripts/check_lock.py
