@@ -301,9 +301,22 @@ def test_train_on_two_nodes_requeued_then_cancelled_and_resumed_follows_one_proc
     states = _slurm(slurm_cluster, "scontrol", "-o", "show", "job", job)
     assert " NodeList=node[1-2] " in states
 
+    # DP=2's checkpoint, in the default format: the distributed optimizer, DP-reshardable
+    layouts = [json.loads(p.read_text()) for p in
+               (out / "checkpoints").glob("step=*/context/train_layout.json")]  # fmt: skip
+    assert layouts and {(x["distributed_optimizer"], x["optimizer_format"]) for x in layouts} == {
+        (True, "dp_reshardable")
+    }, layouts
     done = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT, env=slurm_cluster)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert "done: checkpoints in" in done.stdout
+    # resumed, not restarted: the job's first step is one after a checkpoint
+    assert "step 1/8 " not in done.stdout and " loss " in done.stdout, done.stdout[-3000:]
+    built = json.loads((out / "run.json").read_text())["built"]
+    assert built["world_size"] == 2 and built["optimizer"] == ["DistributedOptimizer"]
+    assert (built["tp"], built["pp"], built["dp"]) == (1, 1, 2)
+    assert built["megatron_timers"] is False
+    assert (out / "checkpoints" / "last" / "weights" / "metadata.json").exists()
     # the submitting command and the job's log it prints: our lines only
     foreign = foreign_lines(done.stdout + done.stderr)
     assert foreign == [], "\n".join(foreign)

@@ -1,8 +1,9 @@
 """Multi-process `porting train` on the CPU: two gloo processes under `--executor torchrun`.
 
-TP=2, PP=2 and DP=2 runs (the distributed optimizer on, as by default) are killed with SIGKILL of
-their process group right after a checkpoint, re-run, and must continue with the losses of an
-uninterrupted one-process run; checkpoints saved at TP=2 and PP=2 resume in one process (Megatron
+TP=2 and PP=2 runs (the distributed optimizer on, as by default) are killed with SIGKILL of their
+process group right after a checkpoint, re-run, and must continue with the losses of an
+uninterrupted one-process run (DP=2's kill and resume is the two-node Slurm run's,
+tests/test_slurm.py, in the default DP-reshardable format); checkpoints saved at TP=2 and PP=2 resume in one process (Megatron
 reshards the weights and the optimizer state on load); the PP=2 run is the one `porting plan
 --emit` wrote for a two-process node, run as emitted, and an uneven pipeline across two sites runs
 as emitted too. Every run is a real `porting train` process tree, stopped by a timeout if it hangs.
@@ -100,10 +101,9 @@ def one_process(tiny_nemo, train_corpus, tmp_path_factory) -> dict[int, float]:
 TP_TOL = 5e-5
 
 LAYOUTS = {
-    # name: (flags, tolerance against one process, reshard in one process)
-    "tp2": (("--tp", "2", "--optim-fully-reshardable"), TP_TOL, True),
-    "pp2": (("--optim-fully-reshardable",), TOL, True),  # the plan emitted by _pipeline_plan
-    "dp2": ((), TOL, False),
+    # name: (flags, tolerance against one process)
+    "tp2": (("--tp", "2", "--optim-fully-reshardable"), TP_TOL),
+    "pp2": (("--optim-fully-reshardable",), TOL),  # the plan emitted by _pipeline_plan
 }
 
 
@@ -160,12 +160,11 @@ def test_killed_two_process_run_resumes_exactly(
 
     TP=2 and PP=2 save the distributed optimizer fully reshardable, and their checkpoint also
     resumes in one process (TP=2 -> 1, PP=2 -> 1) with the uninterrupted run's later losses: a
-    fresh or mis-sharded Adam state would be 1e-2 off from the first update on. DP=2 keeps the
-    default (DP-reshardable) format and gives one process's losses at the same global batch.
+    fresh or mis-sharded Adam state would be 1e-2 off from the first update on.
     PP=2 is the run `porting plan --emit` wrote for a two-device node, its torchrun.sh run as
     emitted (the run's flags appended), both times: the trainer builds what the plan says.
     """
-    flags, tol, reshard = LAYOUTS[name]
+    flags, tol = LAYOUTS[name]
     ref = one_process
     out, env, plan = tmp_path / name, None, None
     if name == "pp2":
@@ -178,9 +177,8 @@ def test_killed_two_process_run_resumes_exactly(
         (out / "checkpoints" / "step=7-last" / "context" / "train_layout.json").read_text()
     )
     assert layout["global_step"] == SAVE_EVERY and layout["distributed_optimizer"] is True
-    assert layout["optimizer_format"] == ("fully_reshardable" if reshard else "dp_reshardable")
-    if reshard:
-        shutil.copytree(out, tmp_path / "copy", symlinks=True)
+    assert layout["optimizer_format"] == "fully_reshardable"
+    shutil.copytree(out, tmp_path / "copy", symlinks=True)
 
     r = _run(argv, env)
     # resumed, not restarted: the first step it runs is the one after the checkpoint
@@ -192,19 +190,17 @@ def test_killed_two_process_run_resumes_exactly(
     _assert_sametrain_losses(before, ref, [s for s in before if s < SAVE_EVERY], tol)
     built = json.loads((out / "run.json").read_text())["built"]
     assert built["world_size"] == 2 and built["optimizer"] == ["DistributedOptimizer"]
-    assert (built["tp"], built["pp"], built["dp"]) == {
-        "tp2": (2, 1, 1), "pp2": (1, 2, 1), "dp2": (1, 1, 2)
-    }[name]  # fmt: skip
+    assert (built["tp"], built["pp"], built["dp"]) == {"tp2": (2, 1, 1), "pp2": (1, 2, 1)}[name]
     assert built["megatron_timers"] is False  # the cause of the save hang, gone
     assert (out / "checkpoints" / "last" / "weights" / "metadata.json").exists()
     if plan is not None:
         _assert_built_as_planned(built, plan)
 
-    if reshard:  # the same checkpoint, resumed in one process
-        copy = tmp_path / "copy"
-        r = _run(_argv(tiny_nemo, train_corpus, copy))
-        assert "with a new layout" in r.stderr
-        _assert_sametrain_losses(train_losses(copy), ref, resumed, tol)
+    # the same checkpoint, resumed in one process
+    copy = tmp_path / "copy"
+    r = _run(_argv(tiny_nemo, train_corpus, copy))
+    assert "with a new layout" in r.stderr
+    _assert_sametrain_losses(train_losses(copy), ref, resumed, tol)
 
 
 @pytest.mark.slow
