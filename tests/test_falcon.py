@@ -26,7 +26,6 @@ from porting.api import import_hf
 from porting.demo import compare_hf_dirs
 from porting.parity import harness as parity
 from porting.proof import (
-    prove_bridge_refused,
     prove_formats,
     prove_round_trip,
     refused_import,
@@ -229,10 +228,13 @@ def test_round_trip_is_exact_and_loads_in_transformers(variant, converted, tmp_p
 
 @pytest.mark.parametrize("variant", ["rw_alibi_biases", "40b_gqa_two_norms"])
 def test_every_layout_round_trips_exactly(variant, converted, tmp_path):
-    """Through the Megatron-LM layout too (porting.proof.prove_formats); Megatron-Bridge's
-    GPTModelProvider cannot describe Falcon's layer, so that layout is refused by name."""
-    prove_formats(converted(variant)[0], tmp_path, formats=("megatron-lm",))
-    prove_bridge_refused(converted(variant)[0], tmp_path, ["new_decoder_architecture", "alibi"])
+    """Through the Megatron-LM and Megatron-Bridge layouts too (porting.proof.prove_formats); the
+    Bridge layout names the family's own provider (models.falcon_bridge), which Bridge's loader
+    builds: tests/test_owners.py."""
+    prove_formats(converted(variant)[0], tmp_path)
+    run_config = (tmp_path / "megatron-bridge" / "iter_0000000" / "run_config.yaml").read_text()
+    assert "_target_: models.falcon_bridge.FalconModelProvider\n" in run_config
+    assert ("alibi: true" in run_config) is (variant == "rw_alibi_biases")
 
 
 def test_nemo_api_import_and_export(converted, tmp_path):

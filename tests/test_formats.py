@@ -231,6 +231,11 @@ def test_a_hostile_dot_metadata_is_refused_unrun(layouts, tmp_path, monkeypatch)
             "<root>.model.activation_func._target_ 'os.system' is not allowed",
         ),
         (lambda m: m.update(_target_="mypkg.Provider"), "is not a Megatron-Bridge provider"),
+        # a family's own provider is allowed for that family's checkpoints only
+        (
+            lambda m: m.update(_target_="models.falcon_bridge.FalconModelProvider"),
+            "is not a Megatron-Bridge provider or family llama's",
+        ),
     ],
 )
 def test_a_run_config_outside_the_allow_list_is_refused(layouts, tmp_path, edit, needle):

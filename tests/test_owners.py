@@ -101,14 +101,19 @@ def test_megatron_bridge_loader_reads_ours(ours, tmp_path):
 
 
 # Families whose Megatron-Bridge checkpoint Bridge's own loader builds: the MoE family from Bridge's
-# default spec (no class of ours), OLMo 2 from its own spec function once its package's prefix is
-# registered with Bridge (porting.owners.bridge), as a user does. (Gemma is refused in the layout:
+# default spec (no class of ours), OLMo 2 from its own spec function and Falcon from its own
+# provider class once their package's prefix is registered with Bridge (porting.owners.bridge), as
+# a user does. (Gemma is refused in the layout:
 # its embedding scale is added by its configure_model, which Bridge's provider does not run.)
 _BRIDGE_FAMILIES = {
     "qwen2_moe": ("Qwen2MoeForCausalLM", dict(
         intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2)),
     "olmo2": ("Olmo2ForCausalLM", dict(intermediate_size=96, num_key_value_heads=2)),
+    # Falcon from the family's own provider (models.falcon_bridge): the 40B block, RW's ALiBi
+    "falcon_40b": ("FalconForCausalLM", dict(new_decoder_architecture=True, num_kv_heads=2)),
+    "falcon_rw_alibi": ("FalconForCausalLM", dict(
+        alibi=True, parallel_attn=False, multi_query=False, bias=True)),
 }  # fmt: skip
 
 

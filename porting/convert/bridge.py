@@ -63,16 +63,33 @@ MAX_RUN_CONFIG_BYTES = 4 << 20
 
 
 def _qualified(fn) -> str:
+    import torch.nn.functional as F
+
+    # torch's builtins say they live in torch._C (F.gelu is torch._C._nn.gelu): named where
+    # users and the reader's allow-list know them
+    if getattr(F, getattr(fn, "__name__", ""), None) is fn:
+        return f"torch.nn.functional.{fn.__name__}"
     return f"{fn.__module__}.{fn.__qualname__}"
+
+
+def family_provider(family) -> str | None:
+    """The provider class a family ships for Bridge (``megatron_bridge_provider`` on its
+    NeMo-free config: a ``GPTModelProvider`` subclass over that config, for an architecture
+    Bridge lacks), as ``run_config.yaml`` names it; ``None``: Bridge's own provider."""
+    if family is None:
+        return None
+    return getattr(family.config_class(nemo=False), "megatron_bridge_provider", None)
 
 
 def run_config_for(config, family) -> dict:
     """The ``run_config.yaml`` content for a checkpoint of ``config`` (the family's Megatron
-    config): the ``model:`` section as a ``GPTModelProvider`` and the checkpoint facts Bridge's
-    loader reads on resume (no optimizer, no RNG state saved).
+    config): the ``model:`` section as Bridge's ``GPTModelProvider`` (or the family's own
+    provider, :func:`family_provider`) and the checkpoint facts Bridge's loader reads on resume
+    (no optimizer, no RNG state saved).
 
     A field the provider does not have, set away from its no-op value, is an error naming it:
-    Bridge would build a different model.
+    Bridge would build a different model. The family's own provider has every field of the
+    family's config.
     """
     import dataclasses
     import enum
@@ -86,13 +103,19 @@ def run_config_for(config, family) -> dict:
             f"model ({refusal}) and no provider class of the family's own is built yet: use "
             "--format megatron-lm or nemo2"
         )
-    model: dict = {"_target_": PROVIDER}
+    provider = family_provider(family)
+    own = (
+        frozenset(f.name for f in dataclasses.fields(family.config_class(nemo=False)))
+        if provider
+        else frozenset()
+    )
+    model: dict = {"_target_": provider or PROVIDER}
     for f in dataclasses.fields(config):
         name, value = f.name, getattr(config, f.name)
         # a field a family marks as not the Megatron model's (porting's own bookkeeping)
         if name in _RUNTIME or name.startswith("_") or f.metadata.get("megatron") is False:
             continue
-        if name not in _FIELDS:
+        if name not in _FIELDS and name not in own:
             if (
                 value in (None, False, 0, (), [])
                 or name.startswith("rope_scaling")
@@ -202,6 +225,7 @@ def _check_targets(data, path: Path, family) -> None:
     from porting.convert.untrusted import shown
 
     declared = {".".join(context_symbol(o)) for o in family.context_symbols} if family else set()
+    declared.add(family_provider(family))
     seen: set[int] = set()
     todo = [(data, "<root>")]
     while todo:
@@ -226,7 +250,7 @@ def check_run_config(path: str | os.PathLike, root: str | os.PathLike, family=No
 
     Refused: a file that is not plain YAML data within :func:`porting.convert.untrusted.read_yaml`'s
     bounds (size, depth, aliases expanded, numbers), a ``model:`` whose ``_target_`` is not a
-    Megatron-Bridge model provider, and any ``_target_`` anywhere outside torch's functions and
+    Megatron-Bridge model provider (or ``family``'s own, :func:`family_provider`), and any ``_target_`` anywhere outside torch's functions and
     dtypes, Megatron-Core, Megatron-Bridge and the functions ``family`` declares
     (``Family.context_symbols``).
     """
@@ -237,9 +261,12 @@ def check_run_config(path: str | os.PathLike, root: str | os.PathLike, family=No
     if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
         raise PortingError(f"{path}: no model: section")
     provider = data["model"].get("_target_")
-    if not isinstance(provider, str) or not _PROVIDER.fullmatch(provider):
+    if not isinstance(provider, str) or not (
+        _PROVIDER.fullmatch(provider) or provider == family_provider(family)
+    ):
         raise PortingError(
             f"{path}: model._target_ {shown(provider)} is not a Megatron-Bridge provider"
+            + (f" or family {family.name}'s" if family is not None else "")
         )
     _check_targets(data, path, family)
     return data["model"]

@@ -12,8 +12,9 @@ Without Transformer Engine (on the CPU), a ``run_config.yaml`` that names Bridge
 ``default_layer_spec`` (Transformer Engine layers) is built with Bridge's ``local_layer_spec``,
 through the loader's own ``mp_overrides``: the same parameters under the same checkpoint keys.
 A family's own spec (Gemma's, OLMo 2's, gpt-oss's) picks the local layers itself, and is left as
-named: its package's prefix is registered with Bridge's ``register_allowed_target_prefix``, as
-a user who loads such a checkpoint in Bridge does (docs/formats.md).
+named; so is a family's own provider (Falcon's, ``models.falcon_bridge``): its package's prefix
+is registered with Bridge's ``register_allowed_target_prefix``, as a user who loads such a
+checkpoint in Bridge does (docs/formats.md).
 """
 
 from __future__ import annotations
@@ -51,11 +52,11 @@ def _spec_overrides(iteration: str) -> dict:
 
     model = yaml.safe_load((Path(iteration) / "run_config.yaml").read_text())["model"]
     target = (model.get("transformer_layer_spec") or {}).get("_target_", "")
-    for name in model.values():
-        if isinstance(name, dict) and not name.get("_target_", "megatron.").startswith(
-            ("megatron.", "torch.")
-        ):
-            register_allowed_target_prefix(name["_target_"].split(".")[0] + ".")
+    named = [model["_target_"]]  # the provider: Bridge's, or a family's own (Falcon's)
+    named += [v["_target_"] for v in model.values() if isinstance(v, dict) and "_target_" in v]
+    for name in named:
+        if not name.startswith(("megatron.", "torch.")):
+            register_allowed_target_prefix(name.split(".")[0] + ".")
     if target != _BRIDGE_SPEC or importlib.util.find_spec("transformer_engine") is not None:
         return {}
     from megatron.bridge.models.gpt_provider import local_layer_spec
