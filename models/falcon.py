@@ -110,8 +110,7 @@ class FalconCore(GPTCore):
     parallel_attn: bool = True
     num_ln_in_parallel_attn: int | None = None
     alibi: bool = False
-    # Bridge's GPTModelProvider has no Falcon block and no ALiBi: the family's own provider, this
-    # config over Bridge's (porting.convert.bridge writes it into run_config.yaml)
+    # the family's own Megatron-Bridge provider, where Bridge's cannot describe the model
     megatron_bridge_provider: ClassVar[str] = "models.falcon_bridge.FalconModelProvider"
 
     def __post_init__(self) -> None:
@@ -143,18 +142,13 @@ class FalconCore(GPTCore):
             num_ln_in_parallel_attn=self.num_ln_in_parallel_attn,
         )
 
-    def check_backend(self) -> None:
-        """Refuse the one attention backend that would build the model without ALiBi."""
+    def configure_model(self, tokenizer, pre_process=None, post_process=None, vp_stage=None):
+        """Build the Megatron-Core GPT model with the Falcon layer spec."""
         from megatron.core.transformer.enums import AttnBackend
 
         if self.alibi and self.attention_backend == AttnBackend.local:
-            # the GPT build (NeMo's, porting.mcore's, Bridge's provide) swaps in the stock
-            # DotProductAttention
+            # the GPT build (NeMo's or porting.mcore's) swaps in the stock DotProductAttention
             raise ValueError("attention_backend='local' would drop ALiBi; leave it at 'auto'")
-
-    def configure_model(self, tokenizer, pre_process=None, post_process=None, vp_stage=None):
-        """Build the Megatron-Core GPT model with the Falcon layer spec."""
-        self.check_backend()
         return super().configure_model(tokenizer, pre_process, post_process, vp_stage)
 
 

@@ -50,6 +50,9 @@ class GemmaCore(GPTCore):
     soft-caps set). ``window_size`` and ``window_attn_skip_freq`` (a per-layer 0/1 list) carry
     Gemma 2's alternating sliding window."""
 
+    # the family's own Megatron-Bridge provider, where Bridge's cannot describe the model
+    megatron_bridge_provider: ClassVar[str] = "models.gemma_bridge.GemmaModelProvider"
+
     normalization: str = "RMSNorm"
     activation_func: Callable = gelu_tanh
     gated_linear_unit: bool = True

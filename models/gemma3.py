@@ -17,6 +17,7 @@ may be any pattern.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -89,6 +90,9 @@ class Gemma3Core(GemmaCore):
     """Megatron GPT config for Gemma 3 text models (defaults: gemma-3-1b). ``rotary_base`` and
     ``seq_len_interpolation_factor`` are the global layers' rotary settings, ``rotary_base_local``
     the local layers' base; ``window_attn_skip_freq`` (0/1 per layer) says which layers are local."""
+
+    # the family's own Megatron-Bridge provider, where Bridge's cannot describe the model
+    megatron_bridge_provider: ClassVar[str] = "models.gemma3_bridge.Gemma3ModelProvider"
 
     num_layers: int = 26
     hidden_size: int = 1152

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.tensor_parallel.layers import RowParallelLinear
@@ -65,6 +66,9 @@ def gpt_oss_layer_spec(config: GptOssCore) -> ModuleSpec:
 @dataclass
 class GptOssCore(MoECore):
     """Megatron GPT config for gpt-oss (defaults: gpt-oss-20b's)."""
+
+    # the family's own Megatron-Bridge provider, where Bridge's cannot describe the model
+    megatron_bridge_provider: ClassVar[str] = "models.gpt_oss_bridge.GptOssModelProvider"
 
     num_layers: int = 24
     hidden_size: int = 2880

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -121,6 +122,9 @@ class LlamaCore(GPTCore):
     below). Both of the last two replace the rotary embedding's frequencies once the model is
     built; YaRN's attention factor becomes ``softmax_scale`` (:func:`yarn_softmax_scale`).
     """
+
+    # the family's own Megatron-Bridge provider, where Bridge's cannot describe the model
+    megatron_bridge_provider: ClassVar[str] = "models.llama_bridge.LlamaModelProvider"
 
     normalization: str = "RMSNorm"
     activation_func: Callable = F.silu

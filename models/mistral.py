@@ -10,6 +10,7 @@ HF's window of ``W`` lets position ``i`` attend to keys ``i-W+1 .. i`` (``maskin
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from models.llama import LlamaCore
 from porting.mcore import moved_to
@@ -18,6 +19,9 @@ from porting.mcore import moved_to
 @dataclass
 class MistralCore(LlamaCore):
     """Megatron GPT config for Mistral: the Llama layout plus ``window_size`` (or none)."""
+
+    # the family's own Megatron-Bridge provider, where Bridge's cannot describe the model
+    megatron_bridge_provider: ClassVar[str] = "models.mistral_bridge.MistralModelProvider"
 
     window_size: tuple[int, int] | None = None
     num_query_groups: int = 8

@@ -10,7 +10,7 @@ its submodules. The MoE layer is upstream's, routed as the MoE family routes Qwe
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -46,7 +46,7 @@ class OlmoeCore(MoECore):
     moe_ffn_hidden_size: int = 1024
     moe_router_pre_softmax: bool = True
     moe_aux_loss_coeff: float = 0.01
-    hf_mlp_layout: str = "qwen"
+    hf_mlp_layout: str = field(default="qwen", metadata={"megatron": False})
     clip_qkv: float | None = None
     transformer_layer_spec: ModuleSpec | object = olmoe_layer_spec
 

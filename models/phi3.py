@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -63,6 +64,9 @@ class Phi3Core(LlamaCore):
     or None for no LongRoPE), ``longrope_long_factor``, ``longrope_original_max_position_embeddings``
     and ``longrope_attention_factor`` carry LongRoPE; the ``yarn_*`` fields are derived from the
     attention factor (see the module docstring) and are not set by hand."""
+
+    # the family's own Megatron-Bridge provider, where Bridge's cannot describe the model
+    megatron_bridge_provider: ClassVar[str] = "models.phi3_bridge.Phi3ModelProvider"
 
     num_layers: int = 32
     hidden_size: int = 3072

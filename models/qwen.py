@@ -8,6 +8,7 @@ before the rotary embedding (``qk_layernorm``, built on ``kv_channels`` by the l
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from models.llama import LlamaCore
 from porting.mcore import moved_to
@@ -16,6 +17,9 @@ from porting.mcore import moved_to
 @dataclass
 class QwenCore(LlamaCore):
     """Megatron GPT config for Qwen2 (``add_qkv_bias``) and Qwen3 (``qk_layernorm``)."""
+
+    # the family's own Megatron-Bridge provider, where Bridge's cannot describe the model
+    megatron_bridge_provider: ClassVar[str] = "models.qwen_bridge.QwenModelProvider"
 
     add_qkv_bias: bool = False
     qk_layernorm: bool = False

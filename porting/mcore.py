@@ -190,6 +190,31 @@ class GPTCore(TransformerConfig):
         return spec(self)
 
 
+class BridgeProvider:
+    """The mixin of a family's own Megatron-Bridge provider (:func:`bridge_provider`).
+
+    Bridge's loader instantiates the provider from ``run_config.yaml`` (every field of the
+    family's config) and calls ``provide``: the family's ``configure_model`` then builds the
+    Megatron-Core model as verify and export do without NeMo, with the family's layer spec and
+    what it adds after the build (an embedding scale, rotary tables)."""
+
+    def provide(self, pre_process=None, post_process=None, vp_stage=None):
+        return self.configure_model(None, pre_process, post_process, vp_stage)
+
+
+def bridge_provider(core: type, name: str, module: str) -> type:
+    """A family's own Megatron-Bridge provider class, for a model Bridge's ``GPTModelProvider``
+    cannot describe: the dataclass ``name(BridgeProvider, core, GPTModelProvider)``, defined as
+    ``module.name`` (the ``run_config.yaml`` target that ``core.megatron_bridge_provider``
+    declares, and the one Bridge writes again when it saves). Imports Megatron-Bridge: called
+    from a family's ``models/x_bridge.py``, which only the current stack imports."""
+    from megatron.bridge.models.gpt_provider import GPTModelProvider
+
+    doc = f"Bridge's GPT provider with the fields, defaults, checks and build of {core.__name__}."
+    namespace = {"__module__": module, "__qualname__": name, "__doc__": doc}
+    return dataclass(type(name, (BridgeProvider, core, GPTModelProvider), namespace))
+
+
 def moved_to(here: str, module: str, *names: str) -> Callable[[str], Any]:
     """Module ``here``'s ``__getattr__``: ``names`` are found in ``module``, imported on first use.
 

@@ -33,9 +33,9 @@ def _owners_code(code: str) -> str:
     return run_owners(["-c", code]).stdout.strip().splitlines()[-1]
 
 
-def _tokens(path: Path, vocab: int) -> Path:
+def _tokens(path: Path, vocab: int, lengths: tuple[int, ...] = (13, 5, 32)) -> Path:
     g = torch.Generator().manual_seed(7)
-    torch.save([torch.randint(0, vocab, (n,), generator=g) for n in (13, 5, 32)], path)
+    torch.save([torch.randint(0, vocab, (n,), generator=g) for n in lengths], path)
     return path
 
 
@@ -47,8 +47,11 @@ def _hf_logits(hf_dir: Path, tokens: Path) -> list[torch.Tensor]:
     return [model(t.view(1, -1)).logits.float() for t in torch.load(tokens)]
 
 
-def _assert_logits(hf: list[torch.Tensor], owner: Path) -> None:
-    theirs = torch.load(owner)
+def _assert_logits(hf: list[torch.Tensor], owner: Path | list[torch.Tensor]) -> None:
+    """``owner``: a loader's logits, or its file (Bridge's: one list per checkpoint loaded)."""
+    theirs = torch.load(owner) if isinstance(owner, Path) else owner
+    if isinstance(owner, Path) and isinstance(theirs[0], list):
+        (theirs,) = theirs
     assert len(theirs) == len(hf)
     for a, b in zip(hf, theirs, strict=True):
         torch.testing.assert_close(b[..., : a.shape[-1]], a, atol=DEFAULT_ATOL, rtol=DEFAULT_RTOL)
@@ -101,58 +104,124 @@ def test_megatron_bridge_loader_reads_ours(ours, tmp_path):
 
 
 # Families whose Megatron-Bridge checkpoint Bridge's own loader builds: the MoE family from Bridge's
-# default spec (no class of ours), OLMo 2 from its own spec function and Falcon from its own
-# provider class once their package's prefix is registered with Bridge (porting.owners.bridge), as
-# a user does. (Gemma is refused in the layout:
-# its embedding scale is added by its configure_model, which Bridge's provider does not run.)
+# default spec (no class of ours), OLMo 2 from its own spec function, and those Bridge's
+# GPTModelProvider cannot describe (Falcon's block and ALiBi, Gemma's embedding scale and soft-caps,
+# Gemma 3's two rotary tables, LongRoPE, llama3/YaRN/linear rotary scaling) from the family's own
+# provider class (porting.mcore.bridge_provider), once their package's prefix is registered with
+# Bridge (porting.owners.bridge), as a user does. All in one loader process (Bridge's start-up is
+# most of a load); a case per family.
+_ROPE_LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+_LONGROPE = {
+    "type": "longrope",
+    "short_factor": [1.0 + 0.05 * i for i in range(8)],
+    "long_factor": [1.0 + 0.9 * i for i in range(8)],
+}
+_YARN = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 16,
+}
 _BRIDGE_FAMILIES = {
-    "qwen2_moe": ("Qwen2MoeForCausalLM", dict(
+    "qwen2_moe": ("Qwen2MoeForCausalLM", None, dict(
         intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2)),
-    "olmo2": ("Olmo2ForCausalLM", dict(intermediate_size=96, num_key_value_heads=2)),
-    # Falcon from the family's own provider (models.falcon_bridge): the 40B block, RW's ALiBi
-    "falcon_40b": ("FalconForCausalLM", dict(new_decoder_architecture=True, num_kv_heads=2)),
-    "falcon_rw_alibi": ("FalconForCausalLM", dict(
+    "olmo2": ("Olmo2ForCausalLM", None, dict(intermediate_size=96, num_key_value_heads=2)),
+    "olmoe": ("OlmoeForCausalLM", None, dict(
+        intermediate_size=32, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2)),
+    "falcon_40b": ("FalconForCausalLM", "falcon", dict(
+        new_decoder_architecture=True, num_kv_heads=2)),
+    "falcon_rw_alibi": ("FalconForCausalLM", "falcon", dict(
         alibi=True, parallel_attn=False, multi_query=False, bias=True)),
+    "gemma": ("GemmaForCausalLM", "gemma", dict(
+        intermediate_size=96, num_key_value_heads=1, head_dim=16)),
+    "gemma2": ("Gemma2ForCausalLM", "gemma", dict(
+        intermediate_size=96, num_key_value_heads=2, head_dim=16, sliding_window=8)),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3", dict(
+        intermediate_size=96, num_key_value_heads=2, head_dim=16, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"])),
+    "phi3_longrope": ("Phi3ForCausalLM", "phi3", dict(
+        intermediate_size=96, num_key_value_heads=2, max_position_embeddings=4096,
+        original_max_position_embeddings=160, rope_scaling=_LONGROPE)),
+    "gpt_oss_yarn": ("GptOssForCausalLM", "gpt_oss", dict(
+        intermediate_size=32, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        head_dim=16, sliding_window=8, rope_scaling=_YARN,
+        layer_types=["sliding_attention", "full_attention"])),
+    "llama_llama3_scaling": ("LlamaForCausalLM", "llama", dict(
+        intermediate_size=96, num_key_value_heads=2, rope_scaling=_ROPE_LLAMA3)),
+    "mistral_linear_scaling": ("MistralForCausalLM", "mistral", dict(
+        intermediate_size=96, num_key_value_heads=2, sliding_window=None,
+        rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "qwen2_yarn": ("Qwen2ForCausalLM", "qwen", dict(
+        intermediate_size=96, num_key_value_heads=2, rope_scaling=_YARN)),
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("variant", sorted(_BRIDGE_FAMILIES))
-def test_megatron_bridge_loader_reads_our_other_families(variant, tmp_path):
-    """Imported as megatron-bridge, loaded by Bridge's load_megatron_model from our
-    run_config.yaml: its logits equal HF's."""
+@pytest.fixture(scope="module")
+def bridge_loaded(tmp_path_factory) -> dict:
+    """Each of _BRIDGE_FAMILIES as a tiny HF model, imported (gated) as megatron-bridge, loaded by
+    Bridge's load_megatron_model in one process: per variant its HF logits, Bridge's, and the
+    run_config.yaml targets."""
     import transformers
 
     from porting.testing import make_tokenizer
 
-    arch, extra = _BRIDGE_FAMILIES[variant]
-    cls = getattr(transformers, arch)
-    hf = tmp_path / "hf"
-    torch.manual_seed(0)
-    config = cls.config_class(
-        vocab_size=130, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, **extra
-    )
-    model = cls(config)
-    with torch.no_grad():  # norms and biases off their init, so a dropped one shows
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(str(hf))
-    make_tokenizer(hf, vocab_size=120)
-    ckpt = tmp_path / "bridge"
-    import_hf(hf, ckpt, fmt="megatron-bridge", show_progress=False)
-    run_config = (ckpt / "iter_0000000" / "run_config.yaml").read_text()
-    targets = {
-        line.split(":", 1)[1].strip() for line in run_config.splitlines() if "_target_:" in line
-    }
-    if variant == "qwen2_moe":  # Bridge's own spec: nothing of ours to register
-        assert all(t.startswith(("megatron.", "torch.")) for t in targets), targets
-    tokens = _tokens(tmp_path / "tokens.pt", 130)
-    log = _owners(
-        "bridge", "load", str(ckpt), "--tokens", str(tokens), "--out", str(tmp_path / "logits.pt")
-    )
-    assert "megatron-bridge loaded" in log and "as GPTModel" in log
-    _assert_logits(_hf_logits(hf, tokens), tmp_path / "logits.pt")
+    root = tmp_path_factory.mktemp("bridge-families")
+    # 200 positions: past LongRoPE's 160 and YaRN's 16 original ones, so the scaled tables count
+    tokens = _tokens(root / "tokens.pt", 120, lengths=(13, 200))
+    found: dict = {}
+    for variant, (arch, _, extra) in _BRIDGE_FAMILIES.items():
+        cls = getattr(transformers, arch)
+        hf = root / variant / "hf"
+        torch.manual_seed(0)
+        config = cls.config_class(
+            vocab_size=130, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            pad_token_id=0, **extra,
+        )  # fmt: skip
+        model = cls(config)
+        with torch.no_grad():  # norms and biases off their init, so a dropped one shows
+            for p in model.parameters():
+                if p.dim() == 1:
+                    p.add_(torch.randn_like(p) * 0.1)
+        model.save_pretrained(str(hf))
+        make_tokenizer(hf, vocab_size=120)
+        ckpt = root / variant / "bridge"
+        import_hf(hf, ckpt, fmt="megatron-bridge", show_progress=False)
+        run_config = (ckpt / "iter_0000000" / "run_config.yaml").read_text()
+        targets = {x.split(":", 1)[1].strip() for x in run_config.splitlines() if "_target_:" in x}
+        found[variant] = {"ckpt": ckpt, "hf": _hf_logits(hf, tokens), "targets": targets}
+    out = root / "logits.pt"
+    log = _owners("bridge", "load", *(str(v["ckpt"]) for v in found.values()),
+                  "--tokens", str(tokens), "--out", str(out))  # fmt: skip
+    assert log.count("megatron-bridge loaded") == len(found), log[-3000:]
+    for v, theirs in zip(found.values(), torch.load(out), strict=True):
+        v["bridge"] = theirs
+    return found
+
+
+@pytest.mark.parametrize("variant", sorted(_BRIDGE_FAMILIES))
+def test_megatron_bridge_loader_reads_our_other_families(variant, bridge_loaded):
+    """Imported as megatron-bridge, loaded by Bridge's load_megatron_model from our
+    run_config.yaml (Bridge's own provider, or the family's where Bridge's cannot describe the
+    model): its logits equal HF's."""
+    got = bridge_loaded[variant]
+    family = _BRIDGE_FAMILIES[variant][1]
+    provider = [t for t in got["targets"] if t.endswith("Provider")]
+    if family is None:  # Bridge's own provider and, for the MoE family, Bridge's own spec
+        assert provider == ["megatron.bridge.models.gpt_provider.GPTModelProvider"], provider
+        if variant == "qwen2_moe":
+            assert all(t.startswith(("megatron.", "torch.")) for t in got["targets"])
+    else:
+        assert len(provider) == 1 and provider[0].startswith(f"models.{family}_bridge."), provider
+    _assert_logits(got["hf"], got["bridge"])
 
 
 def test_bridge_trains_from_ours_and_the_result_exports_through_the_gate(

@@ -73,61 +73,78 @@ def _qualified(fn) -> str:
 
 
 def family_provider(family) -> str | None:
-    """The provider class a family ships for Bridge (``megatron_bridge_provider`` on its
-    NeMo-free config: a ``GPTModelProvider`` subclass over that config, for an architecture
-    Bridge lacks), as ``run_config.yaml`` names it; ``None``: Bridge's own provider."""
+    """The provider class a family ships for Bridge (``megatron_bridge_provider``, declared on
+    its NeMo-free config class itself, not inherited: a provider is that class over Bridge's
+    ``GPTModelProvider``, :class:`porting.mcore.BridgeProvider`), as ``run_config.yaml`` names
+    it; ``None``: the family has none."""
     if family is None:
         return None
-    return getattr(family.config_class(nemo=False), "megatron_bridge_provider", None)
+    return vars(family.config_class(nemo=False)).get("megatron_bridge_provider")
+
+
+def _beyond_bridge(config) -> tuple[str, str] | None:
+    """What keeps Bridge's own ``GPTModelProvider`` from describing ``config``: the family's
+    ``megatron_bridge_refusal`` or the first field it lacks set away from its no-op value, as
+    ``(what, why)``; ``None`` when it describes it."""
+    import dataclasses
+
+    refusal = getattr(type(config), "megatron_bridge_refusal", None)
+    if refusal:  # a model-level piece the provider cannot hold, said by the family
+        return "", refusal
+    for f in dataclasses.fields(config):
+        name, value = f.name, getattr(config, f.name)
+        if name in _RUNTIME or name in _FIELDS or name.startswith("_"):
+            continue
+        if f.metadata.get("megatron") is False:  # porting's own bookkeeping, not the model's
+            continue
+        if value in (None, False, 0, (), []) or (
+            name.startswith("rope_scaling") and not getattr(config, "rope_scaling_type", None)
+        ):
+            continue
+        return (
+            name,
+            f"the family's Megatron config sets {name}={value!r}, a field the provider lacks",
+        )
+    return None
 
 
 def run_config_for(config, family) -> dict:
     """The ``run_config.yaml`` content for a checkpoint of ``config`` (the family's Megatron
-    config): the ``model:`` section as Bridge's ``GPTModelProvider`` (or the family's own
-    provider, :func:`family_provider`) and the checkpoint facts Bridge's loader reads on resume
+    config): the ``model:`` section and the checkpoint facts Bridge's loader reads on resume
     (no optimizer, no RNG state saved).
 
-    A field the provider does not have, set away from its no-op value, is an error naming it:
-    Bridge would build a different model. The family's own provider has every field of the
-    family's config.
+    The section is Bridge's own ``GPTModelProvider`` where that describes the model; otherwise
+    the family's own provider (:func:`family_provider`), which has every field of the family's
+    config; a family without one is refused, naming what Bridge's provider lacks (Bridge would
+    build a different model).
     """
     import dataclasses
     import enum
 
     import torch
 
-    refusal = getattr(type(config), "megatron_bridge_refusal", None)
-    if refusal:  # a model-level piece the provider cannot hold, said by the family
+    beyond = _beyond_bridge(config)
+    provider = family_provider(family) if beyond else None
+    if beyond and not provider:
         raise PortingError(
             f"family {family.name}: Megatron-Bridge's GPTModelProvider cannot describe this "
-            f"model ({refusal}) and no provider class of the family's own is built yet: use "
-            "--format megatron-lm or nemo2"
+            f"model ({beyond[1]}) and the family ships no provider of its own "
+            "(megatron_bridge_provider, docs/families.md): use --format megatron-lm or nemo2"
         )
-    provider = family_provider(family)
-    own = (
+    # the fields the provider has: Bridge's, or the family's config's (a NeMo config's own
+    # fields are NeMo's, not the provider's)
+    has = (
         frozenset(f.name for f in dataclasses.fields(family.config_class(nemo=False)))
         if provider
-        else frozenset()
+        else _FIELDS
     )
     model: dict = {"_target_": provider or PROVIDER}
     for f in dataclasses.fields(config):
         name, value = f.name, getattr(config, f.name)
-        # a field a family marks as not the Megatron model's (porting's own bookkeeping)
         if name in _RUNTIME or name.startswith("_") or f.metadata.get("megatron") is False:
             continue
-        if name not in _FIELDS and name not in own:
-            if (
-                value in (None, False, 0, (), [])
-                or name.startswith("rope_scaling")
-                and not getattr(config, "rope_scaling_type", None)
-            ):
-                continue
-            raise PortingError(
-                f"family {family.name}: Megatron-Bridge's GPTModelProvider cannot describe this "
-                f"model (the family's Megatron config sets {name}={value!r}, a field the "
-                "provider lacks) and no provider class of the family's own is built yet: use "
-                "--format megatron-lm or nemo2"
-            )
+        if name not in has:  # a no-op value (_beyond_bridge): left out
+            continue
         if name in _DTYPES:
             model[name] = {
                 "_target_": f"torch.{str(value).removeprefix('torch.')}",

@@ -1,8 +1,10 @@
 """Megatron-Bridge's own loader and training loop, run on the current stack (.venv, scripts/env.sh).
 
-``python -m porting.owners.bridge load CKPT --tokens T.pt --out L.pt`` loads CKPT's newest
-iteration with ``megatron.bridge.training.model_load_save.load_megatron_model`` (the model built
-from its ``run_config.yaml`` by Bridge) and saves the logits of the token ids in T.pt to L.pt.
+``python -m porting.owners.bridge load CKPT [CKPT ...] --tokens T.pt --out L.pt`` loads each
+CKPT's newest iteration with ``megatron.bridge.training.model_load_save.load_megatron_model`` (the
+model built from its ``run_config.yaml`` by Bridge) and saves the logits of the token ids in T.pt
+to L.pt: one list per checkpoint, in order (one process for many checkpoints: Bridge's start-up
+is most of a load).
 
 ``python -m porting.owners.bridge train CKPT --steps N --save DIR`` runs N steps of Bridge's
 ``pretrain`` loop on its mock dataset, starting from CKPT's weights (``pretrained_checkpoint``),
@@ -68,7 +70,8 @@ def load(ckpt: str, tokens: list[torch.Tensor]) -> list[torch.Tensor]:
     """Logits of the model Bridge loads from ``ckpt`` (its root), one per token-id tensor."""
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(1, 1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
     from megatron.bridge.training.model_load_save import load_megatron_model
 
     path = _iteration(ckpt)
@@ -179,17 +182,22 @@ def main(argv: list[str] | None = None) -> int:
         allow_abbrev=False, prog="porting.owners.bridge", description=__doc__
     )
     p.add_argument("action", choices=["load", "train"])
-    p.add_argument("ckpt", help="checkpoint root (latest_checkpointed_iteration.txt beside iter_*)")
+    p.add_argument(
+        "ckpt", nargs="+", help="checkpoint root (latest_checkpointed_iteration.txt beside iter_*)"
+    )
     p.add_argument("--tokens", help="load: torch file with a list of 1-D token id tensors")
     p.add_argument("--out", help="load: torch file to write the logits to")
     p.add_argument("--steps", type=int, default=3, help="train: how many steps")
     p.add_argument("--save", help="train: directory to save into")
     a = p.parse_args(argv)
+    if a.action == "train" and len(a.ckpt) != 1:
+        p.error("train starts from one checkpoint")
     _setup()
     if a.action == "load":
-        torch.save(load(a.ckpt, torch.load(a.tokens, weights_only=True)), a.out)
+        tokens = torch.load(a.tokens, weights_only=True)
+        torch.save([load(ckpt, tokens) for ckpt in a.ckpt], a.out)
     else:
-        train(a.ckpt, a.steps, a.save)
+        train(a.ckpt[0], a.steps, a.save)
     torch.distributed.destroy_process_group()
     return 0
 

@@ -37,6 +37,14 @@ class MegatronBridge(MegatronLM):
     def check_config(self, config, family) -> None:
         run_config_for(config, family)
 
+    def common_args(self, config, manifest: Manifest):
+        """Megatron-LM's arguments too, for a Megatron-LM run reading this layout; none where
+        they cannot describe the model (a rotary scaling, which only ``run_config.yaml`` holds):
+        Bridge's loader reads ``run_config.yaml``, and Bridge's own saves hold no arguments."""
+        if getattr(config, "rope_scaling_type", None) is not None:
+            return None
+        return super().common_args(config, manifest)
+
     def write(self, out: Path, config, manifest: Manifest, family) -> None:
         # A config Bridge's provider cannot describe is refused before anything is moved.
         run_config = run_config_for(config, family)

@@ -263,8 +263,9 @@ def megatron_args(config, padded_vocab_size: int, family_name: str) -> argparse.
     return argparse.Namespace(**args)
 
 
-def write_common(weights: Path, args: argparse.Namespace, iteration: int = 0) -> None:
-    """Replace ``weights/common.pt`` with Megatron-LM's common state for ``args``.
+def write_common(weights: Path, args: argparse.Namespace | None, iteration: int = 0) -> None:
+    """Replace ``weights/common.pt`` with Megatron-LM's common state for ``args`` (``None``: no
+    ``args``, as Megatron-Bridge's own saves have none).
 
     The keys ``generate_state_dict`` writes for a model-only checkpoint; torch's ``common.pt``
     backend, which Megatron-Core 0.15 through 0.19 load (0.19 calls it legacy and reads it first).
@@ -272,7 +273,7 @@ def write_common(weights: Path, args: argparse.Namespace, iteration: int = 0) ->
     import torch
 
     state = {
-        "args": args,
+        **({"args": args} if args is not None else {}),
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": iteration,
         "num_floating_point_operations_so_far": 0,
@@ -293,9 +294,10 @@ def write_common(weights: Path, args: argparse.Namespace, iteration: int = 0) ->
     )
 
 
-def from_nemo2(out: Path, config, manifest: Manifest) -> Path:
+def from_nemo2(out: Path, manifest: Manifest, args: argparse.Namespace | None) -> Path:
     """Turn the NeMo 2 checkpoint at ``out`` into iteration :data:`ITERATION` of this layout, in
-    place, all but the tracker; returns the iteration directory.
+    place, all but the tracker, with ``args`` in its common state; returns the iteration
+    directory.
 
     The tensors stay where they are; only ``.metadata`` is rewritten and NeMo's context replaced
     by Megatron-LM's common state and our ``porting/`` directory. ``out`` is a private directory
@@ -304,7 +306,7 @@ def from_nemo2(out: Path, config, manifest: Manifest) -> Path:
     weights = iteration_dir(out, ITERATION)
     (out / "weights").rename(weights)
     rekey_metadata(weights, "module.", "")
-    write_common(weights, megatron_args(config, manifest.padded_vocab_size, manifest.family))
+    write_common(weights, args)
     ours = out / OURS
     ours.mkdir()
     ctx = out / "context"
@@ -398,8 +400,13 @@ class MegatronLM:
     def check_config(self, config, family) -> None:
         """Every family's model: the saved arguments are checked against the HF config on read."""
 
+    def common_args(self, config, manifest: Manifest) -> argparse.Namespace | None:
+        """The Megatron-LM arguments the common state holds: what ``--use-checkpoint-args``
+        builds the model from (:func:`megatron_args`)."""
+        return megatron_args(config, manifest.padded_vocab_size, manifest.family)
+
     def write(self, out: Path, config, manifest: Manifest, family) -> None:
-        from_nemo2(out, config, manifest)
+        from_nemo2(out, manifest, self.common_args(config, manifest))
         (out / TRACKER).write_text(f"{ITERATION}\n")
 
 
