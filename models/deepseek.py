@@ -26,6 +26,7 @@ Transformer Engine's spec fuses them into the up-projections at the config's ``r
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
@@ -109,6 +110,9 @@ def deepseek_block_spec(config: DeepseekCore):
 class DeepseekCore(MoECore, MLATransformerConfig):
     """Megatron GPT config for the DeepSeek family (defaults: DeepSeek-V3's shapes, unscaled
     rotary; the converter sets every field a checkpoint decides)."""
+
+    # the family's own Megatron-Bridge provider (Bridge's GPTModelProvider has no MLA)
+    megatron_bridge_provider: ClassVar[str] = "models.deepseek_bridge.DeepseekModelProvider"
 
     multi_latent_attention: bool = True
     qk_layernorm: bool = True  # the local MLA spec builds the latent norms only then

@@ -112,3 +112,14 @@ def test_every_mapped_feature_is_seen_or_named(variant, converted):
     past its tolerance, or the gate's report names it."""
     _, report = proof.prove_features_named(*converted(variant)[:2])
     assert report.passed
+
+
+def test_a_rope_scaled_olmo2_is_refused_in_the_bridge_layout(tmp_path):
+    """A model Bridge's GPTModelProvider cannot describe, of a family that ships no provider of
+    its own (OLMo 2, rotary scaling): refused by name before any tensor is read, nothing
+    written (porting.proof.prove_bridge_refused)."""
+    hf = proof.make_hf(
+        tmp_path / "hf", "Olmo2ForCausalLM", **COMMON, num_key_value_heads=2,
+        rope_scaling={"type": "linear", "factor": 2.0},  # the spelling 4.57's Olmo2Config reads
+    )  # fmt: skip
+    proof.prove_bridge_refused(hf, tmp_path, ["rope_scaling_type"])

@@ -106,9 +106,9 @@ def test_megatron_bridge_loader_reads_ours(ours, tmp_path):
 # Families whose Megatron-Bridge checkpoint Bridge's own loader builds: the MoE family from Bridge's
 # default spec (no class of ours), OLMo 2 from its own spec function, and those Bridge's
 # GPTModelProvider cannot describe (Falcon's block and ALiBi, Gemma's embedding scale and soft-caps,
-# Gemma 3's two rotary tables, LongRoPE, llama3/YaRN/linear rotary scaling) from the family's own
-# provider class (porting.mcore.bridge_provider), once their package's prefix is registered with
-# Bridge (porting.owners.bridge), as a user does. All in one loader process (Bridge's start-up is
+# Gemma 3's two rotary tables, LongRoPE, llama3/YaRN/linear rotary scaling, DeepSeek's MLA) from
+# the family's own provider class (porting.mcore.bridge_provider), once their package's prefix is
+# registered with Bridge (porting.owners.bridge), as a user does. All in one loader process (Bridge's start-up is
 # most of a load); a case per family.
 _ROPE_LLAMA3 = {
     "rope_type": "llama3",
@@ -155,6 +155,11 @@ _BRIDGE_FAMILIES = {
         intermediate_size=32, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
         head_dim=16, sliding_window=8, rope_scaling=_YARN,
         layer_types=["sliding_attention", "full_attention"])),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "deepseek", dict(
+        intermediate_size=96, moe_intermediate_size=32, num_key_value_heads=4,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+        q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        n_group=1, topk_group=1)),
     "llama_llama3_scaling": ("LlamaForCausalLM", "llama", dict(
         intermediate_size=96, num_key_value_heads=2, rope_scaling=_ROPE_LLAMA3)),
     "mistral_linear_scaling": ("MistralForCausalLM", "mistral", dict(
