@@ -306,3 +306,24 @@ def test_nemo_run_executor_launches_the_same_training(tiny_nemo, train_corpus, t
     )
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert sorted(train_losses(out)) == [0, 1]
+
+
+def test_a_metrics_row_cut_by_a_stop_is_dropped_before_the_resumed_run_appends(tmp_path):
+    """A run stopped mid-append leaves metrics.csv's last row without its newline. The resumed
+    run's logger (Lightning's CSV logger, continued: porting.train.recipe) cuts that row before
+    appending, so a later header rewrite (a new metric) reads every row: before, the resumed
+    row joined the cut one and Lightning failed on 'fields not in fieldnames: None'."""
+    from porting.train.recipe import _csv_logger
+
+    metrics = tmp_path / "csv" / "metrics.csv"
+    metrics.parent.mkdir()
+    metrics.write_text("global_step,reduced_train_loss\n0,5.0\n1,4.5\n2,4.")
+    logger = _csv_logger(tmp_path)
+    logger.log_metrics({"reduced_train_loss": 4.2}, step=2)
+    logger.log_metrics({"reduced_train_loss": 4.0, "val_loss": 4.1}, step=3)  # a header rewrite
+    logger.save()
+    with open(metrics, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert all(None not in r for r in rows), rows
+    assert [r["reduced_train_loss"] for r in rows] == ["5.0", "4.5", "4.2", "4.0"]
+    assert rows[-1]["val_loss"] == "4.1"

@@ -489,6 +489,22 @@ def _tensorboard_logger(out: Path):
     return TensorBoardLogger(save_dir=str(out), name="tb", version="")
 
 
+def drop_partial_row(path: Path) -> None:
+    """Cut ``path`` (a metrics CSV) back to its last complete line.
+
+    A run stopped while it appended a row leaves that row without its newline; the resumed run's
+    first row would be appended onto it, one line with too many fields, which Lightning's CSV
+    logger then fails on (``dict contains fields not in fieldnames: None``) the next time it
+    rewrites the header. The cut row is of a step after the last checkpoint, which the resumed
+    run trains and logs again. Written beside and renamed, so a second stop loses nothing more."""
+    data = path.read_bytes()
+    if not data or data.endswith(b"\n"):
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data[: data.rfind(b"\n") + 1])
+    tmp.replace(path)
+
+
 def _csv_logger(out: Path):
     """``csv/metrics.csv``, continued by a resumed run (Lightning's logger deletes it on start;
     rows of steps a resumed run repeats appear again, the later ones being the kept history)."""
@@ -501,6 +517,7 @@ def _csv_logger(out: Path):
     class HistoryWriter(ExperimentWriter):
         def _check_log_dir_exists(self) -> None:
             if os.path.isfile(self.metrics_file_path):
+                drop_partial_row(Path(self.metrics_file_path))
                 with open(self.metrics_file_path, newline="") as f:
                     self.metrics_keys = list(next(csv.reader(f), []))
 
