@@ -298,8 +298,9 @@ export MASTER_ADDR=$(scontrol show node "$first" | grep -o 'NodeAddr=[^ ]*' | cu
 export MASTER_PORT=${{MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}}
 # The first node's agent hosts the rendezvous and may leave before the others close it; they then
 # warn ("failed to shutdown the rendezvous", TCPStore's "recvVector failed") after a job that
-# succeeded. Errors still print; a job's environment may ask for more.
-export LOGLEVEL=${{LOGLEVEL:-ERROR}} TORCH_CPP_LOG_LEVEL=${{TORCH_CPP_LOG_LEVEL:-ERROR}}
+# succeeded. Errors still print; a job's environment may ask for more. (torch.distributed's
+# Python loggers answer TORCH_LOGS, not LOGLEVEL: "-distributed" is their ERROR level.)
+export TORCH_LOGS=${{TORCH_LOGS:--distributed}} TORCH_CPP_LOG_LEVEL=${{TORCH_CPP_LOG_LEVEL:-ERROR}}
 {"".join(line + chr(10) for line in env)}srun bash -c {shell.word(PRIVATE_TMPDIR, "-")} porting-rank \\
   {python} -m torch.distributed.run \\
   --nnodes={int(nodes)} --nproc-per-node={int(nproc_per_node)} \\

@@ -272,13 +272,13 @@ def test_a_conversions_job_script_runs_exactly_the_meant_command(tmp_path):
         tmp_path,
         scontrol='case "$1 $2" in "show hostnames") printf "node1\\nnode2\\n" ;; '
         '"show node") [ "$3" = node1 ] && echo "NodeName=node1 NodeAddr=10.0.0.1" ;; esac',
-        srun='printf "%s\\0" "$PORTING_RANKS_STAGING" "$OMP_NUM_THREADS" "$LOGLEVEL" '
+        srun='printf "%s\\0" "$PORTING_RANKS_STAGING" "$OMP_NUM_THREADS" "$TORCH_LOGS" '
         '"$TORCH_CPP_LOG_LEVEL" >> "$RECORD"',
     )
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7",
            "SLURM_JOB_NODELIST": "node1", "RECORD": str(tmp_path / "env")}  # fmt: skip
     # what the script decides itself
-    for inherited in ("OMP_NUM_THREADS", "MASTER_PORT", "LOGLEVEL", "TORCH_CPP_LOG_LEVEL"):
+    for inherited in ("OMP_NUM_THREADS", "MASTER_PORT", "TORCH_LOGS", "TORCH_CPP_LOG_LEVEL"):
         env.pop(inherited, None)
     ran = subprocess.run(["bash", "-c", script], env=env, cwd=tmp_path, capture_output=True)
     assert ran.returncode == 0, ran.stderr
@@ -291,7 +291,7 @@ def test_a_conversions_job_script_runs_exactly_the_meant_command(tmp_path):
     staging, threads, elastic, cpp = (tmp_path / "env").read_text().split("\0")[:4]
     assert staging == '{"dir": "/x y"}' and int(threads) >= 1
     # torch's rendezvous-teardown warnings kept out of a succeeded job's log
-    assert (elastic, cpp) == ("ERROR", "ERROR")
+    assert (elastic, cpp) == ("-distributed", "ERROR")
     assert not (tmp_path / "PWNED").exists()
     # what srun runs on each node: the command under a TMPDIR of its own, gone after it, also
     # when the command fails
