@@ -140,12 +140,23 @@ def main(argv: list[str] | None = None) -> int:
         # not outlive a stopped command (a normal exit shuts them down through atexit).
         guard.stop_new_children(before)
         code = stop.exit_code if isinstance(stop, guard.Terminated) else 130
-        if getattr(stop, "silent", False):  # a rank whose launcher reports the stop
+        if getattr(stop, "silent", False) or _a_launched_rank(args):
             return code
         name = "SIGINT" if isinstance(stop, KeyboardInterrupt) else str(stop)
         kept = getattr(stop, "kept", None) or "partial outputs removed"
         print(f"porting {args.command}: stopped by {name}; {kept}", file=sys.stderr)
         return code
+
+
+def _a_launched_rank(args) -> bool:
+    """Whether this is a rank of a `porting train` launcher of ours, which says how the run
+    stopped: however the stop reached the rank (torchrun forwards the group's SIGTERM, and the
+    second one can arrive while the first unwinds, past the rank's own settle), it prints nothing."""
+    if args.command != "train" or "RANK" not in os.environ:
+        return False
+    from porting.train import stop
+
+    return stop.launcher() is not None
 
 
 def _stdout_gone() -> bool:
