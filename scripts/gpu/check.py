@@ -137,6 +137,8 @@ class Check:
     tiny: bool
     budget_s: float
     families: list[str] | None = None
+    # a command started as the budget runs out still gets this long: a step begun is worth ending
+    min_run_s: float = 30
     started: float = field(default_factory=time.time)
     report: dict = field(default_factory=lambda: {"steps": {}, "checks": {}})
 
@@ -204,7 +206,7 @@ class Check:
     def run_together(self, jobs: list[tuple[list[str], str, dict | None]]) -> list[str]:
         """Run commands side by side, each ``(argv, what, env)``, to their end within the budget;
         their outputs go to check.log. The first to fail, or the budget, stops the others."""
-        budget = max(self.left_s(), 30)
+        budget = max(self.left_s(), self.min_run_s)
         deadline = time.time() + budget
         procs = []
         for i, (argv, what, env) in enumerate(jobs):
