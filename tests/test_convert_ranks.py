@@ -58,16 +58,14 @@ def _nothing_left(out: Path) -> None:
     assert [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")] == []
 
 
-@pytest.mark.parametrize("variant", ["llama", "qwen3_moe"])
-def test_two_ranks_write_the_one_process_checkpoint(variant, tiny_llama, tmp_path, cli):
-    """The experts' variant is read by the ranks from two shards that split layer 0's experts
-    3 / 1 (Megatron's save spreads the experts over the ranks one by one); the one-process
-    reference reads the unsplit model."""
-    if variant == "llama":
-        hf = ranks_hf = tiny_llama
-    else:
-        hf = _qwen3_moe(tmp_path / "hf", layers=3, seed=3)
-        ranks_hf = _split_experts(hf, tmp_path / "split")
+def test_two_ranks_write_the_one_process_checkpoint(tmp_path, cli):
+    """A Qwen3-MoE (attention, norms, embeddings, router and experts: every kind of tensor a
+    rank's share holds but a dense MLP's, whose making no rank changes) read by the ranks from two
+    shards that split layer 0's experts 3 / 1 (Megatron's save spreads the experts over the ranks
+    one by one); the one-process reference reads the unsplit model. The dense Llama over two ranks
+    against one process: tests/test_slurm.py's two-node import, and verify below."""
+    hf = _qwen3_moe(tmp_path / "hf", layers=3, seed=3)
+    ranks_hf = _split_experts(hf, tmp_path / "split")
     # the one-process reference in this process: the ranks are what runs as processes here
     one = cli(["import", str(hf), "--out", str(tmp_path / "one"), "--json"])
     tmp = tmp_path / "tmp"
@@ -179,7 +177,8 @@ def test_launch_flags_are_checked_before_anything_starts(tiny_llama, tmp_path):
 
 def test_verify_over_two_ranks_gives_the_one_process_verdict(tiny_llama, tiny_nemo, tmp_path, cli):
     """`porting verify --executor torchrun`: the gate as a pipeline of the ranks' layers gives one
-    process's report, passing and failing alike (layer 1, on the second rank, is broken)."""
+    process's report on a failing model (layer 1, on the second rank, is broken). The passing
+    verdict of the same pipeline: the two-rank import's, above."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -189,13 +188,12 @@ def test_verify_over_two_ranks_gives_the_one_process_verdict(tiny_llama, tiny_ne
     weights = load_file(broken / "model.safetensors")
     weights["model.layers.1.mlp.down_proj.weight"] *= 1.5
     save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
-    for hf, code in ((tiny_llama, 0), (broken, 1)):
-        argv = ["verify", str(hf), str(tiny_nemo), "--json"]
-        one = cli(argv)  # the reference in this process; the ranks are the processes here
-        two = run_in_session([sys.executable, "-m", "porting.cli", *argv, *RANKS], TIMEOUT)
-        assert (one.returncode, two.returncode) == (code, code), (one.stderr + two.stderr)[-3000:]
-        _same_verdict(json.loads(one.stdout), json.loads(two.stdout))
-        assert two.stderr == "", two.stderr
+    argv = ["verify", str(broken), str(tiny_nemo), "--json"]
+    one = cli(argv)  # the reference in this process; the ranks are the processes here
+    two = run_in_session([sys.executable, "-m", "porting.cli", *argv, *RANKS], TIMEOUT)
+    assert (one.returncode, two.returncode) == (1, 1), (one.stderr + two.stderr)[-3000:]
+    _same_verdict(json.loads(one.stdout), json.loads(two.stdout))
+    assert two.stderr == "", two.stderr
     assert json.loads(two.stdout)["first_divergent_layer"] == 1
 
 
