@@ -28,11 +28,6 @@ def _owners(module: str, *args: str) -> str:
     return run.stdout + run.stderr
 
 
-def _owners_code(code: str) -> str:
-    """``python -c CODE`` on the current stack (.venv); the last line it printed."""
-    return run_owners(["-c", code]).stdout.strip().splitlines()[-1]
-
-
 def _tokens(path: Path, vocab: int, lengths: tuple[int, ...] = (13, 5, 32)) -> Path:
     g = torch.Generator().manual_seed(7)
     torch.save([torch.randint(0, vocab, (n,), generator=g) for n in lengths], path)
@@ -87,20 +82,12 @@ def test_megatron_lm_load_checkpoint_reads_ours(ours, tmp_path):
     _assert_logits(ours["hf"], tmp_path / "logits.pt")
 
 
-def test_megatron_bridge_loader_reads_ours(ours, tmp_path):
+def test_megatron_bridge_loader_reads_ours(ours, bridge_run):
     """megatron.bridge.training.model_load_save.load_megatron_model builds the model from our
     run_config.yaml and loads it; logits equal HF's."""
-    log = _owners(
-        "bridge",
-        "load",
-        str(ours["megatron-bridge"]),
-        "--tokens",
-        str(ours["tokens"]),
-        "--out",
-        str(tmp_path / "logits.pt"),
-    )
-    assert "megatron-bridge loaded" in log and "as GPTModel" in log
-    _assert_logits(ours["hf"], tmp_path / "logits.pt")
+    loaded = f"megatron-bridge loaded {ours['megatron-bridge']}/iter_0000000 as GPTModel"
+    assert loaded in bridge_run["log"], bridge_run["log"][-3000:]
+    _assert_logits(bridge_run["ours"]["hf"], bridge_run["ours"]["bridge"])
 
 
 # Families whose Megatron-Bridge checkpoint Bridge's own loader builds: the MoE family from Bridge's
@@ -170,11 +157,35 @@ _BRIDGE_FAMILIES = {
 }  # fmt: skip
 
 
+# What one owners' interpreter finds in Megatron-Bridge with our shim installed, once it has loaded
+# every checkpoint: printed as its last line.
+_BRIDGE_FACTS = """
+import dataclasses, json, sys
+from porting.owners import bridge
+bridge.main(sys.argv[1:])
+from megatron.bridge.peft import lora_layers
+import megatron.core.fp8_utils as fp8
+from megatron.core.models.gpt import gpt_layer_specs as specs
+facts = {'te_loaded': 'transformer_engine' in sys.modules,
+         'have_te': [fp8.HAVE_TE, specs.HAVE_TE],
+         'object_is_te_linear': isinstance(object(), lora_layers.te.Linear)}
+try:
+    lora_layers.te.Linear(1, 1)
+except RuntimeError as err:
+    facts['te_linear_error'] = str(err)
+from megatron.bridge.models.gpt_provider import GPTModelProvider
+facts['provider_fields'] = sorted(f.name for f in dataclasses.fields(GPTModelProvider) if f.init)
+print(json.dumps(facts))
+"""
+
+
 @pytest.fixture(scope="module")
-def bridge_loaded(tmp_path_factory) -> dict:
-    """Each of _BRIDGE_FAMILIES as a tiny HF model, imported (gated) as megatron-bridge, loaded by
-    Bridge's load_megatron_model in one process: per variant its HF logits, Bridge's, and the
-    run_config.yaml targets."""
+def bridge_run(ours, tiny_llama, tmp_path_factory) -> dict:
+    """Bridge's load_megatron_model over our tiny Llama and each of _BRIDGE_FAMILIES (a tiny HF
+    model imported, gated, as megatron-bridge), in one owners' interpreter, which then says what
+    it finds in Megatron-Bridge (_BRIDGE_FACTS): Bridge's start-up (about 20 s here) is most of a
+    load. Per checkpoint its HF logits, Bridge's and the run_config.yaml targets; the loader's
+    log; the facts."""
     import transformers
 
     from porting.testing import make_tokenizer
@@ -182,7 +193,7 @@ def bridge_loaded(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("bridge-families")
     # 200 positions: past LongRoPE's 160 and YaRN's 16 original ones, so the scaled tables count
     tokens = _tokens(root / "tokens.pt", 120, lengths=(13, 200))
-    found: dict = {}
+    found: dict = {"ours": {"ckpt": ours["megatron-bridge"], "hf": _hf_logits(tiny_llama, tokens)}}
     for variant, (arch, _, extra) in _BRIDGE_FAMILIES.items():
         cls = getattr(transformers, arch)
         hf = root / variant / "hf"
@@ -204,20 +215,21 @@ def bridge_loaded(tmp_path_factory) -> dict:
         targets = {x.split(":", 1)[1].strip() for x in run_config.splitlines() if "_target_:" in x}
         found[variant] = {"ckpt": ckpt, "hf": _hf_logits(hf, tokens), "targets": targets}
     out = root / "logits.pt"
-    log = _owners("bridge", "load", *(str(v["ckpt"]) for v in found.values()),
-                  "--tokens", str(tokens), "--out", str(out))  # fmt: skip
+    run = run_owners(["-c", _BRIDGE_FACTS, "load", *(str(v["ckpt"]) for v in found.values()),
+                      "--tokens", str(tokens), "--out", str(out)])  # fmt: skip
+    log = run.stdout + run.stderr
     assert log.count("megatron-bridge loaded") == len(found), log[-3000:]
     for v, theirs in zip(found.values(), torch.load(out), strict=True):
         v["bridge"] = theirs
-    return found
+    return found | {"log": log, "facts": json.loads(run.stdout.strip().splitlines()[-1])}
 
 
 @pytest.mark.parametrize("variant", sorted(_BRIDGE_FAMILIES))
-def test_megatron_bridge_loader_reads_our_other_families(variant, bridge_loaded):
+def test_megatron_bridge_loader_reads_our_other_families(variant, bridge_run):
     """Imported as megatron-bridge, loaded by Bridge's load_megatron_model from our
     run_config.yaml (Bridge's own provider, or the family's where Bridge's cannot describe the
     model): its logits equal HF's."""
-    got = bridge_loaded[variant]
+    got = bridge_run[variant]
     family = _BRIDGE_FAMILIES[variant][1]
     provider = [t for t in got["targets"] if t.endswith("Provider")]
     if family is None:  # Bridge's own provider and, for the MoE family, Bridge's own spec
@@ -303,42 +315,18 @@ def test_a_megatron_lm_checkpoint_we_did_not_write_exports_through_the_gate(tmp_
     _assert_logits(_hf_logits(tmp_path / "hf", tokens), tmp_path / "m.pt")
 
 
-@pytest.fixture(scope="module")
-def bridge_facts() -> dict:
-    """What one owners' interpreter finds in Megatron-Bridge with our shim installed: one start-up
-    of Bridge (about 20 s here) for the two tests below."""
-    out = _owners_code(
-        "import dataclasses, json, sys\n"
-        "from porting.owners import shims\n"
-        "shims.install()\n"
-        "import megatron.bridge.training.model_load_save\n"
-        "from megatron.bridge.peft import lora_layers\n"
-        "import megatron.core.fp8_utils as fp8\n"
-        "from megatron.core.models.gpt import gpt_layer_specs as specs\n"
-        "facts = {'te_loaded': 'transformer_engine' in sys.modules,\n"
-        "         'have_te': [fp8.HAVE_TE, specs.HAVE_TE],\n"
-        "         'object_is_te_linear': isinstance(object(), lora_layers.te.Linear)}\n"
-        "try:\n"
-        "    lora_layers.te.Linear(1, 1)\n"
-        "except RuntimeError as err:\n"
-        "    facts['te_linear_error'] = str(err)\n"
-        "from megatron.bridge.models.gpt_provider import GPTModelProvider\n"
-        "facts['provider_fields'] = sorted(\n"
-        "    f.name for f in dataclasses.fields(GPTModelProvider) if f.init)\n"
-        "print(json.dumps(facts))\n"
-    )
-    return json.loads(out)
-
-
-def test_transformer_engine_stays_absent_for_megatron_core(bridge_facts):
-    """The shim serves Bridge's one unguarded import and nothing else (porting.owners.shims)."""
+def test_transformer_engine_stays_absent_for_megatron_core(bridge_run):
+    """The shim serves Bridge's one unguarded import and nothing else (porting.owners.shims),
+    after Bridge has loaded every checkpoint of bridge_run."""
+    bridge_facts = bridge_run["facts"]
     assert bridge_facts["te_loaded"] is False
     assert bridge_facts["have_te"] == [False, False]
     assert bridge_facts["object_is_te_linear"] is False
     assert "Transformer Engine is not installed" in bridge_facts["te_linear_error"]
 
 
-def test_our_provider_field_list_is_bridges(bridge_facts):
+def test_our_provider_field_list_is_bridges(bridge_run):
     """porting/convert/bridge_fields.json is GPTModelProvider's init fields."""
+    bridge_facts = bridge_run["facts"]
     ours = json.loads((REPO / "porting" / "convert" / "bridge_fields.json").read_text())
     assert bridge_facts["provider_fields"] == ours
