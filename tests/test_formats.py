@@ -318,24 +318,12 @@ def test_a_failed_conversion_leaves_nothing(layouts, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_convert_prints_one_json_list(layouts, tmp_path):
+def test_convert_prints_one_json_list(layouts, tmp_path, cli):
+    """What `convert --json` prints on stdout: one JSON list, a report per step (in this process:
+    what a fresh process adds on its start-up is tests/test_output.py's)."""
     out = tmp_path / "mlm"
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "porting.cli",
-            "convert",
-            str(layouts["nemo2"]),
-            "--to",
-            "megatron-lm",
-            "--out",
-            str(out),
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    run = cli(
+        ["convert", str(layouts["nemo2"]), "--to", "megatron-lm", "--out", str(out), "--json"]
     )
     assert run.returncode == 0, run.stderr[-3000:]
     reports = json.loads(run.stdout)
