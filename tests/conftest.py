@@ -132,12 +132,12 @@ def slurm_cluster(tmp_path_factory):
 # longest (docs/testing.md), are handed out first, so that no worker is left with one at the end.
 LONGEST_FIRST = (
     "test_slurm.py",
-    "test_train_multiproc.py",
     "test_gpu_check.py",
-    "test_convert_ranks.py",
-    "test_output.py",
-    "test_prep_ray.py",
+    "test_train_multiproc.py",
     "test_owners.py",
+    "test_output.py",
+    "test_convert_ranks.py",
+    "test_prep_ray.py",
     "test_train_stop.py",
     "test_train.py",
     "test_prep_hostile.py",
