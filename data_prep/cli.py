@@ -90,6 +90,15 @@ def register(subparsers) -> None:
         action="store_true",
         help="load the slow transformers tokenizer (megatron-core 0.15/0.16's default)",
     )
+    g.add_argument(
+        "--recheck-tokenizer",
+        action="store_true",
+        help="load Megatron's tokenizer in this run and check the backend on the head of this "
+        "corpus too, not only on the probes; by default a run starts from the record an "
+        "earlier run made of the same tokenizer files, settings and library versions (in "
+        "$PORTING_CACHE_DIR/tokenizers, default ~/.cache/porting/tokenizers), importing neither "
+        "megatron.core nor transformers",
+    )
     g = p.add_argument_group("output data")
     g.add_argument("--output-prefix", help="output path without suffix")
     g.add_argument(
@@ -222,6 +231,7 @@ def run_prep(args) -> int:
         include_special_tokens=not args.tokenizer_hf_no_include_special_tokens,
         use_fast=not args.tokenizer_hf_no_use_fast,
         backend=args.tokenizer_backend,
+        recheck_tokenizer=args.recheck_tokenizer,
         on_error=args.on_error,
         keep_empty=args.keep_empty,
         allow_empty=args.allow_empty,

@@ -61,6 +61,9 @@ from data_prep.tokenizer import (
     megatron_facts,
     provisional,
     quiet_third_party,
+    read_record,
+    record_key,
+    write_record,
 )
 from data_prep.writer import WorkDir, total_tokens, write_index_from_doc_lengths
 from porting.errors import PortingError
@@ -149,14 +152,25 @@ def backend_name_for(cfg: PrepConfig) -> str:
     return _default_backend(cfg.tokenizer.kind) if cfg.backend == "auto" else cfg.backend
 
 
+def recorded_facts(cfg: PrepConfig, tok_fp: str) -> Facts | None:
+    """The facts of this run's tokenizer from its record (data_prep.tokenizer), if there is one
+    and ``--recheck-tokenizer`` is not given."""
+    if cfg.recheck_tokenizer:
+        return None
+    return read_record(record_key(tok_fp), cfg.tokenizer)
+
+
 def tokenizer_setup(
-    cfg: PrepConfig, head: list[str], backend_name: str
+    cfg: PrepConfig, head: list[str], backend_name: str, tok_fp: str, facts: Facts | None = None
 ) -> tuple[Facts, worker.WorkerConfig, int]:
-    """Load Megatron's tokenizer, check the model's contract and the backend against it on the
-    probes and ``head``; return its facts, the workers' configuration and how many texts were
-    compared."""
+    """Check the model's contract and the backend against Megatron's tokenizer: on the probes,
+    from ``facts`` (:func:`recorded_facts`) where given, else on the probes and ``head`` with
+    Megatron's tokenizer loaded (its facts then recorded). Return the facts, the workers'
+    configuration and how many texts were compared."""
     src = cfg.tokenizer
-    facts = _megatron_facts(cfg, head)
+    if facts is None:
+        facts = _megatron_facts(cfg, head)
+        write_record(record_key(tok_fp), facts)
     if src.contract is not None:
         check_contract(facts, src.contract, cfg.append_eod)
     if cfg.append_eod and facts.eod is None:
@@ -605,10 +619,12 @@ def _prepare(cfg: PrepConfig, sources: list[Source], tok_fp: str, run_fp: str, t
         )  # fmt: skip
         runner = _Runner(cfg, tasks, head_first=state["chunks"] == 0)
         head = _head(sources, keys, pos, cfg)
-        # Workers start on a guess while Megatron's tokenizer loads, where spare cores can absorb
-        # the loading (and its memory is not on top of theirs on a small machine).
+        recorded = recorded_facts(cfg, tok_fp)
+        # Without a record, workers start on a guess while Megatron's tokenizer loads, where
+        # spare cores can absorb the loading (and its memory is not on top of theirs on a small
+        # machine).
         guess = None
-        if cfg.in_process or (os.cpu_count() or 1) > cfg.workers + 1:
+        if recorded is None and (cfg.in_process or (os.cpu_count() or 1) > cfg.workers + 1):
             guess = provisional(src, cfg.include_special_tokens, backend_name)
         if guess is not None:
             spec, eod, vocab = guess
@@ -618,7 +634,7 @@ def _prepare(cfg: PrepConfig, sources: list[Source], tok_fp: str, run_fp: str, t
             runner.start(guessed)
             runner.fill(min(32, 8 * cfg.workers))
 
-        facts, wcfg, n_probes = tokenizer_setup(cfg, head, backend_name)
+        facts, wcfg, n_probes = tokenizer_setup(cfg, head, backend_name, tok_fp, recorded)
         dtype = np.dtype(facts.dtype)
         if runner.config is None:
             runner.start(wcfg)
@@ -753,8 +769,10 @@ def report_static(cfg, sources, src, facts, backend_name, dtype, tok_fp, n_probe
         "tokenizer": tokenizer,
         "equivalence": {
             "reference": "megatron.core.tokenizers (as tools/preprocess_data.py builds it)",
-            # Probe texts and the head of the corpus, compared with Megatron's own ids at start.
+            # Probe texts and the head of the corpus, compared with Megatron's own ids at start
+            # (the probes only where a tokenizer record stood in for Megatron's tokenizer).
             "texts_checked_at_start": n_probes,
+            "tokenizer_record": facts.record,
         },
     }
 

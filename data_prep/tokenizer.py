@@ -20,16 +20,19 @@ reproduce the 0.15 script's output.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import hashlib
 import json
 import logging
+import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from data_prep.backends import BackendSpec
 from data_prep.reference import load_reference
+from porting.cache import cache_dir
 from porting.errors import PortingError
 
 log = logging.getLogger(__name__)
@@ -327,7 +330,9 @@ class Facts:
     whole corpus never imports torch, transformers and megatron.core (about 8 s and 550 MB here).
     ``payload`` is what every fast path starts from: the ``tokenizers`` JSON of the tokenizer as
     transformers loaded it for Megatron (None for a slow tokenizer), or the sentencepiece model.
-    ``ids[i]`` is Megatron's encoding of ``texts[i]``: probes, then the head of the corpus.
+    ``ids[i]`` is Megatron's encoding of ``texts[i]``: the first ``probes`` are
+    :func:`probe_texts`, the rest the head of the corpus. ``record``: the tokenizer record the
+    facts were read from (:func:`read_record`), None where Megatron's tokenizer was loaded.
     """
 
     kind: str
@@ -341,6 +346,8 @@ class Facts:
     payload: str | bytes | None
     texts: tuple[str, ...]
     ids: tuple[tuple[int, ...], ...]
+    probes: int
+    record: str | None = None
 
 
 def probe_texts(special: list[str]) -> list[str]:
@@ -366,7 +373,8 @@ def megatron_facts(
     else:
         hf = ref.lib.tokenizer
         payload = hf.backend_tokenizer.to_str() if hf.is_fast else None
-    texts = probe_texts(ref.special_strings()) + list(head)
+    probes = probe_texts(ref.special_strings())
+    texts = probes + list(head)
     return Facts(
         kind=kind,
         path=str(path),
@@ -379,7 +387,163 @@ def megatron_facts(
         payload=payload,
         texts=tuple(texts),
         ids=tuple(tuple(ref.encode(t)) for t in texts),
+        probes=len(probes),
     )
+
+
+# Tokenizer records. What Megatron's tokenizer decides (ids, EOD, vocabulary size, dtype, the
+# index header, the fast backends' payload, its ids for the probes) depends only on the
+# tokenizer's files, the settings that change its ids and the libraries' versions: a run records
+# it, keyed by all of those, and a later run with the same key starts from the record, importing
+# neither megatron.core nor transformers (seconds per run: a data team's thousand shards run as
+# a thousand jobs). The probes are still encoded by the backend and compared with the recorded
+# ids; the head of the corpus is compared only in a run that loads Megatron's tokenizer
+# (``--recheck-tokenizer`` forces one).
+RECORD_FORMAT = 1
+RECORD_LIBRARIES = ("megatron-core", "transformers", "tokenizers", "sentencepiece")
+# A record holds the tokenizer's payload (an HF tokenizer.json is at most 256 MiB as read
+# elsewhere here) and the probes' ids.
+MAX_RECORD_BYTES = 512 << 20
+_DTYPES = ("uint16", "int32")  # what megatron.core's DType.optimal_dtype picks
+
+
+def records_dir() -> Path:
+    """``tokenizers`` in porting's cache (:func:`porting.cache.cache_dir`)."""
+    return cache_dir() / "tokenizers"
+
+
+def record_key(tok_fp: str) -> dict:
+    """What a record is valid for: the tokenizer (:func:`fingerprint`: its files and the
+    settings) and the installed versions of the libraries that decide or reproduce its ids."""
+    from importlib import metadata
+
+    versions: dict[str, str | None] = {}
+    for name in RECORD_LIBRARIES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return {"format": RECORD_FORMAT, "tokenizer": tok_fp, "libraries": versions}
+
+
+def record_path(key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    return records_dir() / f"{digest}.json"
+
+
+def _encoded(value: str | bytes | None) -> dict | None:
+    if isinstance(value, bytes):
+        return {"base64": base64.b64encode(value).decode("ascii")}
+    return None if value is None else {"text": value}
+
+
+def write_record(key: dict, facts: Facts) -> None:
+    """Record ``facts`` (their probes, not the corpus head) under ``key``, atomically. A cache
+    that cannot be written costs the next run Megatron's start-up, nothing else."""
+    path = record_path(key)
+    data = {
+        "key": key,
+        "facts": {
+            "kind": facts.kind,
+            "include_special_tokens": facts.include_special_tokens,
+            "use_fast": facts.use_fast,
+            "vocab_size": facts.vocab_size,
+            "eod": facts.eod,
+            "dtype": facts.dtype,
+            "index_header": _encoded(facts.index_header),
+            "payload": _encoded(facts.payload),
+            "texts": list(facts.texts[: facts.probes]),
+            "ids": [list(i) for i in facts.ids[: facts.probes]],
+        },
+    }
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        log.info("tokenizer record not written to %s (%s)", path, err)
+
+
+def _decoded(value, want_bytes: bool) -> str | bytes | None:
+    if value is None:
+        return None
+    if want_bytes and set(value) == {"base64"}:
+        return base64.b64decode(value["base64"], validate=True)
+    if not want_bytes and set(value) == {"text"} and isinstance(value["text"], str):
+        return value["text"]
+    raise ValueError(f"payload {sorted(value)} where {'bytes' if want_bytes else 'text'}")
+
+
+def _int(value, what: str, low: int = 0) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{what} {value!r}")
+    return value
+
+
+def _facts_from(data: dict, source: TokenizerSource, key: dict, path: Path) -> Facts:
+    if data.get("key") != key:
+        raise ValueError("written for another tokenizer, settings or library version")
+    f = data["facts"]
+    if f["kind"] != source.kind:
+        raise ValueError(f"kind {f['kind']!r}")
+    for flag in ("include_special_tokens", "use_fast"):
+        if not isinstance(f[flag], bool):
+            raise ValueError(f"{flag} {f[flag]!r}")
+    if f["dtype"] not in _DTYPES:
+        raise ValueError(f"dtype {f['dtype']!r}")
+    texts, ids = f["texts"], f["ids"]
+    if (
+        not isinstance(texts, list)
+        or not all(isinstance(t, str) for t in texts)
+        or not isinstance(ids, list)
+        or len(ids) != len(texts)
+    ):
+        raise ValueError("texts and ids do not pair up")
+    vocab = _int(f["vocab_size"], "vocab_size", 1)
+    for row in ids:
+        if not isinstance(row, list):
+            raise ValueError("ids")
+        for i in row:
+            _int(i, "token id")
+            if i >= vocab:
+                raise ValueError(f"token id {i} past the vocabulary ({vocab})")
+    return Facts(
+        kind=source.kind,
+        path=str(source.path),
+        include_special_tokens=f["include_special_tokens"],
+        use_fast=f["use_fast"],
+        vocab_size=vocab,
+        eod=None if f["eod"] is None else _int(f["eod"], "eod"),
+        dtype=f["dtype"],
+        index_header=_decoded(f["index_header"], True),
+        payload=_decoded(f["payload"], source.kind == "sentencepiece"),
+        texts=tuple(texts),
+        ids=tuple(tuple(row) for row in ids),
+        probes=len(texts),
+        record=str(path),
+    )
+
+
+def read_record(key: dict, source: TokenizerSource) -> Facts | None:
+    """The facts recorded under ``key`` for ``source``, or None: no record, or one this version
+    cannot trust (then it says so, and the run loads Megatron's tokenizer and records anew)."""
+    path = record_path(key)
+    try:
+        size = path.stat().st_size
+        if size > MAX_RECORD_BYTES:
+            raise ValueError(f"{size} bytes, more than a record holds")
+        return _facts_from(json.loads(path.read_bytes()), source, key, path)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        log.warning(
+            "%s: tokenizer record not used (%s); loading Megatron's tokenizer to record it again",
+            path, err,
+        )  # fmt: skip
+        return None
 
 
 def backend_spec(facts: Facts, name: str) -> BackendSpec:

@@ -46,6 +46,7 @@ from data_prep.prep import (
     bad_id_error,
     diff_error,
     located,
+    recorded_facts,
     report_counts,
     report_static,
     tokenizer_setup,
@@ -92,7 +93,9 @@ def plan_job(cfg, sources: list[Source], tok_fp: str) -> Job:
     keys = tuple(cfg.json_keys)
     backend_name = backend_name_for(cfg)
     head = _head(sources, keys, {"source": 0, "offset": 0, "line": 0}, cfg)
-    facts, wcfg, n_probes = tokenizer_setup(cfg, head, backend_name)
+    facts, wcfg, n_probes = tokenizer_setup(
+        cfg, head, backend_name, tok_fp, recorded_facts(cfg, tok_fp)
+    )
     units = plan_units(sources, cfg.unit_bytes)
     parts = {
         "inputs": [[str(s.path.resolve()), s.kind, s.size, s.mtime_ns] for s in sources],

@@ -24,6 +24,13 @@ broken) against `porting prep-data` with its defaults. Each pair must give the s
 
     python scripts/bench_prep.py [--workdir /tmp/porting-bench-prep] [--mb 100] [--workers 2]
                                  [--megatron-lm PATH] [--index-memory N] [--executors]
+                                 [--start-up]
+
+`--start-up` measures what a run costs before its first document, on the 20-line corpus: each
+backend's run with no tokenizer record (a fresh `PORTING_CACHE_DIR`: Megatron's tokenizer loaded
+in a process of its own) against the same run starting from the record the first one wrote
+(docs/data_prep.md, tokenizer records); wall, CPU (the run and its children) and peak RSS of the
+tree, the median of three each.
 
 `--executors` compares the executors instead: the local one and `--executor ray` (a local Ray
 instance started by each run) with 1 and 2 workers on the same corpus and BPE tokenizer, each
@@ -38,8 +45,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
+import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -66,6 +76,7 @@ def _tree_memory(proc: psutil.Process) -> tuple[int, int]:
 def measure(cmd: list[str], env: dict | None = None) -> dict:
     """Run ``cmd``; wall time and the peak RSS / PSS of its process tree (sampled every 0.1 s)."""
     t0 = time.perf_counter()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -90,7 +101,9 @@ def measure(cmd: list[str], env: dict | None = None) -> dict:
     thread.join()
     if proc.returncode != 0:
         raise SystemExit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{out[-3000:]}")
-    return {"wall": wall, "rss": peak[0], "pss": peak[1], "log": out}
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return {"wall": wall, "cpu": cpu, "rss": peak[0], "pss": peak[1], "log": out}
 
 
 def idx_counts(prefix: str) -> tuple[int, int]:
@@ -175,6 +188,30 @@ def index_memory(n: int) -> None:
         )
         grown = int(out.stdout.strip().splitlines()[-1])
         print(f"{name}: {n} documents, peak memory grew {grown / 2**20:.0f} MiB")
+
+
+def start_up(work: Path, tiny: Path, hf: Path, sp: Path, workers: str) -> int:
+    """The ``--start-up`` table (see the module docstring)."""
+    rows = (("hf backend, defaults", hf, "hf"), ("gigatoken backend, defaults", hf, "gigatoken"),
+            ("sentencepiece backend", sp, "sentencepiece"))  # fmt: skip
+    print("| run (20 lines, defaults) | tokenizer record | wall s | CPU s | peak RSS (tree) |")
+    print("|---|---|---:|---:|---:|")
+    for label, model, backend in rows:
+        cold, warm = [], []
+        for _ in range(3):
+            with tempfile.TemporaryDirectory(dir=work) as cache:
+                env = dict(os.environ, PORTING_CACHE_DIR=cache)
+                argv = [PY, "-m", "porting.cli", "prep-data", "--input", str(tiny),
+                        "--output-prefix", str(work / "startup"), "--tokenizer", str(model),
+                        "--workers", workers, "--append-eod", "--tokenizer-backend", backend,
+                        "--no-progress", "--overwrite"]  # fmt: skip
+                cold.append(measure(argv, env))
+                warm.append(measure(argv, env))
+        for which, runs in (("none: Megatron's tokenizer loaded", cold), ("read", warm)):
+            med = {k: statistics.median(r[k] for r in runs) for k in ("wall", "cpu", "rss")}
+            print(f"| {label} | {which} | {med['wall']:.1f} | {med['cpu']:.1f} | "
+                  f"{med['rss'] / 2**20:.0f} MiB |")  # fmt: skip
+    return 0
 
 
 def executors(work: Path, corpus: Path, tiny: Path, hf: Path, unit_mb: float, slurm: bool) -> int:
@@ -262,6 +299,9 @@ def main() -> int:
     ap.add_argument("--executors", action="store_true", help="local vs ray executor only")
     ap.add_argument("--unit-mb", type=float, default=16.0, help="--unit-mb of the ray runs")
     ap.add_argument(
+        "--start-up", action="store_true", help="start-up with and without a tokenizer record"
+    )
+    ap.add_argument(
         "--slurm",
         action="store_true",
         help="with --executors: also --executor slurm on a local two-node cluster "
@@ -305,6 +345,8 @@ def main() -> int:
     w = str(args.workers)
     if args.executors:
         return executors(work, corpus, tiny, hf, args.unit_mb, args.slurm)
+    if args.start_up:
+        return start_up(work, tiny, hf, sp, w)
 
     def megatron_cmd(inp: Path, prefix: Path, ttype: str, model: Path, fast: bool) -> list[str]:
         # core_v0.15.3's --legacy-tokenizer path is broken (its Encoder.initializer assigns the
@@ -356,7 +398,10 @@ def main() -> int:
                 if backend is None
                 else ours_cmd(inp, prefix, model, backend, fast)
             )
-            out[which] = measure(cmd)
+            # every run of ours loads Megatron's tokenizer, as a first run on a tokenizer does
+            # (--start-up measures the runs that start from its record)
+            with tempfile.TemporaryDirectory(dir=work) as cache:
+                out[which] = measure(cmd, dict(os.environ, PORTING_CACHE_DIR=cache))
         prefix = str(work / f"{name}_full_text_document")
         docs, tokens = idx_counts(prefix)
         r = out["full"]

@@ -148,6 +148,7 @@ LAYERS = (
         (
             "porting",
             "porting.errors",
+            "porting.cache",
             "porting.guard",
             "porting.quiet",
             "porting.shell",

@@ -125,6 +125,8 @@ def test_prep_data_and_train_print_only_our_lines(workdir, tiny_nemo, slurm_host
         "--append-eod",
         "--workers",
         "1",
+        # a user's first run on a tokenizer: Megatron's tokenizer loads in a process of its own
+        "--recheck-tokenizer",
         cwd=workdir,
         env=slurm_host,
     )

@@ -45,6 +45,8 @@ class PrepConfig:
     include_special_tokens: bool = True
     use_fast: bool = True
     backend: str = "auto"
+    # Load Megatron's tokenizer whatever the tokenizer record says (data_prep.tokenizer).
+    recheck_tokenizer: bool = False
     on_error: str = "fail"
     keep_empty: bool = False
     allow_empty: bool = False

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from porting import cache
+
 log = logging.getLogger(__name__)
 
 # [rows, k] x [n, k]^T: a 7B's gate/up projection (4096 -> 11008) over ~240 prompt positions.
@@ -44,13 +46,8 @@ CACHE_NAME = "matmul-rate.json"
 
 
 def default_cache_dir() -> Path:
-    """Where the rate is kept: ``$PORTING_CACHE_DIR`` where set (the tests' own directory), else
-    ``$XDG_CACHE_HOME/porting``, else ``~/.cache/porting`` (the XDG base-directory convention)."""
-    own = os.environ.get("PORTING_CACHE_DIR")
-    if own:
-        return Path(own)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "porting"
+    """Where the rate is kept (:func:`porting.cache.cache_dir`)."""
+    return cache.cache_dir()
 
 
 def _cpu_model() -> str:
