@@ -414,7 +414,8 @@ def records_dir() -> Path:
 
 def record_key(tok_fp: str) -> dict:
     """What a record is valid for: the tokenizer (:func:`fingerprint`: its files and the
-    settings) and the installed versions of the libraries that decide or reproduce its ids."""
+    settings), the installed versions of the libraries that decide or reproduce its ids, and the
+    probes (a release that probes more texts records them anew)."""
     from importlib import metadata
 
     versions: dict[str, str | None] = {}
@@ -423,7 +424,8 @@ def record_key(tok_fp: str) -> dict:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             versions[name] = None
-    return {"format": RECORD_FORMAT, "tokenizer": tok_fp, "libraries": versions}
+    probes = hashlib.sha256(json.dumps(PROBES).encode()).hexdigest()
+    return {"format": RECORD_FORMAT, "tokenizer": tok_fp, "libraries": versions, "probes": probes}
 
 
 def record_path(key: dict) -> Path:

@@ -153,6 +153,7 @@ def test_recheck_loads_megatrons_tokenizer_and_records_it_again(
 DAMAGE = {
     "another library version": lambda d: d["key"]["libraries"].update(transformers="0.0.1"),
     "another tokenizer": lambda d: d["key"].update(tokenizer="0" * 64),
+    "other probes": lambda d: d["key"].update(probes="0" * 64),
     "a token id past the vocabulary": lambda d: d["facts"]["ids"].__setitem__(1, [10**6]),
     "a negative token id": lambda d: d["facts"]["ids"].__setitem__(1, [-1]),
     "texts and ids that do not pair": lambda d: d["facts"]["ids"].pop(),
