@@ -175,10 +175,11 @@ QUICK_FILES = {
 # must not need NeMo: the published catalogue (every family, import with the gate under
 # transformers 5 and export back identical), transformers 5's own saves, the three layouts and
 # their hostile metadata, verify's pairing of an HF directory with a checkpoint, the weight tables
-# against both models, the no-op field rules, and the environments' own checks.
+# against both models, the no-op field rules, the environments' own checks, and data prep's
+# tokenizer records (keyed by the libraries' versions: megatron-core 0.19's tokenizer decides here).
 CURRENT_STACK_FILES = {
     "test_published.py", "test_hf_v5.py", "test_formats.py", "test_verify_pair.py",
-    "test_table_check.py", "test_noop_fields.py", "test_environments.py",
+    "test_table_check.py", "test_noop_fields.py", "test_environments.py", "test_prep_record.py",
 }  # fmt: skip
 ON_CURRENT_STACK = importlib.util.find_spec("nemo") is None
 
