@@ -303,8 +303,14 @@ def quiet_third_party() -> None:
     """Silence warnings and sub-ERROR log records in a child process that imports Megatron.
 
     Spawned children do not inherit the CLI's logging set-up, so Python's last-resort handler
-    would print megatron.core's and torch's import-time notices on the user's terminal.
+    would print megatron.core's and torch's import-time notices on the user's terminal. torch's
+    loggers print through a handler of their own, past the root's level: the known records
+    (``porting.quiet``: cpp_extension's "No CUDA runtime is found" on the current stack's CUDA
+    build of torch) are dropped at their loggers.
     """
+    from porting import quiet
+
+    quiet.install(False)
     warnings.simplefilter("ignore")
     logging.getLogger().setLevel(logging.ERROR)
 

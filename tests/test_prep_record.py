@@ -30,6 +30,7 @@ from data_prep.tokenizer import (
     resolve,
     write_record,
 )
+from porting.testing import foreign_lines
 
 HEAD = ["a head text of the corpus", "東京 and more"]
 
@@ -103,11 +104,20 @@ print(json.dumps({"equivalence": report["equivalence"], "heavy": heavy}))
 def test_a_second_run_starts_from_the_record_and_imports_no_megatron(
     kind, tokenizers, corpus, cache, tmp_path
 ):
-    """The first run loads Megatron's tokenizer and records it; the second, in a fresh
+    """The first run, a command as a user runs it, loads Megatron's tokenizer, records it and
+    prints our lines only (on this stack torch's CUDA build logs "No CUDA runtime is found"
+    through a handler of its own as Megatron's tokenizer loads); the second, in a fresh
     interpreter that tokenizes in process, starts from the record: neither megatron.core nor
     transformers (nor torch) is imported, and its bytes are the first run's."""
     tok = tokenizers[kind]
-    first = prepare(T.prep_config([corpus], tmp_path / "one", tok, append_eod=True))
+    user = subprocess.run(
+        [sys.executable, "-m", "porting.cli", "prep-data", "--input", str(corpus),
+         "--output-prefix", str(tmp_path / "one"), "--tokenizer", str(tok), "--append-eod"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert user.returncode == 0, user.stderr[-3000:]
+    assert foreign_lines(user.stdout + user.stderr) == []
+    first = json.loads((tmp_path / "one.prep-report.json").read_text())
     assert first["equivalence"]["tokenizer_record"] is None
     source, key = _key(tok)
     assert record_path(key).is_file()
