@@ -143,6 +143,12 @@ def register(subparsers) -> None:
         help="write an empty dataset when no record is kept (by default that run fails: every "
         "record skipped, or inputs with none, is a wrong input)",
     )
+    g.add_argument(
+        "--no-provenance",
+        action="store_true",
+        help="write no PREFIX.prov sidecar (by default one beside each .bin/.idx maps every "
+        "document to its file, line or row, byte offset and text hash; `inspect --doc N` reads it)",
+    )
     g.add_argument("--resume", action="store_true", help="continue an interrupted run")
     g.add_argument("--chunk-mb", type=float, default=4.0, help="input per work unit (MiB)")
     g.add_argument(
@@ -195,7 +201,14 @@ def register(subparsers) -> None:
         dest="inspect_tokenizer",
         help="default: the one in the prep-data report beside the prefix",
     )
-    i.add_argument("--docs", type=int, default=3)
+    i.add_argument("--docs", type=int, default=3, help="how many first documents to show")
+    i.add_argument(
+        "--doc",
+        type=int,
+        metavar="N",
+        help="document N (0-based): its ids decoded, and where it came from (the .prov sidecar), "
+        "checked against that source as it is now",
+    )
     i.add_argument("--max-tokens", type=int, default=64)
     i.add_argument("--json", dest="inspect_json", action="store_true")
     i.set_defaults(func=run_inspect)
@@ -234,6 +247,7 @@ def run_prep(args) -> int:
         recheck_tokenizer=args.recheck_tokenizer,
         on_error=args.on_error,
         keep_empty=args.keep_empty,
+        provenance=not args.no_provenance,
         allow_empty=args.allow_empty,
         resume=args.resume,
         overwrite=args.overwrite,
@@ -264,8 +278,9 @@ def _print_report(args, report: dict) -> None:
     t = report["time"]
     for key, out in report["outputs"].items():
         print(
-            f"{out['prefix']}.bin/.idx  {key}: {out['documents']} documents, "
-            f"{out['tokens']} tokens ({out['empty_documents']} empty)"
+            f"{out['prefix']}.{'bin/.idx/.prov' if out.get('provenance') else 'bin/.idx'}  "
+            f"{key}: {out['documents']} documents, {out['tokens']} tokens "
+            f"({out['empty_documents']} empty)"
         )
     print(
         f"records {report['records']}, skipped {report['skipped']}"
@@ -363,7 +378,9 @@ def run_inspect(args) -> int:
 
     tok = resolve(args.inspect_tokenizer) if args.inspect_tokenizer else None
     with _quieted(args):
-        info = inspect_dataset(args.prefix, tok, n_docs=args.docs, max_tokens=args.max_tokens)
+        info = inspect_dataset(
+            args.prefix, tok, n_docs=args.docs, max_tokens=args.max_tokens, doc=args.doc
+        )
     if args.inspect_json:
         print(json.dumps(info, indent=2, ensure_ascii=False))
         return 0
@@ -376,8 +393,23 @@ def run_inspect(args) -> int:
     print(f"tokens per document: min {dt['min']}, mean {dt['mean']}, max {dt['max']}")
     if "eod" in info:
         print(f"EOD {info['eod']}: ends {info['documents_ending_in_eod']} non-empty documents")
+    prov = info["provenance"]
+    if prov:
+        print(f"provenance {prov['path']}: {prov['sources']} source(s)")
     for doc in info["first_documents"]:
         print(f"--- document {doc['document']} ({doc['tokens']} tokens) ids {doc['ids'][:16]}")
         if "text" in doc:
             sys.stdout.write(doc["text"] + "\n")
+        origin = doc.get("origin")
+        if origin:
+            unit = "row" if "row" in origin else "line" if "line" in origin else "document"
+            at = f" (byte {origin['offset']})" if origin["offset"] is not None else ""
+            print(f"from {origin['file']} {unit} {origin[unit]}{at}, text hash {origin['hash']}")
+            print(f"source now: {origin['source_now']}")
+            if "ids_match_source" in origin:
+                print(
+                    f"Megatron's ids of the source text {'are' if origin['ids_match_source'] else 'are NOT'} "
+                    f"this document's; decoded, it {'is' if origin['decodes_to_source'] else 'is not'} "
+                    "the source text"
+                )
     return 0

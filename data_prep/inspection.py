@@ -1,7 +1,9 @@
 """``porting prep-data inspect PREFIX``: counts of an indexed dataset and its first documents decoded.
 
 The tokenizer is the one given, or else the one recorded in the ``prep-data`` report that wrote
-the prefix (found next to it), so a user sees what went in without retyping flags.
+the prefix (found next to it), so a user sees what went in without retyping flags. ``--doc N``
+shows one document and, from the provenance sidecar, where it came from, checked against that
+source as it is now.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from data_prep import provenance
 from data_prep.reference import load_reference
 from data_prep.report import REPORT_SUFFIX
 from data_prep.tokenizer import TokenizerSource, resolve
@@ -41,8 +44,10 @@ def inspect_dataset(
     use_fast: bool = True,
     n_docs: int = 3,
     max_tokens: int = 64,
+    doc: int | None = None,
 ) -> dict:
-    """Counts, document-length statistics and the first ``n_docs`` documents (ids and text)."""
+    """Counts, document-length statistics and the first ``n_docs`` documents (ids and text);
+    with ``doc``, that document instead, with its provenance (:func:`document_origin`)."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     prefix = str(prefix)
@@ -67,6 +72,14 @@ def inspect_dataset(
             "max": int(doc_tokens.max()) if len(doc_tokens) else 0,
         },
     }
+    side = None
+    if provenance.sidecar_path(prefix).exists():
+        side = provenance.read(provenance.sidecar_path(prefix), info["documents"])
+        info["provenance"] = {"path": str(side.path), "sources": len(side.sources), "key": side.key}
+    else:
+        info["provenance"] = None
+    if doc is not None and not 0 <= doc < info["documents"]:
+        raise PortingError(f"--doc {doc}: {prefix} has documents 0 to {info['documents'] - 1}")
     ref = None
     if tokenizer is None:
         report = find_report(prefix)
@@ -96,12 +109,53 @@ def inspect_dataset(
             )
             del flat
     docs = []
-    for d in range(min(n_docs, info["documents"])):
+    for d in [doc] if doc is not None else range(min(n_docs, info["documents"])):
         a, b = doc_idx[d], doc_idx[d + 1]
         ids = np.concatenate([ds[int(s)] for s in range(a, b)]) if b > a else np.zeros(0, int)
         entry = {"document": d, "tokens": int(len(ids)), "ids": ids[:max_tokens].tolist()}
         if ref is not None:
             entry["text"] = ref.decode(ids[:max_tokens], skip_special_tokens=False)
+        if doc is not None:
+            if side is None:
+                raise PortingError(
+                    f"{provenance.sidecar_path(prefix)}: missing; this dataset was written "
+                    "without provenance (--no-provenance, or by another tool)"
+                )
+            entry["origin"] = document_origin(side, d, ids.tolist(), ref)
         docs.append(entry)
     info["first_documents"] = docs
     return info
+
+
+def document_origin(side: provenance.Sidecar, n: int, ids: list[int], ref=None) -> dict:
+    """Where document ``n`` came from, and whether that source still holds its text: the text's
+    hash against the recorded one and, with a tokenizer, Megatron's ids of the source text
+    against the document's (its EOD aside) and the document decoded against the text. A source
+    that is gone or changed is said, not raised; its text is returned only where its hash is the
+    recorded one."""
+    rec = side.record(n)
+    src = rec["source"]
+    origin = {
+        "file": src["path"],
+        "kind": src["kind"],
+        src["unit"]: rec["record"],
+        "offset": rec["offset"] if rec["offset"] >= 0 else None,
+        "hash": rec["hash"],
+    }
+    try:
+        text = provenance.source_text(src, rec["record"], rec["offset"], side.key or "text")
+    except PortingError as err:
+        origin["source_now"] = f"unreadable: {err}"
+        return origin
+    if provenance.text_hash(text) != rec["hash"]:
+        origin["source_now"] = "changed: its text there no longer has the recorded hash"
+        return origin
+    origin["source_now"] = "unchanged"
+    origin["text"] = text
+    if ref is not None:
+        want = ref.encode(text)
+        origin["ids_match_source"] = ids == want or (
+            ref.eod is not None and ids == [*want, ref.eod]
+        )
+        origin["decodes_to_source"] = ref.decode(ids) == text
+    return origin

@@ -3,16 +3,19 @@
 Megatron-LM's ``tools/merge_datasets.py`` takes every pair in a directory (sorted by prefix) and
 chains them with ``IndexedDatasetBuilder.add_index``; the result here is byte-identical, but the
 index is streamed from the inputs' memory-mapped indexes rather than gathered into Python lists.
+The inputs' provenance sidecars are chained the same way (:mod:`data_prep.provenance`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
 
 import numpy as np
 
+from data_prep import provenance
 from data_prep.writer import index_header, read_index, write_index
 from porting.errors import PortingError
 from porting.guard import check_outputs, output_lock
@@ -40,6 +43,7 @@ def merge(
     output_prefix: str | Path,
     overwrite: bool = False,
     input_dir: str | Path | None = None,
+    record_bases: list[int] | None = None,
 ) -> dict:
     """Concatenate datasets in the given order into ``output_prefix``; return counts.
 
@@ -48,25 +52,69 @@ def merge(
 
     One writer per output prefix, as for ``prep-data`` (:func:`porting.guard.output_lock`); the
     temporary ``.tmp`` files are removed however the merge ends, SIGTERM included.
+
+    Where any input has a provenance sidecar the output gets one, their sources listed once; an
+    input without one (Megatron's own) stands as a source of kind ``dataset`` for its documents.
+    ``record_bases`` (a job's units) is added to each input's records: a unit counts the lines of
+    its own byte range.
     """
     if not prefixes:
         raise PortingError("nothing to merge")
     check_outputs(
-        [("dataset", Path(f"{p}{ext}")) for p in prefixes for ext in (".bin", ".idx")]
+        [("dataset", Path(f"{p}{ext}")) for p in prefixes for ext in (".bin", ".idx", ".prov")]
         + [("--input directory", input_dir)],
         # the temporary files too: one that is a link to an input would be written through
         writes=[
             ("--output-prefix", Path(f"{output_prefix}{ext}"))
-            for ext in (".bin", ".idx", ".bin.tmp", ".idx.tmp")
+            for ext in (".bin", ".idx", ".prov", ".bin.tmp", ".idx.tmp", ".prov.tmp")
         ],
     )
     with output_lock(output_prefix, "dataset"):
-        return _merge(prefixes, output_prefix, overwrite)
+        return _merge(prefixes, output_prefix, overwrite, record_bases)
 
 
-def _merge(prefixes: list[str], output_prefix: str | Path, overwrite: bool) -> dict:
+def _provenance_blocks(prefixes, counts, sides, record_bases):
+    """The output's sidecar header and a generator of its records' blocks."""
+    entries: list[dict] = []
+    where: dict[str, int] = {}
+
+    def index_of(entry: dict) -> int:
+        token = json.dumps(entry, sort_keys=True)
+        if token not in where:
+            where[token] = len(entries)
+            entries.append(entry)
+        return where[token]
+
+    maps = []
+    for p, side in zip(prefixes, sides, strict=True):
+        if side is None:
+            maps.append(index_of(provenance.dataset_entry(p)))
+        else:
+            maps.append(np.array([index_of(e) for e in side.sources], dtype=np.uint32))
+    keys = {side.key for side in sides if side is not None}
+
+    def blocks():
+        for i, (n, side, remap) in enumerate(zip(counts, sides, maps, strict=True)):
+            base = record_bases[i] if record_bases else 0
+            if side is None:
+                for a in range(0, n, provenance.BLOCK):
+                    b = min(n, a + provenance.BLOCK)
+                    yield provenance.records(
+                        remap, np.arange(a + 1, b + 1), None, np.zeros(b - a, np.uint64)
+                    )
+                continue
+            for block in side.block_records():
+                block["source"] = remap[block["source"]]
+                block["record"] += base
+                yield block
+
+    return provenance.header(entries, keys.pop() if len(keys) == 1 else None), blocks()
+
+
+def _merge(prefixes: list[str], output_prefix: str | Path, overwrite: bool, record_bases) -> dict:
     out_bin, out_idx = Path(f"{output_prefix}.bin"), Path(f"{output_prefix}.idx")
-    for p in (out_bin, out_idx):
+    out_prov = provenance.sidecar_path(output_prefix)
+    for p in (out_bin, out_idx, out_prov):
         if p.exists() and not overwrite:
             raise PortingError(f"{p} exists; pass --overwrite to replace it")
     out_bin.parent.mkdir(parents=True, exist_ok=True)
@@ -79,7 +127,15 @@ def _merge(prefixes: list[str], output_prefix: str | Path, overwrite: bool) -> d
                 f"{prefixes[0]}'s {np.dtype(dtype).name} (different tokenizers?)"
             )
     n_seq = sum(len(ix.sequence_lengths) for ix in indexes)
-    n_docs = 1 + sum(len(ix.document_indices) - 1 for ix in indexes)
+    counts = [len(ix.document_indices) - 1 for ix in indexes]
+    n_docs = 1 + sum(counts)
+    sides = [
+        provenance.read(provenance.sidecar_path(p), n)
+        if provenance.sidecar_path(p).exists()
+        else None
+        for p, n in zip(prefixes, counts, strict=True)
+    ]
+    with_provenance = any(side is not None for side in sides)
 
     def seq_lengths():
         for ix in indexes:
@@ -99,6 +155,7 @@ def _merge(prefixes: list[str], output_prefix: str | Path, overwrite: bool) -> d
 
     tmp_bin = out_bin.with_name(out_bin.name + ".tmp")
     tmp_idx = out_idx.with_name(out_idx.name + ".tmp")
+    tmp_prov = out_prov.with_name(out_prov.name + ".tmp")
     try:
         with open(tmp_bin, "wb") as f:
             for p in prefixes:
@@ -106,10 +163,13 @@ def _merge(prefixes: list[str], output_prefix: str | Path, overwrite: bool) -> d
                     shutil.copyfileobj(src, f, 1 << 22)
         itemsize = np.dtype(dtype).itemsize
         write_index(tmp_idx, index_header(dtype), itemsize, n_seq, n_docs, seq_lengths, doc_indices)
+        if with_provenance:
+            provenance.write(tmp_prov, *_provenance_blocks(prefixes, counts, sides, record_bases))
         os.replace(tmp_bin, out_bin)
         os.replace(tmp_idx, out_idx)
+        provenance.place(tmp_prov if with_provenance else None, output_prefix)
     finally:
-        for t in (tmp_bin, tmp_idx):
+        for t in (tmp_bin, tmp_idx, tmp_prov):
             t.unlink(missing_ok=True)
     return {
         "output_prefix": str(output_prefix),
@@ -117,4 +177,9 @@ def _merge(prefixes: list[str], output_prefix: str | Path, overwrite: bool) -> d
         "documents": n_docs - 1,
         "sequences": n_seq,
         "dtype": np.dtype(dtype).name,
+        "provenance": str(out_prov) if with_provenance else None,
+        # the inputs whose documents the sidecar knows only by their number in them
+        "provenance_unknown": [str(p) for p, s in zip(prefixes, sides, strict=True) if s is None]
+        if with_provenance
+        else [],
     }

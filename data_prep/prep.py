@@ -34,7 +34,7 @@ from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
 
-from data_prep import worker
+from data_prep import provenance, worker
 from data_prep.backends import LightReference, build_backend, describe_diff
 from data_prep.executors.base import (
     PrepConfig,
@@ -87,6 +87,7 @@ def _run_fingerprint(cfg: PrepConfig, sources: list[Source], tok_fp: str) -> str
         "tokenizer": tok_fp,
         # Which records are skipped (or stop the run) depends on it.
         "max_record_bytes": cfg.max_record_bytes,
+        "provenance": cfg.provenance,
     }
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
@@ -447,6 +448,7 @@ def _worker_config(
         id_limit=contract.id_limit if contract else vocab_size,
         reference=reference,
         max_record=cfg.max_record_bytes,
+        provenance=cfg.provenance,
     )
 
 
@@ -503,7 +505,13 @@ class _Run:
         n_tokens = 0
         for key in keys:
             lens, tokens = res.doc_lens[key], res.tokens[key]
-            self.work.append(key, tokens, lens)
+            prov = None
+            if cfg.provenance:
+                offsets = None if res.offsets is None else task.start + res.offsets
+                prov = provenance.records(
+                    task.source_index, line0 + res.lines + 1, offsets, res.hashes[key]
+                )
+            self.work.append(key, tokens, lens, prov)
             entry = state["keys"][key]
             entry["tokens"] += int(tokens.size)
             entry["empty"] += int(np.count_nonzero(lens == 0))
@@ -601,7 +609,11 @@ def _prepare(cfg: PrepConfig, sources: list[Source], tok_fp: str, run_fp: str, t
     src = cfg.tokenizer
     backend_name = backend_name_for(cfg)
     refuse_existing(cfg)
-    work = WorkDir(work_path(cfg.output_prefix), keys)
+    prov_heads = None
+    if cfg.provenance:
+        entries = [provenance.source_entry(s, cfg.split) for s in sources]
+        prov_heads = {k: provenance.header(entries, k) for k in keys}
+    work = WorkDir(work_path(cfg.output_prefix), keys, prov_heads)
     opened = False
     runner = progress = None
     t_work = time.perf_counter()
@@ -666,6 +678,8 @@ def _prepare(cfg: PrepConfig, sources: list[Source], tok_fp: str, run_fp: str, t
                 raise PortingError(
                     f"{work.bin_path(key)}: size does not match its document lengths"
                 )
+            if prov_heads is not None:
+                provenance.read(work.prov_path(key), state["keys"][key]["documents"])
             write_index_from_doc_lengths(
                 work.path / f"{key}.idx", facts.index_header, dtype.itemsize, lengths
             )
@@ -716,6 +730,7 @@ def _prepare(cfg: PrepConfig, sources: list[Source], tok_fp: str, run_fp: str, t
                 final = output_prefix_for(cfg.output_prefix, key)
                 os.replace(work.bin_path(key), f"{final}.bin")
                 os.replace(work.path / f"{key}.idx", f"{final}.idx")
+                provenance.place(work.prov_path(key) if prov_heads else None, final)
             os.replace(work.path / REPORT, rpath)
             work.remove()
     except (KeyboardInterrupt, Terminated) as err:
@@ -787,6 +802,7 @@ def report_counts(cfg, state: dict, skipped: list[dict]) -> dict:
         prefix = output_prefix_for(cfg.output_prefix, key)
         outputs[key] = {
             "prefix": str(prefix),
+            "provenance": str(provenance.sidecar_path(prefix)) if cfg.provenance else None,
             "documents": entry["documents"],
             "sequences": entry["documents"] - entry["empty"],
             "empty_documents": entry["empty"],

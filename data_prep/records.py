@@ -58,12 +58,14 @@ def refuse_empty(records: int, skipped: int, problems: dict[str, int], allow_emp
 class Parsed:
     """The usable records of one chunk, column by key, and the problems of the others.
 
-    ``lines`` holds the chunk-relative (0-based) line of each usable record; ``problems`` holds
+    ``lines`` holds the chunk-relative (0-based) line of each usable record and ``offsets`` the
+    chunk-relative byte offset of that line (None for dataset rows); ``problems`` holds
     ``(line, kind, detail)``; ``n_lines`` counts every line of the chunk, usable or not.
     """
 
     texts: dict[str, list[str]]
     lines: list[int] = field(default_factory=list)
+    offsets: list[int] | None = None
     problems: list[tuple[int, str, str]] = field(default_factory=list)
     n_lines: int = 0
     nbytes: int = 0
@@ -143,13 +145,16 @@ def parse_jsonl(
     will stop there anyway), leaving ``n_lines`` at the lines looked at. A line longer than
     ``max_record`` bytes (without its newline) is a ``record_too_large`` problem, not parsed.
     """
-    out = Parsed({k: [] for k in keys}, nbytes=len(data))
+    out = Parsed({k: [] for k in keys}, nbytes=len(data), offsets=[])
     lines = data.split(b"\n")
     if lines and not lines[-1]:
         lines.pop()
     columns = [out.texts[k] for k in keys]
     loads = orjson.loads
+    offsets = out.offsets
+    end = 0
     for i, line in enumerate(lines):
+        start, end = end, end + len(line) + 1
         if max_record is not None and len(line) > max_record:
             out.problems.append((i, *too_large(len(line), max_record)))
             if stop_at_first:
@@ -195,6 +200,7 @@ def parse_jsonl(
         for col, v in zip(columns, values, strict=True):
             col.append(v)
         out.lines.append(i)
+        offsets.append(start)
     out.n_lines = len(lines)
     return out
 

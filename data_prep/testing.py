@@ -105,6 +105,29 @@ def synthetic_texts(n: int, seed: int = 0, mean_chars: int = 900) -> list[str]:
     return [synthetic_document(rng, mean_chars) for _ in range(n)]
 
 
+def dataset_bytes(output_prefix: str | Path, key: str = "text") -> tuple:
+    """The ``.bin``, ``.idx`` and ``.prov`` bytes of one key of a ``prep-data`` output (the
+    last None where there is no sidecar): what two executors or runs must write alike."""
+    from data_prep.executors.base import output_prefix_for
+
+    prefix = output_prefix_for(output_prefix, key)
+    prov = Path(f"{prefix}.prov")
+    return (
+        Path(f"{prefix}.bin").read_bytes(),
+        Path(f"{prefix}.idx").read_bytes(),
+        prov.read_bytes() if prov.exists() else None,
+    )
+
+
+def provenance_records(sidecar: bytes) -> bytes:
+    """A sidecar's records without its header: equal for two runs over the same documents read
+    from inputs at other paths (a copy of the corpus)."""
+    import struct
+
+    (length,) = struct.unpack_from("<Q", sidecar, 12)
+    return sidecar[20 + length :]
+
+
 def write_jsonl(path: str | Path, records: list, raw_lines: dict[int, bytes] | None = None) -> Path:
     """Write records (dicts) as JSON lines; ``raw_lines`` replaces line i (0-based) with raw bytes."""
     path = Path(path)

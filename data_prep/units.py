@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data_prep import worker
+from data_prep import provenance, worker
 from data_prep.backends import BackendSpec
 from data_prep.executors.base import Unit, output_prefix_for, plan_units, staging_path
 from data_prep.prep import (
@@ -85,6 +85,8 @@ class Job:
     overwrite: bool
     report: dict
     allow_empty: bool = False
+    # Each unit writes a provenance sidecar per key, merged with the pairs.
+    provenance: bool = False
 
 
 def plan_job(cfg, sources: list[Source], tok_fp: str) -> Job:
@@ -108,6 +110,7 @@ def plan_job(cfg, sources: list[Source], tok_fp: str) -> Job:
             "max-record-bytes": cfg.max_record_bytes,
             "on-error": cfg.on_error,
             "unit-mb": cfg.unit_bytes / (1 << 20),
+            "provenance": cfg.provenance,
         },
         "units": [[u.source, u.start, u.end] for u in units],
     }
@@ -134,6 +137,7 @@ def plan_job(cfg, sources: list[Source], tok_fp: str) -> Job:
         overwrite=cfg.overwrite,
         report=static,
         allow_empty=cfg.allow_empty,
+        provenance=cfg.provenance,
     )
 
 
@@ -237,8 +241,23 @@ def run_unit(job: Job, index: int, report=None) -> dict:
     _init_worker(wcfg)
     stem = _stem(job, index)
     tag = f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp = {k: (Path(f"{stem}.{k}.bin{tag}"), Path(f"{stem}.{k}.idx{tag}")) for k in job.json_keys}
+    tmp = {
+        k: (
+            Path(f"{stem}.{k}.bin{tag}"),
+            Path(f"{stem}.{k}.idx{tag}"),
+            Path(f"{stem}.{k}.prov{tag}"),
+        )
+        for k in job.json_keys
+    }
     bins = {k: open(tmp[k][0], "wb") for k in job.json_keys}
+    provs = {}
+    if job.provenance:
+        # Every source of the job in the header, so that a unit's source index is the job's;
+        # the records count the unit's own lines, placed after the units before it at the merge.
+        entries = [provenance.source_entry(s, job.split) for s in job.sources]
+        for k in job.json_keys:
+            provs[k] = open(tmp[k][2], "wb")
+            provs[k].write(provenance.header(entries, k))
     lens: dict[str, list] = {k: [] for k in job.json_keys}
     stats = {k: {"documents": 0, "tokens": 0, "empty": 0} for k in job.json_keys}
     problems: list[list] = []
@@ -279,6 +298,12 @@ def run_unit(job: Job, index: int, report=None) -> dict:
                 toks, dl = res.tokens[key], res.doc_lens[key]
                 bins[key].write(toks.tobytes(order="C"))
                 lens[key].append(dl)
+                if job.provenance:
+                    offsets = None if res.offsets is None else task.start + res.offsets
+                    prov = provenance.records(
+                        unit.source, lines + res.lines + 1, offsets, res.hashes[key]
+                    )
+                    provs[key].write(prov.tobytes(order="C"))
                 stats[key]["documents"] += len(dl)
                 stats[key]["tokens"] += int(toks.size)
                 stats[key]["empty"] += int(np.count_nonzero(dl == 0))
@@ -302,12 +327,20 @@ def run_unit(job: Job, index: int, report=None) -> dict:
             bins[key].close()
             doc_lens = np.concatenate(lens[key]) if lens[key] else np.empty(0, np.int32)
             write_index_from_doc_lengths(tmp[key][1], job.header, itemsize, doc_lens)
+            if job.provenance:
+                provs[key].flush()
+                os.fsync(provs[key].fileno())
+                provs[key].close()
         for key in job.json_keys:
             os.replace(tmp[key][0], f"{stem}.{key}.bin")
             os.replace(tmp[key][1], f"{stem}.{key}.idx")
+            if job.provenance:
+                os.replace(tmp[key][2], f"{stem}.{key}.prov")
     finally:
         for key in job.json_keys:
             bins[key].close()
+            if key in provs:
+                provs[key].close()
             for p in tmp[key]:
                 p.unlink(missing_ok=True)
     summary = {
@@ -347,6 +380,14 @@ def _index_counts(path: Path, header: bytes) -> tuple[int, int, int] | None:
     return n_seq, n_docs, int(lengths.sum(dtype=np.int64))
 
 
+def _whole_sidecar(path: Path, documents: int) -> bool:
+    try:
+        provenance.read(path, documents)
+    except PortingError:
+        return False
+    return True
+
+
 def verified(job: Job, index: int) -> dict | None:
     """The summary of unit ``index`` if it is complete and this job's: its fingerprint, and every
     key's index and ``.bin`` agreeing with the summary's counts. None: (re)do the unit."""
@@ -374,6 +415,7 @@ def verified(job: Job, index: int) -> dict | None:
             or n_tokens != want["tokens"]
             or not bin_path.is_file()
             or bin_path.stat().st_size != n_tokens * itemsize
+            or (job.provenance and not _whole_sidecar(Path(f"{stem}.{key}.prov"), n_docs - 1))
         ):
             log.info("unit %d of %s is incomplete; tokenizing it again", index, job.staging)
             return None
@@ -436,18 +478,24 @@ def _merge_key(job: Job, key: str, summaries: list[dict], out: Path) -> None:
     """The units' pairs of ``key`` chained in unit order into ``out``.bin/.idx."""
     from data_prep.merge import merge
 
-    prefixes = [
-        f"{_stem(job, u.index)}.{key}"
-        for u, s in zip(job.units, summaries, strict=True)
-        if s["keys"][key]["documents"]
-    ]
+    prefixes, bases = [], []
+    line_base: dict[int, int] = {}
+    for u, s in zip(job.units, summaries, strict=True):
+        base = line_base.get(u.source, 0)
+        line_base[u.source] = base + s["lines"]
+        if s["keys"][key]["documents"]:
+            prefixes.append(f"{_stem(job, u.index)}.{key}")
+            bases.append(base)
     if prefixes:
-        merge(prefixes, out, overwrite=True)
+        merge(prefixes, out, overwrite=True, record_bases=bases)
         return
     # No document anywhere: what the local executor writes for an input without any.
     Path(f"{out}.bin").write_bytes(b"")
     itemsize = np.dtype(job.wcfg.dtype).itemsize
     write_index_from_doc_lengths(f"{out}.idx", job.header, itemsize, np.empty(0, np.int32))
+    if job.provenance:
+        entries = [provenance.source_entry(s, job.split) for s in job.sources]
+        provenance.write(provenance.sidecar_path(out), provenance.header(entries, key), ())
 
 
 def finish(job: Job, summaries: list[dict], executor: str, timing: dict) -> dict:
@@ -511,6 +559,8 @@ def finish(job: Job, summaries: list[dict], executor: str, timing: dict) -> dict
                 final = output_prefix_for(job.output_prefix, key)
                 os.replace(staging / f"merged.{key}.bin", f"{final}.bin")
                 os.replace(staging / f"merged.{key}.idx", f"{final}.idx")
+                made = provenance.sidecar_path(staging / f"merged.{key}")
+                provenance.place(made if job.provenance else None, final)
             os.replace(staging / REPORT, rpath)
             shutil.rmtree(staging, ignore_errors=True)
     except (KeyboardInterrupt, Terminated) as err:

@@ -17,6 +17,7 @@ from multiprocessing.connection import wait
 import numpy as np
 
 from data_prep.backends import BackendSpec, LightReference, build_backend, describe_diff, wrap
+from data_prep.provenance import text_hashes
 from data_prep.records import oversize, parse_jsonl, parse_rows
 from data_prep.sources import read_range
 
@@ -49,6 +50,8 @@ class WorkerConfig:
     max_record: int | None = None
     batch_chars: int = 1 << 20
     head_samples: int = 32
+    # Each document's line, offset and text hash, for the provenance sidecar.
+    provenance: bool = False
 
 
 @dataclass
@@ -60,7 +63,9 @@ class ChunkResult:
     says how the backend's ids differ from the reference's (None when they agree or when the
     backend is the reference's own code), ``text``/``decoded`` are excerpts of the text and of
     decode(encode(text)) when those differ (else None). ``bad_id`` is ``(line, key, id)`` for the
-    first token id at or past ``id_limit``.
+    first token id at or past ``id_limit``. With provenance on, ``lines`` and ``offsets`` hold
+    each document's chunk-relative line and byte offset (``offsets`` None for dataset rows) and
+    ``hashes[key]`` its text's hash (:func:`data_prep.provenance.text_hashes`).
     """
 
     tokens: dict[str, np.ndarray]
@@ -70,6 +75,9 @@ class ChunkResult:
     problems: list[tuple[int, str, str]]
     samples: list[tuple[int, str, str | None, str | None, str | None]] = field(default_factory=list)
     bad_id: tuple[int, str, int] | None = None
+    lines: np.ndarray | None = None
+    offsets: np.ndarray | None = None
+    hashes: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 def _exit_with(sentinel) -> None:
@@ -158,6 +166,10 @@ def run(payload: tuple, head: bool = False) -> ChunkResult:
     else:
         parsed = parse_rows(payload[1], *checks)
     result = ChunkResult({}, {}, parsed.n_lines, parsed.nbytes, parsed.problems)
+    if cfg.provenance:
+        result.lines = np.asarray(parsed.lines, dtype=np.int64)
+        if parsed.offsets is not None:
+            result.offsets = np.asarray(parsed.offsets, dtype=np.int64)
     n = len(parsed.lines)
     picks = sorted(set(range(min(n, cfg.head_samples)) if head else ({0, n // 2} if n else ())))
     dtype = np.dtype(cfg.dtype)
@@ -179,6 +191,8 @@ def run(payload: tuple, head: bool = False) -> ChunkResult:
             if len(bad):
                 doc = int(np.searchsorted(np.cumsum(lens), bad[0], side="right"))
                 result.bad_id = (parsed.lines[doc], key, int(ids[bad[0]]))
+        if cfg.provenance:
+            result.hashes[key] = text_hashes(texts)
         result.tokens[key] = ids.astype(dtype)
         result.doc_lens[key] = lens.astype(np.int32)
     return result

@@ -10,9 +10,9 @@ memory (1 GB at ten million documents, docs/data_prep.md); streamed, the index c
 few tens of MB at two million documents as at twenty. Tests compare the bytes with ``IndexedDatasetBuilder``'s and read them back with
 ``IndexedDataset``.
 
-A run in progress lives in ``{output_prefix}.prep-data.partial/``: per key the ``.bin`` so far
-and the token count of every document (int32), the skipped records, and ``state.json`` saying how
-much of each file belongs to committed chunks. A killed run resumes from there; the outputs get
+A run in progress lives in ``{output_prefix}.prep-data.partial/``: per key the ``.bin`` so far,
+the token count of every document (int32) and its provenance sidecar (``data_prep.provenance``),
+the skipped records, and ``state.json`` saying how much of each file belongs to committed chunks. A killed run resumes from there; the outputs get
 their final names only once complete.
 """
 
@@ -142,12 +142,17 @@ def _fsync(f) -> None:
 class WorkDir:
     """The partial outputs of one run, and the state that makes them resumable."""
 
-    def __init__(self, path: Path, keys: tuple[str, ...]) -> None:
+    def __init__(
+        self, path: Path, keys: tuple[str, ...], prov_heads: dict[str, bytes] | None = None
+    ) -> None:
         self.path = path
         self.keys = keys
+        # Each key's sidecar header (None: no provenance).
+        self.prov_heads = prov_heads
         self.state: dict = {}
         self._bins: dict = {}
         self._lens: dict = {}
+        self._provs: dict = {}
         self._problems = None
 
     def bin_path(self, key: str) -> Path:
@@ -157,6 +162,10 @@ class WorkDir:
     def lens_path(self, key: str) -> Path:
         """Where the per-document token counts of ``key`` accumulate (int32)."""
         return self.path / f"{key}.doclens"
+
+    def prov_path(self, key: str) -> Path:
+        """Where the provenance sidecar of ``key`` accumulates."""
+        return self.path / f"{key}.prov"
 
     @property
     def problems_path(self) -> Path:
@@ -173,6 +182,9 @@ class WorkDir:
             shutil.rmtree(self.path)
         self.path.mkdir(parents=True)
         self.state = state
+        for key, head in (self.prov_heads or {}).items():
+            self.prov_path(key).write_bytes(head)
+            state["keys"][key]["prov_bytes"] = len(head)
         self._open()
         self.commit()
 
@@ -190,10 +202,14 @@ class WorkDir:
                 "(or the inputs changed since); start over with --overwrite"
             )
         for key in self.keys:
-            for path, size in (
-                (self.bin_path(key), self.state["keys"][key]["bin_bytes"]),
-                (self.lens_path(key), 4 * self.state["keys"][key]["documents"]),
-            ):
+            entry = self.state["keys"][key]
+            files = [
+                (self.bin_path(key), entry["bin_bytes"]),
+                (self.lens_path(key), 4 * entry["documents"]),
+            ]
+            if self.prov_heads:
+                files.append((self.prov_path(key), entry["prov_bytes"]))
+            for path, size in files:
                 if not path.exists() or path.stat().st_size < size:
                     raise PortingError(
                         f"{path}: shorter than its committed size; start over with --overwrite"
@@ -209,15 +225,24 @@ class WorkDir:
         for key in self.keys:
             self._bins[key] = open(self.bin_path(key), "ab")
             self._lens[key] = open(self.lens_path(key), "ab")
+            if self.prov_heads:
+                self._provs[key] = open(self.prov_path(key), "ab")
         self._problems = open(self.problems_path, "ab")
 
-    def append(self, key: str, tokens: np.ndarray, doc_lens: np.ndarray) -> None:
-        """Add one chunk's documents of ``key`` (committed by the next :meth:`commit`)."""
+    def append(
+        self, key: str, tokens: np.ndarray, doc_lens: np.ndarray, prov: np.ndarray | None = None
+    ) -> None:
+        """Add one chunk's documents of ``key`` and, with provenance on, their records
+        (committed by the next :meth:`commit`)."""
         self._bins[key].write(tokens.tobytes(order="C"))
         self._lens[key].write(np.asarray(doc_lens, dtype=np.int32).tobytes(order="C"))
         entry = self.state["keys"][key]
         entry["bin_bytes"] += tokens.nbytes
         entry["documents"] += len(doc_lens)
+        if self.prov_heads:
+            data = prov.tobytes(order="C")
+            self._provs[key].write(data)
+            entry["prov_bytes"] += len(data)
 
     def add_problems(self, rows: list[dict]) -> None:
         """Record skipped records (committed by the next :meth:`commit`)."""
@@ -228,7 +253,12 @@ class WorkDir:
 
     def commit(self) -> None:
         """Make everything appended so far durable, then record it in the state file."""
-        for f in (*self._bins.values(), *self._lens.values(), self._problems):
+        for f in (
+            *self._bins.values(),
+            *self._lens.values(),
+            *self._provs.values(),
+            self._problems,
+        ):
             if f is not None:
                 _fsync(f)
         tmp = self.path / (STATE + ".tmp")
@@ -242,16 +272,26 @@ class WorkDir:
 
     def flush(self) -> None:
         """Hand buffered writes to the OS (without committing them)."""
-        for f in (*self._bins.values(), *self._lens.values(), self._problems):
+        for f in (
+            *self._bins.values(),
+            *self._lens.values(),
+            *self._provs.values(),
+            self._problems,
+        ):
             if f is not None:
                 f.flush()
 
     def close(self) -> None:
         """Close the open files (the state stays as last committed)."""
-        for f in (*self._bins.values(), *self._lens.values(), self._problems):
+        for f in (
+            *self._bins.values(),
+            *self._lens.values(),
+            *self._provs.values(),
+            self._problems,
+        ):
             if f is not None:
                 f.close()
-        self._bins, self._lens, self._problems = {}, {}, None
+        self._bins, self._lens, self._provs, self._problems = {}, {}, {}, None
 
     def problems(self) -> list[dict]:
         """Every skipped record so far."""

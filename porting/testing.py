@@ -417,7 +417,7 @@ OWN_OUTPUT_PATTERNS = (
     r"Slurm requeued job \d+ \(restart \d+\): ",
     r"porting demo: |              tiny |step +seconds$|check +result$|(OK|FAILED): outputs in ",
     r"[a-z][\w :+()|%-]*? {2,}[-+\d.e%/]+$",
-    r"\S+\.bin/\.idx  \w+: \d+ documents",
+    r"\S+\.bin/\.idx(/\.prov)?  \w+: \d+ documents",
     r"records \d+, skipped \d+",
     r"checkpoint \S+: every id < \d+",
     r"tokenizer \S+ \(\w+, \w+\); decode\(encode\(text\)\)",

@@ -36,6 +36,13 @@ CHUNK_MB = "0.002"
 CHUNK_BYTES = int(float(CHUNK_MB) * (1 << 20))  # as the command line turns --chunk-mb into bytes
 LIMIT = 1000  # --max-record-bytes in the bad-input runs
 RUN_TIMEOUT = 300
+# what a finished run leaves under its prefix: the pair, its provenance sidecar, the report
+COMPLETE = [
+    "c.prep-report.json",
+    "c_text_document.bin",
+    "c_text_document.idx",
+    "c_text_document.prov",
+]
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +222,7 @@ def test_second_run_on_the_same_prefix_fails_at_once_and_the_first_completes(
     final = output_prefix_for(prefix, "text")
     assert _bytes(final) == whole
     assert len(IndexedDataset(str(final)).document_indices) == 601 + 1
-    assert _under(prefix) == ["c.prep-report.json", "c_text_document.bin", "c_text_document.idx"]
+    assert _under(prefix) == COMPLETE
 
 
 _HOLD_LOCK = """
@@ -302,7 +309,7 @@ def test_stop_signal_kills_the_tree_and_keeps_only_the_resume_state(
         prepare(T.prep_config([corpus], prefix, tok, append_eod=True, resume=True))
     assert _bytes(output_prefix_for(prefix, "text")) == whole
     assert json.loads(report_path(prefix).read_text())["time"]["runs"] == 2
-    assert _under(prefix) == ["c.prep-report.json", "c_text_document.bin", "c_text_document.idx"]
+    assert _under(prefix) == COMPLETE
 
 
 def test_a_signal_during_the_final_renames_is_handled_once_they_are_done(
@@ -323,7 +330,7 @@ def test_a_signal_during_the_final_renames_is_handled_once_they_are_done(
     with pytest.raises(Terminated) as stop, signals_as_exceptions():
         prepare(T.prep_config([corpus], prefix, tok, append_eod=True))
     assert stop.value.kept.startswith("it came as the run finished: outputs complete")
-    assert _under(prefix) == ["c.prep-report.json", "c_text_document.bin", "c_text_document.idx"]
+    assert _under(prefix) == COMPLETE
 
 
 # ---------------------------------------------------------------------------------- bounded input

@@ -128,11 +128,15 @@ def test_killed_run_resumes_without_redoing_work_and_ends_byte_identical(tmp_pat
     assert state["chunks"] == 3
     # The crash left a fourth chunk's tokens in the partial .bin, past the committed size.
     assert (work_path(prefix) / "text.bin").stat().st_size > state["keys"]["text"]["bin_bytes"]
+    # and that chunk's provenance records past the sidecar's committed size
+    assert (work_path(prefix) / "text.prov").stat().st_size > state["keys"]["text"]["prov_bytes"]
 
     resumed = prepare(_cfg([corpus], prefix, tok, on_error="skip", resume=True, chunk_bytes=1500))
     assert _bytes(output_prefix_for(prefix, "text")) == _bytes(
         output_prefix_for(tmp_path / "whole", "text")
     )
+    # the sidecar cut back to its committed records too: every document's once, in order
+    assert T.dataset_bytes(prefix)[2] == T.dataset_bytes(tmp_path / "whole")[2]
     assert resumed["time"]["runs"] == 2
     assert 0 < resumed["time"]["bytes_this_run"] < whole["bytes"]
     assert resumed["skipped_records"] == whole["skipped_records"] and resumed["skipped"] == 1

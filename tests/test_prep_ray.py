@@ -26,7 +26,6 @@ import ray
 
 from data_prep import testing as T
 from data_prep import units
-from data_prep.prep import output_prefix_for
 from data_prep.run import prepare
 from data_prep.sources import expand_inputs
 from data_prep.tokenizer import fingerprint
@@ -35,6 +34,13 @@ from porting.testing import still_running
 
 UNIT = 16_000  # bytes per unit: about ten units over the corpus
 CHUNK = 3_000
+# what a finished run leaves under its prefix: the pair, its provenance sidecar, the report
+COMPLETE = [
+    "c.prep-report.json",
+    "c_text_document.bin",
+    "c_text_document.idx",
+    "c_text_document.prov",
+]
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +69,7 @@ def corpus(tmp_path_factory) -> Path:
     return T.write_jsonl(tmp_path_factory.mktemp("c") / "c.jsonl", [{"text": t} for t in texts])
 
 
-def _bytes(prefix) -> tuple[bytes, bytes]:
-    prefix = output_prefix_for(prefix, "text")
-    return Path(f"{prefix}.bin").read_bytes(), Path(f"{prefix}.idx").read_bytes()
+_bytes = T.dataset_bytes  # .bin, .idx and the provenance sidecar
 
 
 def _local(inputs, prefix, tok, **kw) -> dict:
@@ -83,7 +87,9 @@ def _ray(inputs, prefix, tok, **kw) -> dict:
 def local(corpus, tok, tmp_path_factory):
     prefix = tmp_path_factory.mktemp("local") / "c"
     report = _local([corpus], prefix, tok)
-    return _bytes(prefix), report
+    written = _bytes(prefix)
+    assert written[2] is not None  # provenance by default: every executor's must equal it
+    return written, report
 
 
 def _under(prefix: Path) -> list[str]:
@@ -107,7 +113,7 @@ def test_byte_identical_to_local_for_any_workers_and_order(
     assert all(u["seconds"] > 0 for u in report["units"])
     assert report["time"]["workers"] == workers
     # Outputs and report only: the staging directory and the lock are gone.
-    assert _under(prefix) == ["c.prep-report.json", "c_text_document.bin", "c_text_document.idx"]
+    assert _under(prefix) == COMPLETE
 
 
 def test_skipped_records_are_placed_as_the_local_executor_places_them(cluster, tok, tmp_path):
@@ -201,7 +207,10 @@ def test_interrupted_job_resumes_and_refuses_a_changed_input_or_tokenizer(
 
     report = _ray([data], prefix, tok, resume=True, unit_order_seed=2)
     assert report["time"]["units_resumed"] == 3
-    assert _bytes(prefix) == local[0]
+    got = _bytes(prefix)
+    # the same documents from a copy of the corpus: the sidecar's header names the copy
+    assert got[:2] == local[0][:2]
+    assert T.provenance_records(got[2]) == T.provenance_records(local[0][2])
     assert not staging.exists()
 
 

@@ -16,14 +16,10 @@ import pytest
 
 from data_prep import testing as T
 from data_prep import units
-from data_prep.prep import output_prefix_for
 from data_prep.run import prepare
 from porting.errors import PortingError
 
-
-def _bytes(prefix) -> tuple[bytes, bytes]:
-    prefix = output_prefix_for(prefix, "text")
-    return Path(f"{prefix}.bin").read_bytes(), Path(f"{prefix}.idx").read_bytes()
+_bytes = T.dataset_bytes  # .bin, .idx and the provenance sidecar
 
 
 def _bash(script: Path, **env) -> subprocess.CompletedProcess:
@@ -69,6 +65,8 @@ def test_emitted_array_run_by_hand_in_shuffled_order_gives_the_local_bytes(tmp_p
     merged = _bash(emit / "merge.sbatch")
     assert merged.returncode == 0, merged.stderr
 
+    # the sidecar too: the units' lines placed after those of the units before them
+    assert _bytes(tmp_path / "local")[2] is not None
     assert _bytes(tmp_path / "out") == _bytes(tmp_path / "local")
     import json
 

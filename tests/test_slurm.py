@@ -35,6 +35,7 @@ def corpus(tmp_path_factory):
     local = root / "local"
     done = _prep([a, b], tok, local, ["--executor", "local"], os.environ)
     assert done.returncode == 0, done.stderr
+    assert _bytes(local)[2] is not None  # the provenance sidecar, compared with the rest
     return {"tok": tok, "inputs": [a, b], "local": local}
 
 
@@ -47,9 +48,7 @@ def _prep(inputs, tok, out, extra, env, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=TIMEOUT, **kw)
 
 
-def _bytes(prefix) -> tuple[bytes, bytes]:
-    prefix = output_prefix_for(prefix, "text")
-    return Path(f"{prefix}.bin").read_bytes(), Path(f"{prefix}.idx").read_bytes()
+_bytes = T.dataset_bytes  # .bin, .idx and the provenance sidecar
 
 
 def _slurm(env, *argv) -> str:

@@ -49,6 +49,8 @@ class PrepConfig:
     recheck_tokenizer: bool = False
     on_error: str = "fail"
     keep_empty: bool = False
+    # The .prov sidecar beside each pair (data_prep.provenance); --no-provenance turns it off.
+    provenance: bool = True
     allow_empty: bool = False
     resume: bool = False
     overwrite: bool = False
@@ -109,7 +111,7 @@ def checked_inputs(
         raise PortingError(f"--max-record-bytes {cfg.max_record_bytes}: need at least 1")
     sources = expand_inputs(cfg.inputs)
     finals = [output_prefix_for(cfg.output_prefix, k) for k in keys]
-    outputs = [Path(f"{f}{ext}") for f in finals for ext in (".bin", ".idx")]
+    outputs = [Path(f"{f}{ext}") for f in finals for ext in (".bin", ".idx", ".prov")]
     outputs += [report_path(cfg.output_prefix), work_path(cfg.output_prefix)]
     contract = cfg.tokenizer.contract
     check_outputs(
@@ -132,7 +134,10 @@ def checked_inputs(
 def refuse_existing(cfg: PrepConfig) -> None:
     """Refuse to replace a finished dataset without ``--overwrite`` (checked under the lock)."""
     finals = [output_prefix_for(cfg.output_prefix, k) for k in cfg.json_keys]
-    existing = [p for f in finals for p in (Path(f"{f}.bin"), Path(f"{f}.idx")) if p.exists()]
+    existing = [
+        p for f in finals for p in (Path(f"{f}.bin"), Path(f"{f}.idx"), Path(f"{f}.prov"))
+        if p.exists()
+    ]  # fmt: skip
     if existing and not cfg.overwrite:
         raise PortingError(f"{existing[0]} exists; pass --overwrite to replace it")
 
