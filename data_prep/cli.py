@@ -9,21 +9,25 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import sys
 from pathlib import Path
 
+from data_prep.blend import EPOCHS_FLAGGED
 from data_prep.executors import EXECUTORS, executor_flags
 from data_prep.executors.base import PrepConfig
 from data_prep.sources import MAX_RECORD_BYTES
 from porting.errors import PortingError
 from porting.guard import Terminated
 
+log = logging.getLogger(__name__)
+
 
 def register(subparsers) -> None:
-    """Add ``prep-data`` with its ``merge`` and ``inspect`` actions."""
+    """Add ``prep-data`` with its ``merge``, ``blend`` and ``inspect`` actions."""
     p = subparsers.add_parser(
         "prep-data",
-        help="tokenize JSONL / local datasets into Megatron .bin/.idx (also: merge, inspect)",
+        help="tokenize JSONL / local datasets into Megatron .bin/.idx (also: merge, blend, inspect)",
         description="Tokenize JSONL files (globs, .jsonl.gz) or local Hugging Face datasets into "
         "Megatron's indexed dataset, byte-identical to Megatron-LM's tools/preprocess_data.py. "
         "Writes {output_prefix}_{key}_document.bin/.idx per --json-keys entry and "
@@ -194,6 +198,32 @@ def register(subparsers) -> None:
         "--wait", dest="status_wait", action="store_true", help="follow it to the end, with a bar"
     )
     st.set_defaults(func=run_status)
+    b = actions.add_parser(
+        "blend",
+        help="the weighted --data blend of prepared corpora from their token counts and shares",
+        description="The weighted blend of prepared corpora for `porting train --data` (and "
+        "Megatron's --data-path): each corpus's weight is its share of the training tokens. "
+        "PREFIX=0.3 or PREFIX=30%% fixes a share; corpora given without one split the rest in "
+        "proportion to their token counts (all without: each as much as it has). Corpora "
+        "written with different tokenizers are refused.",
+    )
+    b.add_argument("corpora", nargs="+", metavar="PREFIX[=SHARE]")
+    b.add_argument(
+        "--train-tokens",
+        type=_token_count,
+        metavar="N",
+        help="tokens the run will train on (1e9, 300M, 2B): each corpus's epochs, flagged past "
+        f"{EPOCHS_FLAGGED:g}",
+    )
+    b.add_argument(
+        "--out",
+        dest="blend_out",
+        type=Path,
+        help="also write the blend to this file, as Megatron's --data-args-path reads it",
+    )
+    b.add_argument("--overwrite", dest="blend_overwrite", action="store_true")
+    b.add_argument("--json", dest="blend_json", action="store_true")
+    b.set_defaults(func=run_blend)
     i = actions.add_parser("inspect", help="counts and the first documents decoded")
     i.add_argument("prefix", help="e.g. out/corpus_text_document")
     i.add_argument(
@@ -368,6 +398,71 @@ def run_merge(args) -> int:
         f"{out['output_prefix']}.bin/.idx: {out['documents']} documents, {out['sequences']} "
         f"sequences ({out['dtype']}) from {len(prefixes)} inputs"
     )
+    if out["provenance"]:
+        unknown = out["provenance_unknown"]
+        print(
+            f"provenance {out['provenance']}"
+            + (
+                f"; without a sidecar, known by their number: {', '.join(unknown)}"
+                if unknown
+                else ""
+            )
+        )
+    return 0
+
+
+def _token_count(text: str) -> float:
+    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+    t = text.strip().upper()
+    try:
+        n = float(t[:-1]) * scale[t[-1]] if t and t[-1] in scale else float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a token count (1e9, 300M, 2B)") from None
+    if not n > 0 or n != n or n == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: a positive token count")
+    return n
+
+
+def run_blend(args) -> int:
+    """``porting prep-data blend``."""
+    from data_prep.blend import blend
+    from data_prep.report import write_text_atomic
+
+    out = blend(args.corpora, args.train_tokens)
+    line = " ".join(out["data"])
+    if args.blend_out is not None:
+        if args.blend_out.exists() and not args.blend_overwrite:
+            raise PortingError(f"{args.blend_out} exists; pass --overwrite to replace it")
+        write_text_atomic(args.blend_out, line + "\n")
+    if args.blend_json:
+        print(json.dumps(out, indent=2, ensure_ascii=False))
+    else:
+        drawn = out["train_tokens"] is not None
+        print(
+            "| corpus | documents | tokens | share |"
+            + (" tokens drawn | epochs |" if drawn else "")
+        )
+        print("|---|---:|---:|---:|" + ("---:|---:|" if drawn else ""))
+        for r in out["corpora"]:
+            cells = [r["prefix"], f"{r['documents']:,}", f"{r['tokens']:,}",
+                     f"{100 * r['share']:.2f}%{'' if r['given'] else ' (by tokens)'}"]  # fmt: skip
+            if drawn:
+                cells += [f"{r['train_tokens']:,.0f}", f"{r['epochs']:.2f}"]
+            print("| " + " | ".join(cells) + " |")
+        print(f"--data {line}")
+    for r in out["corpora"]:
+        if r.get("flagged"):
+            log.warning(
+                "%s: %.1f epochs of it in %s training tokens (repeats lose value past about %g)",
+                r["prefix"], r["epochs"], f"{out['train_tokens']:,.0f}", EPOCHS_FLAGGED,
+            )  # fmt: skip
+    for prefix in out["tokenizer_unknown"]:
+        if out["tokenizer"] is not None:
+            log.warning(
+                "%s: no prep-data report beside it, so its tokenizer is not checked", prefix
+            )
+    if args.blend_out is not None:
+        print(f"wrote {args.blend_out} (Megatron's --data-args-path)")
     return 0
 
 

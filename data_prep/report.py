@@ -18,9 +18,14 @@ def report_path(output_prefix: str | Path) -> Path:
 def write_json_atomic(path: Path, data: dict) -> None:
     """Write JSON to a temporary sibling, then rename it into place (the sibling is removed if
     writing fails or is interrupted)."""
+    write_text_atomic(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """:func:`write_json_atomic` for text."""
     tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+        tmp.write_text(text)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -214,6 +214,42 @@ def start_up(work: Path, tiny: Path, hf: Path, sp: Path, workers: str) -> int:
     return 0
 
 
+def provenance_cost(work: Path, corpus: Path, hf: Path, sp: Path, workers: str) -> int:
+    """The ``--provenance`` table: the corpus with and without the sidecar, per backend (tokenizer
+    records warm, median of three runs each, alternating)."""
+    size = corpus.stat().st_size
+    print("| backend | sidecar | wall s | MB/s | CPU s | peak RSS (tree) | sidecar bytes "
+          "| per document | .bin/.idx equal |")  # fmt: skip
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
+    with tempfile.TemporaryDirectory(dir=work) as cache:
+        env = dict(os.environ, PORTING_CACHE_DIR=cache)
+        for backend, model in (("hf", hf), ("gigatoken", hf), ("sentencepiece", sp)):
+            runs: dict[str, list] = {"on": [], "off": []}
+            for i in range(4):  # the first pair warms the record and the page cache
+                for which, extra in (("on", []), ("off", ["--no-provenance"])):
+                    argv = [PY, "-m", "porting.cli", "prep-data", "--input", str(corpus),
+                            "--output-prefix", str(work / f"prov_{which}"), "--tokenizer",
+                            str(model), "--workers", workers, "--append-eod",
+                            "--tokenizer-backend", backend, "--no-progress", "--overwrite",
+                            *extra]  # fmt: skip
+                    r = measure(argv, env)
+                    if i:
+                        runs[which].append(r)
+            on, off = (str(work / f"prov_{w}_text_document") for w in ("on", "off"))
+            same = same_bytes(on, off)
+            docs, _ = idx_counts(on)
+            side = os.path.getsize(on + ".prov")
+            for which in ("on", "off"):
+                med = {
+                    k: statistics.median(r[k] for r in runs[which]) for k in ("wall", "cpu", "rss")
+                }
+                extra = f"{side:,} | {side / docs:.1f} B" if which == "on" else "none | "
+                print(f"| {backend} | {which} | {med['wall']:.1f} | {size / med['wall'] / 1e6:.1f} | "
+                      f"{med['cpu']:.1f} | {med['rss'] / 2**20:.0f} MiB | {extra} | "
+                      f"{'yes' if same else 'NO'} |", flush=True)  # fmt: skip
+    return 0
+
+
 def executors(work: Path, corpus: Path, tiny: Path, hf: Path, unit_mb: float, slurm: bool) -> int:
     """The local executor against ``--executor ray`` and, with ``slurm``, ``--executor slurm`` on
     the local two-node cluster (see the module docstring)."""
@@ -302,6 +338,9 @@ def main() -> int:
         "--start-up", action="store_true", help="start-up with and without a tokenizer record"
     )
     ap.add_argument(
+        "--provenance", action="store_true", help="the corpus with and without the sidecar"
+    )
+    ap.add_argument(
         "--slurm",
         action="store_true",
         help="with --executors: also --executor slurm on a local two-node cluster "
@@ -347,6 +386,8 @@ def main() -> int:
         return executors(work, corpus, tiny, hf, args.unit_mb, args.slurm)
     if args.start_up:
         return start_up(work, tiny, hf, sp, w)
+    if args.provenance:
+        return provenance_cost(work, corpus, hf, sp, w)
 
     def megatron_cmd(inp: Path, prefix: Path, ttype: str, model: Path, fast: bool) -> list[str]:
         # core_v0.15.3's --legacy-tokenizer path is broken (its Encoder.initializer assigns the

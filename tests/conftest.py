@@ -74,14 +74,16 @@ def cli(capsys):
         records: list[logging.LogRecord] = []
         keep = logging.Handler()
         keep.emit = records.append
-        ours = logging.getLogger("porting")
-        ours.addHandler(keep)
+        ours = [logging.getLogger(name) for name in ("porting", "data_prep")]
+        for logger in ours:
+            logger.addHandler(keep)
         try:
             code = main(list(argv))
         except SystemExit as stop:
             code = stop.code
         finally:
-            ours.removeHandler(keep)
+            for logger in ours:
+                logger.removeHandler(keep)
         said = capsys.readouterr()
         done = subprocess.CompletedProcess(argv, code, said.out, said.err)
         done.logged = [r.getMessage() for r in records]
