@@ -50,6 +50,8 @@ def corpus_counts(prefix: str | Path) -> Corpus:
     prefix = str(prefix)
     idx, bin_ = Path(prefix + ".idx"), Path(prefix + ".bin")
     for p in (idx, bin_):
+        if p.exists() and not p.is_file():
+            raise PortingError(f"{p}: not a regular file")
         if not p.is_file():
             raise PortingError(f"{p}: missing (give the prefix, e.g. out/corpus_text_document)")
     size = idx.stat().st_size

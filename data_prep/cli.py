@@ -337,9 +337,11 @@ def _print_report(args, report: dict) -> None:
     if lossy["example"]:
         ex = lossy["example"]
         print(f"  e.g. {ex['text'][:60]!r} -> {ex['decoded'][:60]!r}")
+    per_core = f" ({t['tokens_per_cpu_s'] / 1e6:.2f} per core)" if t.get("tokens_per_cpu_s") else ""
     print(
         f"{t['seconds']:.1f} s, {t['bytes_per_s'] / 1e6:.1f} MB/s, "
-        f"{t['tokens_per_s'] / 1e6:.2f} Mtok/s; report {args.output_prefix}.prep-report.json"
+        f"{t['tokens_per_s'] / 1e6:.2f} Mtok/s{per_core}; report "
+        f"{args.output_prefix}.prep-report.json"
     )
 
 

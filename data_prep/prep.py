@@ -52,7 +52,7 @@ from data_prep.records import (
     parse_rows,
     refuse_empty,
 )
-from data_prep.report import Progress, rate, report_path, write_json_atomic
+from data_prep.report import Progress, cpu_seconds, rate, report_path, write_json_atomic
 from data_prep.sources import Source, iter_tasks, read_range
 from data_prep.tokenizer import (
     Facts,
@@ -594,17 +594,18 @@ def prepare(cfg: PrepConfig) -> dict:
     """Run one ``prep-data`` on this machine (the local executor, whatever ``cfg.executor``
     says); return the report (also written next to the outputs). :func:`data_prep.run.prepare`
     runs the executor ``cfg.executor`` names."""
-    t_start = time.perf_counter()
+    t_start, cpu_start = time.perf_counter(), cpu_seconds()
     sources, tok_fp = checked_inputs(cfg)
     run_fp = _run_fingerprint(cfg, sources, tok_fp)
     if cfg.workers is None:
         cfg.workers = 1
     # Everything above only reads; from here on this run alone writes under the prefix.
     with output_lock(cfg.output_prefix, "dataset"):
-        return _prepare(cfg, sources, tok_fp, run_fp, t_start)
+        return _prepare(cfg, sources, tok_fp, run_fp, (t_start, cpu_start))
 
 
-def _prepare(cfg: PrepConfig, sources: list[Source], tok_fp: str, run_fp: str, t_start) -> dict:
+def _prepare(cfg: PrepConfig, sources: list[Source], tok_fp: str, run_fp: str, start) -> dict:
+    t_start, cpu_start = start
     keys = tuple(cfg.json_keys)
     src = cfg.tokenizer
     backend_name = backend_name_for(cfg)
@@ -684,6 +685,8 @@ def _prepare(cfg: PrepConfig, sources: list[Source], tok_fp: str, run_fp: str, t
                 work.path / f"{key}.idx", facts.index_header, dtype.itemsize, lengths
             )
         elapsed = time.perf_counter() - t_start
+        # the workers are joined by now (runner.close), so their CPU is counted
+        cpu = cpu_seconds() - cpu_start
         state["elapsed"] += elapsed
         report = _report(
             cfg, sources, src, facts, backend_name, dtype, state, work.problems(), tok_fp, n_probes
@@ -698,6 +701,9 @@ def _prepare(cfg: PrepConfig, sources: list[Source], tok_fp: str, run_fp: str, t
             "bytes_per_s": round(rate(run.run_bytes, elapsed), 1),
             "tokens_per_s": round(rate(run.run_tokens, elapsed), 1),
             "documents_per_s": round(rate(run.run_docs, elapsed), 1),
+            # the run's per-core rate: every process of it, start-up and the index included
+            "cpu_seconds": round(cpu, 3),
+            "tokens_per_cpu_s": round(rate(run.run_tokens, cpu), 1),
         }
         # Written beside the partial outputs, so that finishing is renames only.
         write_json_atomic(work.path / REPORT, report)

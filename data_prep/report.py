@@ -15,6 +15,15 @@ def report_path(output_prefix: str | Path) -> Path:
     return Path(f"{output_prefix}{REPORT_SUFFIX}")
 
 
+def cpu_seconds(children: bool = True) -> float:
+    """User and system CPU of this process (and of its children waited for, such as a finished
+    worker pool's): the denominator of a run's tokens per CPU-second, its per-core rate."""
+    import resource
+
+    who = [resource.RUSAGE_SELF] + ([resource.RUSAGE_CHILDREN] if children else [])
+    return sum(u.ru_utime + u.ru_stime for u in map(resource.getrusage, who))
+
+
 def write_json_atomic(path: Path, data: dict) -> None:
     """Write JSON to a temporary sibling, then rename it into place (the sibling is removed if
     writing fails or is interrupted)."""

@@ -52,7 +52,7 @@ from data_prep.prep import (
     tokenizer_setup,
 )
 from data_prep.records import PROBLEM_KINDS, PROBLEMS_LISTED, listed, refuse_empty
-from data_prep.report import rate, report_path, write_json_atomic
+from data_prep.report import cpu_seconds, rate, report_path, write_json_atomic
 from data_prep.sources import Source, _source, lines_before, range_tasks
 from data_prep.writer import write_index_from_doc_lengths
 from porting.errors import PortingError
@@ -233,7 +233,7 @@ def run_unit(job: Job, index: int, report=None) -> dict:
     vocabulary, a backend that differs from Megatron's tokenizer or an input that changed size
     raises :class:`PortingError` naming its file and line; nothing of the unit is kept.
     """
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), cpu_seconds(children=False)
     unit = job.units[index]
     src = job.sources[unit.source]
     wcfg = job.wcfg
@@ -355,6 +355,7 @@ def run_unit(job: Job, index: int, report=None) -> dict:
         "lossy": lossy,
         "compared": compared,
         "seconds": round(time.perf_counter() - t0, 4),
+        "cpu_seconds": round(cpu_seconds(children=False) - cpu0, 4),
         "host": socket.gethostname(),
         "pid": os.getpid(),
     }
@@ -538,14 +539,17 @@ def finish(job: Job, summaries: list[dict], executor: str, timing: dict) -> dict
     timing["merge_seconds"] = round(time.perf_counter() - t0, 3)
     seconds = timing.get("seconds", 0.0)
     unit_seconds = [s["seconds"] for s in summaries]
+    unit_cpu = sum(s.get("cpu_seconds", 0.0) for s in summaries)
+    tokens = sum(e["tokens"] for e in state["keys"].values())
     timing.update(
         {
             "unit_seconds_total": round(sum(unit_seconds), 3),
             "unit_seconds_max": round(max(unit_seconds, default=0.0), 3),
+            # the units' per-core rate (each unit's process CPU while it ran; the merge aside)
+            "unit_cpu_seconds_total": round(unit_cpu, 3),
+            "tokens_per_cpu_s": round(rate(tokens, unit_cpu), 1),
             "bytes_per_s": round(rate(state["bytes"], seconds), 1),
-            "tokens_per_s": round(
-                rate(sum(e["tokens"] for e in state["keys"].values()), seconds), 1
-            ),
+            "tokens_per_s": round(rate(tokens, seconds), 1),
             "documents_per_s": round(rate(state["records"], seconds), 1),
         }
     )

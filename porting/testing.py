@@ -422,7 +422,7 @@ OWN_OUTPUT_PATTERNS = (
     r"checkpoint \S+: every id < \d+",
     r"tokenizer \S+ \(\w+, \w+\); decode\(encode\(text\)\)",
     r"  e\.g\. ",
-    r"[\d.]+ s, [\d.]+ MB/s, [\d.]+ Mtok/s; report ",
+    r"[\d.]+ s, [\d.]+ MB/s, [\d.]+ Mtok/s( \([\d.]+ per core\))?; report ",
 )
 
 

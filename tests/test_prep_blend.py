@@ -4,6 +4,7 @@ user's shares, in the form `porting train --data`, Megatron's `--data-path` and 
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import numpy as np
@@ -96,6 +97,7 @@ def test_the_blend_reads_back_in_megatron_and_in_porting_train(corpora, tmp_path
         ("a cut index", "but its header describes"),
         ("a cut bin", "but its index describes"),
         ("not an index", "not a Megatron index"),
+        ("a fifo for an index", "x.idx: not a regular file"),
     ],
 )
 def test_what_cannot_be_a_blend_is_refused_by_name(case, why, corpora, tmp_path):
@@ -106,6 +108,9 @@ def test_what_cannot_be_a_blend_is_refused_by_name(case, why, corpora, tmp_path)
         damaged = tmp_path / ("x.bin" if case == "a cut bin" else "x.idx")
         data = damaged.read_bytes()
         damaged.write_bytes(b"MMIDX" + data[5:] if case == "not an index" else data[:-4])
+    if case == "a fifo for an index":
+        shutil.copy(a + ".bin", tmp_path / "x.bin")
+        os.mkfifo(tmp_path / "x.idx")  # opened, it would block the command
     items = {
         "over one": [f"{a}=0.6", f"{b}=0.6"],
         "not one": [f"{a}=0.25", f"{b}=25%"],
@@ -120,6 +125,7 @@ def test_what_cannot_be_a_blend_is_refused_by_name(case, why, corpora, tmp_path)
         "a cut index": [str(tmp_path / "x")],
         "a cut bin": [str(tmp_path / "x")],
         "not an index": [str(tmp_path / "x")],
+        "a fifo for an index": [str(tmp_path / "x")],
     }[case]
     with pytest.raises(PortingError, match=why.replace("(", r"\(").replace(")", r"\)")):
         blend(items)

@@ -81,6 +81,10 @@ def test_every_document_leads_back_to_its_source_text(sources, tok, ref, tmp_pat
                       on_error="skip", chunk_bytes=1500, split="test")
     )  # fmt: skip
     assert report["skipped"] == len(sources["bad"])
+    # the per-core rate: the tokens over every CPU-second of the run
+    t = report["time"]
+    tokens = sum(o["tokens"] for o in report["outputs"].values())
+    assert tokens / t["tokens_per_cpu_s"] == pytest.approx(t["cpu_seconds"], abs=6e-4)  # to 1 ms
     good_lines = [n for n in range(len(_source_lines(sources["plain"])) - 1)
                   if n not in sources["bad"]]  # fmt: skip
     from megatron.core.datasets.indexed_dataset import IndexedDataset

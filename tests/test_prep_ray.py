@@ -111,6 +111,11 @@ def test_byte_identical_to_local_for_any_workers_and_order(
     if seed is not None:
         assert order != sorted(order), "the units completed out of input order"
     assert all(u["seconds"] > 0 for u in report["units"])
+    t = report["time"]
+    assert t["unit_cpu_seconds_total"] > 0
+    tokens = report["outputs"]["text"]["tokens"]
+    # each unit's CPU to 0.1 ms, their sum to 1 ms
+    assert tokens / t["tokens_per_cpu_s"] == pytest.approx(t["unit_cpu_seconds_total"], abs=2e-3)
     assert report["time"]["workers"] == workers
     # Outputs and report only: the staging directory and the lock are gone.
     assert _under(prefix) == COMPLETE
