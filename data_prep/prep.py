@@ -130,9 +130,12 @@ def check_backend(facts: Facts, backend_name: str, spec) -> int:
     except (ValueError, RuntimeError, OSError) as err:
         raise PortingError(f"the {backend_name} backend cannot load {facts.path}: {err}") from err
     light = LightReference(facts.kind, facts.payload, facts.include_special_tokens)
-    for text, want in zip(facts.texts, facts.ids, strict=True):
-        ids, _ = backend.encode([text])
-        diff = describe_diff(ids.tolist(), list(want), text)
+    each = getattr(backend, "encode_each", None)
+    got = (
+        each(list(facts.texts)) if each else [backend.encode([t])[0].tolist() for t in facts.texts]
+    )
+    for text, want, ids in zip(facts.texts, facts.ids, got, strict=True):
+        diff = describe_diff(ids, list(want), text)
         if diff is not None:
             raise PortingError(
                 f"the {backend_name} backend does not reproduce Megatron's tokenizer "
@@ -177,7 +180,19 @@ def tokenizer_setup(
     if cfg.append_eod and facts.eod is None:
         raise PortingError(f"{src.path}: the tokenizer has no EOS token to append as EOD")
     spec = backend_spec(facts, backend_name)
-    n_probes = check_backend(facts, backend_name, spec)
+    try:
+        n_probes = check_backend(facts, backend_name, spec)
+    except PortingError:
+        if facts.record is None:
+            raise
+        # A record is a cache: one that the backend disagrees with may be the stale or damaged
+        # side, so Megatron's own tokenizer decides (and is recorded again).
+        log.warning(
+            "%s: tokenizer record not used (the %s backend disagrees with it on the probes); "
+            "loading Megatron's tokenizer",
+            facts.record, backend_name,
+        )  # fmt: skip
+        return tokenizer_setup(cfg, head, backend_name, tok_fp, None)
     wcfg = _worker_config(
         cfg, spec, facts.eod, facts.vocab_size, facts.dtype, src.contract, facts.payload
     )
@@ -633,17 +648,27 @@ def _prepare(cfg: PrepConfig, sources: list[Source], tok_fp: str, run_fp: str, s
         runner = _Runner(cfg, tasks, head_first=state["chunks"] == 0)
         head = _head(sources, keys, pos, cfg)
         recorded = recorded_facts(cfg, tok_fp)
-        # Without a record, workers start on a guess while Megatron's tokenizer loads, where
-        # spare cores can absorb the loading (and its memory is not on top of theirs on a small
-        # machine).
-        guess = None
-        if recorded is None and (cfg.in_process or (os.cpu_count() or 1) > cfg.workers + 1):
-            guess = provisional(src, cfg.include_special_tokens, backend_name)
-        if guess is not None:
-            spec, eod, vocab = guess
+        guessed = None
+        if recorded is not None:
+            # From a record the workers' configuration is known before the backend is checked
+            # on the probes: they start (spawn, imports, the tokenizer built) meanwhile, and a
+            # failed check stops them before anything is written.
+            spec = backend_spec(recorded, backend_name)
             guessed = _worker_config(
-                cfg, spec, eod, vocab, _guess_dtype(vocab), src.contract, spec.payload
-            )
+                cfg, spec, recorded.eod, recorded.vocab_size, recorded.dtype, src.contract,
+                recorded.payload,
+            )  # fmt: skip
+        elif cfg.in_process or (os.cpu_count() or 1) > cfg.workers + 1:
+            # Without a record, workers start on a guess while Megatron's tokenizer loads, where
+            # spare cores can absorb the loading (and its memory is not on top of theirs on a
+            # small machine).
+            guess = provisional(src, cfg.include_special_tokens, backend_name)
+            if guess is not None:
+                spec, eod, vocab = guess
+                guessed = _worker_config(
+                    cfg, spec, eod, vocab, _guess_dtype(vocab), src.contract, spec.payload
+                )
+        if guessed is not None:
             runner.start(guessed)
             runner.fill(min(32, 8 * cfg.workers))
 

@@ -214,6 +214,45 @@ def start_up(work: Path, tiny: Path, hf: Path, sp: Path, workers: str) -> int:
     return 0
 
 
+def _ceiling_of(kind: str, model: Path, corpus: Path, workers: str) -> dict:
+    env = dict(os.environ, RAYON_NUM_THREADS=workers, TOKENIZERS_PARALLELISM="true")
+    proc = subprocess.run(
+        [PY, __file__, "--ceiling", kind, str(model), str(corpus), workers],
+        cwd=REPO, env=env, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def at_ceiling(work: Path, corpus: Path, tiny: Path, hf: Path, sp: Path, workers: str) -> int:
+    """The ``--at-ceiling`` table: each backend end to end from its tokenizer record (a run on
+    the 20-line corpus writes it first) against the tokenizer's own batch-encode of the texts
+    already in memory, no Megatron run (for corpora where one would take long)."""
+    size = corpus.stat().st_size
+    print("| backend (defaults) | end to end s | MB/s | Mtok/s | Mtok per CPU-s | peak RSS (tree) "
+          "| ceiling s | ceiling MB/s | end to end / ceiling |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    with tempfile.TemporaryDirectory(dir=work) as cache:
+        env = dict(os.environ, PORTING_CACHE_DIR=cache)
+        for backend, model, kind in (("hf", hf, "hf"), ("gigatoken", hf, "gigatoken"),
+                                     ("sentencepiece", sp, "sentencepiece")):  # fmt: skip
+            flags = ["--tokenizer", str(model), "--workers", workers, "--append-eod",
+                     "--tokenizer-backend", backend, "--no-progress", "--overwrite"]  # fmt: skip
+            base = [PY, "-m", "porting.cli", "prep-data", "--input"]
+            measure([*base, str(tiny), "--output-prefix", str(work / "ceil_first"), *flags], env)
+            r = measure(
+                [*base, str(corpus), "--output-prefix", str(work / "ceil_run"), *flags], env
+            )
+            rep = json.loads((work / "ceil_run.prep-report.json").read_text())
+            tokens = sum(o["tokens"] for o in rep["outputs"].values())
+            c = _ceiling_of(kind, model, corpus, workers)
+            print(f"| {backend} | {r['wall']:.1f} | {size / r['wall'] / 1e6:.1f} | "
+                  f"{tokens / r['wall'] / 1e6:.2f} | {rep['time']['tokens_per_cpu_s'] / 1e6:.2f} | "
+                  f"{r['rss'] / 2**20:.0f} MiB | {c['seconds']:.1f} | "
+                  f"{c['bytes'] / c['seconds'] / 1e6:.1f} | "
+                  f"{(size / r['wall']) / (c['bytes'] / c['seconds']):.0%} |", flush=True)  # fmt: skip
+    return 0
+
+
 def provenance_cost(work: Path, corpus: Path, hf: Path, sp: Path, workers: str) -> int:
     """The ``--provenance`` table: the corpus with and without the sidecar, per backend (tokenizer
     records warm, median of three runs each, alternating)."""
@@ -341,6 +380,11 @@ def main() -> int:
         "--provenance", action="store_true", help="the corpus with and without the sidecar"
     )
     ap.add_argument(
+        "--at-ceiling",
+        action="store_true",
+        help="each backend from its tokenizer record against its raw batch-encode, no Megatron",
+    )
+    ap.add_argument(
         "--slurm",
         action="store_true",
         help="with --executors: also --executor slurm on a local two-node cluster "
@@ -388,6 +432,8 @@ def main() -> int:
         return start_up(work, tiny, hf, sp, w)
     if args.provenance:
         return provenance_cost(work, corpus, hf, sp, w)
+    if args.at_ceiling:
+        return at_ceiling(work, corpus, tiny, hf, sp, w)
 
     def megatron_cmd(inp: Path, prefix: Path, ttype: str, model: Path, fast: bool) -> list[str]:
         # core_v0.15.3's --legacy-tokenizer path is broken (its Encoder.initializer assigns the
@@ -473,12 +519,7 @@ def main() -> int:
 
     ceil = {}
     for kind, model in (("hf", hf), ("gigatoken", hf), ("sentencepiece", sp)):
-        env = dict(os.environ, RAYON_NUM_THREADS=w, TOKENIZERS_PARALLELISM="true")
-        proc = subprocess.run(
-            [PY, __file__, "--ceiling", kind, str(model), str(corpus), w],
-            cwd=REPO, env=env, capture_output=True, text=True, check=True,
-        )  # fmt: skip
-        c = json.loads(proc.stdout.strip().splitlines()[-1])
+        c = _ceiling_of(kind, model, corpus, w)
         ceil[kind] = c
         results[f"ceil_{kind}"] = {
             "label": f"{kind} batch-encode alone ({w} threads, texts in memory)",

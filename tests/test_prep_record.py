@@ -209,6 +209,35 @@ def test_a_record_that_is_not_one_is_named_and_replaced_by_the_run(
     assert read_record(key, source) is not None  # the run recorded it anew
 
 
+def test_a_record_the_backend_disagrees_with_is_decided_by_megatrons_tokenizer(
+    tokenizers, corpus, cache, tmp_path, caplog
+):
+    """A record that passes every check of its form but holds another id for a probe (a stale or
+    damaged cache): the backend's disagreement is not blamed on the backend; Megatron's tokenizer
+    decides, the run writes the bytes a clean run writes, and the record is written anew."""
+    tok = tokenizers["hf"]
+    clean = prepare(T.prep_config([corpus], tmp_path / "clean", tok, append_eod=True))
+    source, key = _key(tok)
+    path = record_path(key)
+    data = json.loads(path.read_text())
+    probe = next(i for i, ids in enumerate(data["facts"]["ids"]) if ids)
+    data["facts"]["ids"][probe][0] = (data["facts"]["ids"][probe][0] + 1) % 300
+    path.write_text(json.dumps(data))
+    assert read_record(key, source) is not None  # its form is a record's
+    with caplog.at_level(logging.WARNING, logger="data_prep.prep"):
+        report = prepare(T.prep_config([corpus], tmp_path / "out", tok, append_eod=True))
+    (said,) = [r.getMessage() for r in caplog.records if "tokenizer record" in r.getMessage()]
+    assert said == (
+        f"{path}: tokenizer record not used (the hf backend disagrees with it on the probes); "
+        "loading Megatron's tokenizer"
+    )
+    assert report["equivalence"]["tokenizer_record"] is None
+    assert clean["equivalence"]["tokenizer_record"] is None  # the case's own cache was empty
+    one, two = (output_prefix_for(tmp_path / d, "text") for d in ("clean", "out"))
+    assert _bytes(one) == _bytes(two)
+    assert json.loads(path.read_text())["facts"]["ids"] != data["facts"]["ids"]  # written anew
+
+
 def test_changed_tokenizer_files_or_settings_are_another_record(tokenizers, tmp_path, cache):
     import shutil
 
