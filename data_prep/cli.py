@@ -301,6 +301,11 @@ def run_prep(args) -> int:
     return 0
 
 
+def _pair(out: dict) -> str:
+    """An output's files as the closing lines name them: its pair, and its sidecar if written."""
+    return f"{out['prefix']}.{'bin/.idx/.prov' if out.get('provenance') else 'bin/.idx'}"
+
+
 def _print_report(args, report: dict) -> None:
     if args.json:
         print(json.dumps(report, indent=2, ensure_ascii=False))
@@ -308,8 +313,7 @@ def _print_report(args, report: dict) -> None:
     t = report["time"]
     for key, out in report["outputs"].items():
         print(
-            f"{out['prefix']}.{'bin/.idx/.prov' if out.get('provenance') else 'bin/.idx'}  "
-            f"{key}: {out['documents']} documents, {out['tokens']} tokens "
+            f"{_pair(out)}  {key}: {out['documents']} documents, {out['tokens']} tokens "
             f"({out['empty_documents']} empty)"
         )
     print(
@@ -364,7 +368,7 @@ def run_finish(args) -> int:
         print(json.dumps(report, indent=2, ensure_ascii=False))
     else:
         for key, out in report["outputs"].items():
-            print(f"{out['prefix']}.bin/.idx  {key}: {out['documents']} documents")
+            print(f"{_pair(out)}  {key}: {out['documents']} documents")
     return 0
 
 
@@ -376,7 +380,7 @@ def run_status(args) -> int:
     if args.status_wait:
         report = slurm.follow(directory, show_progress=sys.stderr.isatty())
         for key, out in report["outputs"].items():
-            print(f"{out['prefix']}.bin/.idx  {key}: {out['documents']} documents")
+            print(f"{_pair(out)}  {key}: {out['documents']} documents")
         return 0
     now = slurm.progress(directory)
     if now.failed:

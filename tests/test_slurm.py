@@ -118,7 +118,7 @@ def test_prep_data_cancelled_mid_way_resumes_to_the_local_bytes(slurm_cluster, c
     assert report["skipped_records"] == local["skipped_records"]
     assert [r["line"] for r in report["skipped_records"]] == [41]
     # the dataset's summary, as the local executor prints it; nothing left staged
-    assert "_text_document.bin/.idx  text:" in done.stdout, done.stdout
+    assert "_text_document.bin/.idx/.prov  text:" in done.stdout, done.stdout
     assert not staging.exists()
     states = _slurm(slurm_cluster, "scontrol", "-o", "show", "job", sub["units_job"])
     nodes = set(re.findall(r" NodeList=(\S+)", states))
