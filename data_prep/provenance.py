@@ -30,6 +30,7 @@ import json
 import os
 import stat
 import struct
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -240,9 +241,11 @@ def _regular(path: Path, what: str) -> os.stat_result:
         st = path.stat()
     except OSError as err:
         raise PortingError(f"{path}: {what} is gone ({err.strerror})") from err
-    want = stat.S_ISDIR if what == "saved dataset" else stat.S_ISREG
-    if not want(st.st_mode):
-        raise PortingError(f"{path}: the {what} is not a regular {what.split()[-1]}")
+    if what == "saved dataset":
+        if not stat.S_ISDIR(st.st_mode):
+            raise PortingError(f"{path}: the saved dataset is not a directory")
+    elif not stat.S_ISREG(st.st_mode):
+        raise PortingError(f"{path}: the {what} is not a regular file")
     return st
 
 
@@ -265,18 +268,21 @@ def source_text(entry: dict, record: int, offset: int, key: str, limit: int = 64
         st = _regular(path, "input file")
         if offset < 0 or (kind == "jsonl" and offset >= st.st_size):
             raise PortingError(f"{path}: offset {offset} outside the file")
-        with open(path, "rb") as raw:
-            if kind == "jsonl":
-                line = _line_at(raw, offset, limit)
-            else:
-                with gzip.GzipFile(fileobj=raw, mode="rb") as f:
-                    left = offset
-                    while left:
-                        got = len(f.read(min(left, 1 << 22)))
-                        if not got:
-                            raise PortingError(f"{path}: offset {offset} past the stream's end")
-                        left -= got
-                    line = _line_at(f, 0, limit)
+        try:
+            with open(path, "rb") as raw:
+                if kind == "jsonl":
+                    line = _line_at(raw, offset, limit)
+                else:
+                    with gzip.GzipFile(fileobj=raw, mode="rb") as f:
+                        left = offset
+                        while left:
+                            got = len(f.read(min(left, 1 << 22)))
+                            if not got:
+                                raise PortingError(f"{path}: offset {offset} past the stream's end")
+                            left -= got
+                        line = _line_at(f, 0, limit)
+        except (OSError, EOFError, zlib.error) as err:
+            raise PortingError(f"{path}: cannot read it ({err})") from err
         try:
             obj = json.loads(line.decode("utf-8"))
         except (UnicodeDecodeError, ValueError, RecursionError) as err:
@@ -285,19 +291,21 @@ def source_text(entry: dict, record: int, offset: int, key: str, limit: int = 64
     else:
         if record < 1:
             raise PortingError(f"{path}: row {record} does not exist")
-        if kind == "parquet":
-            _regular(path, "input file")
-            import pyarrow.parquet as pq
+        _regular(path, "input file" if kind == "parquet" else "saved dataset")
+        try:
+            if kind == "parquet":
+                import pyarrow.parquet as pq
 
-            table = pq.read_table(path, columns=[key], memory_map=True)
-        else:
-            _regular(path, "saved dataset")
-            import datasets
+                table = pq.read_table(path, columns=[key], memory_map=True)
+            else:
+                import datasets
 
-            ds = datasets.load_from_disk(str(path))
-            if isinstance(ds, datasets.DatasetDict):
-                ds = ds[entry["split"] or next(iter(ds))]
-            table = ds.select_columns([key]).with_format("arrow").data
+                ds = datasets.load_from_disk(str(path))
+                if isinstance(ds, datasets.DatasetDict):
+                    ds = ds[entry["split"] or next(iter(ds))]
+                table = ds.select_columns([key]).with_format("arrow").data
+        except Exception as err:  # pyarrow and datasets raise their own hierarchies
+            raise PortingError(f"{path}: cannot read its {key!r} column ({err})") from err
         if record > table.num_rows:
             raise PortingError(f"{path}: row {record} past its {table.num_rows} rows")
         value = table.slice(record - 1, 1).column(key).to_pylist()[0]

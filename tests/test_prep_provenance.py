@@ -239,7 +239,11 @@ def test_records_that_name_no_source_or_another_count_are_refused(tmp_path):
         P.read(_sidecar(tmp_path), documents=2)
 
 
-@pytest.mark.parametrize("what", ["fifo", "directory", "device", "gone", "changed", "past the end"])
+@pytest.mark.parametrize(
+    "what",
+    ["fifo", "directory", "device", "gone", "changed", "past the end", "a parquet file without the column",
+     "a dataset without the split", "a corrupt gzip stream"],
+)  # fmt: skip
 def test_a_source_that_is_not_what_was_read_is_said_and_its_text_not_shown(what, tmp_path):
     """A sidecar's source is read only where it is a regular file (a FIFO would hang the read,
     a device would never end), and its text returned only where it has the recorded hash."""
@@ -259,6 +263,27 @@ def test_a_source_that_is_not_what_was_read_is_said_and_its_text_not_shown(what,
         src.unlink()
     elif what == "past the end":
         offset = 1 << 20
+    elif what == "a corrupt gzip stream":
+        data = gzip.compress(src.read_bytes())
+        (tmp_path / "s.jsonl.gz").write_bytes(data[:12] + b"\xff" * 40)
+        entry |= {"path": str(tmp_path / "s.jsonl.gz"), "kind": "jsonl.gz"}
+    elif what == "a parquet file without the column":
+        import datasets
+
+        datasets.Dataset.from_dict({"other": ["secret words"]}).to_parquet(str(tmp_path / "p"))
+        entry |= {"path": str(tmp_path / "p"), "kind": "parquet", "unit": "row"}
+    elif what == "a dataset without the split":
+        import datasets
+
+        datasets.DatasetDict(
+            {"train": datasets.Dataset.from_dict({"text": ["secret words"]})}
+        ).save_to_disk(str(tmp_path / "ds"))
+        entry |= {
+            "path": str(tmp_path / "ds"),
+            "kind": "hf-dataset",
+            "unit": "row",
+            "split": "test",
+        }
     hashes = np.array([int(P.text_hash("other words"), 16)], np.uint64)
     if what != "changed":
         hashes[0] = int(P.text_hash("secret words"), 16)
@@ -270,6 +295,10 @@ def test_a_source_that_is_not_what_was_read_is_said_and_its_text_not_shown(what,
         assert origin["source_now"].startswith("unreadable: ") and "text" not in origin, origin
         if what in ("fifo", "directory", "device"):
             assert "not a regular file" in origin["source_now"]
+        if what.startswith("a parquet") or what.startswith("a dataset"):
+            assert "cannot read its 'text' column" in origin["source_now"], origin
+        if what == "a corrupt gzip stream":
+            assert "cannot read it (" in origin["source_now"], origin
 
 
 def test_inspect_doc_says_where_a_document_came_from(two, tok, cli):
