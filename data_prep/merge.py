@@ -44,6 +44,7 @@ def merge(
     overwrite: bool = False,
     input_dir: str | Path | None = None,
     record_bases: list[int] | None = None,
+    sources: list[dict] | None = None,
 ) -> dict:
     """Concatenate datasets in the given order into ``output_prefix``; return counts.
 
@@ -56,7 +57,8 @@ def merge(
     Where any input has a provenance sidecar the output gets one, their sources listed once; an
     input without one (Megatron's own) stands as a source of kind ``dataset`` for its documents.
     ``record_bases`` (a job's units) is added to each input's records: a unit counts the lines of
-    its own byte range.
+    its own byte range; ``sources`` (a job's inputs) are the output's sources, in that order,
+    whichever of them the inputs name.
     """
     if not prefixes:
         raise PortingError("nothing to merge")
@@ -70,13 +72,13 @@ def merge(
         ],
     )
     with output_lock(output_prefix, "dataset"):
-        return _merge(prefixes, output_prefix, overwrite, record_bases)
+        return _merge(prefixes, output_prefix, overwrite, record_bases, sources)
 
 
-def _provenance_blocks(prefixes, counts, sides, record_bases):
+def _provenance_blocks(prefixes, counts, sides, record_bases, sources=None):
     """The output's sidecar header and a generator of its records' blocks."""
-    entries: list[dict] = []
-    where: dict[str, int] = {}
+    entries: list[dict] = list(sources or ())
+    where = {json.dumps(e, sort_keys=True): i for i, e in enumerate(entries)}
 
     def index_of(entry: dict) -> int:
         token = json.dumps(entry, sort_keys=True)
@@ -111,7 +113,9 @@ def _provenance_blocks(prefixes, counts, sides, record_bases):
     return provenance.header(entries, keys.pop() if len(keys) == 1 else None), blocks()
 
 
-def _merge(prefixes: list[str], output_prefix: str | Path, overwrite: bool, record_bases) -> dict:
+def _merge(
+    prefixes: list[str], output_prefix: str | Path, overwrite: bool, record_bases, sources
+) -> dict:
     out_bin, out_idx = Path(f"{output_prefix}.bin"), Path(f"{output_prefix}.idx")
     out_prov = provenance.sidecar_path(output_prefix)
     for p in (out_bin, out_idx, out_prov):
@@ -164,7 +168,9 @@ def _merge(prefixes: list[str], output_prefix: str | Path, overwrite: bool, reco
         itemsize = np.dtype(dtype).itemsize
         write_index(tmp_idx, index_header(dtype), itemsize, n_seq, n_docs, seq_lengths, doc_indices)
         if with_provenance:
-            provenance.write(tmp_prov, *_provenance_blocks(prefixes, counts, sides, record_bases))
+            provenance.write(
+                tmp_prov, *_provenance_blocks(prefixes, counts, sides, record_bases, sources)
+            )
         os.replace(tmp_bin, out_bin)
         os.replace(tmp_idx, out_idx)
         provenance.place(tmp_prov if with_provenance else None, output_prefix)

@@ -252,9 +252,10 @@ def run_unit(job: Job, index: int, report=None) -> dict:
     bins = {k: open(tmp[k][0], "wb") for k in job.json_keys}
     provs = {}
     if job.provenance:
-        # Every source of the job in the header, so that a unit's source index is the job's;
-        # the records count the unit's own lines, placed after the units before it at the merge.
-        entries = [provenance.source_entry(s, job.split) for s in job.sources]
+        # Its own source only (a job of a thousand files has a thousand units: every source in
+        # every unit's header would grow with their product); the merge lists the job's sources
+        # and places the unit's lines after those of the units before it.
+        entries = [provenance.source_entry(src, job.split)]
         for k in job.json_keys:
             provs[k] = open(tmp[k][2], "wb")
             provs[k].write(provenance.header(entries, k))
@@ -300,9 +301,7 @@ def run_unit(job: Job, index: int, report=None) -> dict:
                 lens[key].append(dl)
                 if job.provenance:
                     offsets = None if res.offsets is None else task.start + res.offsets
-                    prov = provenance.records(
-                        unit.source, lines + res.lines + 1, offsets, res.hashes[key]
-                    )
+                    prov = provenance.records(0, lines + res.lines + 1, offsets, res.hashes[key])
                     provs[key].write(prov.tobytes(order="C"))
                 stats[key]["documents"] += len(dl)
                 stats[key]["tokens"] += int(toks.size)
@@ -488,7 +487,8 @@ def _merge_key(job: Job, key: str, summaries: list[dict], out: Path) -> None:
             prefixes.append(f"{_stem(job, u.index)}.{key}")
             bases.append(base)
     if prefixes:
-        merge(prefixes, out, overwrite=True, record_bases=bases)
+        entries = [provenance.source_entry(s, job.split) for s in job.sources]
+        merge(prefixes, out, overwrite=True, record_bases=bases, sources=entries)
         return
     # No document anywhere: what the local executor writes for an input without any.
     Path(f"{out}.bin").write_bytes(b"")
