@@ -444,7 +444,7 @@ def _patch_torch_adam_step(distrib_optimizer) -> None:
 _RESULTS_QUEUE: Any = None
 
 
-def _local_results_queue():
+def _local_results_queue(*args: Any, **kwargs: Any):
     """CPU version of ``filesystem_async._get_write_results_queue``.
 
     Answers ``megatron/core/dist_checkpointing/strategies/filesystem_async.py``, which gets its
@@ -490,7 +490,10 @@ def enable_training() -> None:
             module.clip_grad_by_total_norm_fp32 = _cpu_clip_grad_by_total_norm_fp32
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    filesystem_async._get_write_results_queue = _local_results_queue
+    # Megatron-Core 0.15 names it _get_write_results_queue, 0.19 get_write_results_queue.
+    for name in ("_get_write_results_queue", "get_write_results_queue"):
+        if hasattr(filesystem_async, name):
+            setattr(filesystem_async, name, _local_results_queue)
     _TRAINING_MODE = _CpuDeviceMode()
     _TRAINING_MODE.__enter__()
 

@@ -55,6 +55,14 @@ _WARNINGS = (
     # megatron/core/transformer/transformer_config.py (0.19), for every config: its own default
     # cuda_graph_scope, which nothing here sets (and no CPU run captures)
     ("full scope is deprecated", UserWarning),
+    # Megatron-Bridge's training loop (`porting train --engine bridge`) on import, without
+    # Transformer Engine: the local expert layers it then uses, torch's note on the jit-scripted
+    # fusions it imports, and its own notes that pretrain and the multimodal configs it imports
+    # are new
+    ("Only transformer-engine>=1.7.0 supports MoE experts", UserWarning),
+    ("`torch.jit.script` is deprecated", FutureWarning),
+    ("MimoModelConfig is experimental", UserWarning),
+    ("Function 'pretrain' is experimental", UserWarning),
 )
 
 # Log records silenced by default: (logger name, message prefix); an empty prefix means the logger
@@ -81,6 +89,9 @@ _RECORDS = (
     ("megatron.core.rerun_state_machine", "Implicit initialization of Rerun State Machine"),
     ("megatron.core.rerun_state_machine", "RerunStateMachine initialized in mode"),
     ("nv_one_logger", ""),
+    # megatron/bridge/utils/import_utils.py: every optional import it tries, with its traceback
+    # (FP8GlobalStateManager without Transformer Engine); it sets its logger's level itself
+    ("megatron.bridge.utils.import_utils", "Import of "),
     # Megatron-Core 0.19, on every model built from a GPT spec: GPTModel is kept for fixes only
     # (HybridModel is its successor) and a partial as the MLP submodule is rewrapped. Both are
     # Megatron's advice to its own spec writers; the checkpoint and its maths are unchanged.

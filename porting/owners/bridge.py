@@ -44,7 +44,7 @@ def _iteration(ckpt: str) -> str:
 _BRIDGE_SPEC = "megatron.bridge.models.gpt_provider.default_layer_spec"
 
 
-def _spec_overrides(iteration: str) -> dict:
+def spec_overrides(iteration: str) -> dict:
     """Bridge's local spec where Transformer Engine's cannot be built and the checkpoint names
     Bridge's own spec; a family's own spec's package registered (see the docstring)."""
     import importlib.util
@@ -76,7 +76,7 @@ def load(ckpt: str, tokens: list[torch.Tensor]) -> list[torch.Tensor]:
 
     path = _iteration(ckpt)
     model = load_megatron_model(
-        path, use_cpu_init=True, skip_temp_dist_context=True, mp_overrides=_spec_overrides(path)
+        path, use_cpu_init=True, skip_temp_dist_context=True, mp_overrides=spec_overrides(path)
     )
     model = model[0] if isinstance(model, list) else model
     model.eval()
@@ -114,7 +114,7 @@ def train(ckpt: str, steps: int, save: str) -> None:
 
     from porting import cpu
 
-    overrides = _spec_overrides(_iteration(ckpt))
+    overrides = spec_overrides(_iteration(ckpt))
     model, _ = load_model_config(_iteration(ckpt))
     for key, value in overrides.items():
         setattr(model, key, value)

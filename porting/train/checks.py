@@ -372,6 +372,28 @@ def _model_facts(manifest, config) -> dict:
     }
 
 
+def check_same_model(ours: Path, inside: Path, spec: TrainSpec, manifest, source: Path) -> None:
+    """Refuse the manifest ``ours`` of a run directory's checkpoint where it is of another family
+    or model shape than ``--checkpoint``'s (``source``)."""
+    theirs = read_json(ours, inside)
+    for key in ("family", "hf_architecture"):
+        if theirs.get(key) != getattr(manifest, key):
+            raise PortingError(
+                f"{ours}: {key} is {theirs.get(key)!r}, but --checkpoint {source} has "
+                f"{getattr(manifest, key)!r}: {spec.out} holds a run of another model; "
+                "use another --out"
+            )
+    hf = theirs.get("hf_config") or {}
+    mine = manifest.hf_config
+    for hf_key, _, _ in _SHAPE:
+        if hf_key in mine and hf.get(hf_key, mine[hf_key]) != mine[hf_key]:
+            raise PortingError(
+                f"{ours}: hf_config.{hf_key} is {hf.get(hf_key)!r}, but --checkpoint "
+                f"{source} has {mine[hf_key]!r}: {spec.out} holds a run of another model; "
+                "use another --out"
+            )
+
+
 def check_run_dir(spec: TrainSpec, manifest, config) -> None:
     """Refuse a run directory whose checkpoints belong to another model or family.
 
@@ -389,23 +411,7 @@ def check_run_dir(spec: TrainSpec, manifest, config) -> None:
             continue
         ours = ctx / "porting.json"
         if ours.is_file():
-            theirs = read_json(ours, ctx.parent)
-            for key in ("family", "hf_architecture"):
-                if theirs.get(key) != getattr(manifest, key):
-                    raise PortingError(
-                        f"{ours}: {key} is {theirs.get(key)!r}, but --checkpoint {source} has "
-                        f"{getattr(manifest, key)!r}: {spec.out} holds a run of another model; "
-                        "use another --out"
-                    )
-            hf = theirs.get("hf_config") or {}
-            mine = manifest.hf_config
-            for hf_key, _, _ in _SHAPE:
-                if hf_key in mine and hf.get(hf_key, mine[hf_key]) != mine[hf_key]:
-                    raise PortingError(
-                        f"{ours}: hf_config.{hf_key} is {hf.get(hf_key)!r}, but --checkpoint "
-                        f"{source} has {mine[hf_key]!r}: {spec.out} holds a run of another model; "
-                        "use another --out"
-                    )
+            check_same_model(ours, ctx.parent, spec, manifest, source)
         model_yaml = ctx / "model.yaml"
         if model_yaml.is_file():
             cfg = untrusted.read_yaml(model_yaml, ctx.parent) or {}
@@ -693,7 +699,7 @@ class Preflight:
     warnings: list[str]
 
 
-def check_memory(spec: TrainSpec) -> None:
+def check_memory(spec: TrainSpec, weights: Path | None = None) -> None:
     """On the CPU, refuse a run whose ranks on this node cannot hold even their share of the
     model's fp32 weights and gradients (8 bytes a parameter; Adam's states and activations come on
     top): it would be killed by the out-of-memory killer minutes in. The parameter count comes
@@ -705,9 +711,14 @@ def check_memory(spec: TrainSpec) -> None:
 
     if torch.cuda.is_available():
         return
-    reader = DistCheckpointReader(Path(spec.checkpoint) / "weights")
+    reader = DistCheckpointReader(weights or Path(spec.checkpoint) / "weights")
+    # NeMo 2 names the model's weights "module.*"; Megatron-Bridge's iterations hold them
+    # unprefixed, beside "optimizer.*" and "rng_state" of a trained one.
+    prefix = "module." if weights is None else ""
     params = sum(
-        math.prod(reader.global_shape(k)) for k in reader.keys() if k.startswith("module.")
+        math.prod(reader.global_shape(k))
+        for k in reader.keys()
+        if k.startswith(prefix) and not k.startswith(("optimizer.", "rng_state"))
     )
     ranks = spec.gpus_per_node
     need = params * 8 * ranks // (spec.tp * spec.pp)
@@ -753,6 +764,92 @@ def preflight(spec: TrainSpec, nemo: bool = True) -> Preflight:
     if spec.plan is not None:
         check_plan(spec, manifest, config)
     note = check_layout_change(spec)
+    if note:
+        warnings.append(note)
+    return Preflight(manifest, family, config, warnings)
+
+
+def bridge_iteration(root: Path) -> Path | None:
+    """The newest complete iteration of a Megatron-Bridge checkpoint root (what its tracker file,
+    written once a save has finished, names), or None where there is none."""
+    tracker = Path(root) / "latest_checkpointed_iteration.txt"
+    if not tracker.is_file():
+        return None
+    text = tracker.read_text().strip()
+    if not text.isdigit():
+        raise PortingError(f"{tracker}: {text[:40]!r} is not an iteration number")
+    return Path(root) / f"iter_{int(text):07d}"
+
+
+def check_bridge_layout_change(spec: TrainSpec) -> str | None:
+    """:func:`check_layout_change` for a Megatron-Bridge run: the layout a resume starts from is
+    the newest iteration's ``run_config.yaml`` (read as data), the optimizer format its
+    ``checkpoint.dist_ckpt_optim_fully_reshardable``."""
+    from porting.convert import untrusted
+
+    it = bridge_iteration(Path(spec.out) / "checkpoints")
+    if it is None or not (it / "run_config.yaml").is_file():
+        return None
+    path = it / "run_config.yaml"
+    run = untrusted.read_yaml(path, it) or {}
+    model = run.get("model") or {}
+    ddp = run.get("ddp") or {}
+    saved = {
+        "tp": model.get("tensor_model_parallel_size", spec.tp),
+        "pp": model.get("pipeline_model_parallel_size", spec.pp),
+        "vp": model.get("virtual_pipeline_model_parallel_size", spec.vp),
+        "cp": model.get("context_parallel_size", spec.cp),
+    }
+    now = {"tp": spec.tp, "pp": spec.pp, "vp": spec.vp, "cp": spec.cp}
+    changed = [k for k in now if saved[k] != now[k]]
+    if not changed:
+        return None
+    change = ", ".join(f"{k.upper()} {saved[k]} -> {now[k]}" for k in changed)
+    reshardable = (run.get("checkpoint") or {}).get("dist_ckpt_optim_fully_reshardable")
+    if ddp.get("use_distributed_optimizer") and not reshardable and spec.distributed_optimizer:
+        raise PortingError(
+            f"{path}: checkpoint.dist_ckpt_optim_fully_reshardable is false (saved at "
+            f"{', '.join(f'{k.upper()}={saved[k]}' for k in changed)}): the distributed "
+            f"optimizer's state in {it.name} reshards across data-parallel ranks only, and this "
+            f"resume changes {change}. Resume once at the saved layout with "
+            "--optim-fully-reshardable and let it save a checkpoint, then change the layout"
+        )
+    return f"resuming {it.name} with a new layout ({change}); Megatron reshards on load"
+
+
+def preflight_bridge(spec: TrainSpec) -> Preflight:
+    """:func:`preflight` for the Megatron-Bridge engine: ``--checkpoint`` must be a
+    Megatron-Bridge checkpoint of ours (`porting import --format megatron-bridge`, or `porting
+    convert --to megatron-bridge`), and the run directory's checkpoints (a Bridge root,
+    ``OUT/checkpoints``) must be of its model."""
+    from porting.contract.registry import family_by_name
+    from porting.convert.checkpoint import open_checkpoint
+    from porting.convert.megatron import checkpoint_config
+
+    checkpoint = open_checkpoint(spec.checkpoint)
+    if checkpoint.located.format != "megatron-bridge":
+        raise PortingError(
+            f"--checkpoint {spec.checkpoint}: a {checkpoint.located.format} checkpoint, and "
+            "--engine bridge trains a Megatron-Bridge one: convert it first with `porting "
+            f"convert {spec.checkpoint} --to megatron-bridge --out DIR` (or train it with "
+            "--engine nemo2, in the nemo2 environment)"
+        )
+    if Path(spec.checkpoint).resolve() != checkpoint.located.root.resolve():
+        raise PortingError(
+            f"--checkpoint {spec.checkpoint}: give the checkpoint's root "
+            f"({checkpoint.located.root}), not one of its iterations"
+        )
+    manifest = checkpoint.manifest
+    family = family_by_name(checkpoint.family)
+    config = checkpoint_config(checkpoint, family, nemo=False)
+    check_memory(spec, checkpoint.located.weights)
+    ours = Path(spec.out) / "checkpoints" / "porting" / "porting.json"
+    if ours.is_file():
+        check_same_model(ours, ours.parent.parent, spec, manifest, checkpoint.located.manifest_path)
+    warnings = validate(spec, config, manifest.vocab_size)
+    if spec.plan is not None:
+        check_plan(spec, manifest, config)
+    note = check_bridge_layout_change(spec)
     if note:
         warnings.append(note)
     return Preflight(manifest, family, config, warnings)

@@ -139,6 +139,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto")
     p.add_argument(
+        "--engine",
+        choices=["nemo2", "bridge"],
+        default=None,
+        help="the training loop: nemo2 (NeMo 2's LLM collection; a NeMo 2 checkpoint) or "
+        "bridge (Megatron-Bridge's pretrain; a Megatron-Bridge checkpoint, from `porting import "
+        "--format megatron-bridge`). Default: nemo2 where NeMo is installed, else bridge",
+    )
+    p.add_argument(
         "--executor",
         choices=["local", "torchrun", "slurm", "nemo-run"],
         default="local",
@@ -253,18 +261,40 @@ def _run_ranks(cmd: list[str], out: Path) -> int:
     return stop.launched(launch, out)
 
 
-def _need_nemo2() -> None:
-    """Refuse at once, before any rank starts, where NeMo 2 is not installed: the training loop is
-    NeMo 2's (its LLM collection and Lightning trainer)."""
+def _engine(chosen: str | None) -> str:
+    """The training loop: the one asked for, else NeMo 2's where NeMo is installed (the nemo2
+    stack) and Megatron-Bridge's where it is not (the current stack)."""
     import importlib.util
 
+    if chosen is not None:
+        return chosen
+    return "nemo2" if importlib.util.find_spec("nemo") is not None else "bridge"
+
+
+def _need_engine(engine: str) -> None:
+    """Refuse at once, before any rank starts, where the engine's packages are not installed."""
+    import importlib.util
+
+    if engine == "bridge":
+        try:
+            found = importlib.util.find_spec("megatron.bridge") is not None
+        except ImportError:  # no megatron package at all
+            found = False
+        if not found:
+            raise PortingError(
+                "--engine bridge runs Megatron-Bridge's training loop, and this environment "
+                "lacks megatron-bridge: install `porting[current]` (Python 3.12; "
+                "docs/environments.md), or train a NeMo 2 checkpoint with --engine nemo2"
+            )
+        return
     missing = [m for m in ("nemo", "lightning") if importlib.util.find_spec(m) is None]
     if missing:
         raise PortingError(
-            f"porting train runs NeMo 2's training loop, and this environment lacks "
+            f"--engine nemo2 runs NeMo 2's training loop, and this environment lacks "
             f"{' and '.join(missing)} (the current stack, docs/environments.md): train in the "
             "nemo2 environment (`scripts/env.sh nemo2 -- porting train ...`) or install "
-            "`porting[nemo2]` (Python 3.11); --dry-run checks a run here without it"
+            "`porting[nemo2]` (Python 3.11), or train a Megatron-Bridge checkpoint with "
+            "--engine bridge; --dry-run checks a run here without either"
         )
 
 
@@ -274,7 +304,12 @@ def _cmd_train(args) -> int:
     from porting.train import checks
 
     spec = _spec(args)
+    engine = _engine(args.engine)
     checks.refuse_input_overlap(spec)
+    if engine == "bridge" and args.executor == "nemo-run":
+        raise PortingError(
+            "--executor nemo-run comes with NeMo 2; launch --engine bridge with torchrun or slurm"
+        )
     if args.executor != "local":
         from porting import shell, slurm
 
@@ -290,7 +325,8 @@ def _cmd_train(args) -> int:
         # Every check that needs no trainer, in this process, before any rank is started; on
         # the NeMo-free config, so that the launcher is not one more NeMo start-up (~15 s of
         # CPU) beside its ranks'.
-        for w in checks.preflight(spec, nemo=False).warnings:
+        pre = checks.preflight_bridge(spec) if engine == "bridge" else checks.preflight(spec, False)
+        for w in pre.warnings:
             print(f"warning: {w}", file=sys.stderr)
         gc.freeze()  # see the end of this function
     if args.dry_run:
@@ -302,7 +338,7 @@ def _cmd_train(args) -> int:
             f"{spec.global_batch // (spec.micro_batch * spec.data_parallel)} accumulation steps"
         )
         return 0
-    _need_nemo2()
+    _need_engine(engine)
     if args.executor == "slurm":
         from porting import slurm
         from porting.train import launch
@@ -363,13 +399,18 @@ def _cmd_train(args) -> int:
         stop.die_with_parent()
         stop.watch_launcher()
     stop.guard_forked_children()
-    from porting.train import recipe
-
     # A log file on a full disk must not add "--- Logging error ---" reports to the one line
     # that says the disk is full.
     logging.raiseExceptions = False
-    quiet.quiet_nemo()
-    r = recipe.recipe(spec)
+    if engine == "bridge":
+        from porting.train import bridge as recipe
+
+        r = recipe.config(spec)
+    else:
+        from porting.train import recipe
+
+        quiet.quiet_nemo()
+        r = recipe.recipe(spec)
     # The launching process holds the run's lock for its ranks; a run started otherwise (srun,
     # a hand-made torchrun) is locked by its first rank.
     ours = stop.launcher() is not None
@@ -379,7 +420,10 @@ def _cmd_train(args) -> int:
         quiet_rank = ours and "RANK" in os.environ
         out = stop.run_settled(lambda: recipe.run(r), Path(spec.out), quiet_rank)
     if os.environ.get("RANK", "0") == "0":  # one line for the run, not one per rank
-        if spec.save_every:
+        if spec.save_every and engine == "bridge":
+            ckpts = out / "checkpoints"
+            done = f"done: checkpoints in {ckpts} (newest: {checks.bridge_iteration(ckpts).name})"
+        elif spec.save_every:
             done = (
                 f"done: checkpoints in {out / 'checkpoints'} (last: {out / 'checkpoints' / 'last'})"
             )

@@ -32,6 +32,7 @@ from porting.guard import die_with_parent
 # the process that started the ranks (its pid and start time), handed over by porting.handoff
 LAUNCHER_ENV = "PORTING_TRAIN_LAUNCHER"
 UNFINISHED = "-unfinished"  # NeMo's ModelCheckpoint.UNFINISHED_CHECKPOINT_SUFFIX
+BRIDGE_TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-Bridge's, written after a save
 TMP_PREFIX = ".tmp-launcher-"
 
 
@@ -93,9 +94,11 @@ def guard_forked_children() -> None:
 def settle_checkpoints(out: str | os.PathLike) -> str:
     """Remove the unfinished checkpoints of run directory ``out`` and point ``checkpoints/last``
     at the newest complete one; return a line naming it (or saying there is none)."""
+    ckpts = Path(out) / "checkpoints"
+    if (ckpts / BRIDGE_TRACKER).exists() or any(ckpts.glob("iter_*")):
+        return _settle_bridge(ckpts)
     from porting.train.recipe import link_last
 
-    ckpts = Path(out) / "checkpoints"
     removed = []
     for marker in sorted(ckpts.glob(f"*{UNFINISHED}")):
         ckpt = marker.with_name(marker.name.removesuffix(UNFINISHED))
@@ -108,6 +111,27 @@ def settle_checkpoints(out: str | os.PathLike) -> str:
     if last is None:
         return f"no checkpoint was complete{gone}"
     return f"last complete checkpoint {last} -> {os.readlink(last)}{gone}"
+
+
+def _settle_bridge(ckpts: Path) -> str:
+    """:func:`settle_checkpoints` for a Megatron-Bridge run (``--engine bridge``): its tracker
+    file is written once a save has finished, so an iteration past it is unfinished."""
+    from porting.train.checks import bridge_iteration
+
+    done = bridge_iteration(ckpts)
+    if done is not None and (done / "train_state.pt").is_file():
+        # Bridge resumes from what latest_train_state.pt names, written just before the tracker
+        # file: a stop between the two would resume from a save the tracker does not vouch for.
+        shutil.copyfile(done / "train_state.pt", ckpts / "latest_train_state.pt")
+    removed = []
+    for it in sorted(ckpts.glob("iter_*")):
+        if it.is_dir() and not it.is_symlink() and (done is None or it.name > done.name):
+            shutil.rmtree(it, ignore_errors=True)
+            removed.append(it.name)
+    gone = f" (removed unfinished {', '.join(removed)})" if removed else ""
+    if done is None:
+        return f"no checkpoint was complete{gone}"
+    return f"last complete checkpoint {ckpts} -> {done.name}{gone}"
 
 
 def run_settled(train: Callable[[], Path], out: Path, quiet_rank: bool) -> Path:
