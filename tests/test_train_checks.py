@@ -230,3 +230,24 @@ def test_a_split_share_left_without_documents_is_refused(
     spec = _spec(tiny_nemo, data, tmp_path / "run", split=split)
     with pytest.raises(PortingError, match=f"holds 40 document.*leaves the {share} share none"):
         _preflight(spec)
+
+
+def test_each_engine_refuses_what_it_cannot_train_before_any_work(
+    cli, tiny_nemo, train_corpus, tmp_path
+):
+    """On the NeMo 2 stack: Megatron-Bridge's loop is not installed, and NeMo 2's trains a NeMo 2
+    checkpoint only (a Megatron-Bridge one is named, with what to do)."""
+    from porting.api import convert
+
+    argv = ["train", "--data", str(train_corpus), "--out", str(tmp_path / "run")]
+    done = cli([*argv, "--checkpoint", str(tiny_nemo), "--engine", "bridge"])
+    assert done.returncode == 2
+    assert "--engine bridge runs Megatron-Bridge's training loop, and this environment lacks " \
+        "megatron-bridge" in done.stderr, done.stderr  # fmt: skip
+    bridge = tmp_path / "bridge"
+    convert(tiny_nemo, bridge, "megatron-bridge", verify=False)
+    done = cli([*argv, "--checkpoint", str(bridge), "--dry-run"])
+    assert done.returncode == 2
+    assert f"--checkpoint {bridge}: a megatron-bridge checkpoint, and --engine nemo2 trains a " \
+        "NeMo 2 one: train it with --engine bridge" in done.stderr, done.stderr  # fmt: skip
+    assert not (tmp_path / "run").exists()

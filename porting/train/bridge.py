@@ -39,7 +39,18 @@ from porting.train.checks import TrainSpec, bridge_iteration, parse_blend, prefl
 
 log = logging.getLogger(__name__)
 
-METRICS = ("step", "reduced_train_loss", "lr", "grad_norm", "tokens_per_s", "val_loss", "val_ppl")
+# The NeMo 2 engine's columns (Lightning's "step" beside NeMo's "global_step"), so that a tool
+# reading one engine's metrics.csv reads the other's.
+METRICS = (
+    "step",
+    "global_step",
+    "reduced_train_loss",
+    "lr",
+    "grad_norm",
+    "tokens_per_s",
+    "val_loss",
+    "val_ppl",
+)
 
 
 @dataclass
@@ -339,6 +350,7 @@ class _Metrics:
     def on_train_start(self, context) -> None:
         """What Megatron built: its process groups' sizes and the optimizer (``run.json``)."""
         from megatron.core import parallel_state as ps
+        from megatron.core.utils import get_attr_wrapped_model
 
         optimizer = context.optimizer
         inner = getattr(optimizer, "chained_optimizers", [optimizer])[0]
@@ -351,7 +363,7 @@ class _Metrics:
             "optimizer": type(inner).__name__,
             "inner_optimizer": type(getattr(inner, "optimizer", inner)).__name__,
             "layers_this_rank": sum(
-                len(getattr(getattr(m, "decoder", None), "layers", [])) for m in context.model
+                len(get_attr_wrapped_model(m, "decoder").layers) for m in context.model
             ),
         }
 
@@ -371,6 +383,7 @@ class _Metrics:
         tokens_per_s = self.tokens_per_step / elapsed
         self._row(
             step=step,
+            global_step=step,
             reduced_train_loss=loss,
             lr=lr,
             grad_norm=context.grad_norm,
@@ -400,7 +413,7 @@ class _Metrics:
             # the step's first validation is its record, as with the NeMo 2 engine.
             return
         self._validated.add(step)
-        self._row(step=step, val_loss=loss, val_ppl=ppl)
+        self._row(step=step, global_step=step, val_loss=loss, val_ppl=ppl)
         log.info(
             "step %d/%d  loss %s  val_loss %.4f  val_ppl %.3f",
             step + 1,

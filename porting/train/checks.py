@@ -749,6 +749,13 @@ def preflight(spec: TrainSpec, nemo: bool = True) -> Preflight:
     from porting.convert.megatron import checkpoint_config
 
     checkpoint = open_checkpoint(spec.checkpoint)
+    if checkpoint.located.format != "nemo2":
+        raise PortingError(
+            f"--checkpoint {spec.checkpoint}: a {checkpoint.located.format} checkpoint, and "
+            "--engine nemo2 trains a NeMo 2 one: train it with --engine bridge (the current "
+            f"stack), or convert it first with `porting convert {spec.checkpoint} --to nemo2 "
+            "--out DIR`"
+        )
     manifest = checkpoint.manifest
     family = family_by_name(checkpoint.family)
     # NeMo reads io.json of the restored checkpoint and of every checkpoint it may resume from
