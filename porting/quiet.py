@@ -63,6 +63,10 @@ _WARNINGS = (
     ("`torch.jit.script` is deprecated", FutureWarning),
     ("MimoModelConfig is experimental", UserWarning),
     ("Function 'pretrain' is experimental", UserWarning),
+    # megatron/core/_rank_utils.py (0.19), imported in a process that is no rank: the launcher of
+    # `porting train --executor torchrun`, which checks a run before starting its ranks
+    ("Could not determine rank from torch.distributed", UserWarning),
+    ("Could not determine world size from torch.distributed", UserWarning),
 )
 
 # Log records silenced by default: (logger name, message prefix); an empty prefix means the logger

@@ -140,21 +140,26 @@ def test_a_run_stopped_after_a_save_resumes_to_the_uninterrupted_losses(
     assert {s: uninterrupted[s] for s in resumed} == resumed
 
 
-def test_tensor_parallel_over_two_ranks_gives_the_one_rank_losses(
-    bridge_ckpt, train_corpus, reference, tmp_path
+@pytest.mark.parametrize("layout", ["tp", "pp"])
+def test_two_ranks_split_by_tensor_or_pipeline_give_the_one_rank_losses(
+    bridge_ckpt, train_corpus, reference, tmp_path, layout
 ):
-    out = tmp_path / "tp2"
+    """Two gloo processes under torchrun, the model split by tensor (TP=2) or by layers (PP=2:
+    the losses exist on the last stage only, whose rank writes them)."""
+    out = tmp_path / layout
     done = _train(
-        bridge_ckpt, train_corpus, out, *RUN, "--tp", "2", "--gpus-per-node", "2",
+        bridge_ckpt, train_corpus, out, *RUN, f"--{layout}", "2", "--gpus-per-node", "2",
         "--executor", "torchrun",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    tp2, tp1 = train_losses(out), train_losses(reference[0])
-    assert sorted(tp2) == list(range(8))
-    assert max(abs(tp2[s] - tp1[s]) for s in tp1) < 1e-4, (tp1, tp2)
+    assert [line for line in done.stderr.splitlines() if not line.startswith("step ")] == []
+    split, whole = train_losses(out), train_losses(reference[0])
+    assert sorted(split) == list(range(8))
+    assert max(abs(split[s] - whole[s]) for s in whole) < 1e-4, (whole, split)
     import json
 
-    assert json.loads((out / "run.json").read_text())["built"]["tp"] == 2
+    built = json.loads((out / "run.json").read_text())["built"]
+    assert built[layout] == 2 and built["layers_this_rank"] == (2 if layout == "tp" else 1)
 
 
 def _spec(ckpt, data, out, **kw):

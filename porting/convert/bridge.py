@@ -225,9 +225,11 @@ def write_bridge_files(root: Path, weights: Path, iteration: int, run_config: di
 
 
 # Where a _target_ may point: torch's functions and dtypes, Megatron-Core's, Megatron-LM's training
-# package's (Bridge's config classes live there) and Bridge's own modules.
+# package's (Bridge's config classes live there) and Bridge's own modules. A checkpoint Bridge's
+# training saved names a torch function by its native module where it has one (F.gelu is
+# torch._C._nn.gelu).
 _ALLOWED_TARGET = re.compile(
-    r"(torch\.(nn\.functional|nn\.init)\.[A-Za-z0-9_]+"
+    r"(torch\.(nn\.functional|nn\.init|_C\._nn)\.[A-Za-z0-9_]+"
     r"|torch\.(float32|float16|bfloat16|float64|int64|int32)|signal\.Signals"
     r"|megatron\.(core|bridge|training)\.[A-Za-z0-9_.]+)"
 )

@@ -101,8 +101,9 @@ def config(spec: TrainSpec) -> BridgeRun:
         raise PortingError("--precision bf16 needs GPUs; on the CPU training runs in fp32")
     bf16 = precision == "bf16"
     source = bridge_iteration(spec.checkpoint)
+    overrides = spec_overrides(str(source))  # registers a family's own provider package first
     model, _ = load_model_config(str(source))
-    for key, value in spec_overrides(str(source)).items():
+    for key, value in overrides.items():
         setattr(model, key, value)
     model.seq_length = spec.seq_length
     model.tensor_model_parallel_size = spec.tp
@@ -323,8 +324,8 @@ def _metrics(spec: TrainSpec):
 
 
 class _Metrics:
-    """One log line and one ``OUT/csv/metrics.csv`` row per step, one per validation; only the
-    first rank writes."""
+    """One log line and one ``OUT/csv/metrics.csv`` row per step, one per validation, written by
+    the last rank: the losses exist on the last pipeline stage only (as Megatron's own log)."""
 
     def __init__(self, spec: TrainSpec) -> None:
         self.spec = spec
@@ -335,8 +336,10 @@ class _Metrics:
         self._validated: set[int] = set()
         self.built: dict = {}
 
-    def _first(self) -> bool:
-        return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    def _writer(self) -> bool:
+        if not torch.distributed.is_initialized():
+            return True
+        return torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
 
     def _row(self, **values) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -372,7 +375,7 @@ class _Metrics:
 
     def on_train_step_end(self, context) -> None:
         elapsed = max(time.perf_counter() - self._start, 1e-9)
-        if not self._first():
+        if not self._writer():
             return
         step = context.state.train_state.step  # not yet advanced: this step's 0-based index
         losses = context.loss_dict or {}
@@ -399,7 +402,7 @@ class _Metrics:
         )
 
     def on_eval_end(self, context) -> None:
-        if not self._first():
+        if not self._writer():
             return
         totals = context.total_loss_dict or {}
         loss = totals.get("lm loss")
