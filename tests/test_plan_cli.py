@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -108,6 +109,24 @@ def test_emitted_train_flags_are_accepted_by_porting_train(emitted):
     plan = json.loads((out / "plan.json").read_text())
     assert shlex.split(" ".join(plan["train_argv"])) == flags
     assert plan["layouts"][0]["label"].startswith("TP8 PP4 VP5 CP1")
+
+
+def test_a_megatron_bridge_root_is_planned_and_named_in_the_flags(emitted, tmp_path):
+    """A Megatron-Bridge (or Megatron-LM) checkpoint keeps its manifest beside its iterations
+    (porting/porting.json): the planner reads the model from it and the flags name it, for
+    `porting train --engine bridge`, as a NeMo 2 checkpoint's context/porting.json."""
+    _, nemo2 = emitted
+    ckpt = tmp_path / "bridge"
+    (ckpt / "porting").mkdir(parents=True)
+    shutil.copy(nemo2 / "context" / "porting.json", ckpt / "porting" / "porting.json")
+    out = tmp_path / "launch"
+    argv = ["plan", "--model", str(ckpt), "--cluster", str(THREE), "--global-batch", "1024"]
+    argv += ["--seq-length", "4096", "--layout", "tp=8,pp=4,vp=5,cp=1,mb=1,recompute=selective"]
+    assert main([*argv, "--emit", str(out), "--data", "/data/corpus_text_document"]) == 0
+    args = _train_parser().parse_args(
+        ["train", *shlex.split((out / "train_flags.txt").read_text())]
+    )
+    assert args.checkpoint == ckpt.resolve() and (args.tp, args.pp, args.vp) == (8, 4, 5)
 
 
 @pytest.mark.parametrize("name", ["torchrun.sh", "train.sbatch", "nccl_tests.sh", "nccl.env"])

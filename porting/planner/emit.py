@@ -15,6 +15,7 @@ from pathlib import Path
 from porting import shell
 from porting.errors import PortingError
 from porting.planner.cluster import MIB, Cluster, NcclSettings, Site
+from porting.planner.model import checkpoint_manifest
 from porting.planner.perf import Evaluator, Prediction
 from porting.planner.placement import ORDER_TP_PP_DP, WAN
 from porting.planner.report import plan_dict, prediction_dict
@@ -458,7 +459,7 @@ def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
 def default_checkpoint(model_spec: str) -> str | Ref:
     """The ``--model`` argument when it is an imported checkpoint, else a shell variable."""
     path = Path(model_spec)
-    if (path / "context" / "porting.json").is_file():
+    if checkpoint_manifest(path) is not None:
         return str(path.resolve())
     return CHECKPOINT
 

@@ -628,11 +628,21 @@ PRESETS.update(
 )
 
 
+# Where a checkpoint of ours keeps its manifest: NeMo 2's context/, beside the iterations of a
+# Megatron-LM or Megatron-Bridge root (porting/convert/layouts; the planner reads no torch).
+MANIFESTS = ("context/porting.json", "porting/porting.json")
+
+
+def checkpoint_manifest(path: Path) -> Path | None:
+    """The manifest of the checkpoint directory ``path``, or None where it is not one of ours."""
+    return next((path / m for m in MANIFESTS if (path / m).is_file()), None)
+
+
 def load_model(spec: str | Path) -> ModelShape:
     """A shape from a preset name, an HF ``config.json`` (or its directory), or a checkpoint.
 
-    A checkpoint written by ``porting import`` keeps the original HF config under
-    ``context/porting.json`` (key ``hf_config``); that is what is read.
+    A checkpoint written by ``porting import`` keeps the original HF config in its manifest
+    (key ``hf_config``; :data:`MANIFESTS`); that is what is read.
     """
     text = str(spec)
     if text in PRESETS:
@@ -644,8 +654,8 @@ def load_model(spec: str | Path) -> ModelShape:
             f"(presets: {', '.join(sorted(PRESETS))})"
         )
     if path.is_dir():
-        manifest = path / "context" / "porting.json"
-        if manifest.is_file():
+        manifest = checkpoint_manifest(path)
+        if manifest is not None:
             data = _read_json(manifest)
             if not isinstance(data, dict) or "hf_config" not in data:
                 raise PortingError(f"{manifest}: missing field hf_config")
@@ -653,7 +663,8 @@ def load_model(spec: str | Path) -> ModelShape:
         path = path / "config.json"
         if not path.is_file():
             raise PortingError(
-                f"--model {text}: a directory with neither config.json nor context/porting.json"
+                f"--model {text}: a directory with neither config.json nor a checkpoint's "
+                "manifest (context/porting.json, porting/porting.json)"
             )
     cfg = _read_json(path)
     if isinstance(cfg, dict):  # transformers 5's spelling read as 4.x's, as import reads it
