@@ -493,7 +493,10 @@ def run_in_session(argv: list[str], timeout: float, env: dict | None = None):
 
 
 def checkpoint_complete(out: Path) -> bool:
-    """Whether the `porting train` run directory ``out`` holds a complete ``*-last`` checkpoint."""
+    """Whether the `porting train` run directory ``out`` holds a complete checkpoint: a ``*-last``
+    one (NeMo 2), or an iteration that Megatron-Bridge's tracker file names (written after a save)."""
+    if (Path(out) / "checkpoints" / "latest_checkpointed_iteration.txt").exists():
+        return True
     return any(
         (p / "context" / "train_layout.json").exists()
         and not p.with_name(p.name + "-unfinished").exists()

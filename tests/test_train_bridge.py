@@ -294,3 +294,41 @@ def test_expert_parallel_2_trains_as_expert_parallel_1(tmp_path):
     ep1, ep2 = train_losses(tmp_path / "ep1"), train_losses(tmp_path / "ep2")
     assert sorted(ep1) == sorted(ep2) == [0, 1, 2, 3]
     assert max(abs(ep1[s] - ep2[s]) for s in ep1) < 1e-4, (ep1, ep2)
+
+
+def test_a_stopped_two_rank_run_says_what_it_kept_and_leaves_no_process(
+    bridge_ckpt, train_corpus, tmp_path
+):
+    """SIGTERM to the whole group (a scheduler's stop) once a save is complete, under torchrun:
+    exit 143, one line naming the iteration a resume starts from, no traceback, no iteration past
+    the tracker, no process of the run left."""
+    import signal
+
+    from porting.testing import child_env, processes_mentioning, signal_at_first_checkpoint
+
+    out = tmp_path / "run"
+    argv = [
+        sys.executable, "-m", "porting.cli", "train", "--checkpoint", str(bridge_ckpt),
+        "--data", str(train_corpus), "--out", str(out), "--steps", "400", "--save-every", "2",
+        "--gpus-per-node", "2", "--executor", "torchrun", *COMMON,
+    ]  # fmt: skip
+    (tmp_path / "tmp").mkdir()
+    done = signal_at_first_checkpoint(
+        argv, out, signal.SIGTERM, 300, env=child_env(TMPDIR=str(tmp_path / "tmp"))
+    )
+    assert done.returncode == 143, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    said = [line for line in done.stderr.splitlines() if line.startswith("porting train:")]
+    ckpts = out / "checkpoints"
+    kept = ckpts / f"iter_{int((ckpts / 'latest_checkpointed_iteration.txt').read_text()):07d}"
+    assert said == [
+        f"porting train: stopped by SIGTERM; last complete checkpoint {ckpts} -> {kept.name}"
+    ] or (
+        len(said) == 1
+        and said[0].startswith(f"porting train: stopped by SIGTERM; last complete checkpoint "
+                               f"{ckpts} -> {kept.name} (removed unfinished ")
+    ), done.stderr[-3000:]  # fmt: skip
+    assert (kept / "run_config.yaml").is_file()
+    assert [it.name for it in sorted(ckpts.glob("iter_*"))][-1] == kept.name
+    assert not processes_mentioning(str(out), grace=5)
+    assert not list((tmp_path / "tmp").glob("torchelastic_*"))
