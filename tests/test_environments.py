@@ -96,4 +96,4 @@ def test_train_without_nemo2_is_refused_naming_the_environment_to_use(monkeypatc
         importlib.util, "find_spec", lambda name, *a: None if name == "nemo" else real(name, *a)
     )
     with pytest.raises(PortingError, match=r"lacks nemo .*scripts/env.sh nemo2 -- porting train"):
-        cli._need_nemo2()
+        cli._need_engine("nemo2")
