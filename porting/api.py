@@ -21,7 +21,7 @@ from porting.convert.checkpoint import (
     staged,
 )
 from porting.convert.export import export_into, resolved_hf_layout
-from porting.convert.hf_files import family_for_hf_dir
+from porting.convert.hf_files import HFSource, open_hf
 from porting.convert.layouts.registry import is_hf_dir, layout_named
 from porting.errors import PortingError
 from porting.guard import output_lock, refuse_overlap
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 
 def import_hf(
-    hf_dir: str | Path,
+    hf_dir: HFSource | str | Path,
     out: str | Path,
     *,
     overwrite: bool = False,
@@ -58,9 +58,10 @@ def import_hf(
 
     from porting.convert import ranks
 
-    refuse_overlap(out, [("HF directory", hf_dir)])
+    hf = open_hf(hf_dir, family)  # the directory's config is read here, once
+    refuse_overlap(out, [("HF directory", hf.path)])
     layout = layout_named(fmt)
-    family, _ = family_for_hf_dir(hf_dir, family)
+    family = hf.family
     options = dict(
         dtype=dtype,
         allow_pickle=allow_pickle,
@@ -70,14 +71,13 @@ def import_hf(
     )
 
     # a model the layout cannot describe is refused before any tensor is read
-    from porting.convert.hf_files import read_hf_config
     from porting.convert.megatron import DTYPES, build_config
 
-    config, _ = build_config(family, read_hf_config(hf_dir), DTYPES["float32"], vocab_divisor)
+    config, _ = build_config(family, hf.config, DTYPES["float32"], vocab_divisor)
     layout.check_config(config, family)
 
     def into(tmp: Path):
-        manifest = nemo2_import(Path(hf_dir).resolve(), tmp, family, **options)
+        manifest = nemo2_import(hf, tmp, family, **options)
         if manifest is not None:  # rank 0 of a launched import, or the one process
             layout.write(tmp, _layout_config(family, manifest, vocab_divisor), manifest, family)
         if ranks.world_size() > 1:
@@ -85,23 +85,22 @@ def import_hf(
 
             torch.distributed.barrier()  # the layout's files are there before any rank reads
         if verify:
-            return _gate(
-                hf_dir, tmp, tmp, atol, rtol, whole_model, show_progress, device, allow_pickle
-            )
+            return _gate(hf, tmp, tmp, atol, rtol, whole_model, show_progress, device, allow_pickle)
         return None
 
     return _written(out, overwrite, "checkpoint", into)
 
 
-def nemo2_import(hf_dir: Path, tmp: Path, family, **options):
-    """The NeMo 2 checkpoint of ``hf_dir`` in the empty directory ``tmp``, no gate: written
+def nemo2_import(hf: HFSource, tmp: Path, family, **options):
+    """The NeMo 2 checkpoint of ``hf`` in the empty directory ``tmp``, no gate: written
     without NeMo where the family has a NeMo-free config (:mod:`porting.convert.hf_import`),
     else by its NeMo importer. ``options``: ``import_into``'s. Returns the manifest (``None`` on
     a launched import's ranks but rank 0)."""
     if family.core_config_cls is not None:
         from porting.convert.hf_import import import_into
 
-        return import_into(hf_dir, tmp, family, **options)
+        return import_into(hf, tmp, family, **options)
+    hf_dir = hf.path.resolve()
     from porting import quiet
     from porting.convert.connectors import model_class
 

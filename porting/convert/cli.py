@@ -189,10 +189,14 @@ def _converting(args, reads, what: str, refuse_early=None) -> Iterator[str]:
 
 def _cmd_import(args) -> int:
     from porting.convert import ranks
-    from porting.convert.hf_files import family_for_hf_dir
+    from porting.convert.hf_files import open_hf
 
     reads = [("HF directory", args.hf_dir)]
-    early = lambda: family_for_hf_dir(args.hf_dir, args.family)  # noqa: E731
+    opened = {}  # the HF directory, read once by the early refusal and handed to the import
+
+    def early() -> None:
+        opened["hf"] = open_hf(args.hf_dir, args.family)
+
     if args.executor != "local":
         return _launched(
             args, "import", "checkpoint", reads, early, lambda: _weights_readable(args)
@@ -203,7 +207,7 @@ def _cmd_import(args) -> int:
         from porting.api import import_hf
 
         report = import_hf(
-            args.hf_dir,
+            opened.get("hf", args.hf_dir),
             args.out,
             **_import_options(args),
             whole_model=args.whole_model,

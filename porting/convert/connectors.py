@@ -29,12 +29,12 @@ from porting.convert.checkpoint import (
     open_checkpoint,
 )
 from porting.convert.export import export_into, shapes_of
-from porting.convert.hf_files import read_hf_config
+from porting.convert.hf_files import HFSource, open_hf
 from porting.convert.hf_import import TOKENIZER_SUBDIR, resolve_dtype
 from porting.convert.manifest import Manifest
 from porting.convert.mapping import WeightProducer, import_weights
 from porting.convert.megatron import build_config, dtype_name
-from porting.convert.safetensors_io import SafetensorsSource
+from porting.convert.safetensors_io import SafetensorsSource, hf_weights
 from porting.convert.table_check import check_table
 
 log = logging.getLogger(__name__)
@@ -120,17 +120,22 @@ class PortingImporter(io.ModelConnector):
         return model_class(self.FAMILY)(self.config, tokenizer=self.tokenizer)
 
     @property
+    def hf(self) -> HFSource:
+        """The HF directory, its ``config.json`` read once per importer."""
+        if getattr(self, "_hf", None) is None:
+            self._hf = open_hf(str(self), self.FAMILY.name)
+        return self._hf
+
+    @property
     def hf_config(self) -> dict:
-        """The HF ``config.json`` as a dict, read once per importer."""
-        if getattr(self, "_hf_config", None) is None:
-            self._hf_config = read_hf_config(str(self))
-        return self._hf_config
+        """The HF ``config.json`` as a dict (transformers 4.x's spelling)."""
+        return self.hf.config
 
     @property
     def source(self) -> SafetensorsSource:
         """The HF weights' reader (headers and index read once per importer)."""
         if getattr(self, "_source", None) is None:
-            self._source = SafetensorsSource(str(self), allow_pickle=self.allow_pickle)
+            self._source = hf_weights(self.hf, allow_pickle=self.allow_pickle)
         return self._source
 
     @property
@@ -188,13 +193,12 @@ class PortingImporter(io.ModelConnector):
             self._staging_root = out
         family = self.FAMILY
         prep = hf_import.prepare(
-            Path(str(self)),
+            self.hf,
             family,
             self.source,
             dtype=self.dtype,
             vocab_divisor=self.vocab_divisor,
             gate=self.gate,
-            hf_config=self.hf_config,
         )
         config, ctx = build_config(
             family, prep.hf_config, prep.dtype, self.vocab_divisor, nemo=True

@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +111,7 @@ def check_model_files(model_dir: str | Path) -> None:
                 raise PortingError(f"{entry} -> {err}") from None
 
 
-def load_tokenizer(model_dir: str | Path):
+def load_tokenizer(model_dir: str | Path, hf_config: dict | None = None):
     """The ``transformers`` tokenizer of the HF directory ``model_dir``, its files checked first
     (:func:`check_model_files`), never fetched and never running the directory's own code. A
     failure to load is one :class:`PortingError` naming the directory: the ``tokenizers`` library
@@ -132,7 +133,7 @@ def load_tokenizer(model_dir: str | Path):
         loader = transformers.PreTrainedTokenizerFast
         said.setLevel(logging.ERROR)
     extra = {}
-    if loader is transformers.AutoTokenizer and _needs_remote_config(model_dir):
+    if loader is transformers.AutoTokenizer and _needs_remote_config(model_dir, hf_config):
         # transformers 5's AutoTokenizer reads the model's config first, and a config that needs
         # its own code (auto_map) then fails in the generic class's rope set-up; the tokenizer
         # class is named in tokenizer_config.json, so the model's config decides nothing here
@@ -153,13 +154,14 @@ def load_tokenizer(model_dir: str | Path):
 _TOKENIZER_LOGGER = "transformers.tokenization_utils_base"
 
 
-def _needs_remote_config(model_dir: str | Path) -> bool:
-    """Whether the directory's ``config.json`` maps its classes to its own code (``auto_map``)
-    while ``tokenizer_config.json`` names the tokenizer's class."""
+def _needs_remote_config(model_dir: str | Path, hf_config: dict | None = None) -> bool:
+    """Whether the directory's ``config.json`` (``hf_config`` where the caller read it) maps its
+    classes to its own code (``auto_map``) while ``tokenizer_config.json`` names the tokenizer's
+    class."""
     path = Path(model_dir) / "config.json"
-    if not path.is_file() or not _tokenizer_class(model_dir):
+    if (hf_config is None and not path.is_file()) or not _tokenizer_class(model_dir):
         return False
-    cfg = read_json(path, model_dir)
+    cfg = read_json(path, model_dir) if hf_config is None else hf_config
     return isinstance(cfg, dict) and "auto_map" in cfg
 
 
@@ -251,6 +253,47 @@ def _json_kind(value: Any) -> str:
     return {list: "list", str: "string", bool: "boolean", type(None): "null"}.get(
         type(value), "number"
     )
+
+
+@dataclass(frozen=True)
+class HFSource:
+    """One HF model directory as a command reads it, once (:func:`open_hf`): ``config.json`` in
+    transformers 4.x's spelling (what families and the gate read, whichever version wrote it),
+    the file as written where transformers 5 spelled it (for export to write back key for key)
+    and the family that claims it. Import, its gate and the tokenizer load take it, so that none
+    reads the directory's config again."""
+
+    path: Path
+    config: dict
+    as_written: dict | None
+    family: Family
+
+    @property
+    def config_path(self) -> Path:
+        return self.path / "config.json"
+
+    @property
+    def raw_config(self) -> dict:
+        """``config.json`` as the file holds it."""
+        return self.as_written if self.as_written is not None else self.config
+
+
+def open_hf(hf: HFSource | str | os.PathLike, family: str | None = None) -> HFSource:
+    """The :class:`HFSource` of an HF directory (its files checked, its config read and claimed
+    by a family: :func:`family_for_hf_dir`); an :class:`HFSource` is returned as it is."""
+    if isinstance(hf, HFSource):
+        return hf
+    cfg, written = read_hf_config_as_written(hf)
+    where = str(Path(hf) / "config.json")
+    return HFSource(Path(hf), cfg, written, registry.family_for_hf_config(cfg, where, family))
+
+
+def hf_config_of(hf: HFSource | str | os.PathLike) -> tuple[Path, dict, dict | None]:
+    """``(directory, config, config as written)`` of an HF directory: an :class:`HFSource`'s own,
+    else read (:func:`read_hf_config_as_written`; no family is asked to claim it)."""
+    if isinstance(hf, HFSource):
+        return hf.path, hf.config, hf.as_written
+    return Path(hf), *read_hf_config_as_written(hf)
 
 
 def family_for_hf_dir(hf_dir: str | Path, family: str | None = None) -> tuple[Family, dict]:

@@ -26,12 +26,12 @@ from porting.contract import config_map
 from porting.contract.family import Family, ShapeContext
 from porting.convert import hf_files, nemo2_context, ranks, streaming_save
 from porting.convert.export import shapes_of
-from porting.convert.hf_files import read_hf_config, read_hf_config_as_written
+from porting.convert.hf_files import HFSource, open_hf
 from porting.convert.manifest import EXTRA_HF_FILES, Manifest, write_manifest
 from porting.convert.mapping import WeightProducer
 from porting.convert.megatron import DTYPES, config_arguments, dtype_name
 from porting.convert.preflight import check_float_dtypes, check_gate_memory, check_hf_checkpoint
-from porting.convert.safetensors_io import SafetensorsSource
+from porting.convert.safetensors_io import SafetensorsSource, hf_weights
 from porting.convert.table_check import check_table
 from porting.errors import PortingError
 
@@ -90,6 +90,7 @@ class Prepared:
     family: Family
     hf_dir: Path
     hf_config: dict
+    hf_config_as_written: dict | None  # transformers 5's spelling, as the file has it
     source: SafetensorsSource
     dtype: torch.dtype
     fp32: list[str]
@@ -100,19 +101,19 @@ class Prepared:
 
 
 def prepare(
-    hf_dir: Path,
+    hf: HFSource | Path,
     family: Family,
     source: SafetensorsSource,
     *,
     dtype: str | None = None,
     vocab_divisor: int = 128,
     gate: str | None = None,
-    hf_config: dict | None = None,
 ) -> Prepared:
     """What an import checks before it builds a model: the architecture is the family's, the
     weights' dtypes, the config against the headers (a config that lies about its size is refused
     before anything is built), and the gate's memory (``gate``: ``"streamed"`` / ``"whole"``)."""
-    hf_config = read_hf_config(str(hf_dir)) if hf_config is None else hf_config
+    hf = open_hf(hf, family.name)
+    hf_dir, hf_config = hf.path, hf.config
     if not family.claims(hf_config):
         raise PortingError(
             f"{hf_dir}/config.json: architecture {hf_config['architectures'][0]!r} is not "
@@ -133,8 +134,9 @@ def prepare(
     if gate is not None:
         check_gate_memory("import", hf_shapes, hf_config, whole_model=gate == "whole")
     return Prepared(
-        family, hf_dir, hf_config, source, weight_dtype, fp32, reader, kwargs, ctx, hf_shapes
-    )
+        family, hf_dir, hf_config, hf.as_written, source, weight_dtype, fp32, reader, kwargs, ctx,
+        hf_shapes,
+    )  # fmt: skip
 
 
 def _progress(show: bool):
@@ -142,7 +144,7 @@ def _progress(show: bool):
 
 
 def import_into(
-    hf_dir: str | Path,
+    hf_dir: HFSource | str | Path,
     out: str | Path,
     family: Family,
     *,
@@ -168,10 +170,11 @@ def import_into(
 
     from porting.convert.megatron import build_mcore_model, init_parallel, shutdown_parallel
 
-    hf_dir, out = Path(hf_dir), Path(out)
+    hf = open_hf(hf_dir, family.name)
+    hf_dir, out = hf.path, Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    source = SafetensorsSource(str(hf_dir), allow_pickle=allow_pickle)
-    prep = prepare(hf_dir, family, source, dtype=dtype, vocab_divisor=vocab_divisor, gate=gate)
+    source = hf_weights(hf, allow_pickle=allow_pickle)
+    prep = prepare(hf, family, source, dtype=dtype, vocab_divisor=vocab_divisor, gate=gate)
     ranked = ranks.world_size() > 1
     init_parallel()  # one process, or the launched ranks' world as data-parallel replicas
     model = build_mcore_model(family.config_class(nemo=False)(**prep.kwargs))
@@ -203,7 +206,7 @@ def import_into(
     manifest = None
     if ranks.rank() == 0:
         nemo2_context.write_context(out, family, prep.kwargs)
-        hf_files.load_tokenizer(hf_dir).save_pretrained(str(out / TOKENIZER_SUBDIR))
+        hf_files.load_tokenizer(hf_dir, hf.raw_config).save_pretrained(str(out / TOKENIZER_SUBDIR))
         manifest = write_extras(out, prep)
     if ranked:
         torch.distributed.barrier()
@@ -266,7 +269,7 @@ def write_extras(out: Path, prep: Prepared) -> Manifest:
         tokenizer={"kind": "hf", "path": TOKENIZER_SUBDIR},
         extra_files=extras,
         fp32_tensors=prep.fp32,
-        hf_config_as_written=read_hf_config_as_written(prep.hf_dir)[1],
+        hf_config_as_written=prep.hf_config_as_written,
         hf_experts="stacked" if prep.source.experts_stacked else None,
     )
     write_manifest(out, manifest)

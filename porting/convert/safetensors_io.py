@@ -247,10 +247,16 @@ class SafetensorsSource:
         allow_pickle: read ``pytorch_model*.bin`` when no safetensors exist (``weights_only=True``).
         dequantizer: what makes a quantized weight from its parts (default: ours,
             :data:`porting.convert.quant.OURS`; the parity gate passes transformers').
+        hf_config: the directory's ``config.json`` as written, where the caller has read it
+            (:class:`porting.convert.hf_files.HFSource`); else it is read here.
     """
 
     def __init__(
-        self, model_dir: str | os.PathLike, allow_pickle: bool = False, dequantizer=None
+        self,
+        model_dir: str | os.PathLike,
+        allow_pickle: bool = False,
+        dequantizer=None,
+        hf_config: dict | None = None,
     ) -> None:
         self.dir = Path(model_dir)
         self._quant = None  # a QuantizedView where the checkpoint is quantized
@@ -300,7 +306,8 @@ class SafetensorsSource:
         self._unpacked: dict[str, object] = {}
         if self._pickled is None:
             config = self.dir / "config.json"
-            hf_config = read_json(config, self.dir) if _present(config) else {}
+            if hf_config is None:
+                hf_config = read_json(config, self.dir) if _present(config) else {}
             if not isinstance(hf_config, dict):
                 hf_config = {}
             self._plan_quantized(hf_config, config)
@@ -720,3 +727,11 @@ class StreamingShardWriter:
         }
         (self.out_dir / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
         return paths
+
+
+def hf_weights(hf, allow_pickle: bool = False, dequantizer=None) -> SafetensorsSource:
+    """The weights of the :class:`~porting.convert.hf_files.HFSource` ``hf``, read with the
+    config it holds (not read again)."""
+    return SafetensorsSource(
+        hf.path, allow_pickle=allow_pickle, dequantizer=dequantizer, hf_config=hf.raw_config
+    )

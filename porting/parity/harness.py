@@ -16,6 +16,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -23,6 +24,9 @@ from torch.overrides import TorchFunctionMode
 from porting import quiet
 from porting.parity.floor import FLOOR_MIN_S, format_rate, format_seconds, format_work
 from porting.parity.streamed import LAYER_RTOL
+
+if TYPE_CHECKING:
+    from porting.convert.hf_files import HFSource
 
 log = logging.getLogger(__name__)
 
@@ -614,7 +618,7 @@ def megatron_logits_from_checkpoint(
 
 
 def verify(
-    hf_dir: str | Path,
+    hf_dir: HFSource | str | Path,
     ckpt,
     atol: float = DEFAULT_ATOL,
     rtol: float = DEFAULT_RTOL,
@@ -639,7 +643,7 @@ def verify(
 
     from porting.contract.registry import family_by_name
     from porting.convert.checkpoint import open_checkpoint, tokenizer_files
-    from porting.convert.hf_files import load_tokenizer
+    from porting.convert.hf_files import HFSource, load_tokenizer, read_hf_config_as_written  # noqa: F811
     from porting.convert.layouts import check_saved_metadata
     from porting.convert.megatron import build_config
     from porting.convert.preflight import (
@@ -647,13 +651,16 @@ def verify(
         check_gate_memory,
         check_hf_checkpoint,
     )
-    from porting.convert.safetensors_io import SafetensorsSource
+    from porting.convert.safetensors_io import SafetensorsSource, hf_weights
     from porting.parity.hf_dequant import REFERENCE
     from porting.parity.pair import check_pair
 
-    # Opened once (layout, manifest) and handed down; a child process opens it by its path.
+    # Opened once (layout, manifest; the HF directory's config where the caller read it:
+    # porting.convert.hf_files.HFSource) and handed down; a child process opens both by path.
     checkpoint = open_checkpoint(ckpt)
     ckpt = checkpoint.path
+    hf = hf_dir if isinstance(hf_dir, HFSource) else None
+    hf_dir = hf.path if hf is not None else Path(hf_dir)
     if torch.device(device).type != "cpu":
         from porting import cpu
 
@@ -661,7 +668,8 @@ def verify(
             return _verify_in_child(hf_dir, ckpt, device, locals())
     manifest = checkpoint.manifest
     # A wrong pair is refused on the configs alone, before NeMo and Megatron load.
-    hf_config = check_pair(hf_dir, checkpoint)
+    hf_config = check_pair(hf or hf_dir, checkpoint)
+    written = hf.as_written if hf is not None else read_hf_config_as_written(hf_dir)[1]
     family = family_by_name(manifest.family)
     # its Megatron side (and NeMo, for a family with no NeMo-free config): start-up, not the gate
     family.config_class(nemo=False)
@@ -675,7 +683,10 @@ def verify(
     # The HF side's config against its headers before either model is built (the Megatron
     # side's is checked as its config is rebuilt, checkpoint_config).
     # a quantized checkpoint's weights as the reference dequantizes them, not as the import did
-    source = SafetensorsSource(hf_dir, allow_pickle=allow_pickle, dequantizer=REFERENCE)
+    if hf is not None:
+        source = hf_weights(hf, allow_pickle=allow_pickle, dequantizer=REFERENCE)
+    else:
+        source = SafetensorsSource(hf_dir, allow_pickle=allow_pickle, dequantizer=REFERENCE)
     check_float_dtypes(family, source)
     _, ctx = build_config(family, hf_config, torch.float32, vocab_divisor=1)
     hf_shapes = check_hf_checkpoint(
@@ -711,7 +722,7 @@ def verify(
                 scratch_dir,
                 device,
                 hf_probe=probe,
-                hf_read=(hf_config, source),
+                hf_read=(hf_config, source, written),
             )
         except torch.OutOfMemoryError as err:
             if torch.device(device).type == "cpu":

@@ -13,7 +13,7 @@ from pathlib import Path
 from porting.contract.config_map import differences
 from porting.contract.registry import family_by_name
 from porting.convert.checkpoint import Checkpoint
-from porting.convert.hf_files import read_hf_config
+from porting.convert.hf_files import HFSource, hf_config_of
 from porting.errors import PortingError
 
 # The Megatron fields that set the model's sizes. Two configs that differ in one describe models
@@ -57,7 +57,7 @@ def settled(kwargs: dict) -> dict:
     return out
 
 
-def check_pair(hf_dir: str | Path, checkpoint: Checkpoint) -> dict:
+def check_pair(hf_dir: HFSource | str | Path, checkpoint: Checkpoint) -> dict:
     """Refuse an HF directory whose config describes another model than the one ``checkpoint``
     was made from (its manifest records that model's config); return the HF config.
 
@@ -66,8 +66,8 @@ def check_pair(hf_dir: str | Path, checkpoint: Checkpoint) -> dict:
     """
     manifest = checkpoint.manifest
     family = family_by_name(manifest.family)
-    hf_config = read_hf_config(hf_dir)
-    config_path = Path(hf_dir) / "config.json"
+    hf_dir, hf_config, _ = hf_config_of(hf_dir)
+    config_path = hf_dir / "config.json"
     # Not "made from another model": a manifest edited after the import says the same thing,
     # and which of the two is wrong is not known here.
     apart = (

@@ -543,8 +543,8 @@ def _to_device(model: torch.nn.Module, device: torch.device) -> None:
 
 
 def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, read=None):
-    """``read``: ``(config dict, SafetensorsSource)`` of ``hf_dir`` where the caller has them
-    (verify reads both before the gate starts); read here otherwise."""
+    """``read``: ``(config dict, SafetensorsSource, config as written)`` of ``hf_dir`` where the
+    caller has them (verify reads them before the gate starts); read here otherwise."""
     from accelerate import init_empty_weights
 
     from porting.contract.hf_spelling import transformers_config
@@ -552,11 +552,10 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
     from porting.convert.packed_experts import published_parts
     from porting.convert.safetensors_io import SafetensorsSource
 
-    hf_config, written = read_hf_config_as_written(hf_dir)
     if read:
-        hf_config, source = read
+        hf_config, source, written = read
     else:
-        source = None
+        (hf_config, written), source = read_hf_config_as_written(hf_dir), None
     # The family's class reads the config: AutoConfig would want the checkpoint's own code for a
     # model_type transformers does not know (an auto_map checkpoint). A config spelled by
     # transformers 5 reaches it in the 4.x spelling (porting.contract.hf_spelling).
