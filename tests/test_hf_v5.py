@@ -165,6 +165,30 @@ def test_a_transformers_5_save_imports_gives_its_logits_and_exports_as_it_came(
 _V4_LLAMA = {"model_type": "llama", "rope_theta": 10000.0, "rope_scaling": None}
 
 
+def test_an_import_with_its_gate_reads_the_config_once(saved, tmp_path, monkeypatch):
+    """The HF directory is opened once (porting.convert.hf_files.HFSource) and handed down:
+    the weights reader, the family's checks, the manifest (which keeps transformers 5's spelling
+    as written), the tokenizer load and the gate read no config.json of their own."""
+    from porting.api import import_hf
+    from porting.convert import hf_files, safetensors_io
+
+    read = hf_files.read_json
+    opened = []
+
+    def counting(path, model_dir):
+        if Path(path).name == "config.json":
+            opened.append(Path(path))
+        return read(path, model_dir)
+
+    monkeypatch.setattr(hf_files, "read_json", counting)
+    monkeypatch.setattr(safetensors_io, "read_json", counting)
+    hf = saved / "models" / "Qwen3ForCausalLM"
+    assert import_hf(hf, tmp_path / "ckpt", show_progress=False).passed
+    assert opened == [hf / "config.json"]
+    manifest = json.loads((tmp_path / "ckpt" / "context" / "porting.json").read_text())
+    assert manifest["hf_config_as_written"] == json.loads((hf / "config.json").read_text())
+
+
 def test_a_4x_config_is_read_as_it_is():
     from porting.contract import hf_spelling
 
