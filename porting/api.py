@@ -171,8 +171,9 @@ def export_hf(
                 "add --hf-layout published"
             )
         export_into(checkpoint, tmp, family, max_shard_bytes, hf_layout)
+        released = None  # the FP8 release's config.json as it came, for --quantize to write back
         if first:
-            _unquantized_config(tmp, checkpoint.manifest.dtype)
+            released = _unquantized_config(tmp, checkpoint.manifest.dtype)
         if ranks.world_size() > 1:
             import torch
 
@@ -183,7 +184,7 @@ def export_hf(
             from porting.convert.quant_export import quantize_export
 
             hf_class = family.hf_class(checkpoint.manifest.hf_architecture)
-            n = quantize_export(tmp, hf_class, max_shard_bytes)
+            n = quantize_export(tmp, hf_class, max_shard_bytes, released=released)
             log.info(
                 "%s: %d weights written as FP8 in 128x128 blocks (quantization_config fp8)", out, n
             )
@@ -195,14 +196,19 @@ def export_hf(
 FP8_BLOCK = "fp8-block"
 
 
-def _unquantized_config(hf_dir: Path, dtype: str) -> None:
+def _unquantized_config(hf_dir: Path, dtype: str) -> dict | None:
     """Drop a quantization_config the source release had from the export's ``config.json``: the
-    weights just written are unquantized, and transformers would read them as quantized."""
+    weights just written are unquantized, and transformers would read them as quantized. Returns
+    the config as it was where that release was FP8 (``--quantize fp8-block`` writes it back)."""
     import json
 
     path = Path(hf_dir) / "config.json"
     config = json.loads(path.read_text())
+    released = None
     if "quantization_config" in config:
+        qc = config["quantization_config"]
+        if isinstance(qc, dict) and qc.get("quant_method") == "fp8":
+            released = json.loads(json.dumps(config))
         method = config.pop("quantization_config").get("quant_method")
         path.write_text(json.dumps(config, indent=2) + "\n")
         log.info(
@@ -211,6 +217,7 @@ def _unquantized_config(hf_dir: Path, dtype: str) -> None:
             method,
             dtype,
         )
+    return released
 
 
 def _gate(

@@ -171,7 +171,7 @@ def quantize_hf_dir(
 
     import transformers
 
-    from porting.contract.quantization import FP8, read_quantization
+    from porting.contract.quantization import FP8, UE8M0, read_quantization
     from porting.convert import quant
     from porting.convert.safetensors_io import SAFE_INDEX, SafetensorsSource, StreamingShardWriter
 
@@ -213,7 +213,7 @@ def quantize_hf_dir(
         if key not in targets:
             writer.write(key, t)
         elif method.method == FP8:
-            q, s = quant.quantize_fp8_block(t, method.block)
+            q, s = quant.quantize_fp8_block(t, method.block, method.scale_fmt == UE8M0)
             writer.write(key, q)
             writer.write(key + quant.SCALE_SUFFIX, s.to(scale))
         else:

@@ -1754,6 +1754,18 @@ PUBLISHED: dict[str, dict] = {
     },
 }
 
+# https://huggingface.co/deepseek-ai/DeepSeek-V3.1/blob/main/config.json (from memory): DeepSeek-V3's
+# architecture with FP8 scales that are powers of two, tagged scale_fmt "ue8m0"
+PUBLISHED["deepseek-ai/DeepSeek-V3.1"] = PUBLISHED["deepseek-ai/DeepSeek-V3"] | {
+    "quantization_config": {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "scale_fmt": "ue8m0",
+        "weight_block_size": [128, 128],
+    },
+}
+
 # the dtype a release stores its FP8 block scales in, where it is not float32 (DeepSeek-V3's)
 SCALE_DTYPE = {"Qwen/Qwen3-8B-FP8": "bfloat16"}
 
@@ -1804,6 +1816,7 @@ FAMILY: dict[str, str] = {
     "allenai/OLMoE-1B-7B-0924": "olmoe",
     "allenai/OLMoE-1B-7B-0125": "olmoe",
     "deepseek-ai/DeepSeek-V3": "deepseek",
+    "deepseek-ai/DeepSeek-V3.1": "deepseek",
     "moonshotai/Kimi-K2-Instruct": "deepseek",
     "moonshotai/Moonlight-16B-A3B": "deepseek",
     "openai/gpt-oss-20b": "gpt-oss",

@@ -42,7 +42,7 @@ QWEN3 = proof.tiny_fields(
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -281,6 +281,10 @@ def test_the_import_says_what_it_dequantized_and_prints_nothing_else(fp8, tmp_pa
             dict(edit_config=lambda c: c["quantization_config"].update(weight_block_size=[64])),
             ["quantization_config.weight_block_size=[64]"],
         ),
+        (
+            dict(edit_config=lambda c: c["quantization_config"].update(scale_fmt="e5m3")),
+            ["quantization_config.scale_fmt='e5m3' is not read (only 'ue8m0'"],
+        ),
     ],
 )
 def test_bad_quantized_input_is_refused_by_name(fp8, tmp_path, capsys, damage, needles):
@@ -293,6 +297,35 @@ def test_bad_quantized_input_is_refused_by_name(fp8, tmp_path, capsys, damage, n
     assert len(lines) == 1 and all(n in lines[0] for n in needles), err
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+def test_a_ue8m0_release_comes_back_bit_for_bit_with_its_config_as_it_came(tmp_path):
+    """DeepSeek-V3.1's FP8 releases tag their scales ``scale_fmt: ue8m0`` (powers of two, stored
+    as float32): such a release imports with the gate, and `--quantize fp8-block` gives back its
+    own codes and scales, bit for bit, and its config.json key for key (the yarn rope_scaling and
+    the quantization_config with its scale_fmt, in their places)."""
+    cfg = proof.tiny_fields("DeepseekV3ForCausalLM")
+    hf = proof.make_hf(tmp_path / "hf", "DeepseekV3ForCausalLM", dtype=torch.bfloat16, **cfg)
+    release = json.loads((hf / "config.json").read_text())
+    release["rope_scaling"] = {
+        "beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 64, "type": "yarn",
+    }  # fmt: skip
+    release["quantization_config"] = FP8_CONFIG | {"scale_fmt": "ue8m0"}
+    (hf / "config.json").write_text(json.dumps(release, indent=2))
+    quantize_hf_dir(hf)
+    shipped = load_file(hf / "model.safetensors")
+    scales = [v for k, v in shipped.items() if k.endswith("_scale_inv")]
+    assert scales and all(torch.equal(s, torch.exp2(torch.log2(s).round())) for s in scales)
+    assert import_hf(hf, tmp_path / "ckpt", show_progress=False).passed
+    assert main(["export", str(tmp_path / "ckpt"), "--out", str(tmp_path / "back"),
+                 "--quantize", "fp8-block"]) == 0  # fmt: skip
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    assert sorted(back) == sorted(shipped)
+    for key, t in shipped.items():
+        assert back[key].dtype == t.dtype and torch.equal(_bits(back[key]), _bits(t)), key
+    came_back = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert came_back == release and list(came_back) == list(release)
 
 
 GPT_OSS_MXFP4 = {

@@ -19,7 +19,12 @@ _FP8_KEYS = {
     "activation_scheme",
     "weight_block_size",
     "modules_to_not_convert",
+    "scale_fmt",
 }
+# The scale formats read: "ue8m0" (DeepSeek-V3.1's releases) tags scales that are powers of two,
+# stored as float32 all the same; a weight is its FP8 codes times its block's scale either way, so
+# reading it changes nothing, and an export asked for FP8 writes powers of two again.
+UE8M0 = "ue8m0"
 _MXFP4_KEYS = {"quant_method", "modules_to_not_convert"}
 
 
@@ -29,6 +34,7 @@ class Quantization:
 
     method: str
     block: tuple[int, int] = (128, 128)
+    scale_fmt: str | None = None  # UE8M0: every scale a power of two
 
 
 def read_quantization(hf_config: dict, where: str) -> Quantization | None:
@@ -73,4 +79,10 @@ def read_quantization(hf_config: dict, where: str) -> Quantization | None:
         raise PortingError(
             f"{where}: {name}.weight_block_size={block!r} is not read (only [128, 128])"
         )
-    return Quantization(FP8, tuple(block))
+    scale_fmt = qc.get("scale_fmt")
+    if scale_fmt not in (None, UE8M0):
+        raise PortingError(
+            f"{where}: {name}.scale_fmt={scale_fmt!r} is not read (only {UE8M0!r}, scales that are "
+            "powers of two stored as floats)"[:300]
+        )
+    return Quantization(FP8, tuple(block), scale_fmt)

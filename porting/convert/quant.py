@@ -298,11 +298,16 @@ class QuantizedView:
 
 
 def quantize_fp8_block(
-    weight: torch.Tensor, block: tuple[int, int] = (128, 128)
+    weight: torch.Tensor, block: tuple[int, int] = (128, 128), power_of_two: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight`` ``[rows, cols]`` as ``float8_e4m3fn`` and its float32 ``weight_scale_inv``:
     each block's largest magnitude maps to 448 (an all-zero block gets scale 1), one block row at a
-    time. The inverse of :func:`dequantize_fp8_block` up to FP8's rounding."""
+    time. The inverse of :func:`dequantize_fp8_block` up to FP8's rounding.
+
+    ``power_of_two`` (``scale_fmt: ue8m0``): each scale is rounded up to a power of two, as
+    DeepSeek's quantizer does; a weight dequantized from such a release then quantizes back to
+    the same codes and scales, bit for bit (its largest code lies in (224, 448], so the scale
+    found is the one it was made with, and code x power of two is exact in bf16)."""
     import torch
 
     bm, bn = block
@@ -316,6 +321,8 @@ def quantize_fp8_block(
         padded = torch.nn.functional.pad(w.abs(), (0, nb * bn - cols))
         amax = padded.reshape(r1 - r0, nb, bn).amax(dim=(0, 2))
         s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        if power_of_two:
+            s = torch.exp2(torch.ceil(torch.log2(s)))
         scales[i] = s
         q[r0:r1] = (w / s.repeat_interleave(bn)[:cols]).clamp(-FP8_MAX, FP8_MAX).to(q.dtype)
     return q, scales
