@@ -171,12 +171,23 @@ def install(verbose: bool) -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+def installed(package: str) -> bool:
+    """Whether ``package`` is installed, not merely a directory of that name on the path: ``python
+    -m porting.cli`` puts the working directory first, and a checkpoint directory named ``nemo``
+    there is a namespace package to ``find_spec`` (no origin), which imports nothing of NeMo."""
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return False
+    return spec is not None and spec.origin is not None
+
+
 def quiet_nemo(load: bool = True) -> None:
     """Keep NeMo's own INFO narration out of our output (its logger resets itself on import).
 
     ``load=False``: only where NeMo is already loaded (a command that may run without it). Where
     NeMo is not installed (the current stack) there is nothing to quiet."""
-    if "nemo.utils" not in sys.modules and (not load or importlib.util.find_spec("nemo") is None):
+    if "nemo.utils" not in sys.modules and (not load or not installed("nemo")):
         return
     from nemo.utils import logging as nemo_logging
 

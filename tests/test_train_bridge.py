@@ -332,3 +332,18 @@ def test_a_stopped_two_rank_run_says_what_it_kept_and_leaves_no_process(
     assert [it.name for it in sorted(ckpts.glob("iter_*"))][-1] == kept.name
     assert not processes_mentioning(str(out), grace=5)
     assert not list((tmp_path / "tmp").glob("torchelastic_*"))
+
+
+def test_a_checkpoint_directory_named_nemo_does_not_pass_for_nemo(tmp_path, monkeypatch):
+    """`python -m porting.cli` puts the working directory first on the path, and a directory
+    named ``nemo`` there (a user's NeMo 2 checkpoint) is a namespace package to ``find_spec``: the
+    engine is still the one this environment has."""
+    import importlib
+
+    from porting.train.cli import _engine
+
+    (tmp_path / "nemo" / "context").mkdir(parents=True)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.invalidate_caches()
+    assert importlib.util.find_spec("nemo") is not None  # what fooled the engine's choice
+    assert _engine(None) == "bridge"

@@ -264,30 +264,22 @@ def _run_ranks(cmd: list[str], out: Path) -> int:
 def _engine(chosen: str | None) -> str:
     """The training loop: the one asked for, else NeMo 2's where NeMo is installed (the nemo2
     stack) and Megatron-Bridge's where it is not (the current stack)."""
-    import importlib.util
-
     if chosen is not None:
         return chosen
-    return "nemo2" if importlib.util.find_spec("nemo") is not None else "bridge"
+    return "nemo2" if quiet.installed("nemo") else "bridge"
 
 
 def _need_engine(engine: str) -> None:
     """Refuse at once, before any rank starts, where the engine's packages are not installed."""
-    import importlib.util
-
     if engine == "bridge":
-        try:
-            found = importlib.util.find_spec("megatron.bridge") is not None
-        except ImportError:  # no megatron package at all
-            found = False
-        if not found:
+        if not quiet.installed("megatron.bridge"):
             raise PortingError(
                 "--engine bridge runs Megatron-Bridge's training loop, and this environment "
                 "lacks megatron-bridge: install `porting[current]` (Python 3.12; "
                 "docs/environments.md), or train a NeMo 2 checkpoint with --engine nemo2"
             )
         return
-    missing = [m for m in ("nemo", "lightning") if importlib.util.find_spec(m) is None]
+    missing = [m for m in ("nemo", "lightning") if not quiet.installed(m)]
     if missing:
         raise PortingError(
             f"--engine nemo2 runs NeMo 2's training loop, and this environment lacks "
