@@ -324,6 +324,7 @@ CARD_TOTALS = {
     "allenai/OLMoE-1B-7B-0924": 6.9,
     "allenai/OLMoE-1B-7B-0125": 6.9,
     "deepseek-ai/DeepSeek-V3": 671,
+    "deepseek-ai/DeepSeek-V3.1": 671,
     "moonshotai/Kimi-K2-Instruct": 1040,
     "moonshotai/Moonlight-16B-A3B": 16,
     "openai/gpt-oss-120b": 117,
