@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -145,3 +146,15 @@ def test_unknown_architecture_lists_families_and_how_to_bring_one():
         assert f"{fam.name} (" in said
     assert "falcon (FalconForCausalLM)" in said
     assert "porting new-family" in said and "docs/families.md" in said
+
+
+def test_what_other_writers_add_without_changing_the_maths_is_carried():
+    """transformers.js's block for the model's web export (``transformers.js_config``: the
+    kv-cache dtypes of its ONNX files), as the web-ready cards carry it: no forward pass here
+    reads it, so the config imports, and export writes it back as it came."""
+    web = {"kv_cache_dtype": {"q4f16": "float16", "fp16": "float16"}}
+    card = _card("HuggingFaceTB/SmolLM2-135M", **{"transformers.js_config": web})
+    _lint(card)
+    entries = registry.family_for_config(card).config_entries
+    mcore = SimpleNamespace(**config_map.to_mcore(card, entries))
+    assert config_map.to_hf(mcore, card, entries)["transformers.js_config"] == web

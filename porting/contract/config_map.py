@@ -418,6 +418,9 @@ _BOOKKEEPING = (
     "suppress_tokens", "begin_suppress_tokens", "tf_legacy_loss",
     # how the forward is chunked or cached, not what it computes
     "chunk_size_feed_forward",
+    # transformers.js's settings for the model's web (ONNX) export, such as its kv-cache dtypes:
+    # read by the JavaScript port only, never by a forward pass here
+    "transformers.js_config",
 )  # fmt: skip
 _DECODER_ONLY = "a decoder-only causal LM has no encoder or cross-attention"
 
