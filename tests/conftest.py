@@ -133,7 +133,8 @@ def slurm_cluster(tmp_path_factory):
 # cases stay on one worker, so its module fixtures are built once; the files below, measured the
 # longest (docs/testing.md), are handed out first, so that no worker is left with one at the end.
 LONGEST_FIRST = (
-    "test_train_bridge.py",  # first of the current stack's files
+    "test_train_bridge.py",  # the first two of the current stack's files
+    "test_train_bridge_families.py",
     "test_slurm.py",
     "test_gpu_check.py",
     "test_train_multiproc.py",
@@ -183,12 +184,12 @@ QUICK_FILES = {
 CURRENT_STACK_FILES = {
     "test_published.py", "test_hf_v5.py", "test_formats.py", "test_verify_pair.py",
     "test_table_check.py", "test_noop_fields.py", "test_environments.py", "test_prep_record.py",
-    "test_train_bridge.py",
+    "test_train_bridge.py", "test_train_bridge_families.py",
 }  # fmt: skip
 ON_CURRENT_STACK = importlib.util.find_spec("nemo") is None
 # Of those, the files that need the current stack's own packages (Megatron-Bridge's training
 # loop): on the NeMo 2 stack they yield no tests.
-CURRENT_STACK_ONLY = {"test_train_bridge.py"}
+CURRENT_STACK_ONLY = {"test_train_bridge.py", "test_train_bridge_families.py"}
 
 
 def _other_stacks(name: str) -> bool:
