@@ -33,9 +33,15 @@ from pathlib import Path
 import torch
 
 from porting import cpu
-from porting.errors import PortingError
 from porting.guard import Terminated
-from porting.train.checks import TrainSpec, bridge_iteration, parse_blend, preflight_bridge
+from porting.train.checks import (
+    TrainSpec,
+    bridge_iteration,
+    configure_model,
+    parse_blend,
+    preflight_bridge,
+    wants_bf16,
+)
 
 log = logging.getLogger(__name__)
 
@@ -96,41 +102,13 @@ def config(spec: TrainSpec) -> BridgeRun:
 
     pre = preflight_bridge(spec)
     gpu = cpu.cuda_available()
-    precision = spec.precision if spec.precision != "auto" else ("bf16" if gpu else "fp32")
-    if precision == "bf16" and not gpu:
-        raise PortingError("--precision bf16 needs GPUs; on the CPU training runs in fp32")
-    bf16 = precision == "bf16"
+    bf16 = wants_bf16(spec)
     source = bridge_iteration(spec.checkpoint)
     overrides = spec_overrides(str(source))  # registers a family's own provider package first
     model, _ = load_model_config(str(source))
     for key, value in overrides.items():
         setattr(model, key, value)
-    model.seq_length = spec.seq_length
-    model.tensor_model_parallel_size = spec.tp
-    model.pipeline_model_parallel_size = spec.pp
-    model.virtual_pipeline_model_parallel_size = spec.vp
-    model.context_parallel_size = spec.cp
-    model.expert_model_parallel_size = spec.ep
-    model.expert_tensor_parallel_size = spec.etp if spec.etp is not None else spec.tp
-    model.sequence_parallel = spec.sequence_parallel
-    model.num_layers_in_first_pipeline_stage = spec.first_stage_layers
-    model.num_layers_in_last_pipeline_stage = spec.last_stage_layers
-    model.params_dtype = torch.float32
-    model.bf16, model.fp16 = bf16, False
-    model.pipeline_dtype = torch.bfloat16 if bf16 else torch.float32
-    model.autocast_dtype = model.pipeline_dtype
-    # Megatron marks a weight tensor-parallel only inside its init functions (see the NeMo 2
-    # engine's recipe); the pretrained checkpoint then overwrites the values.
-    model.perform_initialization = True
-    if spec.recompute == "selective":
-        model.recompute_granularity = "selective"
-    elif spec.recompute == "full":
-        model.recompute_granularity, model.recompute_method, model.recompute_num_layers = (
-            "full",
-            "uniform",
-            1,
-        )
-    cpu.kernel_safe_config(model)
+    configure_model(model, spec, bf16)
 
     if spec.valid_data:
         valid = _blend(spec.valid_data, "--valid-data")
