@@ -38,6 +38,8 @@ from porting.train.checks import (
     TrainSpec,
     bridge_iteration,
     configure_model,
+    ddp_settings,
+    optimizer_settings,
     parse_blend,
     preflight_bridge,
     wants_bf16,
@@ -146,19 +148,7 @@ def config(spec: TrainSpec) -> BridgeRun:
         validation=ValidationConfig(
             eval_interval=spec.eval_every or spec.steps, eval_iters=spec.eval_iters
         ),
-        optimizer=OptimizerConfig(
-            optimizer="adam",
-            lr=spec.lr,
-            min_lr=spec.min_lr if spec.min_lr is not None else spec.lr / 10,
-            weight_decay=spec.weight_decay,
-            adam_beta1=0.9,
-            adam_beta2=0.95,
-            clip_grad=spec.clip_grad,
-            bf16=bf16,
-            fp16=False,
-            params_dtype=torch.float32,
-            use_distributed_optimizer=spec.distributed_optimizer,
-        ),
+        optimizer=OptimizerConfig(**optimizer_settings(spec, bf16), fp16=False),
         scheduler=SchedulerConfig(
             lr_decay_style="cosine",
             lr_warmup_iters=spec.warmup,
@@ -171,14 +161,7 @@ def config(spec: TrainSpec) -> BridgeRun:
             end_weight_decay=spec.weight_decay,
             weight_decay_incr_style="constant",
         ),
-        ddp=DistributedDataParallelConfig(
-            use_distributed_optimizer=spec.distributed_optimizer,
-            grad_reduce_in_fp32=spec.grad_reduce_in_fp32,
-            overlap_grad_reduce=spec.overlap_grad_reduce,
-            overlap_param_gather=spec.overlap_param_gather,
-            check_for_nan_in_grad=True,
-            num_distributed_optimizer_instances=spec.num_distributed_optimizer_instances,
-        ),
+        ddp=DistributedDataParallelConfig(**ddp_settings(spec)),
         dataset=dataset,
         logger=LoggerConfig(
             log_interval=1,

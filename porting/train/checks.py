@@ -915,6 +915,37 @@ def configure_model(cfg, spec: TrainSpec, bf16: bool) -> None:
     cpu.kernel_safe_config(cfg)
 
 
+def optimizer_settings(spec: TrainSpec, bf16: bool) -> dict:
+    """Megatron's ``OptimizerConfig`` fields for ``spec``, on both engines: Adam (0.9, 0.95),
+    decaying to ``--min-lr`` (lr / 10 unless given), clipping, fp32 master weights."""
+    import torch
+
+    return dict(
+        optimizer="adam",
+        lr=spec.lr,
+        min_lr=spec.min_lr if spec.min_lr is not None else spec.lr / 10,
+        weight_decay=spec.weight_decay,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        clip_grad=spec.clip_grad,
+        bf16=bf16,
+        params_dtype=torch.float32,
+        use_distributed_optimizer=spec.distributed_optimizer,
+    )
+
+
+def ddp_settings(spec: TrainSpec) -> dict:
+    """Megatron's ``DistributedDataParallelConfig`` fields for ``spec``, on both engines."""
+    return dict(
+        use_distributed_optimizer=spec.distributed_optimizer,
+        grad_reduce_in_fp32=spec.grad_reduce_in_fp32,
+        overlap_grad_reduce=spec.overlap_grad_reduce,
+        overlap_param_gather=spec.overlap_param_gather,
+        check_for_nan_in_grad=True,
+        num_distributed_optimizer_instances=spec.num_distributed_optimizer_instances,
+    )
+
+
 def saved_layout(spec: TrainSpec) -> dict:
     """What a checkpoint records about the layout it was saved at (``context/train_layout.json``)."""
     return {

@@ -35,7 +35,9 @@ from porting.train.checks import (
     LAYOUT_FILE,
     TrainSpec,
     configure_model,
+    ddp_settings,
     megatron_paths,
+    optimizer_settings,
     preflight,
     read_json,
     saved_layout,
@@ -105,14 +107,7 @@ def recipe(spec: TrainSpec) -> Recipe:
         split=None if spec.valid_data else spec.split,
         index_mapping_dir=str(Path(spec.out) / "index_cache"),
     )
-    ddp = DistributedDataParallelConfig(
-        use_distributed_optimizer=spec.distributed_optimizer,
-        grad_reduce_in_fp32=spec.grad_reduce_in_fp32,
-        overlap_grad_reduce=spec.overlap_grad_reduce,
-        overlap_param_gather=spec.overlap_param_gather,
-        check_for_nan_in_grad=True,
-        num_distributed_optimizer_instances=spec.num_distributed_optimizer_instances,
-    )
+    ddp = DistributedDataParallelConfig(**ddp_settings(spec))
     strategy = nl.MegatronStrategy(
         tensor_model_parallel_size=spec.tp,
         pipeline_model_parallel_size=spec.pp,
@@ -154,18 +149,7 @@ def recipe(spec: TrainSpec) -> Recipe:
         enable_checkpointing=spec.save_every > 0,
         callbacks=[ThroughputLogger(spec.global_batch * spec.seq_length), BuiltLayout()],
     )
-    opt = OptimizerConfig(
-        optimizer="adam",
-        lr=spec.lr,
-        min_lr=spec.min_lr if spec.min_lr is not None else spec.lr / 10,
-        weight_decay=spec.weight_decay,
-        adam_beta1=0.9,
-        adam_beta2=0.95,
-        clip_grad=spec.clip_grad,
-        bf16=bf16,
-        params_dtype=torch.float32,
-        use_distributed_optimizer=spec.distributed_optimizer,
-    )
+    opt = OptimizerConfig(**optimizer_settings(spec, bf16))
     sched = CosineAnnealingScheduler(
         warmup_steps=spec.warmup,
         constant_steps=0,
