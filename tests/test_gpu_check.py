@@ -216,6 +216,26 @@ def test_commands_side_by_side_past_the_budget_are_stopped_and_named(tmp_path):
         c.run_together([(quick, "quick", None), (sleeper, "sleeps", None)])
     assert 2.9 < time.time() - t < 15
     assert k.Check(tmp_path, tmp_path, k.TINY, True, budget_s=-100).min_run_s == 30
+    # where the stopped command was is in the log: its stack, printed before it was killed
+    log = c.log.read_text()
+    assert "Fatal Python error: Aborted" in log
+    assert 'File "<string>", line 1 in <module>' in log.split("===== sleeps")[1]
+
+
+def test_a_step_named_in_skip_is_not_run_and_unknown_steps_are_refused(tmp_path, capsys):
+    import pytest
+
+    k = _check_module()
+    c = k.Check(tmp_path, tmp_path, k.TINY, True, budget_s=100, skip=frozenset({"gate"}))
+    ran = []
+    assert c.step("gate", lambda: ran.append(1)) is None
+    assert ran == [] and c.report["steps"]["gate"] == {"status": "skipped", "why": "--skip"}
+    with pytest.raises(SystemExit) as stop:
+        k.main([str(tmp_path / "out"), "--tiny", "--work", str(tmp_path / "w"), "--skip",
+                "gate,nosuch"])  # fmt: skip
+    assert stop.value.code == 2
+    assert "--skip: no step named nosuch" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()
 
 
 def test_a_family_the_check_does_not_know_is_refused_before_any_step(tmp_path, capsys):
