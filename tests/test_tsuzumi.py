@@ -45,6 +45,29 @@ def test_a_checkpoint_written_before_the_llama_base_exports_exactly(old, tmp_pat
     proof.prove_round_trip(*old, tmp_path / "hf-back")
 
 
+def test_a_checkpoint_megatron_core_0_15_saved_converts_to_megatron_lm_for_any_loader(
+    old, tmp_path
+):
+    """Its ``.metadata`` names Megatron-Core 0.15's ``MCoreMetadata``, which later versions
+    keep only as an empty placeholder: read on either stack, converted with the gate, and the
+    Megatron-LM copy's metadata is a torch ``Metadata`` that the installed Megatron-Core unpickles
+    (its own subclass on 0.15, torch's class from 0.16 on)."""
+    import pickle
+
+    import megatron.core.dist_checkpointing.strategies.torch  # noqa: F401  (the class, as loaders do)
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from porting.api import convert
+
+    assert b"MCoreMetadata" in (old[1] / "weights" / ".metadata").read_bytes()
+    convert(old[1], tmp_path / "mlm", "megatron-lm", show_progress=False)
+    (written,) = (tmp_path / "mlm").glob("iter_*/.metadata")
+    with open(written, "rb") as f:
+        md = pickle.load(f)
+    assert isinstance(md, Metadata) and type(md).__module__.split(".")[0] in ("torch", "megatron")
+    proof.prove_round_trip(old[0], tmp_path / "mlm", tmp_path / "hf-back")
+
+
 @pytest.fixture(scope="module")
 def own(tmp_path_factory):
     """A checkpoint under tsuzumi's own architecture name: the Llama layout, its own names."""

@@ -15,6 +15,7 @@ torch's own weights-only unpickler, each record's bytes mapped rather than copie
 
 from __future__ import annotations
 
+import functools
 import io
 import math
 import mmap
@@ -158,16 +159,36 @@ def _metadata_globals() -> dict[tuple[str, str], object]:
         for name in names:
             if hasattr(module, name):
                 allowed[(module.__name__, name)] = getattr(module, name)
-    for name in ("MCoreMetadata", "MCoreSavePlan"):
-        # Stand-ins where this Megatron-Core lacks one: the loaded object only carries fields.
-        allowed[("megatron.core.dist_checkpointing.strategies.torch", name)] = _mcore_class(name)
+    # Megatron-Core up to 0.15 (NeMo 2.7.3's) saved its own subclasses of these two; from 0.16
+    # its classes of those names are empty placeholders that derive from nothing, so a NeMo 2
+    # checkpoint read on the current stack unpickled into a class that is no Metadata. There,
+    # stand-ins that are the subclasses the writer had (the loaded object only carries fields).
+    from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
+
+    for name, base in (("MCoreMetadata", metadata.Metadata), ("MCoreSavePlan", planner.SavePlan)):
+        real = getattr(mcore_torch, name, None)
+        usable = isinstance(real, type) and issubclass(real, base)
+        allowed[(mcore_torch.__name__, name)] = real if usable else _stand_in(name, base)
     return allowed
 
 
-def _mcore_class(name: str):
-    from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
+def writable(md):
+    """``md`` as it may be pickled again for other tools to read: a stand-in of
+    :func:`_metadata_globals` (a Megatron-Core <= 0.15 save read where Megatron-Core has no such
+    class) becomes torch's own ``Metadata``, which every Megatron-Core loads; its ``mcore_data``
+    (the flattened-range records those versions kept) is left behind with the class."""
+    import dataclasses
 
-    return getattr(mcore_torch, name, None) or type(name, (), {})
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    if type(md).__module__ != __name__:
+        return md
+    return Metadata(**{f.name: getattr(md, f.name) for f in dataclasses.fields(Metadata)})
+
+
+@functools.cache
+def _stand_in(name: str, base: type) -> type:
+    return type(name, (base,), {"__module__": __name__})
 
 
 class _MetadataUnpickler(pickle.Unpickler):

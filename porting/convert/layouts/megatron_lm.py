@@ -156,9 +156,9 @@ def rekey_metadata(weights: Path, old: str, new: str) -> None:
     """
     from torch.distributed.checkpoint.metadata import MetadataIndex
 
-    from porting.convert.dist_reader import read_metadata
+    from porting.convert.dist_reader import read_metadata, writable
 
-    md = read_metadata(weights)
+    md = writable(read_metadata(weights))
     changes = {
         "state_dict_metadata": {
             _renamed(k, old, new): v for k, v in md.state_dict_metadata.items()
