@@ -26,6 +26,7 @@ our checkpoints imported from it, and asserts what its name says:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -36,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from porting.testing import assert_streamed_agrees, make_tokenizer, perturb
+from porting.testing import assert_streamed_agrees, make_tokenizer, perturb, save_as_published
 
 ATOL = RTOL = 1e-5
 
@@ -123,7 +124,8 @@ def make_hf(
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
-        **fields,
+        # transformers 5 adds rope_theta to a rope_scaling object it is given: the caller's stays
+        **copy.deepcopy(fields),
     )
     torch.manual_seed(seed)
     model = cls(config)
@@ -131,7 +133,7 @@ def make_hf(
     if edit is not None:
         with torch.no_grad():
             edit(model)
-    model.to(dtype).save_pretrained(str(out), safe_serialization=True)
+    save_as_published(model.to(dtype), out)
     return out
 
 
@@ -161,10 +163,16 @@ def refused_import(hf_dir: str | Path, changes: dict, work: str | Path) -> str:
     import shutil
 
     from porting.cli import main
+    from porting.contract import hf_spelling
 
     hf, out = Path(work) / "hf", Path(work) / "out"
     shutil.copytree(hf_dir, hf)
     cfg = json.loads((hf / "config.json").read_text())
+    if "rope_parameters" not in changes:
+        # ``changes`` in transformers 4's spelling, as tests write them, on a config transformers
+        # 5 saved: the config goes to that spelling first (which both read), else the two would
+        # be refused for saying the rotary settings twice, not for the change
+        cfg = hf_spelling.internal(cfg)
     cfg.update(changes)
     (hf / "config.json").write_text(json.dumps(cfg))
     err = io.StringIO()
@@ -842,8 +850,7 @@ def prove_features_observed(
     (``from_pretrained(hf_dir, config=perturbed)``), each perturbation compared with
     :func:`porting.parity.harness.compare` at ``atol`` / ``rtol``. A feature whose perturbation
     passes that comparison would pass the gate if a conversion dropped it."""
-    import copy
-
+    from porting.contract.hf_spelling import transformers_config
     from porting.convert.hf_files import family_for_hf_dir
     from porting.parity import harness
 
@@ -863,15 +870,25 @@ def prove_features_observed(
         ).eval()
         return [model(p).logits.float() for p in prompts]
 
+    # transformers 5's config objects fold rope_theta, rope_scaling and partial_rotary_factor into
+    # rope_parameters, so a perturbation set on the object would reach no layer. The perturbers
+    # read and change those fields as transformers 4 spells them (the config file in that
+    # spelling: ``cfg``), and each perturbed config is built from that spelling, which
+    # transformers 4 and 5 both read.
+    view = copy.deepcopy(config)
+    for key, value in cfg.items():
+        if not hasattr(view, key):
+            setattr(view, key, copy.deepcopy(value))
+    if hasattr(view, "rope_parameters"):
+        # and its rope_scaling reads back rope_parameters, where transformers 4's meant "none"
+        view.rope_scaling = copy.deepcopy(cfg.get("rope_scaling"))
     base = run(config)
     seen = Sighted({}, {})
     for name, perturb_config in (FEATURES if features is None else features).items():
-        changes = perturb_config(config) if name in mapped else None
+        changes = perturb_config(view) if name in mapped else None
         if not changes:
             continue
-        perturbed = copy.deepcopy(config)
-        for key, value in changes.items():
-            setattr(perturbed, key, value)
+        perturbed = transformers_config(cls, {**cfg, **copy.deepcopy(changes)})
         moved = harness.compare(base, run(perturbed), atol=atol, rtol=rtol)
         (seen.unobserved if moved.passed else seen.observed)[name] = moved.max_abs_diff
     return seen

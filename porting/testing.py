@@ -8,6 +8,7 @@ moves them away from their init.
 from __future__ import annotations
 
 import contextlib
+import copy
 import signal
 from pathlib import Path
 
@@ -19,6 +20,33 @@ CORPUS = (
     "東京は日本の首都です。京都には古い寺がたくさんあります。 "
     "Hello world, hello NeMo, hello Hugging Face. 0123456789 "
 )
+
+
+def save_as_published(model, out: str | Path, **kwargs) -> None:
+    """``model.save_pretrained(out, safe_serialization=True, **kwargs)`` with ``config.json`` in
+    transformers 4's spelling, as the published checkpoints these tiny models stand in for are
+    written: transformers 5 would write its own (``rope_parameters``, renamed fields), which
+    every family reads too (:mod:`porting.contract.hf_spelling`) and ``tests/test_hf_v5.py``
+    proves for every architecture from its own saves, but which the tests' config edits, spelled
+    as published configs are, would contradict. Under transformers 4 nothing changes. No
+    progress bar: transformers 5 draws one per save."""
+    import json
+
+    from transformers.utils import logging as hf_logging
+
+    from porting.contract import hf_spelling
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(str(out), safe_serialization=True, **kwargs)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+    path = Path(out) / "config.json"
+    cfg = json.loads(path.read_text())
+    if hf_spelling.is_v5(cfg):
+        path.write_text(json.dumps(hf_spelling.internal(cfg, str(path)), indent=2) + "\n")
 
 
 def make_tokenizer(out_dir: str | Path, vocab_size: int = 120):
@@ -94,7 +122,8 @@ def make_llama(
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings,
         rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
+        # transformers 5 adds rope_theta to the object it is given: the caller's constant stays
+        rope_scaling=copy.deepcopy(rope_scaling),
         tie_word_embeddings=tie_word_embeddings,
         attention_bias=bias,
         mlp_bias=bias,
@@ -109,7 +138,7 @@ def make_llama(
     perturb(model, seed)
     model = model.to(dtype)
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(str(out), safe_serialization=True, **save_kwargs)
+    save_as_published(model, out, **save_kwargs)
     return out
 
 
@@ -319,7 +348,7 @@ def make_falcon(
             if isinstance(module, torch.nn.LayerNorm) and "norm" not in name:
                 module.weight.add_(0.2 * torch.randn(module.weight.shape, generator=g))
     model = model.to(dtype)
-    model.save_pretrained(str(out), safe_serialization=True)
+    save_as_published(model, out)
     return out
 
 

@@ -119,6 +119,7 @@ def test_the_variants_build_the_blocks_they_claim(converted):
         assert model.share_embeddings_and_output_weights == tied, variant
 
 
+@pytest.mark.nemo2  # NeMo's own API
 def test_parallel_layer_keeps_megatron_parameter_names():
     """The custom layer adds no parameters and renames none: its keys are the stock layer's."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -237,6 +238,7 @@ def test_every_layout_round_trips_exactly(variant, converted, tmp_path):
     assert ("alibi: true" in run_config) is (variant == "rw_alibi_biases")
 
 
+@pytest.mark.nemo2  # NeMo's own API
 def test_nemo_api_import_and_export(converted, tmp_path):
     """llm.import_ckpt / llm.export_ckpt find our connectors through FalconModel."""
     from nemo.collections import llm

@@ -88,6 +88,7 @@ def _qkv_rows(ctx) -> list[int]:
     return [ctx.num_heads * ctx.head_dim, kv, kv]
 
 
+@pytest.mark.nemo2  # NeMo's own API
 def test_negative_control_plain_qkv_concat_fails_parity(tmp_path):
     """The same check with QKV concatenated instead of interleaved per group must fail."""
     from converters import llama
@@ -179,6 +180,7 @@ def test_round_trip_keeps_rope_scaling_and_sharding(tmp_path):
     assert back["rope_scaling"] == LLAMA3_SCALING
 
 
+@pytest.mark.nemo2  # NeMo's own API
 def test_llm_import_ckpt_then_nemo_loads_it_back(tiny_llama, tmp_path):
     """The NeMo 2.0 API path: llm.import_ckpt, then NeMo's own load_context + nemo_load."""
     from nemo.collections import llm

@@ -61,20 +61,26 @@ def _install(site: Path, dist: str, families: dict[str, str], module_source: str
     (info / "entry_points.txt").write_text(f"[porting.families]\n{lines}\n")
     module = next(iter(families.values())).partition(":")[0]
     (site / f"{module}.py").write_text(textwrap.dedent(module_source))
+    (site / f"{module}_nemo.py").write_text(_MODEL_SRC)
+
+
+# A family's NeMo model class in a module of its own: only training imports it (and NeMo).
+_MODEL_SRC = """from models.llama_nemo import LlamaModel
+
+
+class M(LlamaModel):
+    pass
+"""
 
 
 # A family over the Llama tables with its own model class and its own key.
 _FAMILY_SRC = """
     import dataclasses
     from converters import llama
-    from models.llama import LlamaModel
-
-    class {cls}(LlamaModel):
-        pass
 
     FAMILY = dataclasses.replace(
         llama.FAMILY, name={name!r}, architectures={archs!r}, model_types={mtypes!r},
-        model_cls={cls},
+        model_cls=__name__ + "_nemo:M",
     )
 """
 
@@ -92,7 +98,7 @@ def site(tmp_path, monkeypatch):
 
 
 def test_an_installed_outside_family_is_found_by_model_type(site):
-    src = _FAMILY_SRC.format(cls="M", name="inhouse", archs=("InHouseForCausalLM",), mtypes=("ih",))
+    src = _FAMILY_SRC.format(name="inhouse", archs=("InHouseForCausalLM",), mtypes=("ih",))
     _install(site, "inhouse-family", {"inhouse": "fam_inhouse:FAMILY"}, src)
     registry.refresh()
     fam = registry.family_for_config({"architectures": ["AutoMapOnlyName"], "model_type": "ih"})
@@ -103,7 +109,7 @@ def test_an_installed_outside_family_is_found_by_model_type(site):
 
 def test_two_families_claiming_one_key_is_an_error_naming_both_packages(site):
     for dist, name in (("pkg-one", "one"), ("pkg-two", "two")):
-        src = _FAMILY_SRC.format(cls="M", name=name, archs=("SharedForCausalLM",), mtypes=())
+        src = _FAMILY_SRC.format(name=name, archs=("SharedForCausalLM",), mtypes=())
         _install(site, dist, {name: f"fam_{name}:FAMILY"}, src)
     registry.refresh()
     with pytest.raises(PortingError) as err:
@@ -114,7 +120,7 @@ def test_two_families_claiming_one_key_is_an_error_naming_both_packages(site):
 
 
 def test_a_family_taking_our_architecture_is_refused(site):
-    src = _FAMILY_SRC.format(cls="M", name="llama2", archs=("LlamaForCausalLM",), mtypes=())
+    src = _FAMILY_SRC.format(name="llama2", archs=("LlamaForCausalLM",), mtypes=())
     _install(site, "squatter", {"llama2": "fam_llama2:FAMILY"}, src)
     registry.refresh()
     with pytest.raises(PortingError, match=r"LlamaForCausalLM.*claimed by two families"):
@@ -149,7 +155,7 @@ def test_a_broken_family_is_listed_with_its_error_and_the_rest_still_work(site, 
 
 
 def test_an_entry_named_apart_from_its_family_is_refused(site):
-    src = _FAMILY_SRC.format(cls="M", name="realname", archs=("X1",), mtypes=())
+    src = _FAMILY_SRC.format(name="realname", archs=("X1",), mtypes=())
     _install(site, "misnamed", {"othername": "fam_misnamed:FAMILY"}, src)
     registry.refresh()
     (inst,) = [i for i in registry.installed() if i.name == "othername"]
