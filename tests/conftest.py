@@ -184,12 +184,13 @@ QUICK_FILES = {
 # transformers and export back identical), transformers 5's own saves, the three layouts and their
 # hostile metadata, verify's pairing of an HF directory with a checkpoint, the weight tables
 # against both models, the no-op field rules, the environments' own checks, data prep's tokenizer
-# records (keyed by the libraries' versions: megatron-core 0.19's tokenizer decides here) and a
-# checkpoint Megatron-Core 0.15 saved (tsuzumi's, read and converted by either).
+# records (keyed by the libraries' versions: megatron-core 0.19's tokenizer decides here), a
+# checkpoint Megatron-Core 0.15 saved (tsuzumi's, read and converted by either) and the FP8 and
+# MXFP4 weights (which transformers 4 and 5 build differently: quant.fp8_targets).
 CURRENT_STACK_FILES = {
     "test_published.py", "test_hf_v5.py", "test_formats.py", "test_verify_pair.py",
     "test_table_check.py", "test_noop_fields.py", "test_environments.py", "test_prep_record.py",
-    "test_tsuzumi.py",
+    "test_tsuzumi.py", "test_quant.py",
 }  # fmt: skip
 # On the current stack alone: Megatron-Bridge's training loop (its packages), and the files that
 # need no NeMo and whose property is no library's (the planner, the mapping, a family's proofs,
@@ -203,7 +204,8 @@ CURRENT_STACK_ONLY = {
     "test_prep_inputs.py", "test_prep_slurm.py", "test_reused_heap.py",
     "test_streaming_export.py", "test_registry.py", "test_scaffold_hostile.py",
     "test_gate_features.py", "test_llama.py", "test_falcon.py", "test_mistral.py", "test_qwen.py",
-    "test_gemma.py", "test_gemma3.py", "test_olmo2.py", "test_phi3.py",
+    "test_gemma.py", "test_gemma3.py", "test_olmo2.py", "test_phi3.py", "test_config_rules.py",
+    "test_fuzz.py",
 }  # fmt: skip
 # Of those, the files with cases marked ``nemo2``: collected on the NeMo 2 stack too, for those.
 WITH_NEMO2_CASES = {"test_llama.py", "test_falcon.py"}

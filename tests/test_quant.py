@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -421,6 +422,21 @@ def test_the_whole_model_gate_reads_fp8_through_the_reference(fp8):
 
     hf, ckpt, _ = fp8
     assert verify(hf, ckpt, whole_model=True).passed
+
+
+# What transformers 4.57's FP8 loader quantizes in each tiny model (every nn.Linear but lm_head),
+# written there by fp8_targets (tests/data; `proof.tiny_fields(arch)` configs): transformers 5
+# stacks the experts and moves some routers out of nn.Linear, and the releases did not change.
+FP8_TARGETS_4_57 = Path(__file__).parent / "data" / "fp8_targets_transformers_4_57.json"
+
+
+@pytest.mark.parametrize("arch", sorted(json.loads(FP8_TARGETS_4_57.read_text())))
+def test_fp8_targets_are_transformers_4_57_s_under_either_transformers(arch):
+    import transformers
+
+    cfg = proof.tiny_fields(arch) | {"architectures": [arch]}
+    targets = quant.fp8_targets(getattr(transformers, arch), cfg)
+    assert sorted(targets) == json.loads(FP8_TARGETS_4_57.read_text())[arch]
 
 
 def test_fp8_targets_reach_a_layer_past_the_decoder_as_its_last_layer_is():

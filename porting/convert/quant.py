@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from porting.contract.quantization import FP8, MXFP4, Quantization
+from porting.convert import packed_experts
 from porting.errors import PortingError
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: config.json is refused without it
@@ -366,6 +367,28 @@ def fp8_targets(hf_class, hf_config: dict, keys: Iterable[str] = ()) -> set[str]
         for name, module in model.named_modules()
         if isinstance(module, torch.nn.Linear) and not any(s in name for s in skip)
     }
+    # transformers 5 computes a layer's experts from two stacked parameters, no nn.Linear each,
+    # and some routers in a module of their own, but a release stores the experts one weight
+    # each under the published names, FP8 as the Linears transformers 4 built for them were
+    # (without this, every routed expert of an export on the current stack stayed unquantized)
+    model_type = config.model_type
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    where = f"transformers' {hf_class.__name__}"
+    published = packed_experts.plan(model_type, shapes, where)
+    renamed = {src: name for name, src in published.items() if isinstance(src, str)}
+    targets |= {
+        name
+        for name, src in published.items()
+        if isinstance(src, packed_experts.Slice) and not any(s in name for s in skip)
+    }
+    for name in shapes:
+        linear = name in targets or (
+            model_type in _LINEAR_ROUTERS_IN_4X and _ROUTER_KEY.match(name) is not None
+        )
+        if name in renamed or (linear and name not in targets):
+            targets.discard(name)
+            if linear and not any(s in renamed.get(name, name) for s in skip):
+                targets.add(renamed.get(name, name))
     last = hf_config.get("num_hidden_layers")
     for key in keys:
         m = _LAYER_KEY.match(key)
@@ -373,6 +396,14 @@ def fp8_targets(hf_class, hf_config: dict, keys: Iterable[str] = ()) -> set[str]
             if f"{m[1]}{last - 1}.{m[3]}" in targets:
                 targets.add(key)
     return targets
+
+
+# The model types whose router transformers 4.57 built as an nn.Linear (``self.gate =
+# nn.Linear(hidden, experts)`` in modeling_{mixtral,qwen2_moe,qwen3_moe,olmoe}.py) and
+# transformers 5 as a router module of its own: FP8 where transformers 4's loader made it so.
+# DeepSeek-V3's was a module of its own in both.
+_LINEAR_ROUTERS_IN_4X = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe"}
+_ROUTER_KEY = re.compile(r".*\.layers\.\d+\.mlp\.gate\.weight\Z")
 
 
 _LAYER_KEY = re.compile(r"(.*\.layers\.)(\d+)\.(.+)\Z")
