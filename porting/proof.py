@@ -271,10 +271,12 @@ def routing(
     ``router_suffix`` names the HF router modules (``block_sparse_moe.gate``, ``mlp.gate``); the
     Megatron side is every ``TopKRouter``'s routing map. ``router_logits(module, inputs, output)``
     gives the logits of a router whose output is not them (gpt-oss's returns its top-k scores
-    and indices); by default the output is.
+    and indices); by default the output is, or its first element (transformers 5's routers
+    return their logits, scores and indices).
     """
     from megatron.core.transformer.moe.router import TopKRouter
 
+    from porting.convert import packed_experts
     from porting.convert.megatron import init_parallel, mcore_logits
     from porting.testing import load_checkpoint_model
 
@@ -284,9 +286,18 @@ def routing(
         str(hf_dir), dtype=torch.float32, attn_implementation=family.hf_attn_implementation
     )
     k = hf_model.config.num_experts_per_tok
-    routers = [mod for name, mod in hf_model.named_modules() if name.endswith(router_suffix)]
+    renamed = packed_experts.renamed_in_5x(hf_model.config.model_type)
+    # transformers 5 may keep the router under another module name than the published one
+    suffix = renamed.get(f"{router_suffix}.weight", router_suffix).removesuffix(".weight")
+    routers = [
+        mod
+        for name, mod in hf_model.named_modules()
+        if name.endswith(router_suffix) or name.endswith(suffix)
+    ]
+    assert routers, f"no module of the HF model is named *{router_suffix}"
+
     hf_logits = [[] for _ in routers]
-    read = router_logits or (lambda mod, a, out: out)
+    read = router_logits or (lambda mod, a, out: out[0] if isinstance(out, tuple) else out)
 
     def keep(i: int, mod, a, out) -> None:
         got = read(mod, a, out)

@@ -40,6 +40,16 @@ _PUBLISHED = {
         for model_type in ("qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "kimi_k2")
     },
 }  # fmt: skip
+
+
+def renamed_in_5x(model_type: object) -> dict[str, str]:
+    """``{published name: transformers 5's name}`` of the weights transformers 5 moved to a module
+    of another name (Mixtral's ``block_sparse_moe``), under a layer's prefix."""
+    if not isinstance(model_type, str) or model_type not in _PUBLISHED:
+        return {}
+    return {old: new for new, old in _PUBLISHED[model_type][1].items()}
+
+
 # the most experts a layer may stack (the planner's and the config rules' bound)
 MAX_EXPERTS = 1 << 16
 _STACK = re.compile(
