@@ -205,10 +205,20 @@ CURRENT_STACK_ONLY = {
     "test_streaming_export.py", "test_registry.py", "test_scaffold_hostile.py",
     "test_gate_features.py", "test_llama.py", "test_falcon.py", "test_mistral.py", "test_qwen.py",
     "test_gemma.py", "test_gemma3.py", "test_olmo2.py", "test_phi3.py", "test_config_rules.py",
-    "test_fuzz.py", "test_moe.py", "test_olmoe.py",
+    "test_fuzz.py", "test_moe.py", "test_olmoe.py", "test_bad_input.py", "test_bench_suite.py",
+    "test_convert_ranks.py", "test_gate.py", "test_layout.py", "test_layout_hostile.py",
+    "test_new_family.py", "test_parity_streamed.py", "test_plan_cli.py", "test_plan_moe.py",
+    "test_prep_blend.py", "test_prep_hostile.py", "test_prep_provenance.py", "test_prep_tools.py",
+    "test_shell_trust.py", "test_overlap.py", "test_hostile.py",
 }  # fmt: skip
 # Of those, the files with cases marked ``nemo2``: collected on the NeMo 2 stack too, for those.
-WITH_NEMO2_CASES = {"test_llama.py", "test_falcon.py", "test_moe.py", "test_olmoe.py"}
+WITH_NEMO2_CASES = {
+    "test_llama.py",
+    "test_falcon.py",
+    "test_moe.py",
+    "test_olmoe.py",
+    "test_hostile.py",
+}
 ON_CURRENT_STACK = importlib.util.find_spec("nemo") is None
 
 

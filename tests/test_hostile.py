@@ -75,6 +75,7 @@ def _edit_manifest(ckpt: Path, **changes) -> None:
     path.write_text(json.dumps(data))
 
 
+@pytest.mark.nemo2  # NeMo (and fiddle) write the poison and run it
 @pytest.mark.parametrize("field", ["optimizer", "tokenizer"])
 def test_a_poisoned_io_json_really_runs_code_in_nemo(ckpt, tmp_path, field):
     """Positive control: the crafted file is a working attack on NeMo's own loader."""
@@ -88,6 +89,7 @@ def test_a_poisoned_io_json_really_runs_code_in_nemo(ckpt, tmp_path, field):
     assert marker.exists()
 
 
+@pytest.mark.nemo2  # NeMo (and fiddle) write the poison
 @pytest.mark.parametrize("field", ["optimizer", "tokenizer"])
 def test_verify_export_and_train_refuse_a_poisoned_io_json(
     ckpt, tiny_llama, tmp_path, capsys, field
@@ -119,6 +121,7 @@ def test_verify_export_and_train_refuse_a_poisoned_io_json(
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+@pytest.mark.nemo2  # what NeMo writes
 def test_allow_list_admits_what_nemo_writes_and_nothing_else(tiny_nemo):
     from porting.convert.context import allowed, check_io_json
 

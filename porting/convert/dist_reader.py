@@ -496,18 +496,23 @@ class DistCheckpointReader:
 
 
 # Megatron's gated-MLP factory (``apply_swiglu_sharded_factory``): its merge is ``torch.cat`` of
-# the parts along the first axis. Another factory is merged by its own function.
-_CAT_MERGE = (
-    "megatron.core.transformer.mlp",
-    "apply_swiglu_sharded_factory.<locals>.sh_ten_merge_fn",
-)
+# the parts along the first axis, a function of its own up to Megatron-Core 0.15 and
+# ``cat_with_oom_fallback`` (``torch.cat``, retried on the host after a device OOM) from 0.16.
+# Another factory is merged by its own function.
+_CAT_MERGES = {
+    ("megatron.core.transformer.mlp", "apply_swiglu_sharded_factory.<locals>.sh_ten_merge_fn"),
+    ("megatron.core.transformer.utils", "cat_with_oom_fallback"),
+}
 
 
 def _concatenates(factory, built, out: torch.Tensor) -> bool:
     """Whether ``factory`` merges ``built`` by concatenating them along the first axis into
     ``out``'s shape."""
     merge = factory.merge_fn
-    if (getattr(merge, "__module__", None), getattr(merge, "__qualname__", None)) != _CAT_MERGE:
+    if (
+        getattr(merge, "__module__", None),
+        getattr(merge, "__qualname__", None),
+    ) not in _CAT_MERGES:
         return False
     if not isinstance(built, list) or not built:
         return False
