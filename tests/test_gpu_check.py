@@ -223,28 +223,26 @@ def test_commands_side_by_side_past_the_budget_are_stopped_and_named(tmp_path):
 
 
 def test_a_step_named_in_skip_is_not_run_and_unknown_steps_are_refused(tmp_path, capsys):
-    import pytest
-
     k = _check_module()
     c = k.Check(tmp_path, tmp_path, k.TINY, True, budget_s=100, skip=frozenset({"gate"}))
     ran = []
     assert c.step("gate", lambda: ran.append(1)) is None
     assert ran == [] and c.report["steps"]["gate"] == {"status": "skipped", "why": "--skip"}
+    _refused_before_any_step(tmp_path, capsys, "--skip", "gate,nosuch", "no step named nosuch")
+
+
+def _refused_before_any_step(tmp_path, capsys, flag: str, value: str, said: str) -> None:
+    import pytest
+
     with pytest.raises(SystemExit) as stop:
-        k.main([str(tmp_path / "out"), "--tiny", "--work", str(tmp_path / "w"), "--skip",
-                "gate,nosuch"])  # fmt: skip
+        _check_module().main([str(tmp_path / "out"), "--tiny", "--work", str(tmp_path / "w"), flag,
+                              value])  # fmt: skip
     assert stop.value.code == 2
-    assert "--skip: no step named nosuch" in capsys.readouterr().err
+    assert f"{flag}: {said}" in capsys.readouterr().err
     assert not (tmp_path / "w").exists()
 
 
 def test_a_family_the_check_does_not_know_is_refused_before_any_step(tmp_path, capsys):
-    import pytest
-
-    k = _check_module()
-    with pytest.raises(SystemExit) as stop:
-        k.main([str(tmp_path / "out"), "--tiny", "--work", str(tmp_path / "w"), "--families",
-                "mistral,nosuch"])  # fmt: skip
-    assert stop.value.code == 2
-    assert "--families: no installed family named nosuch" in capsys.readouterr().err
-    assert not (tmp_path / "w").exists()
+    _refused_before_any_step(
+        tmp_path, capsys, "--families", "mistral,nosuch", "no installed family named nosuch"
+    )
