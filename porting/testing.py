@@ -497,6 +497,22 @@ def run_owners(argv: list[str], timeout: float = 600):
     return run
 
 
+#: The tiny training runs' shape, shared by the tests of ``porting train``.
+TINY_TRAIN = ("--seq-length", "32", "--micro-batch", "2", "--global-batch", "4", "--lr", "1e-2")
+
+
+def porting_train(ckpt, data, out, *extra: str, timeout: float = 600):
+    """``porting train`` of ``ckpt`` on ``data`` into ``out`` with ``extra`` and
+    :data:`TINY_TRAIN`, run to its end in a session of its own (:func:`run_in_session`)."""
+    import sys
+
+    argv = [
+        sys.executable, "-m", "porting.cli", "train", "--checkpoint", str(ckpt),
+        "--data", str(data), "--out", str(out), *extra, *TINY_TRAIN,
+    ]  # fmt: skip
+    return run_in_session(argv, timeout)
+
+
 def run_in_session(argv: list[str], timeout: float, env: dict | None = None):
     """Run ``argv`` to its end in a session of its own; past ``timeout`` the whole group is
     killed and an ``AssertionError`` says so (a hang fails a test and leaves no process)."""

@@ -17,18 +17,10 @@ import pytest
 import torch
 
 from porting.errors import PortingError
-from porting.testing import run_in_session, train_losses
+from porting.testing import TINY_TRAIN, porting_train, train_losses
 
-COMMON = ["--seq-length", "32", "--micro-batch", "2", "--global-batch", "4", "--lr", "1e-2"]
+COMMON = list(TINY_TRAIN)
 RUN = ["--steps", "8", "--warmup", "2", "--save-every", "4"]
-
-
-def _train(ckpt, data, out, *extra: str):
-    argv = [
-        sys.executable, "-m", "porting.cli", "train", "--checkpoint", str(ckpt),
-        "--data", str(data), "--out", str(out), *extra, *COMMON,
-    ]  # fmt: skip
-    return run_in_session(argv, 600)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +37,7 @@ def bridge_ckpt(tiny_llama, tmp_path_factory):
 def reference(bridge_ckpt, train_corpus, tmp_path_factory):
     """An uninterrupted 8-step run on one process, checkpointing every 4 steps."""
     out = tmp_path_factory.mktemp("runs") / "ref"
-    done = _train(bridge_ckpt, train_corpus, out, *RUN)
+    done = porting_train(bridge_ckpt, train_corpus, out, *RUN)
     assert done.returncode == 0, done.stderr[-3000:]
     return out, done
 
@@ -133,7 +125,7 @@ def test_a_run_stopped_after_a_save_resumes_to_the_uninterrupted_losses(
         f"last complete checkpoint {out / 'checkpoints'} -> iter_0000004 "
         "(removed unfinished iter_0000008)"
     )
-    done = _train(bridge_ckpt, train_corpus, out, *RUN)
+    done = porting_train(bridge_ckpt, train_corpus, out, *RUN)
     assert done.returncode == 0, done.stderr[-3000:]
     resumed, uninterrupted = train_losses(out), train_losses(ref)
     assert sorted(resumed) == [4, 5, 6, 7]
@@ -147,7 +139,7 @@ def test_two_ranks_split_by_tensor_or_pipeline_give_the_one_rank_losses(
     """Two gloo processes under torchrun, the model split by tensor (TP=2) or by layers (PP=2:
     the losses exist on the last stage only, whose rank writes them)."""
     out = tmp_path / layout
-    done = _train(
+    done = porting_train(
         bridge_ckpt, train_corpus, out, *RUN, f"--{layout}", "2", "--gpus-per-node", "2",
         "--executor", "torchrun",
     )  # fmt: skip

@@ -6,19 +6,7 @@ the current stack's training runs.
 
 from __future__ import annotations
 
-import sys
-
-from porting.testing import run_in_session, train_losses
-
-COMMON = ["--seq-length", "32", "--micro-batch", "2", "--global-batch", "4", "--lr", "1e-2"]
-
-
-def _train(ckpt, data, out, *extra: str):
-    argv = [
-        sys.executable, "-m", "porting.cli", "train", "--checkpoint", str(ckpt),
-        "--data", str(data), "--out", str(out), *extra, *COMMON,
-    ]  # fmt: skip
-    return run_in_session(argv, 600)
+from porting.testing import porting_train, train_losses
 
 
 def test_a_family_with_its_own_provider_trains_and_exports_through_the_gate(tmp_path):
@@ -34,7 +22,9 @@ def test_a_family_with_its_own_provider_trains_and_exports_through_the_gate(tmp_
     import_hf(hf, tmp_path / "ckpt", verify=False, show_progress=False, fmt="megatron-bridge")
     tok = AutoTokenizer.from_pretrained(str(hf))
     data = make_indexed_dataset(tmp_path / "data" / "corpus", tok, [TRAIN_TEXT] * 300)
-    done = _train(tmp_path / "ckpt", data, tmp_path / "run", "--steps", "4", "--save-every", "4")
+    done = porting_train(
+        tmp_path / "ckpt", data, tmp_path / "run", "--steps", "4", "--save-every", "4"
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     losses = train_losses(tmp_path / "run")
     assert sorted(losses) == [0, 1, 2, 3] and losses[3] < losses[0], losses
@@ -60,8 +50,8 @@ def test_expert_parallel_2_trains_as_expert_parallel_1(tmp_path):
     tok = AutoTokenizer.from_pretrained(str(hf))
     data = make_indexed_dataset(tmp_path / "data" / "corpus", tok, [TRAIN_TEXT] * 300)
     steps = ["--steps", "4", "--save-every", "0"]
-    one = _train(tmp_path / "ckpt", data, tmp_path / "ep1", *steps)
-    two = _train(
+    one = porting_train(tmp_path / "ckpt", data, tmp_path / "ep1", *steps)
+    two = porting_train(
         tmp_path / "ckpt", data, tmp_path / "ep2", *steps, "--ep", "2", "--gpus-per-node", "2",
         "--executor", "torchrun",
     )  # fmt: skip
