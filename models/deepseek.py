@@ -10,11 +10,11 @@ experts), the top-k of those, renormalised and times ``routed_scaling_factor``; 
 expert's output is added ungated. Experts are one module each (``SequentialMLP``,
 ``moe_grouped_gemm=False``) and weighted after the expert, as transformers does.
 
-One reading differs by data, not by config: transformers fills the experts of unchosen groups
-with a score of 0, Megatron-Core with -inf (as DeepSeek's own inference code does, its ``Gate``),
-so the two agree while at least ``num_experts_per_tok`` experts of the chosen groups score above
-0 (sigmoid plus ``e_score_correction_bias``): for every token wherever no bias is negative, and
-otherwise as the parity gate's prompts show. With biases drawn around 0 at DeepSeek-V3's widths
+One reading differs by data, not by config, under transformers 4.57: it fills the experts of
+unchosen groups with a score of 0, Megatron-Core with -inf (as DeepSeek's own inference code does,
+its ``Gate``, and transformers 5), so the two agree while at least ``num_experts_per_tok``
+experts of the chosen groups score above 0 (sigmoid plus ``e_score_correction_bias``): for every
+token wherever no bias is negative, and otherwise as the parity gate's prompts show. With biases drawn around 0 at DeepSeek-V3's widths
 (scripts/bench_scale.py), the gate failed against transformers at the first MoE layer.
 
 The block spec is Megatron-Core's local one (Transformer Engine or not): its MLA keeps the query

@@ -116,16 +116,22 @@ def make_hf(
     """
     import transformers
 
+    from porting.contract import hf_spelling
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = make_tokenizer(out, vocab_size=tokenizer_vocab)
     cls = getattr(transformers, architecture)
-    config = cls.config_class(
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        # transformers 5 adds rope_theta to a rope_scaling object it is given: the caller's stays
-        **copy.deepcopy(fields),
+    # fields in transformers 4's spelling, read by the installed transformers as 4.x meant them
+    # (rope_scaling=None is unscaled, even where transformers 5's default is YaRN)
+    config = hf_spelling.transformers_config(
+        cls,
+        dict(
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            **fields,
+        ),
     )
     torch.manual_seed(seed)
     model = cls(config)
@@ -277,13 +283,18 @@ def routing(
     from megatron.core.transformer.moe.router import TopKRouter
 
     from porting.convert import packed_experts
+    from porting.convert.hf_files import read_hf_config
     from porting.convert.megatron import init_parallel, mcore_logits
+    from porting.parity.harness import reference_config
     from porting.testing import load_checkpoint_model
 
     family, m = checkpoint_family(ckpt)
     prompts = prompts_of(ckpt) if prompts is None else prompts
     hf_model = family.hf_class(m.hf_architecture).from_pretrained(
-        str(hf_dir), dtype=torch.float32, attn_implementation=family.hf_attn_implementation
+        str(hf_dir),
+        config=reference_config(family, read_hf_config(hf_dir)),
+        dtype=torch.float32,
+        attn_implementation=family.hf_attn_implementation,
     )
     k = hf_model.config.num_experts_per_tok
     renamed = packed_experts.renamed_in_5x(hf_model.config.model_type)
@@ -868,7 +879,7 @@ def prove_features_observed(
     family, cfg = family_for_hf_dir(hf_dir)
     prompts = gate_prompts(hf_dir) if prompts is None else prompts
     cls = family.hf_class(cfg["architectures"][0])
-    config = cls.config_class.from_pretrained(str(hf_dir), local_files_only=True)
+    config = transformers_config(cls, cfg)
     mapped = harness.mapped_fields(family)
 
     def run(conf) -> list[torch.Tensor]:

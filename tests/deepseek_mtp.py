@@ -12,6 +12,7 @@ layer's ``embed_tokens`` and ``shared_head.head`` are copies of the model's.
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 from pathlib import Path
 
@@ -119,7 +120,16 @@ def hf_mtp_logits(hf_dir: str | Path, input_ids: torch.Tensor) -> torch.Tensor:
             with safe_open(hf_dir / file, "pt") as f:
                 own[key[len(prefix) :]] = f.get_tensor(key).float()
     layer = DeepseekV3DecoderLayer(config, layer_idx=n).float().eval()
-    layer.load_state_dict({k: v for k, v in own.items() if k in layer.state_dict()}, strict=True)
+    wanted = layer.state_dict()
+    if "mlp.experts.gate_up_proj" in wanted:
+        # transformers 5 computes the experts from two stacks: each expert's gate rows, then its up
+        experts = range(config.n_routed_experts)
+        part = "mlp.experts.{}.{}_proj.weight"
+        own["mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([own[part.format(e, "gate")], own[part.format(e, "up")]]) for e in experts]
+        )
+        own["mlp.experts.down_proj"] = torch.stack([own[part.format(e, "down")] for e in experts])
+    layer.load_state_dict({k: v for k, v in own.items() if k in wanted}, strict=True)
     h = config.hidden_size
     enorm, hnorm, head_norm = (DeepseekV3RMSNorm(h, eps=config.rms_norm_eps) for _ in range(3))
     enorm.weight.copy_(own["enorm.weight"])
@@ -134,11 +144,13 @@ def hf_mtp_logits(hf_dir: str | Path, input_ids: torch.Tensor) -> torch.Tensor:
     embedded = torch.nn.functional.embedding(following, own["embed_tokens.weight"])
     x = eh_proj(torch.cat([enorm(embedded), hnorm(hidden)], dim=-1))
     positions = torch.arange(input_ids.shape[1]).unsqueeze(0).expand_as(input_ids)
+    # transformers 4.57 spells it input_embeds and wants the cache positions, 5.x inputs_embeds
+    takes = inspect.signature(create_causal_mask).parameters
     mask = create_causal_mask(
         config=config,
-        input_embeds=x,
+        **{"inputs_embeds" if "inputs_embeds" in takes else "input_embeds": x},
+        **({"cache_position": positions[0]} if "cache_position" in takes else {}),
         attention_mask=None,
-        cache_position=positions[0],
         past_key_values=None,
         position_ids=positions,
     )

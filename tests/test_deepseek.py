@@ -9,8 +9,8 @@ ranks (or one q_proj), the first layer dense and the others 4 routed experts, to
 of which 1 is chosen, plus 1 shared expert. The routers are scaled up (x10) so that sigmoid
 scores spread over (0, 1), and every ``e_score_correction_bias`` is set to a random value in
 [0, 0.5): the expert bias then decides some tokens' groups (its negative control is the features
-check), and every choice score stays above transformers' 0-fill of unchosen groups (see
-models/deepseek.py). Ties are avoided and checked: every group and expert decision of every token
+check), and every choice score stays above transformers 4.57's 0-fill of unchosen groups
+(5.x fills -inf; see models/deepseek.py). Ties are avoided and checked: every group and expert decision of every token
 is more than 1e-4 from a tie.
 
 The ``mtp`` variant is DeepSeek-V3 as published: one multi-token-prediction layer after the
@@ -102,36 +102,69 @@ def test_latent_norms_at_the_config_eps_fail(converted, monkeypatch):
     assert harness.compare(hf, mc).max_abs_diff > 100 * proof.ATOL
 
 
-def _choice(margins: list[float]):
-    """``router_logits`` for proof.prove_routing: the scores transformers' DeepseekV3TopkRouter
-    takes its top-k of, recomputed from its input (sigmoid, expert bias, the best ``topk_group``
-    groups by their top two scores, 0 for the other groups' experts) and checked against the
-    indices it returned; ``margins`` collects each call's smallest group-choice gap."""
+def _choice(margins: list[float], decided_here: list[torch.Tensor]):
+    """``router_logits`` for proof.prove_routing: the scores transformers' DeepSeek-V3 router takes
+    its top-k of, recomputed from the router's input (sigmoid, expert bias, the best
+    ``topk_group`` groups by their top two scores, 0 for the other groups' experts: every chosen
+    score is above it); ``decided_here`` collects the experts they choose, to be checked against
+    transformers' own choice (:func:`_transformers_choices`), ``margins`` each call's smallest
+    group-choice gap."""
 
     def choice(mod, args, out):
+        cfg = mod.config
+        n_group, topk_group = cfg.n_group, cfg.topk_group
         hidden = args[0].reshape(-1, mod.weight.shape[1])
         scores = F.linear(hidden.float(), mod.weight.float()).sigmoid()
         biased = scores + mod.e_score_correction_bias
-        groups = biased.view(-1, mod.n_group, EXPERTS // mod.n_group).topk(2, -1)[0].sum(-1)
+        groups = biased.view(-1, n_group, EXPERTS // n_group).topk(2, -1)[0].sum(-1)
         ranked = groups.sort(-1, descending=True).values
-        margins.append((ranked[:, mod.topk_group - 1] - ranked[:, mod.topk_group]).min().item())
-        chosen = torch.zeros_like(groups).scatter(1, groups.topk(mod.topk_group, -1).indices, 1)
-        keep = chosen.repeat_interleave(EXPERTS // mod.n_group, -1).bool()
+        margins.append((ranked[:, topk_group - 1] - ranked[:, topk_group]).min().item())
+        chosen = torch.zeros_like(groups).scatter(1, groups.topk(topk_group, -1).indices, 1)
+        keep = chosen.repeat_interleave(EXPERTS // n_group, -1).bool()
         decided = biased.masked_fill(~keep, 0.0)
-        top = decided.topk(mod.top_k, -1).indices
-        assert torch.equal(top.sort(-1).values, out[0].sort(-1).values)
+        decided_here.append(decided.topk(cfg.num_experts_per_tok, -1).indices.sort(-1).values)
         return decided
 
     return choice
 
 
+def _transformers_choices(monkeypatch) -> list[torch.Tensor]:
+    """The experts transformers itself chooses per token, sorted, one tensor per router call:
+    transformers 4.57 decides in the router (``get_topk_indices``), 5.x in the MoE block
+    (``route_tokens_to_experts``, after the router returns its logits)."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
+
+    chosen: list[torch.Tensor] = []
+    if hasattr(m.DeepseekV3TopkRouter, "get_topk_indices"):
+        cls, name = m.DeepseekV3TopkRouter, "get_topk_indices"
+    else:
+        cls, name = m.DeepseekV3MoE, "route_tokens_to_experts"
+    original = getattr(cls, name)
+
+    def recorded(self, *args):
+        out = original(self, *args)
+        chosen.append((out[0] if isinstance(out, tuple) else out).sort(-1).values)
+        return out
+
+    monkeypatch.setattr(cls, name, recorded)
+    return chosen
+
+
 @pytest.mark.parametrize("variant", ["v3", "yarn"])
-def test_routing_decisions_match_token_by_token(variant, converted):
+def test_routing_decisions_match_token_by_token(variant, converted, monkeypatch):
     margins: list[float] = []
-    proof.prove_routing(*converted(variant), "mlp.gate", router_logits=_choice(margins))
+    ours: list[torch.Tensor] = []
+    theirs = _transformers_choices(monkeypatch)
+    proof.prove_routing(*converted(variant), "mlp.gate", router_logits=_choice(margins, ours))
     assert margins and min(margins) > 1e-4, f"a group-choice near-tie ({min(margins):.2e})"
+    # the scores handed to the comparison choose what transformers chose, call by call
+    assert len(ours) == len(theirs) > 0
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
 
 
+# transformers 5 computes a layer's experts from two stacked tensors: the HF side loads them
+# together there (docs/environments.md)
+@pytest.mark.nemo2
 def test_the_gate_holds_one_expert_at_a_time(converted):
     """A dense first layer, then MoE layers with a shared expert: only the routed experts
     stream, and the MTP variant's main pass too."""

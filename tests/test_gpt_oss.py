@@ -49,6 +49,9 @@ VARIANTS = {
     "yarn_bf16": dict(rope_scaling=YARN, dtype=torch.bfloat16),
     # config.json without the key: GptOssConfig's YaRN default (factor 32 over 4096 positions)
     "rope_absent": {},
+    # unscaled as transformers 5 writes it, rope_parameters of rope_type "default": not the
+    # class's YaRN default, which a missing rope_scaling would be in transformers 4's spelling
+    "no_scaling_v5": dict(rope_scaling=None),
 }
 ROUTER = "mlp.router"
 
@@ -84,10 +87,13 @@ def converted(tmp_path_factory):
                 directory, "GptOssForCausalLM", seed=len(variant), edit=_edit, **COMMON, **fields
             )
         )
+        cfg = json.loads((hf / "config.json").read_text())
         if variant == "rope_absent":
-            cfg = json.loads((hf / "config.json").read_text())
             del cfg["rope_scaling"]
-            (hf / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        if variant == "no_scaling_v5":
+            assert cfg.pop("rope_scaling") is None
+            cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
+        (hf / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         return hf
 
     return proof.imported_variants(tmp_path_factory, make)
@@ -122,7 +128,8 @@ def test_the_config_is_gpt_oss(converted):
     assert (absent.rope_scaling_type, absent.rope_scaling_factor) == ("yarn", 32.0)
     assert absent.rope_scaling_original_max_position_embeddings == 4096
     assert not absent.rope_scaling_truncate
-    assert checkpoint_config(converted("no_scaling")[1]).rope_scaling_type is None
+    for unscaled in ("no_scaling", "no_scaling_v5"):
+        assert checkpoint_config(converted(unscaled)[1]).rope_scaling_type is None, unscaled
 
 
 def test_the_clamp_cuts_in_the_test_model(converted):

@@ -205,9 +205,10 @@ def test_a_4x_config_is_read_as_it_is():
 @pytest.mark.parametrize(
     "written,internal",
     [
-        (  # flat, unscaled: no rope_scaling at all (a 4.x class without one reads the same)
+        (  # flat, unscaled: 4.x's explicit null (an absent one is the class's default, which
+            # for gpt-oss is YaRN)
             {"rope_parameters": {"rope_theta": 1e4, "rope_type": "default"}},
-            {"rope_theta": 1e4},
+            {"rope_theta": 1e4, "rope_scaling": None},
         ),
         (  # flat, scaled
             {"rope_parameters": {"rope_theta": 5e5, "rope_type": "llama3", "factor": 8.0}},
@@ -247,12 +248,13 @@ def test_a_4x_config_is_read_as_it_is():
         (  # the same object for every layer type: one flat setting
             {"rope_parameters": {"full_attention": {"rope_theta": 1e4, "rope_type": "default"},
                                  "sliding_attention": {"rope_theta": 1e4, "rope_type": "default"}}},
-            {"rope_theta": 1e4},
+            {"rope_theta": 1e4, "rope_scaling": None},
         ),
         (  # Qwen2-MoE's unused window: 0 in 5.x, null in 4.x (a 0 window stays refused)
             {"rope_parameters": {"rope_theta": 1e4}, "sliding_window": 0,
              "use_sliding_window": False},
-            {"rope_theta": 1e4, "sliding_window": None, "use_sliding_window": False},
+            {"rope_theta": 1e4, "rope_scaling": None, "sliding_window": None,
+             "use_sliding_window": False},
         ),
         (  # Qwen3-MoE's expert count under its 5.x name
             {"model_type": "qwen3_moe", "num_local_experts": 4},

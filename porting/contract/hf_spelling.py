@@ -18,6 +18,7 @@ back exactly, or a 5.x object the 4.x form cannot express, is refused naming the
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 from porting.errors import PortingError
@@ -143,6 +144,9 @@ def _flat(params: dict, where: str, name: str, cfg: dict) -> dict:
                 f"{where}: {name} has rope_type 'default' with scaling keys "
                 f"{', '.join(sorted(set(scaling) - {'rope_type', 'type'}))}"
             )
+        # 4.x's spelling of "unscaled" is an explicit null: an absent rope_scaling is the config
+        # class's default, which for gpt-oss is YaRN
+        out["rope_scaling"] = None
         return out
     out["rope_scaling"] = scaling
     return out
@@ -174,7 +178,43 @@ def as_written(hf_config: dict, written: dict | None, where: str = "config.json"
 
 
 def transformers_config(cls, hf_config: dict):
-    """The installed transformers' config of model class ``cls`` for ``hf_config`` (4.x spelling,
-    which transformers 4 and 5 read alike): how the gate's reference reads a config that came in
-    5.x spelling."""
-    return cls.config_class.from_dict(copy.deepcopy(hf_config))
+    """The installed transformers' config of model class ``cls`` for ``hf_config`` (4.x spelling):
+    how the gate's reference reads a config that came in 5.x spelling or that transformers 5
+    would read otherwise (:func:`config_for_reference`)."""
+    cfg = copy.deepcopy(hf_config)
+    if _unscaled_read_as_default(cls.config_class, cfg):
+        # transformers 5 spells "unscaled" only inside rope_parameters
+        del cfg["rope_scaling"]
+        params = {"rope_type": "default"}
+        if cfg.get(_BASE) is not None:
+            params[_BASE] = cfg.pop(_BASE)
+        cfg["rope_parameters"] = params
+    return cls.config_class.from_dict(cfg)
+
+
+def config_for_reference(cls, hf_config: dict, written: dict | None):
+    """The config the gate's reference model of class ``cls`` is built from, or None where the
+    installed transformers reads the checkpoint's own ``config.json`` as it means: a file spelled
+    by transformers 5 (``written``) reaches a 4.x transformers translated, and a 4.x file's
+    explicit ``rope_scaling: null`` reaches transformers 5 as "unscaled" where 5.x would read it
+    as the class's scaled default (gpt-oss's YaRN; transformers 4 reads it as written)."""
+    if written is None and not _unscaled_read_as_default(cls.config_class, hf_config):
+        return None
+    return transformers_config(cls, hf_config)
+
+
+def _unscaled_read_as_default(config_class, cfg: dict) -> bool:
+    if "rope_scaling" not in cfg or cfg["rope_scaling"] is not None or "rope_parameters" in cfg:
+        return False
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        return False
+    return _default_is_scaled(config_class)
+
+
+@functools.cache
+def _default_is_scaled(config_class) -> bool:
+    params = getattr(config_class(), "rope_parameters", None)
+    kind = params.get("rope_type", "default") if isinstance(params, dict) else "default"
+    return kind != "default"

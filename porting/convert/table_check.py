@@ -12,7 +12,6 @@ learns what to fix before a multi-GB checkpoint is opened.
 
 from __future__ import annotations
 
-import copy
 import fnmatch
 from typing import Any
 
@@ -35,20 +34,25 @@ def hf_meta_shapes(family: Family, hf_config: dict) -> dict[str, tuple[int, ...]
     """Every tensor the family's HF reference model has for ``hf_config``, with its shape."""
     from accelerate import init_empty_weights
 
+    from porting.contract.hf_spelling import transformers_config
+
     cls = family.hf_class(hf_config["architectures"][0])
-    # a deep copy: transformers writes rope_type into a nested rope_scaling object, and the
-    # manifest's config must stay the original, key for key
     try:
-        config = cls.config_class.from_dict(copy.deepcopy(hf_config))
+        config = transformers_config(cls, hf_config)
         with init_empty_weights(include_buffers=True):
             model = cls._from_config(config, dtype=torch.float32)
     except Exception as err:
         # The reference implementation itself cannot run this config (transformers 4.57's YaRN
-        # on a Mistral config without head_dim, say): there is nothing to prove parity against.
-        said = (str(err).strip().splitlines() or [""])[0][:300]
+        # on a Mistral config without head_dim, 5.x's on one without an original length): there
+        # is nothing to prove parity against. transformers 5's validators wrap the reason.
+        said = "; ".join(
+            f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+            for e in (err, err.__cause__)
+            if e is not None
+        )
         raise PortingError(
             f"config.json: transformers' {cls.__name__} cannot be built from this config "
-            f"({type(err).__name__}: {said}); the gate has no reference to compare against"
+            f"({said}); the gate has no reference to compare against"
         ) from err
     # A tied output is one tensor under two names; safetensors files hold it once. transformers 5
     # holds a MoE layer's experts stacked; the table names them as published.

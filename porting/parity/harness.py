@@ -8,7 +8,6 @@ is compared (no means, no samples). The gate is ``torch.testing.assert_close``'s
 
 from __future__ import annotations
 
-import copy
 import gc
 import logging
 import math
@@ -210,9 +209,9 @@ def build_prompts(tokenizer, vocab_size: int, seed: int = 0, config=None) -> lis
 def reference_config(family, hf_config: dict):
     """The ``transformers`` config the HF side computes with (its class's defaults filled in:
     Gemma 2's caps and window, Mistral's window, where ``config.json`` leaves them out)."""
-    cls = family.hf_class(hf_config["architectures"][0])
-    # a deep copy: transformers writes rope_type into a nested rope_scaling object
-    return cls.config_class.from_dict(copy.deepcopy(hf_config))
+    from porting.contract.hf_spelling import transformers_config
+
+    return transformers_config(family.hf_class(hf_config["architectures"][0]), hf_config)
 
 
 def sliding_window_of(config) -> int | None:
@@ -565,7 +564,7 @@ def hf_logits(
     """
     import transformers
 
-    from porting.contract.hf_spelling import transformers_config
+    from porting.contract.hf_spelling import config_for_reference
     from porting.convert.hf_files import read_hf_config_as_written
 
     cls = (
@@ -579,7 +578,8 @@ def hf_logits(
     else:
         # a config spelled by transformers 5 reaches the installed transformers in the 4.x
         # spelling, which both read alike (porting.contract.hf_spelling)
-        spelled = {} if written is None else {"config": transformers_config(cls, hf_config)}
+        config = config_for_reference(cls, hf_config, written)
+        spelled = {} if config is None else {"config": config}
         model = cls.from_pretrained(
             str(hf_dir),
             dtype=dtype,

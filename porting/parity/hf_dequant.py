@@ -76,7 +76,7 @@ def load_whole(hf_dir, cls, attn_implementation: str) -> torch.nn.Module:
     loader cannot read without a GPU, from :data:`REFERENCE`'s weights into the model class."""
     import transformers
 
-    from porting.contract.hf_spelling import transformers_config
+    from porting.contract.hf_spelling import config_for_reference
     from porting.contract.quantization import MXFP4, read_quantization
     from porting.convert.hf_files import read_hf_config_as_written
     from porting.convert.quant import compute_dtype
@@ -87,7 +87,8 @@ def load_whole(hf_dir, cls, attn_implementation: str) -> torch.nn.Module:
     hf_config, written = read_hf_config_as_written(hf_dir)
     dtype = compute_dtype(hf_config, where)
     # a config spelled by transformers 5: the installed transformers reads its 4.x spelling
-    spelled = {} if written is None else {"config": transformers_config(cls, hf_config)}
+    config = config_for_reference(cls, hf_config, written)
+    spelled = {} if config is None else {"config": config}
     if read_quantization(hf_config, where).method == MXFP4:
         model = cls.from_pretrained(
             str(hf_dir),

@@ -547,7 +547,7 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
     caller has them (verify reads them before the gate starts); read here otherwise."""
     from accelerate import init_empty_weights
 
-    from porting.contract.hf_spelling import transformers_config
+    from porting.contract.hf_spelling import config_for_reference
     from porting.convert.hf_files import read_hf_config_as_written
     from porting.convert.packed_experts import published_parts
     from porting.convert.safetensors_io import SafetensorsSource
@@ -558,12 +558,11 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
         (hf_config, written), source = read_hf_config_as_written(hf_dir), None
     # The family's class reads the config: AutoConfig would want the checkpoint's own code for a
     # model_type transformers does not know (an auto_map checkpoint). A config spelled by
-    # transformers 5 reaches it in the 4.x spelling (porting.contract.hf_spelling).
+    # transformers 5 reaches it in the 4.x spelling, a 4.x one as transformers 4 meant it
+    # (porting.contract.hf_spelling.config_for_reference).
     cls = family.hf_class(hf_config["architectures"][0])
-    config = (
-        cls.config_class.from_pretrained(str(hf_dir), local_files_only=True)
-        if written is None
-        else transformers_config(cls, hf_config)
+    config = config_for_reference(cls, hf_config, written) or cls.config_class.from_pretrained(
+        str(hf_dir), local_files_only=True
     )
     with init_empty_weights():
         model = cls._from_config(
