@@ -337,6 +337,30 @@ _REF_STATE: dict = {}
 
 
 def _reference_init(tokenizer_type: str, tokenizer_model: str, hf_kwargs: dict) -> None:
+    try:
+        from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+    except ImportError:  # Megatron-Core 0.15
+        _reference_init_015(tokenizer_type, tokenizer_model, hf_kwargs)
+        return
+    import argparse
+
+    from megatron.training.arguments import _add_tokenizer_args
+
+    # Megatron-Core 0.19's tools/preprocess_data.py: its own tokenizer arguments (fast, with
+    # special tokens, unless told not to) and the dummy values it sets after parsing
+    argv = ["--tokenizer-type", tokenizer_type, "--tokenizer-model", tokenizer_model]
+    if tokenizer_type == "HuggingFaceTokenizer":
+        if not hf_kwargs.get("use_fast", False):
+            argv.append("--tokenizer-hf-no-use-fast")
+        if not hf_kwargs.get("include_special_tokens", False):
+            argv.append("--tokenizer-hf-no-include-special-tokens")
+    args = _add_tokenizer_args(argparse.ArgumentParser()).parse_args(argv)
+    args.rank, args.make_vocab_size_divisible_by = 1, 128
+    args.tensor_model_parallel_size, args.vocab_extra_ids = 1, 0
+    _REF_STATE["tok"] = build_tokenizer(args)
+
+
+def _reference_init_015(tokenizer_type: str, tokenizer_model: str, hf_kwargs: dict) -> None:
     from megatron.core.tokenizers import MegatronTokenizer
     from megatron.core.tokenizers.text.utils.build_tokenizer import build_tokenizer
 

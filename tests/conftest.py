@@ -185,12 +185,13 @@ QUICK_FILES = {
 # hostile metadata, verify's pairing of an HF directory with a checkpoint, the weight tables
 # against both models, the no-op field rules, the environments' own checks, data prep's tokenizer
 # records (keyed by the libraries' versions: megatron-core 0.19's tokenizer decides here), a
-# checkpoint Megatron-Core 0.15 saved (tsuzumi's, read and converted by either) and the FP8 and
-# MXFP4 weights (which transformers 4 and 5 build differently: quant.fp8_targets).
+# checkpoint Megatron-Core 0.15 saved (tsuzumi's, read and converted by either), the FP8 and
+# MXFP4 weights (which transformers 4 and 5 build differently: quant.fp8_targets) and data prep's
+# byte-identity with each Megatron-Core's own preprocess_data.py tokenizer arguments.
 CURRENT_STACK_FILES = {
     "test_published.py", "test_hf_v5.py", "test_formats.py", "test_verify_pair.py",
     "test_table_check.py", "test_noop_fields.py", "test_environments.py", "test_prep_record.py",
-    "test_tsuzumi.py", "test_quant.py",
+    "test_tsuzumi.py", "test_quant.py", "test_prep.py",
 }  # fmt: skip
 # On the current stack alone: Megatron-Bridge's training loop (its packages), and the files that
 # need no NeMo and whose property is no library's (the planner, the mapping, a family's proofs,
