@@ -1,7 +1,9 @@
 """Our commands print our lines only; a library's real error still reaches the user.
 
 Each command runs as a user runs it (a subprocess, no -v) on a tiny model, and every line of its
-stdout and stderr must be one of ours (``porting.testing.OWN_OUTPUT_PATTERNS``).
+stdout and stderr must be one of ours (``porting.testing.OWN_OUTPUT_PATTERNS``). The conversions
+and the demo run on the current stack, where users are; NeMo 2's training and NeMo's own errors
+on the NeMo 2 stack (``nemo2``).
 """
 
 from __future__ import annotations
@@ -111,6 +113,8 @@ def test_demo_prints_only_our_lines(workdir, slurm_host):
     assert "OK: outputs in" in proc.stdout
 
 
+# NeMo 2's loop; Bridge's run prints our lines only too (tests/test_train_bridge.py)
+@pytest.mark.nemo2
 def test_prep_data_and_train_print_only_our_lines(workdir, tiny_nemo, slurm_host):
     prep = _porting(
         "prep-data",
@@ -162,7 +166,7 @@ def test_verbose_brings_the_hidden_lines_back(workdir, tiny_llama, slurm_host):
     # one of each kind quiet hides: a Python warning and a library's log record (Megatron-Core's,
     # on a machine without Apex; the import no longer starts Lightning, whose srun hint was one)
     assert any("Falling back to Torch Norm" in line for line in hidden), hidden
-    assert any("fused_indices_to_multihot" in line for line in hidden), hidden
+    assert any(line.startswith("WARNING megatron.core.") for line in hidden), hidden
 
 
 def test_the_foreign_line_finder_is_not_blind():
@@ -171,6 +175,7 @@ def test_the_foreign_line_finder_is_not_blind():
     ]
 
 
+@pytest.mark.nemo2
 def test_an_error_inside_nemo_still_reaches_the_user(tmp_path):
     code = (
         "from porting import quiet\n"
