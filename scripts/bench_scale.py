@@ -494,8 +494,9 @@ def main() -> int:
                 "--json",
             ],
         }
-        for step in args.steps:
-            if step == "export" and not set(args.steps) & {"import-2", "verify-2"}:
+        for n, step in enumerate(args.steps):
+            later = args.steps[n + 1 :]
+            if step == "export" and not any(s.startswith(("import", "verify")) for s in later):
                 shutil.rmtree(work / "hf", ignore_errors=True)  # disk: export needs only nemo/
             r = timed(steps[step], work / f"{step}.log")
             # disk: what no later step reads
