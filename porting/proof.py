@@ -367,14 +367,27 @@ def prove_experts_streamed(hf_dir: str | Path, ckpt: str | Path, prompts=None) -
     """The streamed gate's memory bound below a layer, observed on both sides (and in a
     multi-token-prediction check): each time an expert returns, it is the only expert of its
     layer holding tensors, so neither the layer's read nor the prefetch of the next expert has
-    bound more. The gate's verdict is the whole model's (:func:`prove_parity`). Returns how many
-    experts ran in each kind of module streaming them (the class of the layer or block)."""
+    bound more; under transformers 5, whose experts are two stacks per layer, each time one
+    expert's slice of a stack is read no other slice read before is still held. The gate's
+    verdict is the whole model's (:func:`prove_parity`). Returns how many experts ran in each
+    kind of module streaming them (the class of the layer or block; ``ExpertStack`` for the
+    stacks' reads)."""
+    import weakref
     from contextlib import contextmanager
 
     from porting.parity import modules, mtp, streamed
 
     seen: dict[str, list[int]] = {}
     real = modules.experts_streamed
+    real_item = modules.ExpertStack.__getitem__
+    handed: list[weakref.ref] = []
+
+    def item(stack, expert):
+        t = real_item(stack, expert)
+        handed[:] = [r for r in handed if r() is not None]
+        seen.setdefault(modules.ExpertStack.__name__, []).append(1 + len(handed))
+        handed.append(weakref.ref(t))
+        return t
 
     @contextmanager
     def observed(layers, load):
@@ -395,10 +408,12 @@ def prove_experts_streamed(hf_dir: str | Path, ckpt: str | Path, prompts=None) -
                 h.remove()
 
     streamed.experts_streamed = mtp.experts_streamed = observed
+    modules.ExpertStack.__getitem__ = item
     try:
         prove_parity(hf_dir, ckpt, prompts)
     finally:
         streamed.experts_streamed = mtp.experts_streamed = real
+        modules.ExpertStack.__getitem__ = real_item
     assert len(seen) >= 2, f"experts seen running in {sorted(seen)} only"
     for kind, live in seen.items():
         assert set(live) == {1}, f"{kind}: experts holding tensors when one returned: {live}"

@@ -217,9 +217,7 @@ WITH_NEMO2_CASES = {
     "test_llama.py",
     "test_falcon.py",
     "test_moe.py",
-    "test_olmoe.py",
     "test_hostile.py",
-    "test_deepseek.py",
     "test_rope.py",
     "test_output.py",
 }

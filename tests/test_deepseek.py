@@ -162,14 +162,24 @@ def test_routing_decisions_match_token_by_token(variant, converted, monkeypatch)
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
 
 
-# transformers 5 computes a layer's experts from two stacked tensors: the HF side loads them
-# together there (docs/environments.md)
-@pytest.mark.nemo2
-def test_the_gate_holds_one_expert_at_a_time(converted):
-    """A dense first layer, then MoE layers with a shared expert: only the routed experts
-    stream, and the MTP variant's main pass too."""
-    kinds = proof.prove_experts_streamed(*converted("v3"))
-    assert set(kinds) == {"DeepseekV3DecoderLayer", "TransformerLayer"}, kinds
+def test_the_gate_holds_one_expert_at_a_time(converted, monkeypatch):
+    """A dense first layer, then MoE layers with a shared expert, then the multi-token layer: only
+    the routed experts stream, on the HF side as transformers 5's stacks, one expert's slice at a
+    time, the multi-token layer's too (its reads counted apart)."""
+    from porting.parity import mtp
+
+    in_mtp = []
+    real = mtp.stream_expert_stacks
+
+    def counted(layer, read):
+        in_mtp.append(real(layer, read))
+        return in_mtp[-1]
+
+    monkeypatch.setattr(mtp, "stream_expert_stacks", counted)
+    kinds = proof.prove_experts_streamed(*converted("mtp"))
+    assert set(kinds) == {"ExpertStack", "TransformerLayer", "MultiTokenPredictionBlock"}, kinds
+    # the multi-token layer's two stacks were streamed too
+    assert in_mtp == [2], in_mtp
     kinds = proof.prove_experts_streamed(*converted("mtp"))
     assert "MultiTokenPredictionBlock" in kinds, kinds  # the MTP check streams its experts too
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 
@@ -46,6 +47,54 @@ def expert_lists(layer: torch.nn.Module) -> list[tuple[str, torch.nn.ModuleList]
         if len(kinds) == 1 and any(True for _ in module[0].parameters()):
             found.append((f"{name}.", module))
     return found
+
+
+class ExpertStack:
+    """Stands in, while the streamed gate runs, for one of transformers 5's stacked expert
+    parameters (``mlp.experts.gate_up_proj`` ``(experts, 2 * ffn, hidden)``, ``down_proj``
+    ``(experts, hidden, ffn)``). transformers' eager experts loop indexes a stack one expert at a
+    time (``self.gate_up_proj[expert_idx]``); each index here reads that expert's slice alone, in
+    fp32, freed once the loop lets it go. So a layer's experts are in memory one at a time, as
+    :func:`experts_streamed` keeps transformers 4's expert modules."""
+
+    def __init__(self, shape: torch.Size, read: Callable[[int], torch.Tensor]):
+        self.shape = torch.Size(shape)
+        self.dtype = torch.float32
+        self._read = read
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, expert) -> torch.Tensor:
+        return self._read(int(expert))
+
+
+# the stacked expert parameters of a transformers 5 experts module, and the layout its eager loop
+# reads them in (use_experts_implementation's flags): [gate; up] rows, not transposed, no bias
+_STACKS = ("gate_up_proj", "down_proj")
+_EAGER_LAYOUT = {"is_concatenated": True, "is_transposed": False, "has_bias": False}
+
+
+def stream_expert_stacks(
+    layer: torch.nn.Module, read: Callable[[str, int, torch.Size], torch.Tensor]
+) -> int:
+    """Put an :class:`ExpertStack` in place of each stacked expert parameter of ``layer`` (a
+    module transformers 5 computes expert by expert, in the layout above); ``read(name, e,
+    shape)`` reads expert ``e`` of the stack ``name`` (under ``layer``). The model must run its
+    experts eagerly (``set_experts_implementation("eager")``). Returns how many stacks."""
+    count = 0
+    for sub, module in layer.named_modules():
+        stacks = [getattr(module, n, None) for n in _STACKS]
+        if not all(isinstance(t, torch.nn.Parameter) and t.dim() == 3 for t in stacks):
+            continue
+        if any(getattr(module, flag, None) is not want for flag, want in _EAGER_LAYOUT.items()):
+            continue
+        for name, t in zip(_STACKS, stacks, strict=True):
+            key = f"{sub}.{name}" if sub else name
+            del module._parameters[name]
+            module.__dict__[name] = ExpertStack(t.shape, partial(read, key, shape=t.shape[1:]))
+            count += 1
+    return count
 
 
 def release(module: torch.nn.Module) -> None:

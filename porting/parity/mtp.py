@@ -30,6 +30,7 @@ from porting.parity.modules import (
     release,
     set_param,
     stored_tensors,
+    stream_expert_stacks,
 )
 
 
@@ -106,12 +107,15 @@ def hf_mtp_logits(
     ids: torch.Tensor,
     normed: torch.Tensor,
     layer_kwargs: dict,
+    read_expert: Callable[[str, int, torch.Size], torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """Each MTP layer's logits ``[b, s, vocab]`` on the HF side. ``last_layer``: the model's last
     decoder layer (its class and norm kind; its weights are not used); ``normed``: the model's
     final hidden state after its norm; ``layer_kwargs``: what the model passed its last layer
     besides the hidden states. ``read(key, shape)`` reads one HF tensor in fp32 (``None``: as
-    stored)."""
+    stored); ``read_expert(key, e, shape)`` expert ``e`` of a transformers 5 expert stack, which
+    the layer then reads one expert at a time (:func:`~porting.parity.modules.
+    stream_expert_stacks`)."""
     from accelerate import init_empty_weights
 
     norm_kind = getattr(last_layer, "input_layernorm", None)
@@ -139,6 +143,11 @@ def hf_mtp_logits(
         with init_empty_weights():
             layer = type(last_layer)(config, layer_idx=index)
         layer.eval()
+        if read_expert is not None:
+            stream_expert_stacks(
+                layer,
+                lambda name, e, shape, n=n: read_expert(n.layer_prefix + name, e, shape),
+            )
         skip = tuple(prefix for prefix, _ in expert_lists(layer))
         for name, p in list(stored_tensors(layer, skip)):
             set_param(layer, name, read(n.layer_prefix + name, p.shape))

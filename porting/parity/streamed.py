@@ -68,6 +68,7 @@ from porting.parity.modules import (
     release,
     set_param,
     stored_tensors,
+    stream_expert_stacks,
 )
 
 log = logging.getLogger(__name__)
@@ -336,6 +337,9 @@ class _Side:
     on_call: dict[torch.nn.Module, Callable[[], dict[str, torch.Tensor]]] = field(
         default_factory=dict
     )
+    # HF, past the decoder: ``read_expert(key, e, shape)``, expert ``e`` of a transformers 5
+    # stack (:class:`~porting.parity.modules.ExpertStack`)
+    read_expert: Callable | None = None
 
     def load_layer(self, i: int) -> dict[str, torch.Tensor]:
         """Layer ``i``'s tensors but its experts'."""
@@ -576,8 +580,41 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
 
         source = SafetensorsSource(hf_dir, allow_pickle=allow_pickle, dequantizer=REFERENCE)
     available = set(source.keys())
+    # transformers 5 holds a mixture's experts in two stacks per layer: its eager loop reads
+    # them expert by expert, so no layer holds all of its experts (a 480B-class layer's are
+    # 30 GB in fp32)
+    stacks = sum(
+        stream_expert_stacks(
+            layer, lambda name, e, shape, i=i: read_expert(f"{prefix}.{i}.{name}", e, shape)
+        )
+        for i, layer in enumerate(layers)
+    )
+    if stacks:
+        model.set_experts_implementation("eager")
     buffers = _Buffers(device)
     buffers.reserve(_layer_numel(layers))
+
+    def read_expert(key: str, e: int, shape: torch.Size) -> torch.Tensor:
+        """Expert ``e`` (of ``shape``) of the stack ``key``: its slice of a stored stack, or the
+        published per-expert tensors it is made of."""
+        buf = torch.empty(shape, dtype=torch.float32, device=device)
+        if key in available:
+            stored = torch.Size(source.shape(key)[0])
+            _check_shape(str(hf_dir), key, stored[1:], shape)
+            if not 0 <= e < stored[0]:
+                raise PortingError(f"{hf_dir}: tensor {key!r} has no expert {e}")
+            with source.mapped(key) as whole:
+                _cast_into(buf, whole[e])
+            check_finite(buf, str(hf_dir), key)
+            return buf
+        parts = published_parts(config.model_type, key, (e + 1, *shape)) or []
+        mine = [(name, part) for name, part in parts if part is not None and part.expert == e]
+        if not mine or any(name not in available for name, _ in mine):
+            raise PortingError(f"{hf_dir}: tensor {key!r} is missing")
+        for name, part in mine:
+            into = buf if part.rows is None else buf[part.rows[0] : part.rows[1]]
+            into.copy_(read(name, into.shape))
+        return buf
 
     def read(key: str, want: torch.Size | None, buf: torch.Tensor | None = None) -> torch.Tensor:
         if key not in available:
@@ -639,7 +676,16 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
     # decoder's (MTP layers, porting.parity.mtp): otherwise its pages would stay resident
     # through the Megatron pass.
     beyond = any(k.startswith(f"{prefix}.{config.num_hidden_layers}.") for k in available)
-    side = _Side(model, layers, load, read if beyond else None, buffers, _Buffers(device), on_call)
+    side = _Side(
+        model,
+        layers,
+        load,
+        read if beyond else None,
+        buffers,
+        _Buffers(device),
+        on_call,
+        read_expert if beyond else None,
+    )
     return side, config
 
 
@@ -833,6 +879,7 @@ def _streamed_logits(
             hf_logits = hf_logits[..., :vocab_size].float().cpu()
         hf_prefix = next(name for name, m in hf.model.named_modules() if m is hf.layers)
         hf_last, hf_read, buffers = hf.layers[-1], hf.read, hf.buffers
+        hf_read_expert = hf.read_expert
         hf = None  # the HF model is released before the Megatron side is built
 
         checkpoint = open_checkpoint(ckpt)
@@ -919,6 +966,7 @@ def _streamed_logits(
                 ids,
                 last["normed"],
                 last["kwargs"],
+                hf_read_expert,
             )
             mtp = [
                 (unpad(w[..., :vocab_size].float().cpu(), prompts), unpad(g, prompts))
