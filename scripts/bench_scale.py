@@ -242,6 +242,7 @@ def write_arch_checkpoint(out: Path, size: str) -> int:
     import transformers
     from safetensors.torch import save_file
 
+    from porting.convert.packed_experts import published_shapes
     from porting.testing import make_tokenizer, quantize_hf_dir
 
     hub_id, changes, _ = ARCH_SIZES[size]
@@ -256,6 +257,9 @@ def write_arch_checkpoint(out: Path, size: str) -> int:
     config = cls.config_class(**{k: v for k, v in fields.items() if k not in skip})
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in cls(config).state_dict().items()}
+    # under transformers 5 a layer's experts are two stacks: the published names are per expert
+    # (and one random stack of a 480B-class layer would be 20 GB in fp32)
+    shapes = published_shapes(config.model_type, shapes, f"transformers' {arch}")
     if config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)
     extra = mtp_shapes(shapes, fields) if fields.get("num_nextn_predict_layers") else {}
