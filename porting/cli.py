@@ -125,6 +125,16 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
         return 128 + signal.SIGPIPE
+    except (MemoryError, RuntimeError) as err:
+        said = _out_of_memory(err)
+        if said is None:
+            raise
+        # unwound like any failure: partial outputs removed on the way out
+        print(
+            f"porting {args.command}: error: out of memory ({said}); partial output removed",
+            file=sys.stderr,
+        )
+        return 2
     except OSError as err:
         if err.errno != errno.ENOSPC:
             raise
@@ -146,6 +156,19 @@ def main(argv: list[str] | None = None) -> int:
         kept = getattr(stop, "kept", None) or "partial outputs removed"
         print(f"porting {args.command}: stopped by {name}; {kept}", file=sys.stderr)
         return code
+
+
+def _out_of_memory(err: BaseException) -> str | None:
+    """What an allocation that failed said (a ``MemoryError``, torch's CPU allocator refusing,
+    a device out of memory), or None for any other error."""
+    if isinstance(err, MemoryError):
+        return str(err) or "MemoryError"
+    text = str(err)
+    if type(err).__name__ != "OutOfMemoryError" and "can't allocate memory" not in text:
+        return None
+    # torch's allocator message starts with the C++ assertion that failed
+    text = text[text.find("DefaultCPUAllocator") :] if "DefaultCPUAllocator" in text else text
+    return (text.strip().splitlines() or [type(err).__name__])[0][:300]
 
 
 def _a_launched_rank(args) -> bool:

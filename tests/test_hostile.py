@@ -263,6 +263,40 @@ def test_disk_full_is_a_located_error_and_leaves_nothing(ckpt, tmp_path, capsys,
     _nothing_under(out)
 
 
+@pytest.mark.parametrize(
+    "refused",
+    [
+        RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+            "memory: you tried to allocate 30857282560 bytes. Error code 12 (Cannot allocate "
+            "memory)"
+        ),
+        MemoryError(),
+    ],
+    ids=["torch_allocator", "memory_error"],
+)
+def test_memory_exhausted_is_one_line_and_leaves_nothing(
+    refused, ckpt, tmp_path, capsys, monkeypatch
+):
+    from porting.convert import export
+
+    def exhausted(src, dst, *a, **k):
+        raise refused
+
+    monkeypatch.setattr(export.shutil, "copyfile", exhausted)
+    out = tmp_path / "out"
+    code = main(["export", str(ckpt), "--out", str(out), "--no-verify"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    (line,) = err.strip().splitlines()
+    assert line.startswith("porting export: error: out of memory ("), line
+    assert line.endswith("; partial output removed"), line
+    assert "alloc_cpu" not in line and ("30857282560 bytes" in line) == isinstance(
+        refused, RuntimeError
+    ), line
+    _nothing_under(out)
+
+
 def test_a_second_run_on_the_same_output_fails_at_once(tiny_llama, tmp_path):
     """Two real `porting import` processes on one output: the second exits 2 naming the first."""
     from porting.guard import lock_path
