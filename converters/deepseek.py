@@ -560,4 +560,5 @@ FAMILY = Family(
         Variant("q_full", "q_lora_rank null: one q_proj (DeepSeek-V2-Lite / Moonlight layout)"),
         Variant("yarn", "YaRN rotary with mscale / mscale_all_dim (DeepSeek-V3, Kimi K2)"),
     ),
+    mtp_count="num_nextn_predict_layers",
 )

@@ -500,24 +500,44 @@ def test_a_copy_that_differs_from_the_model_is_refused(copy, converted, tmp_path
     assert not out.exists()
 
 
-def test_a_declared_layer_that_is_absent_is_refused_with_the_remedy(converted, tmp_path, capsys):
-    """num_nextn_predict_layers=1 on a checkpoint without the layer (as transformers'
-    save_pretrained writes a DeepSeek-V3 it loaded): refused, saying where the layer should be
-    and how to import without it; nothing written."""
+def test_a_declared_layer_that_is_absent_imports_the_decoder_and_comes_back_as_it_came(
+    converted, tmp_path, capsys, caplog
+):
+    """num_nextn_predict_layers=1 on a checkpoint without the layer (every transformers save of
+    DeepSeek-V3: 5.2x writes the count by default, no class builds the layer): the decoder is
+    imported alone, gated, and said so in one line; export writes config.json back as it came,
+    the count included, and no layer. A checkpoint that holds fewer layers than the decoder
+    alone is refused as before."""
     import json
-
-    from porting.contract import config_map
 
     hf = tmp_path / "hf"
     shutil.copytree(converted("v3")[0], hf)
     cfg = json.loads((hf / "config.json").read_text()) | {"num_nextn_predict_layers": 1}
     (hf / "config.json").write_text(json.dumps(cfg))
-    (note,) = config_map.notes(cfg, deepseek.FAMILY.config_entries)
-    assert f"(model.layers.{LAYERS}.*" in note and "MTP block (mtp.layers.0.*)" in note
     out = tmp_path / "out"
-    code = main(["import", str(hf), "--out", str(out), "--no-verify"])
+    with caplog.at_level("INFO", logger="porting.convert.hf_import"):
+        assert main(["import", str(hf), "--out", str(out)]) == 0
+    said = caplog.text
+    assert (
+        f"num_nextn_predict_layers=1, and no multi-token-prediction layer is stored after layer "
+        f"{LAYERS - 1}" in said
+    ), said
+    assert "the decoder alone is imported" in said, said
+    assert "MTP block" not in said, said  # the note of a layer that would be imported
+    from porting.demo import compare_hf_dirs
+    from porting.testing import checkpoint_config
+
+    assert not checkpoint_config(out).mtp_num_layers
+    assert main(["export", str(out), "--out", str(tmp_path / "back")]) == 0
+    assert json.loads((tmp_path / "back" / "config.json").read_text()) == cfg
+    back = compare_hf_dirs(hf, tmp_path / "back")
+    assert back.exact, back
+
+    # a config whose decoder alone is longer than the checkpoint: refused, not read as MTP-less
+    (hf / "config.json").write_text(json.dumps(cfg | {"num_hidden_layers": LAYERS + 1}))
+    code = main(["import", str(hf), "--out", str(tmp_path / "out2"), "--no-verify"])
     err = capsys.readouterr().err
     assert code == 2, err
-    assert "1 multi-token-prediction layer(s) follow" in err, err
-    assert "set the config's count of them to 0" in err and "layers 0..2 (3)" in err, err
-    assert not out.exists()
+    assert f"num_hidden_layers is {LAYERS + 1} and 1 multi-token-prediction layer(s)" in err, err
+    assert f"layers 0..{LAYERS - 1} ({LAYERS})" in err, err
+    assert not (tmp_path / "out2").exists()

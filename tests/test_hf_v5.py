@@ -56,10 +56,12 @@ CASES = {
     "GptOssForCausalLM": ("GptOssConfig", dict(
         num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=32,
     ), ()),
+    # declaring one multi-token-prediction layer and holding none, as every transformers 5.2x
+    # save of DeepSeek-V3 does (its config's num_mtp_layers defaults to 1, its model has none)
     "DeepseekV3ForCausalLM": ("DeepseekV3Config", dict(
         num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         first_k_dense_replace=1, n_group=2, topk_group=1, q_lora_rank=32, kv_lora_rank=16,
-        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_nextn_predict_layers=1,
     ), ()),
 }  # fmt: skip
 # the MoE families' experts saved stacked (save_original_format=False), read as published

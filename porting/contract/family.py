@@ -128,6 +128,11 @@ class Family:
             ``e_score_correction_bias``): stored as F32, they take no part in choosing the import
             dtype, are never cast on import (the Megatron parameter must be fp32 too) and are
             written back as F32 on export.
+        mtp_count: the ``config.json`` key that counts multi-token-prediction layers stored after
+            the decoder's (DeepSeek-V3's ``num_nextn_predict_layers``). A checkpoint that holds
+            the decoder's layers and none of those imports its decoder alone, with the key read as
+            0 and written back as it came: transformers' classes build no such layer, so every
+            transformers save declares it and stores none.
     """
 
     name: str
@@ -145,6 +150,7 @@ class Family:
     context_symbols: tuple[Any, ...] = ()
     fp32_tensors: tuple[str, ...] = ()
     core_config_cls: str | type | None = None
+    mtp_count: str | None = None
 
     def check(self) -> None:
         """Raise :class:`PortingError` naming the first attribute of the wrong kind.
@@ -177,6 +183,7 @@ class Family:
                 lambda v: v is None or _class_or_ref(v),
                 "None, a class or a 'module:Class' name",
             ),
+            ("mtp_count", lambda v: v is None or (isinstance(v, str) and v != ""), "None or a key"),
         )
         for attr, ok, what in rules:
             value = getattr(self, attr)

@@ -148,11 +148,16 @@ def export_into(
     writer.publish()
     del model, meta
     gc.collect()
+    written = manifest.hf_config_as_written
     hf_config = hf_spelling.as_written(
         config_map.to_hf(config, manifest.hf_config, family.config_entries),
-        manifest.hf_config_as_written,
+        written,
         str(checkpoint.located.manifest_path),
     )
+    count = family.mtp_count
+    if count and written and written.get(count) and manifest.hf_config.get(count) == 0:
+        # the MTP layers it declared were never stored (hf_import.prepare): the count as it came
+        hf_config[count] = written[count]
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     for f in tokenizer_files(checkpoint):
         shutil.copyfile(f, out / f.name)

@@ -30,7 +30,12 @@ from porting.convert.hf_files import HFSource, open_hf
 from porting.convert.manifest import EXTRA_HF_FILES, Manifest, write_manifest
 from porting.convert.mapping import WeightProducer
 from porting.convert.megatron import DTYPES, config_arguments, dtype_name
-from porting.convert.preflight import check_float_dtypes, check_gate_memory, check_hf_checkpoint
+from porting.convert.preflight import (
+    as_stored,
+    check_float_dtypes,
+    check_gate_memory,
+    check_hf_checkpoint,
+)
 from porting.convert.safetensors_io import SafetensorsSource, hf_weights
 from porting.convert.table_check import check_table
 from porting.errors import PortingError
@@ -90,7 +95,9 @@ class Prepared:
     family: Family
     hf_dir: Path
     hf_config: dict
-    hf_config_as_written: dict | None  # transformers 5's spelling, as the file has it
+    # the file as it came where hf_config differs from it: transformers 5's spelling, or an MTP
+    # count read as 0 (Family.mtp_count)
+    hf_config_as_written: dict | None
     source: SafetensorsSource
     dtype: torch.dtype
     fp32: list[str]
@@ -119,22 +126,38 @@ def prepare(
             f"{hf_dir}/config.json: architecture {hf_config['architectures'][0]!r} is not "
             f"one of family {family.name}'s ({', '.join(family.keys)})"
         )
-    for line in config_map.notes(hf_config, family.config_entries, str(hf_dir / "config.json")):
-        log.info(line)
+    where = str(hf_dir / "config.json")
     check_float_dtypes(family, source)
     weight_dtype = resolve_dtype(source, dtype, family)
     fp32 = kept_fp32(source, family)
     reader = _CastingSource(source, weight_dtype, frozenset(fp32)) if dtype else source
-    kwargs = config_arguments(family, hf_config, weight_dtype, vocab_divisor)
+    def shape_of(cfg: dict) -> ShapeContext:
+        config = family.config_class(nemo=False)(
+            **config_arguments(family, cfg, weight_dtype, vocab_divisor)
+        )
+        return family.shape_context(config, cfg["vocab_size"])
+
+    # the model has no MTP block where none is stored; the gate compares the decoder's logits
+    mapped, declared = as_stored(family, hf_config, source.keys(), shape_of)
+    kwargs = config_arguments(family, mapped, weight_dtype, vocab_divisor)
     config = family.config_class(nemo=False)(**kwargs)
     ctx = family.shape_context(config, hf_config["vocab_size"])
-    hf_shapes = check_hf_checkpoint(
-        family, hf_config, ctx, source, hf_dir / "config.json", "import"
-    )
+    if declared is not None:
+        log.info(
+            f"{where}: {family.mtp_count}={declared!r}, and no multi-token-prediction layer is "
+            f"stored after layer {ctx.num_layers - 1} (transformers writes the count, never the "
+            "layer): the decoder alone is imported"
+        )
+    for line in config_map.notes(mapped, family.config_entries, where):
+        log.info(line)
+    hf_shapes = check_hf_checkpoint(family, mapped, ctx, source, hf_dir / "config.json", "import")
     if gate is not None:
         check_gate_memory("import", hf_shapes, hf_config, whole_model=gate == "whole")
+    # The checkpoint's Megatron config is the manifest's hf_config read again, so it holds the
+    # count as read (0); the file as it came is kept beside it, for export to write back.
+    written = hf.as_written if declared is None else (hf.as_written or hf_config)
     return Prepared(
-        family, hf_dir, hf_config, hf.as_written, source, weight_dtype, fp32, reader, kwargs, ctx,
+        family, hf_dir, mapped, written, source, weight_dtype, fp32, reader, kwargs, ctx,
         hf_shapes,
     )  # fmt: skip
 

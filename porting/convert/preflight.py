@@ -68,9 +68,9 @@ def _span(found: set[int]) -> str:
     return f"{lo}..{hi} without {', '.join(map(str, missing))}"
 
 
-def check_hf_counts(family: Family, hf_config: dict, ctx: Any, names, config_path) -> None:
-    """The layer and expert indices in the checkpoint's tensor ``names`` (read through the table's
-    ``*`` / ``#`` patterns) must be exactly ``range(num_layers)`` / ``range(num_experts)``."""
+def _indices(family: Family, names) -> tuple[set[int], set[int], bool, bool]:
+    """The layer and expert indices in tensor ``names`` (read through the table's ``*`` / ``#``
+    patterns), and whether the table has layer and expert patterns at all."""
     layers: set[int] = set()
     experts: set[int] = set()
     patterns = [p for p in _read_patterns(family) if p.groupindex]
@@ -83,23 +83,47 @@ def check_hf_counts(family: Family, hf_config: dict, ctx: Any, names, config_pat
                 if "expert" in p.groupindex:
                     experts.add(int(m["expert"]))
                 break
+    return (
+        layers,
+        experts,
+        any("layer" in p.groupindex for p in patterns),
+        any("expert" in p.groupindex for p in patterns),
+    )
+
+
+def as_stored(family: Family, hf_config: dict, names, shape_of) -> tuple[dict, Any]:
+    """``hf_config`` as the checkpoint's tensor ``names`` hold it, and the multi-token-prediction
+    count it declared that they do not hold (None: nothing read otherwise). Where the config
+    declares such layers (:attr:`Family.mtp_count`) and ``names`` hold exactly the decoder's
+    layers, none after them, the count is read as 0: a transformers save, whose classes build no
+    MTP layer. ``shape_of(config)``: the family's shape context of a config."""
+    count = family.mtp_count
+    if not count or not hf_config.get(count):
+        return hf_config, None
+    bare = {**hf_config, count: 0}
+    layers, _, by_layer, _ = _indices(family, names)
+    if by_layer and layers == set(range(shape_of(bare).num_layers)):
+        return bare, hf_config[count]
+    return hf_config, None
+
+
+def check_hf_counts(family: Family, hf_config: dict, ctx: Any, names, config_path) -> None:
+    """The layer and expert indices in the checkpoint's tensor ``names`` (read through the table's
+    ``*`` / ``#`` patterns) must be exactly ``range(num_layers)`` / ``range(num_experts)``."""
+    layers, experts, by_layer, by_expert = _indices(family, names)
     mtp = getattr(ctx, "mtp_layers", 0)
-    if any("layer" in p.groupindex for p in patterns) and layers != set(
-        range(ctx.num_layers + mtp)
-    ):
+    if by_layer and layers != set(range(ctx.num_layers + mtp)):
         what = _field(hf_config, _LAYER_FIELDS, ctx.num_layers, "layers")
         if mtp:
-            # transformers' classes build no MTP layer: its save_pretrained writes none
             what += (
                 f" and {mtp} multi-token-prediction layer(s) follow (as layers {ctx.num_layers}.."
-                f"{ctx.num_layers + mtp - 1}; a checkpoint saved by transformers has none: set the "
-                "config's count of them to 0 to import without)"
+                f"{ctx.num_layers + mtp - 1})"
             )
         raise PortingError(
             f"{config_path}: {what}, but the checkpoint's tensors hold layers {_span(layers)}"
         )
     n_experts = getattr(ctx, "num_experts", 0) or 0
-    if any("expert" in p.groupindex for p in patterns) and experts != set(range(n_experts)):
+    if by_expert and experts != set(range(n_experts)):
         raise PortingError(
             f"{config_path}: {_field(hf_config, _EXPERT_FIELDS, n_experts, 'experts')}, but the "
             f"checkpoint's tensors hold experts {_span(experts)}"

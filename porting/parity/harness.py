@@ -647,6 +647,7 @@ def verify(
     from porting.convert.layouts import check_saved_metadata
     from porting.convert.megatron import build_config
     from porting.convert.preflight import (
+        as_stored,
         check_float_dtypes,
         check_gate_memory,
         check_hf_checkpoint,
@@ -688,9 +689,16 @@ def verify(
     else:
         source = SafetensorsSource(hf_dir, allow_pickle=allow_pickle, dequantizer=REFERENCE)
     check_float_dtypes(family, source)
-    _, ctx = build_config(family, hf_config, torch.float32, vocab_divisor=1)
+    # an MTP count over a checkpoint that stores no MTP layer is read as 0, as import read it
+    stored, _ = as_stored(
+        family,
+        hf_config,
+        source.keys(),
+        lambda cfg: build_config(family, cfg, torch.float32, vocab_divisor=1)[1],
+    )
+    _, ctx = build_config(family, stored, torch.float32, vocab_divisor=1)
     hf_shapes = check_hf_checkpoint(
-        family, hf_config, ctx, source, Path(hf_dir) / "config.json", "verify"
+        family, stored, ctx, source, Path(hf_dir) / "config.json", "verify"
     )
     if torch.device(device).type == "cpu":
         check_gate_memory("verify", hf_shapes, hf_config, whole_model)
