@@ -39,6 +39,14 @@ build_env() {
   if [ -x "$dir/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then return; fi
   py=$(python_of "$version" "$dir")
   echo "[env] installing $lock into $dir (first run takes a few minutes)" >&2
+  # measured: .venv 6.4 GB (torch's CUDA build and its nvidia libraries), .venv-nemo2 2.9 GB, and
+  # pip unpacks each wheel beside its install; said before pip fails on it mid-way
+  local free_gb
+  free_gb=$(df -Pk . | awk 'NR == 2 {print int($4 / 1048576)}')
+  if [ "${free_gb:-0}" -lt 10 ]; then
+    echo "[env] only ${free_gb} GB free here; $dir takes up to 7 GB and pip's unpacked wheels" \
+      "more: the install may run out of space" >&2
+  fi
   rm -rf "$dir"
   "$py" -m venv "$dir"
   "$dir/bin/python" -m pip install -q --upgrade pip
