@@ -154,9 +154,21 @@ def signals_as_exceptions() -> Iterator[None]:
     previous = {sig: signal.getsignal(sig) for sig in (*_SIGNALS, signal.SIGINT)}
     for sig in _SIGNALS:
         signal.signal(sig, _raise_terminated)
+    reported = sys.unraisablehook
+
+    def unraisable(hook_args) -> None:
+        # The handler ran inside a finalizer (a weakref callback of importlib's, a __del__), whose
+        # exception Python prints with a traceback and drops: the stop is recorded (_stopped) and
+        # raised again where it counts, and the command's one closing line says it.
+        if isinstance(hook_args.exc_value, Terminated) and _stopped:
+            return
+        reported(hook_args)
+
+    sys.unraisablehook = unraisable
     try:
         yield
     finally:
+        sys.unraisablehook = reported
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         _stopped.clear()  # the stop was this block's; a later one in this process starts afresh

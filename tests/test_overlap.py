@@ -455,3 +455,25 @@ def test_a_stop_that_library_code_swallows_or_wraps_still_stops(
     # a real HF directory: an empty one is refused before the conversion starts
     assert main(["import", str(tiny_llama), "--out", str(out)]) == 143
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_stop_inside_a_finalizer_prints_no_traceback_and_still_stops(capfd):
+    """SIGTERM handled while a finalizer runs (seen: importlib's weakref callback, mid-convert):
+    Python would print the handler's exception with a traceback and drop it; the command still
+    stops, and its one closing line is all it says."""
+    import os
+    import signal
+
+    from porting.guard import Terminated, raise_if_stopped, signals_as_exceptions
+
+    class Finalized:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(100_000):  # the handler runs here, inside the finalizer
+                pass
+
+    with pytest.raises(Terminated), signals_as_exceptions():
+        Finalized()
+        raise_if_stopped()
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
