@@ -215,6 +215,10 @@ def _unscaled_read_as_default(config_class, cfg: dict) -> bool:
 
 @functools.cache
 def _default_is_scaled(config_class) -> bool:
-    params = getattr(config_class(), "rope_parameters", None)
+    try:
+        default = config_class()
+    except Exception:  # a plugin's class that needs arguments: its null read as written
+        return False
+    params = getattr(default, "rope_parameters", None)
     kind = params.get("rope_type", "default") if isinstance(params, dict) else "default"
     return kind != "default"
