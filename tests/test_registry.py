@@ -51,6 +51,25 @@ def test_unknown_architecture_names_the_known_ones_and_the_guide():
         assert needle in msg, msg
 
 
+@pytest.mark.parametrize("arch", sorted(registry.OUT_OF_SCOPE))
+def test_a_hybrid_state_space_model_is_refused_by_name_with_why(arch):
+    with pytest.raises(PortingError) as err:
+        registry.family_for_config({"architectures": [arch], "model_type": "x"})
+    msg = str(err.value)
+    for needle in (arch, "is not supported", "kernels", "Hybrid state-space models"):
+        assert needle in msg, msg
+
+
+def test_an_installed_family_that_claims_a_hybrid_architecture_wins(monkeypatch):
+    import dataclasses
+
+    from converters import llama
+
+    plugin = dataclasses.replace(llama.FAMILY, architectures=("NemotronHForCausalLM",))
+    monkeypatch.setattr(registry, "families", lambda: [plugin])
+    assert registry.family_for_config({"architectures": ["NemotronHForCausalLM"]}) is plugin
+
+
 def _install(site: Path, dist: str, families: dict[str, str], module_source: str) -> None:
     """A distribution ``dist`` whose entry points name ``families`` (name -> module:attr)."""
     # pip's directory naming: the name's dashes as underscores (importlib.metadata parses it)

@@ -34,6 +34,28 @@ from porting.guard import Terminated
 GROUP = "porting.families"
 GUIDE = "docs/families.md"
 
+_MAMBA = (
+    "a hybrid state-space model: Megatron-Core runs its Mamba mixers only through mamba_ssm's and "
+    "causal_conv1d's CUDA kernels, so no CPU-proven family converts it"
+)
+# Architectures no family of ours claims, and why none can on this stack (docs/families.md,
+# "Hybrid state-space models"): refused by name where no installed family claims them, so a plugin
+# that runs them on a GPU still may.
+OUT_OF_SCOPE = {
+    "NemotronHForCausalLM": _MAMBA,
+    "GraniteMoeHybridForCausalLM": _MAMBA,
+    "FalconH1ForCausalLM": _MAMBA,
+    "BambaForCausalLM": _MAMBA,
+    "Mamba2ForCausalLM": _MAMBA,
+    "JambaForCausalLM": _MAMBA,
+    "Zamba2ForCausalLM": _MAMBA,
+    "Qwen3NextForCausalLM": (
+        "a hybrid model: Megatron-Core runs its gated DeltaNet layers through "
+        "flash-linear-attention's Triton kernels (and as Megatron-Core's HybridModel, not the GPT "
+        "model every family builds), so no CPU-proven family converts it"
+    ),
+}
+
 
 @dataclass(frozen=True)
 class Installed:
@@ -177,6 +199,11 @@ def family_for_config(hf_config: dict) -> Family:
     for fam in families():
         if mtype in fam.model_types:
             return fam
+    if isinstance(arch, str) and arch in OUT_OF_SCOPE:
+        raise PortingError(
+            f"architecture {arch!r} (model_type {mtype!r}) is not supported: "
+            f"{OUT_OF_SCOPE[arch]} ({GUIDE}, Hybrid state-space models)"
+        )
     raise _not_found(f"unknown architecture {arch!r} (model_type {mtype!r})")
 
 
