@@ -284,6 +284,8 @@ def _rope_to_hf(c) -> dict:
     return {}
 
 
+# attention_bias and mlp_bias together: Megatron's one add_bias_linear, or refused
+BIASES = Derived(("attention_bias", "mlp_bias"), _biases_to_mcore, _biases_to_hf)
 QUERY_GROUPS = Derived(
     ("num_key_value_heads",),  # null: transformers uses num_attention_heads
     _query_groups_to_mcore,
@@ -337,7 +339,7 @@ LLAMA_LAYOUT = (
 CONFIG = (
     *LLAMA_LAYOUT,
     Field("head_dim", "kv_channels", default=None),
-    Derived(("attention_bias", "mlp_bias"), _biases_to_mcore, _biases_to_hf),
+    BIASES,
     ROPE_SCALING,
     Require(
         "pretraining_tp",

@@ -66,6 +66,7 @@ _TINY_EXTRA = {
         rope_theta=1e6, rope_local_base_freq=100.0,
     ),
     "Phi3ForCausalLM": dict(sliding_window=8),
+    "NemotronForCausalLM": dict(head_dim=32, partial_rotary_factor=0.5),
     "MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2),
     "Qwen2MoeForCausalLM": dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,

@@ -1766,6 +1766,73 @@ PUBLISHED["deepseek-ai/DeepSeek-V3.1"] = PUBLISHED["deepseek-ai/DeepSeek-V3"] | 
     },
 }
 
+# ------------------------------------------------------------------ Nemotron family
+# https://huggingface.co/nvidia/Minitron-8B-Base/blob/main/config.json (from memory, unconfirmed:
+# every value). Written by NVIDIA's NeMo-to-HF script (transformers'
+# convert_nemotron_nemo_to_hf.py: _name_or_path, transformers_version 4.32.0.dev0, Megatron's
+# kv_channels beside head_dim); the sizes are the model card's (width 4096, 48 heads, MLP 16384).
+PUBLISHED["nvidia/Minitron-8B-Base"] = {
+    "_name_or_path": "nvidia/Minitron-8B-Base",
+    "architectures": ["NemotronForCausalLM"],
+    "bos_token_id": 2,
+    "eos_token_id": 3,
+    "head_dim": 128,
+    "hidden_act": "relu2",
+    "hidden_size": 4096,
+    "initializer_range": 0.0134,
+    "intermediate_size": 16384,
+    "kv_channels": 128,
+    "max_position_embeddings": 4096,
+    "model_type": "nemotron",
+    "norm_eps": 1e-05,
+    "num_attention_heads": 48,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "partial_rotary_factor": 0.5,
+    "rope_theta": 10000,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.32.0.dev0",
+    "use_cache": True,
+    "vocab_size": 256000,
+}
+# https://huggingface.co/nvidia/Minitron-4B-Base/blob/main/config.json (from memory, unconfirmed:
+# every value); the sizes are the model card's (width 3072, 32 heads, MLP 9216)
+PUBLISHED["nvidia/Minitron-4B-Base"] = PUBLISHED["nvidia/Minitron-8B-Base"] | {
+    "_name_or_path": "nvidia/Minitron-4B-Base",
+    "hidden_size": 3072,
+    "intermediate_size": 9216,
+    "num_attention_heads": 32,
+}
+# https://huggingface.co/nvidia/Nemotron-Mini-4B-Instruct/blob/main/config.json (from memory,
+# unconfirmed: every value): a transformers save, every NemotronConfig field written
+PUBLISHED["nvidia/Nemotron-Mini-4B-Instruct"] = {
+    "architectures": ["NemotronForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 2,
+    "eos_token_id": 3,
+    "head_dim": 128,
+    "hidden_act": "relu2",
+    "hidden_size": 3072,
+    "initializer_range": 0.0134,
+    "intermediate_size": 9216,
+    "max_position_embeddings": 4096,
+    "mlp_bias": False,
+    "model_type": "nemotron",
+    "norm_eps": 1e-05,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "partial_rotary_factor": 0.5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.44.0",
+    "use_cache": True,
+    "vocab_size": 256000,
+}
+
 # the dtype a release stores its FP8 block scales in, where it is not float32 (DeepSeek-V3's)
 SCALE_DTYPE = {"Qwen/Qwen3-8B-FP8": "bfloat16"}
 
@@ -1821,4 +1888,7 @@ FAMILY: dict[str, str] = {
     "moonshotai/Moonlight-16B-A3B": "deepseek",
     "openai/gpt-oss-20b": "gpt-oss",
     "openai/gpt-oss-120b": "gpt-oss",
+    "nvidia/Minitron-8B-Base": "nemotron",
+    "nvidia/Minitron-4B-Base": "nemotron",
+    "nvidia/Nemotron-Mini-4B-Instruct": "nemotron",
 }

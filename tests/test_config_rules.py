@@ -49,6 +49,7 @@ ARCHITECTURES = (
     "Olmo2ForCausalLM",
     "OlmoeForCausalLM",
     "Phi3ForCausalLM",
+    "NemotronForCausalLM",
 )
 
 

@@ -64,6 +64,8 @@ def shrink(cfg: dict) -> dict:
     c["hidden_size"] = _round8(HEADS * HEAD * ratio) if c.get("head_dim") else HEADS * HEAD
     if c.get("head_dim"):
         c["head_dim"] = HEAD
+    if c.get("kv_channels"):  # Megatron's name for the head width, beside it (Minitron)
+        c["kv_channels"] = HEAD
     scale = c["hidden_size"] / old_hidden
     for key in ("intermediate_size", "ffn_hidden_size", "moe_intermediate_size",
                 "shared_expert_intermediate_size"):  # fmt: skip

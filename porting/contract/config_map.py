@@ -130,6 +130,7 @@ FIELD_RULES: dict[str, Check] = {
     # numbers
     "rms_norm_eps": POSITIVE_FLOAT,
     "layer_norm_epsilon": POSITIVE_FLOAT,
+    "norm_eps": POSITIVE_FLOAT,
     "rope_theta": POSITIVE_FLOAT,
     "initializer_range": POSITIVE_FLOAT,
     "attention_dropout": PROBABILITY,
