@@ -67,6 +67,10 @@ _TINY_EXTRA = {
     ),
     "Phi3ForCausalLM": dict(sliding_window=8),
     "NemotronForCausalLM": dict(head_dim=32, partial_rotary_factor=0.5),
+    "GraniteForCausalLM": dict(
+        attention_multiplier=0.0078125, embedding_multiplier=12.0, residual_multiplier=0.22,
+        logits_scaling=16.0,
+    ),
     "MixtralForCausalLM": dict(num_local_experts=4, num_experts_per_tok=2),
     "Qwen2MoeForCausalLM": dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
@@ -851,6 +855,11 @@ FEATURES = {
     "hidden_act": _other_gelu("hidden_act"),
     "rope_scaling": _rotary(_nulled("rope_scaling")),
     "query_pre_attn_scalar": _doubled("query_pre_attn_scalar"),
+    # Granite's scalars on the embeddings, the attention scores, each residual branch, the logits
+    "attention_multiplier": _doubled("attention_multiplier"),
+    "embedding_multiplier": _doubled("embedding_multiplier"),
+    "residual_multiplier": _doubled("residual_multiplier"),
+    "logits_scaling": _doubled("logits_scaling"),
     "rope_theta": _rotary(_doubled("rope_theta")),
 }
 

@@ -1833,6 +1833,51 @@ PUBLISHED["nvidia/Nemotron-Mini-4B-Instruct"] = {
     "vocab_size": 256000,
 }
 
+# ------------------------------------------------------------------ Granite family
+# https://huggingface.co/ibm-granite/granite-3.1-8b-base/blob/main/config.json (from memory,
+# unconfirmed: every value)
+PUBLISHED["ibm-granite/granite-3.1-8b-base"] = {
+    "architectures": ["GraniteForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.1,
+    "attention_multiplier": 0.0078125,
+    "bos_token_id": 0,
+    "embedding_multiplier": 12.0,
+    "eos_token_id": 0,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 12800,
+    "logits_scaling": 16.0,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "granite",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 40,
+    "num_key_value_heads": 8,
+    "pad_token_id": 0,
+    "residual_multiplier": 0.22,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": None,
+    "rope_theta": 10000000.0,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.47.0",
+    "use_cache": True,
+    "vocab_size": 49155,
+}
+# https://huggingface.co/ibm-granite/granite-3.0-2b-base/blob/main/config.json (from memory,
+# unconfirmed: every value)
+PUBLISHED["ibm-granite/granite-3.0-2b-base"] = PUBLISHED["ibm-granite/granite-3.1-8b-base"] | {
+    "attention_multiplier": 0.015625,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "logits_scaling": 8.0,
+    "max_position_embeddings": 4096,
+    "rope_theta": 10000.0,
+    "transformers_version": "4.46.0.dev0",
+}
+
 # the dtype a release stores its FP8 block scales in, where it is not float32 (DeepSeek-V3's)
 SCALE_DTYPE = {"Qwen/Qwen3-8B-FP8": "bfloat16"}
 
@@ -1891,4 +1936,6 @@ FAMILY: dict[str, str] = {
     "nvidia/Minitron-8B-Base": "nemotron",
     "nvidia/Minitron-4B-Base": "nemotron",
     "nvidia/Nemotron-Mini-4B-Instruct": "nemotron",
+    "ibm-granite/granite-3.1-8b-base": "granite",
+    "ibm-granite/granite-3.0-2b-base": "granite",
 }

@@ -50,6 +50,7 @@ ARCHITECTURES = (
     "OlmoeForCausalLM",
     "Phi3ForCausalLM",
     "NemotronForCausalLM",
+    "GraniteForCausalLM",
 )
 
 

@@ -49,6 +49,10 @@ CASES = {
     "Phi3ForCausalLM": ("Phi3Config", {}, ()),
     "Olmo2ForCausalLM": ("Olmo2Config", {}, ()),
     "NemotronForCausalLM": ("NemotronConfig", dict(head_dim=32, partial_rotary_factor=0.5), ()),
+    "GraniteForCausalLM": ("GraniteConfig", dict(
+        attention_multiplier=0.05, embedding_multiplier=3.0, residual_multiplier=0.5,
+        logits_scaling=2.0,
+    ), ()),
     "OlmoeForCausalLM": ("OlmoeConfig", dict(num_experts=4, num_experts_per_tok=2), ()),
     "FalconForCausalLM": ("FalconConfig", dict(
         num_kv_heads=1, new_decoder_architecture=False, multi_query=True, parallel_attn=True,

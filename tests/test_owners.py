@@ -122,6 +122,9 @@ _BRIDGE_FAMILIES = {
         intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2)),
     "olmo2": ("Olmo2ForCausalLM", None, dict(intermediate_size=96, num_key_value_heads=2)),
+    "granite": ("GraniteForCausalLM", "granite", dict(
+        intermediate_size=96, num_key_value_heads=2, attention_multiplier=0.05,
+        embedding_multiplier=3.0, residual_multiplier=0.5, logits_scaling=2.0)),
     "nemotron": ("NemotronForCausalLM", None, dict(
         intermediate_size=96, num_key_value_heads=2, head_dim=32, partial_rotary_factor=0.5)),
     "olmoe": ("OlmoeForCausalLM", None, dict(
