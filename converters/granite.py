@@ -21,25 +21,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from converters.llama import BIASES, LLAMA_LAYOUT, ROPE_SCALING
+from converters.llama import BIASES, LLAMA_LAYOUT, ROPE_SCALING, head_dim_read_by
 from converters.llama import WEIGHTS as LLAMA_WEIGHTS
 from converters.llama import shape_context as llama_shape_context
-from porting.contract.config_map import POSITIVE_FLOAT, Derived, Field, Require
+from porting.contract.config_map import POSITIVE_FLOAT, Field, Require
 from porting.contract.family import Family, ShapeContext, Variant
-from porting.errors import PortingError
 
 if TYPE_CHECKING:  # annotations only: the family's tables load without its Megatron side
     from models.granite import GraniteCore
-
-
-def _head_dim_to_mcore(hf: dict) -> dict:
-    # GraniteAttention reads getattr(config, "head_dim", hidden_size // heads): a null as given
-    if "head_dim" in hf and hf["head_dim"] is None:
-        raise PortingError(
-            "config.json: head_dim=None is not supported: transformers' GraniteAttention reads it "
-            "as given and fails on null (leave it out for hidden_size / num_attention_heads)"
-        )
-    return {"kv_channels": hf.get("head_dim")}
 
 
 def _multiplier(hf: str, mcore: str) -> Field:
@@ -59,7 +48,7 @@ CONFIG = (
     *LLAMA_LAYOUT,
     BIASES,
     ROPE_SCALING,
-    Derived(("head_dim",), _head_dim_to_mcore, lambda c: {}),  # carried verbatim if given
+    head_dim_read_by("GraniteAttention"),
     *(_multiplier(hf, mcore) for hf, mcore in MULTIPLIERS.items()),
     Require("model_type", lambda v: v == "granite", "the HF side is the Granite layout"),
 )

@@ -307,6 +307,23 @@ HEAD_DIM_OR_NULL = Derived(
     ("head_dim",), lambda hf: {"kv_channels": hf.get("head_dim")}, lambda c: {}
 )
 
+
+def head_dim_read_by(attention: str) -> Derived:
+    """``head_dim`` for an attention class that reads ``getattr(config, "head_dim", hidden_size //
+    heads)`` (``attention``, for the message): absent is hidden/heads, a null fails there and is
+    refused here; carried back on export as it was."""
+
+    def to_mcore(hf: dict) -> dict:
+        if "head_dim" in hf and hf["head_dim"] is None:
+            raise PortingError(
+                f"config.json: head_dim=None is not supported: transformers' {attention} reads it "
+                "as given and fails on null (leave it out for hidden_size / num_attention_heads)"
+            )
+        return {"kv_channels": hf.get("head_dim")}
+
+    return Derived(("head_dim",), to_mcore, lambda c: {})
+
+
 # The fields every Llama-layout config shares (Llama, Mistral, Qwen2/3): families built on this
 # layout start from these and add their own. Each value's type and range is the rule every family
 # shares for that field (config_map.FIELD_RULES).
@@ -335,6 +352,22 @@ LLAMA_LAYOUT = (
         "interleaved rotary pairs are not the halves transformers' Llama-layout classes rotate",
     ),
 )
+
+
+def layout_with_defaults(**defaults) -> tuple:
+    """:data:`LLAMA_LAYOUT` with some fields' defaults (``rope_theta=2e6``) replaced: a config.json
+    that leaves a field out gets its HF config class's default, which is not Llama's in every
+    class (tests/test_noop_fields.py holds each family's defaults to its classes')."""
+    import dataclasses
+
+    out = tuple(
+        dataclasses.replace(e, default=defaults[e.hf]) if getattr(e, "hf", None) in defaults else e
+        for e in LLAMA_LAYOUT
+    )
+    missing = set(defaults) - {getattr(e, "hf", None) for e in LLAMA_LAYOUT}
+    assert not missing, f"not fields of the Llama layout: {missing}"
+    return out
+
 
 CONFIG = (
     *LLAMA_LAYOUT,

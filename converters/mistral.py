@@ -23,7 +23,9 @@ CONFIG = (
         "window_size",
         to_mcore=lambda w: None if w is None else (w - 1, 0),
         to_hf=lambda ws: None if ws is None else ws[0] + 1,
-        default=None,  # null: full attention; 0 is refused in every family (config_map.WINDOW)
+        # left out: MistralConfig's 4096; null: full attention; 0 is refused in every family
+        # (config_map.WINDOW)
+        default=4096,
     ),
     Require("model_type", lambda v: v == "mistral", "the HF side is the Mistral layout"),
 )

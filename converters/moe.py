@@ -132,8 +132,15 @@ def _moe_to_mcore(hf: dict) -> dict:
     return out | {"add_qkv_bias": False, "qk_layernorm": True}
 
 
+def _rotary_base(hf: dict) -> dict:
+    # left out: the config class's default, MixtralConfig's 1e6, Qwen2-MoE's and Qwen3-MoE's 1e4
+    mixtral = hf["architectures"][0] == "MixtralForCausalLM"
+    return {"rotary_base": float(hf.get("rope_theta", 1e6 if mixtral else 1e4))}
+
+
 CONFIG = (
-    *LLAMA_LAYOUT,
+    *(e for e in LLAMA_LAYOUT if getattr(e, "hf", None) != "rope_theta"),
+    Derived(("rope_theta",), _rotary_base, lambda c: {"rope_theta": c.rotary_base}),
     ROPE_SCALING,
     HEAD_DIM_OR_NULL,
     qwen.USE_MROPE,  # Qwen2.5/Qwen3-MoE configs may say use_mrope: false as the dense ones do

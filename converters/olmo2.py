@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from converters.llama import LLAMA_LAYOUT, ROPE_SCALING, check_model_type
+from converters.llama import LLAMA_LAYOUT, ROPE_SCALING, check_model_type, head_dim_read_by
 from converters.llama import WEIGHTS as LLAMA_WEIGHTS
 from porting.contract.config_map import Derived
 from porting.contract.family import Family, ShapeContext, Variant
@@ -35,20 +35,10 @@ def attention_to_mcore(hf: dict, model_type: str) -> dict:
     return {}
 
 
-def _head_dim_to_mcore(hf: dict) -> dict:
-    # Olmo2Attention reads getattr(config, "head_dim", hidden_size // heads): a null is read as is
-    if "head_dim" in hf and hf["head_dim"] is None:
-        raise PortingError(
-            "config.json: head_dim=None is not supported: transformers' Olmo2Attention reads it as "
-            "given and fails on null (leave it out for hidden_size / num_attention_heads)"
-        )
-    return {"kv_channels": hf.get("head_dim")}
-
-
 CONFIG = (
     *LLAMA_LAYOUT,
     ROPE_SCALING,
-    Derived(("head_dim",), _head_dim_to_mcore, lambda c: {}),  # carried verbatim if given
+    head_dim_read_by("Olmo2Attention"),
     Derived(
         ("model_type", "attention_bias"), lambda hf: attention_to_mcore(hf, "olmo2"), lambda c: {}
     ),

@@ -158,3 +158,47 @@ def test_what_other_writers_add_without_changing_the_maths_is_carried():
     entries = registry.family_for_config(card).config_entries
     mcore = SimpleNamespace(**config_map.to_mcore(card, entries))
     assert config_map.to_hf(mcore, card, entries)["transformers.js_config"] == web
+
+
+def _class_defaults() -> list[tuple[str, str, str, object, object]]:
+    """``(family, architecture, field, ours, the class's)`` for every field a family's config map
+    defaults where a config.json leaves it out, beside the installed transformers config class's
+    default (built with no arguments; ``head_dim``'s null means derived, as transformers derives
+    it)."""
+    import transformers
+
+    from porting.contract.config_map import _MISSING, Field
+
+    out = []
+    for family in registry.families():
+        for arch in family.architectures:
+            cls = getattr(transformers, family.hf_model_class or arch)
+            theirs = cls.config_class()
+            for e in family.config_entries:
+                if not isinstance(e, Field) or e.default is _MISSING or e.hf == "head_dim":
+                    continue
+                # transformers 5 folds rope_theta into rope_parameters; 4.57 keeps it an attribute
+                if hasattr(theirs, e.hf) and getattr(theirs, e.hf) is not None or e.default:
+                    out.append((family.name, arch, e.hf, e.default, getattr(theirs, e.hf, e.default)))
+    return out
+
+
+def test_a_field_left_out_of_config_json_gets_the_config_classs_default():
+    """transformers reads a field a config.json leaves out as its config class's default, and
+    ``save_pretrained`` leaves out the ones equal to ``PretrainedConfig``'s (SmolLM3's tied
+    output), so each family's default must be its classes' (Mixtral's rope_theta is 1e6, SmolLM3's
+    2e6; Mistral's window 4096)."""
+    differ = [c for c in _class_defaults() if c[3] != c[4]]
+    assert not differ, differ
+    assert len(_class_defaults()) > 50
+
+
+@pytest.mark.parametrize(
+    "hub_id,base",
+    [("mistralai/Mixtral-8x7B-v0.1", 1e6), ("Qwen/Qwen1.5-MoE-A2.7B", 1e4)],
+)
+def test_a_rope_theta_left_out_is_the_mixture_classs_own(hub_id, base):
+    """The moe family's classes differ: MixtralConfig's rope_theta is 1e6, Qwen2-MoE's 1e4."""
+    cfg = {k: v for k, v in published.PUBLISHED[hub_id].items() if k != "rope_theta"}
+    family = registry.family_for_config(cfg)
+    assert config_map.to_mcore(cfg, family.config_entries)["rotary_base"] == base
