@@ -1878,6 +1878,43 @@ PUBLISHED["ibm-granite/granite-3.0-2b-base"] = PUBLISHED["ibm-granite/granite-3.
     "transformers_version": "4.46.0.dev0",
 }
 
+# ------------------------------------------------------------------ SmolLM3 family
+# https://huggingface.co/HuggingFaceTB/SmolLM3-3B/blob/main/config.json (from memory, unconfirmed:
+# every value)
+PUBLISHED["HuggingFaceTB/SmolLM3-3B"] = {
+    "architectures": ["SmolLM3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": None,
+    "eos_token_id": 128012,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 11008,
+    "layer_types": ["full_attention"] * 36,
+    "max_position_embeddings": 65536,
+    "max_window_layers": 28,
+    "mlp_bias": False,
+    "model_type": "smollm3",
+    "no_rope_layer_interval": 4,
+    "no_rope_layers": [1, 1, 1, 0] * 9,
+    "num_attention_heads": 16,
+    "num_hidden_layers": 36,
+    "num_key_value_heads": 4,
+    "pad_token_id": 128004,
+    "pretraining_tp": 2,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 5000000.0,
+    "sliding_window": None,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.54.0.dev0",
+    "use_cache": False,
+    "use_sliding_window": False,
+    "vocab_size": 128256,
+}
+
 # the dtype a release stores its FP8 block scales in, where it is not float32 (DeepSeek-V3's)
 SCALE_DTYPE = {"Qwen/Qwen3-8B-FP8": "bfloat16"}
 
@@ -1938,4 +1975,5 @@ FAMILY: dict[str, str] = {
     "nvidia/Nemotron-Mini-4B-Instruct": "nemotron",
     "ibm-granite/granite-3.1-8b-base": "granite",
     "ibm-granite/granite-3.0-2b-base": "granite",
+    "HuggingFaceTB/SmolLM3-3B": "smollm3",
 }

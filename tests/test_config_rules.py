@@ -51,6 +51,7 @@ ARCHITECTURES = (
     "Phi3ForCausalLM",
     "NemotronForCausalLM",
     "GraniteForCausalLM",
+    "SmolLM3ForCausalLM",
 )
 
 

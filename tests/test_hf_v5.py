@@ -49,6 +49,7 @@ CASES = {
     "Phi3ForCausalLM": ("Phi3Config", {}, ()),
     "Olmo2ForCausalLM": ("Olmo2Config", {}, ()),
     "NemotronForCausalLM": ("NemotronConfig", dict(head_dim=32, partial_rotary_factor=0.5), ()),
+    "SmolLM3ForCausalLM": ("SmolLM3Config", dict(no_rope_layers=[1, 0]), ()),
     "GraniteForCausalLM": ("GraniteConfig", dict(
         attention_multiplier=0.05, embedding_multiplier=3.0, residual_multiplier=0.5,
         logits_scaling=2.0,
