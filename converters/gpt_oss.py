@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from converters import moe
 from converters.llama import FULL, LLAMA_LAYOUT, ROPE_SCALING, SLIDING, layer_windows
 from porting.contract.config_map import Carry, Derived, Field, NoOp, Require
 from porting.contract.family import Family, ShapeContext, Variant
@@ -64,7 +65,7 @@ def _layout_to_mcore(hf: dict) -> dict:
     n = hf["num_hidden_layers"]
     types = hf.get("layer_types") or [(SLIDING, FULL)[i % 2] for i in range(n)]
     window, pattern = layer_windows(hf, types, 128)
-    return {
+    return moe.router_order(k, False) | {
         "num_moe_experts": hf["num_local_experts"],
         "moe_router_topk": k,
         "moe_ffn_hidden_size": hf["intermediate_size"],

@@ -31,7 +31,8 @@ if TYPE_CHECKING:  # annotations only: the family's tables load without its Mega
     from models.granite import GraniteCore
 
 
-def _multiplier(hf: str, mcore: str) -> Field:
+def multiplier(hf: str, mcore: str) -> Field:
+    """The Field of one Granite multiplier (a finite number > 0; 1.0 where left out)."""
     # transformers' GraniteConfig default for each is 1.0 (for the attention scale too)
     return Field(hf, mcore, to_mcore=float, default=1.0, check=POSITIVE_FLOAT)
 
@@ -49,7 +50,7 @@ CONFIG = (
     BIASES,
     ROPE_SCALING,
     head_dim_read_by("GraniteAttention"),
-    *(_multiplier(hf, mcore) for hf, mcore in MULTIPLIERS.items()),
+    *(multiplier(hf, mcore) for hf, mcore in MULTIPLIERS.items()),
     Require("model_type", lambda v: v == "granite", "the HF side is the Granite layout"),
 )
 

@@ -66,6 +66,20 @@ def _not_here(hf: dict, names, which: str) -> None:
         raise PortingError(f"config.json: {', '.join(present)} are not {which} fields")
 
 
+def router_order(k: int, pre_softmax: bool) -> dict:
+    """``moe_router_pre_softmax`` for a router of top ``k``: softmax over every expert before the
+    top-k (``True``), or over the top-k logits after it. At top-1 the latter weighs every token's
+    expert by exactly 1, and Megatron-Core's router takes top-1 only after a softmax over every
+    expert (its config refuses the other order there), which weighs it below 1: refused by name."""
+    if k == 1 and not pre_softmax:
+        raise PortingError(
+            "config.json: num_experts_per_tok=1 with the softmax taken over the chosen logit "
+            "weighs each token's expert by exactly 1; Megatron-Core's router takes top-1 only "
+            "after a softmax over every expert (moe_router_pre_softmax), which weighs it below 1"
+        )
+    return {"moe_router_pre_softmax": pre_softmax}
+
+
 def _moe_to_mcore(hf: dict) -> dict:
     mtype = check_model_type(hf, _MODEL_TYPES)
     out = {
@@ -79,18 +93,21 @@ def _moe_to_mcore(hf: dict) -> dict:
             "Mixtral",
         )
         window = hf.get("sliding_window")
-        return out | {
-            "num_moe_experts": _required(hf, "num_local_experts"),
-            "moe_ffn_hidden_size": hf["intermediate_size"],
-            # HF renormalises the top-k of the softmax: the softmax of the top-k logits
-            "moe_router_pre_softmax": False,
-            # the same training-time noise: inputs times U(1 - eps, 1 + eps)
-            "moe_input_jitter_eps": float(hf.get("router_jitter_noise", 0.0)) or None,
-            "window_size": None if window is None else (window - 1, 0),
-            "add_qkv_bias": False,
-            "qk_layernorm": False,
-            "hf_mlp_layout": "mixtral",
-        }
+        return (
+            out
+            | router_order(out["moe_router_topk"], False)
+            | {
+                "num_moe_experts": _required(hf, "num_local_experts"),
+                "moe_ffn_hidden_size": hf["intermediate_size"],
+                # HF renormalises the top-k of the softmax: the softmax of the top-k logits
+                # the same training-time noise: inputs times U(1 - eps, 1 + eps)
+                "moe_input_jitter_eps": float(hf.get("router_jitter_noise", 0.0)) or None,
+                "window_size": None if window is None else (window - 1, 0),
+                "add_qkv_bias": False,
+                "qk_layernorm": False,
+                "hf_mlp_layout": "mixtral",
+            }
+        )
     _not_here(hf, _MIXTRAL_ONLY, "Qwen-MoE")
     qwen.window_to_mcore(hf)
     if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
@@ -100,11 +117,10 @@ def _moe_to_mcore(hf: dict) -> dict:
             "all-sparse models (step 1, no mlp_only_layers) are supported"
         )
     norm = hf.get("norm_topk_prob", False)
-    out |= {
+    # without renormalisation HF takes the top-k of the full softmax
+    out |= router_order(out["moe_router_topk"], not norm) | {
         "num_moe_experts": _required(hf, "num_experts"),
         "moe_ffn_hidden_size": _required(hf, "moe_intermediate_size"),
-        # without renormalisation HF takes the top-k of the full softmax
-        "moe_router_pre_softmax": not norm,
         "hf_mlp_layout": "qwen",
     }
     if mtype == "qwen2_moe":

@@ -41,7 +41,9 @@ def _olmoe_to_mcore(hf: dict) -> dict:
         "moe_router_topk": _required(hf, "num_experts_per_tok"),
         "moe_ffn_hidden_size": hf["intermediate_size"],
         # without renormalisation HF takes the top-k of the full softmax
-        "moe_router_pre_softmax": not hf.get("norm_topk_prob", False),
+        **moe.router_order(
+            _required(hf, "num_experts_per_tok"), not hf.get("norm_topk_prob", False)
+        ),
         "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.01)),
     }
 

@@ -6,7 +6,7 @@ transformers' ``GraniteModel`` is Llama's with four scalars (``models/granite``)
   field the spec's core attention reads (local ``DotProductAttention``; Transformer Engine's);
 - the embeddings multiplied by ``embedding_multiplier`` (a hook on ``embedding``);
 - each sublayer's output multiplied by ``residual_multiplier`` before the residual add: hooks on
-  ``linear_proj`` and ``linear_fc2``, whose ``(output, bias)`` is what Megatron's bias-dropout-add
+  ``self_attention`` and ``mlp``, whose ``(output, bias)`` is what Megatron's bias-dropout-add
   adds to the residual, so both are scaled (HF scales ``o_proj(x) + b`` as a whole too);
 - the logits divided by ``logits_scaling`` (a hook on ``output_layer``).
 
@@ -29,6 +29,21 @@ def _scaled(factor: float):
         return output * factor, None if bias is None else bias * factor
 
     return hook
+
+
+def add_multipliers(model, config) -> None:
+    """Granite's multipliers as hooks on the modules this pipeline stage of ``model`` holds: the
+    embedding, each layer's attention (``self_attention``) and MLP (``mlp``: a dense MLP or a
+    mixture layer, each returning ``(output, bias)``) and the output layer."""
+    embedding, emb = getattr(model, "embedding", None), config.embedding_multiplier
+    if embedding is not None:
+        embedding.register_forward_hook(lambda mod, args, out: out * emb)
+    for layer in model.decoder.layers:
+        layer.self_attention.register_forward_hook(_scaled(config.residual_multiplier))
+        layer.mlp.register_forward_hook(_scaled(config.residual_multiplier))
+    output, scale = getattr(model, "output_layer", None), config.logits_scaling
+    if output is not None:
+        output.register_forward_hook(lambda mod, args, out: (out[0] / scale, *out[1:]))
 
 
 @dataclass
@@ -59,18 +74,7 @@ class GraniteCore(LlamaCore):
     logits_scaling: float = 16.0
 
     def configure_model(self, tokenizer, pre_process=None, post_process=None, vp_stage=None):
-        """Build the Megatron-Core GPT model, then add the embedding, residual and logit
-        multipliers on the modules this pipeline stage holds."""
+        """Build the Megatron-Core GPT model, then add the multipliers (:func:`add_multipliers`)."""
         model = super().configure_model(tokenizer, pre_process, post_process, vp_stage)
-        embedding, emb = getattr(model, "embedding", None), self.embedding_multiplier
-        if embedding is not None:
-            embedding.register_forward_hook(lambda mod, args, out: out * emb)
-        for layer in model.decoder.layers:
-            layer.self_attention.linear_proj.register_forward_hook(
-                _scaled(self.residual_multiplier)
-            )
-            layer.mlp.linear_fc2.register_forward_hook(_scaled(self.residual_multiplier))
-        output, scale = getattr(model, "output_layer", None), self.logits_scaling
-        if output is not None:
-            output.register_forward_hook(lambda mod, args, out: (out[0] / scale, *out[1:]))
+        add_multipliers(model, self)
         return model

@@ -68,6 +68,10 @@ _TINY_EXTRA = {
     "Phi3ForCausalLM": dict(sliding_window=8),
     "NemotronForCausalLM": dict(head_dim=32, partial_rotary_factor=0.5),
     "SmolLM3ForCausalLM": dict(no_rope_layer_interval=3),
+    "GraniteMoeForCausalLM": dict(
+        intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+        attention_multiplier=0.05, embedding_multiplier=3.0, residual_multiplier=0.5,
+    ),
     "GraniteForCausalLM": dict(
         attention_multiplier=0.0078125, embedding_multiplier=12.0, residual_multiplier=0.22,
         logits_scaling=16.0,

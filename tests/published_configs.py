@@ -1878,6 +1878,52 @@ PUBLISHED["ibm-granite/granite-3.0-2b-base"] = PUBLISHED["ibm-granite/granite-3.
     "transformers_version": "4.46.0.dev0",
 }
 
+# https://huggingface.co/ibm-granite/granite-3.0-3b-a800m-base/blob/main/config.json (from memory,
+# unconfirmed: every value)
+PUBLISHED["ibm-granite/granite-3.0-3b-a800m-base"] = {
+    "architectures": ["GraniteMoeForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.1,
+    "attention_multiplier": 0.015625,
+    "bos_token_id": 0,
+    "embedding_multiplier": 12.0,
+    "eos_token_id": 0,
+    "hidden_act": "silu",
+    "hidden_size": 1536,
+    "initializer_range": 0.02,
+    "intermediate_size": 512,
+    "logits_scaling": 6.0,
+    "max_position_embeddings": 4096,
+    "model_type": "granitemoe",
+    "num_attention_heads": 24,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "num_local_experts": 40,
+    "output_router_logits": False,
+    "pad_token_id": 0,
+    "residual_multiplier": 0.22,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 10000,
+    "router_aux_loss_coef": 0.0,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.46.0.dev0",
+    "use_cache": True,
+    "vocab_size": 49155,
+}
+# https://huggingface.co/ibm-granite/granite-3.0-1b-a400m-base/blob/main/config.json (from memory,
+# unconfirmed: every value)
+PUBLISHED["ibm-granite/granite-3.0-1b-a400m-base"] = PUBLISHED[
+    "ibm-granite/granite-3.0-3b-a800m-base"
+] | {
+    "hidden_size": 1024,
+    "num_attention_heads": 16,
+    "num_hidden_layers": 24,
+    "num_local_experts": 32,
+}
+
 # ------------------------------------------------------------------ SmolLM3 family
 # https://huggingface.co/HuggingFaceTB/SmolLM3-3B/blob/main/config.json (from memory, unconfirmed:
 # every value)
@@ -1976,4 +2022,6 @@ FAMILY: dict[str, str] = {
     "ibm-granite/granite-3.1-8b-base": "granite",
     "ibm-granite/granite-3.0-2b-base": "granite",
     "HuggingFaceTB/SmolLM3-3B": "smollm3",
+    "ibm-granite/granite-3.0-3b-a800m-base": "granitemoe",
+    "ibm-granite/granite-3.0-1b-a400m-base": "granitemoe",
 }

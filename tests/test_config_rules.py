@@ -52,6 +52,7 @@ ARCHITECTURES = (
     "NemotronForCausalLM",
     "GraniteForCausalLM",
     "SmolLM3ForCausalLM",
+    "GraniteMoeForCausalLM",
 )
 
 
@@ -197,6 +198,24 @@ def test_windows_follow_one_rule_in_every_family_with_one(configs):
             config_map.to_mcore(cfg | {"sliding_window": None}, family.config_entries)
 
 
+@pytest.mark.parametrize(
+    "arch,renormalised",
+    [("MixtralForCausalLM", None), ("GptOssForCausalLM", None), ("GraniteMoeForCausalLM", None),
+     ("Qwen3MoeForCausalLM", True), ("OlmoeForCausalLM", True)],
+)  # fmt: skip
+def test_top_1_weighed_by_exactly_1_is_refused_in_every_moe_layout(configs, arch, renormalised):
+    """A router that softmaxes the chosen logits (or renormalises the chosen probabilities) gives
+    top-1 a weight of exactly 1, which Megatron-Core's router cannot (it takes top-1 after a
+    softmax over every expert); without renormalisation the same top-1 converts."""
+    family, cfg = configs[arch]
+    extra = {} if renormalised is None else {"norm_topk_prob": renormalised}
+    said = _refusal(family, cfg | {"num_experts_per_tok": 1} | extra)
+    assert said.startswith("num_experts_per_tok=1 with the softmax") and "exactly 1" in said
+    if renormalised:
+        top1 = cfg | {"num_experts_per_tok": 1, "norm_topk_prob": False}
+        assert config_map.to_mcore(top1, family.config_entries)["moe_router_pre_softmax"]
+
+
 # layer_types / a pattern make some layers sliding: they need a window
 SLIDING_LAYERS = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM")
 
@@ -211,7 +230,7 @@ def _moe(configs):
 
 def test_top_k_above_the_expert_count_is_refused_in_every_moe_layout(configs):
     archs = _moe(configs)
-    assert len(archs) == 6
+    assert len(archs) == 7
     for arch in archs:
         family, cfg = configs[arch]
         experts = next(

@@ -50,6 +50,10 @@ CASES = {
     "Olmo2ForCausalLM": ("Olmo2Config", {}, ()),
     "NemotronForCausalLM": ("NemotronConfig", dict(head_dim=32, partial_rotary_factor=0.5), ()),
     "SmolLM3ForCausalLM": ("SmolLM3Config", dict(no_rope_layers=[1, 0]), ()),
+    "GraniteMoeForCausalLM": ("GraniteMoeConfig", dict(
+        intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+        attention_multiplier=0.05, embedding_multiplier=3.0, residual_multiplier=0.5,
+    ), ()),
     "GraniteForCausalLM": ("GraniteConfig", dict(
         attention_multiplier=0.05, embedding_multiplier=3.0, residual_multiplier=0.5,
         logits_scaling=2.0,

@@ -125,6 +125,10 @@ _BRIDGE_FAMILIES = {
     "granite": ("GraniteForCausalLM", "granite", dict(
         intermediate_size=96, num_key_value_heads=2, attention_multiplier=0.05,
         embedding_multiplier=3.0, residual_multiplier=0.5, logits_scaling=2.0)),
+    "granitemoe": ("GraniteMoeForCausalLM", "granitemoe", dict(
+        intermediate_size=32, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        attention_multiplier=0.05, embedding_multiplier=3.0, residual_multiplier=0.5,
+        logits_scaling=2.0)),
     "smollm3": ("SmolLM3ForCausalLM", None, dict(
         intermediate_size=96, num_key_value_heads=2, no_rope_layers=[1, 0],
         use_sliding_window=True, sliding_window=8)),

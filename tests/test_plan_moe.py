@@ -330,6 +330,9 @@ CARD_TOTALS = {
     "openai/gpt-oss-120b": 117,
     "openai/gpt-oss-20b": 21,
     "mistralai/Mixtral-8x7B-v0.1": 46.7,
+    # the model cards' totals: 3.3B and 1.3B (800M and 400M active)
+    "ibm-granite/granite-3.0-3b-a800m-base": 3.3,
+    "ibm-granite/granite-3.0-1b-a400m-base": 1.3,
 }
 
 
