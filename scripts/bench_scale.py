@@ -17,6 +17,7 @@ weights, no model built in memory), then runs each command in a fresh process un
                    of its 24 layers, experts in MXFP4
     qwen3-coder-480b-1  one Qwen3-Coder-480B-A35B layer: 160 experts of 6144 x 2560 (top-8), 96
                    heads, vocab 32000                                  (7.6B, 15.1 GB in bf16)
+    nemotron-mini-4b  Nemotron-Mini-4B-Instruct's published config, all 32 layers  (4.2B, 8.4 GB)
     deepseek-v3-1  one DeepSeek-V3 MoE layer with all 256 experts, no MTP layer, vocab 32000, in
                    FP8                                      (11.3B, 22.5 GB in bf16, 11 GB FP8)
 
@@ -96,6 +97,13 @@ ARCH_SIZES = {
         ),
         "one Qwen3-Coder-480B-A35B layer (hidden 6144, 160 experts of 2560, top-8; 15.1 GB), "
         "vocab 32000",
+    ),
+    # A whole dense model of a family on a custom spec (LayerNorm1P, squared ReLU, partial
+    # rotary): Nemotron-Mini-4B as published, 4.2B parameters, 8.4 GB in bf16.
+    "nemotron-mini-4b": (
+        "nvidia/Nemotron-Mini-4B-Instruct",
+        {},
+        "Nemotron-Mini-4B (hidden 3072, 32 layers, vocab 256000; LayerNorm1P, squared ReLU), bf16",
     ),
     # One DeepSeek-V3 MoE layer with all 256 experts (11.3B parameters, 22.5 GB in bf16, 11 GB
     # in FP8 as shipped), no MTP layer, a 32,000-token vocabulary as above.
@@ -539,8 +547,10 @@ def main() -> int:
     print()
     if rate:
         print(f"disk: {rate[0] / 1e6:.0f} MB/s written, {rate[1] / 1e6:.0f} MB/s read (O_DIRECT)")
+    # the size column as wide as its longest name (qwen3-coder-480b-1, nemotron-mini-4b) and a gap
+    sw = max([len("size"), *(len(r["size"]) for r in rows)]) + 2
     print(
-        f"{'size':<15}{'step':<22}{'wall s':>8}{'peak RSS GiB':>14}{'peak/weights':>14}"
+        f"{'size':<{sw}}{'step':<22}{'wall s':>8}{'peak RSS GiB':>14}{'peak/weights':>14}"
         f"{'gate s':>8}{'floor s':>9}{'gate/floor':>12}{'disk GB r/w':>14}{'MB/s':>7}  result"
     )
     for r in rows:
@@ -559,7 +569,7 @@ def main() -> int:
         moved = (r.get("disk_read") or 0) + (r.get("disk_written") or 0)
         disk = f"{(r.get('disk_read') or 0) / 1e9:.1f}/{(r.get('disk_written') or 0) / 1e9:.1f}"
         print(
-            f"{r['size']:<15}{r['step']:<22}{r['wall_s']:>8.0f}{peak / 2**30:>14.2f}"
+            f"{r['size']:<{sw}}{r['step']:<22}{r['wall_s']:>8.0f}{peak / 2**30:>14.2f}"
             f"{peak / r['weights']:>14.2f}{gate}{disk:>14}{moved / r['wall_s'] / 1e6:>7.0f}"
             f"  {result}"
         )
