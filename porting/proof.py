@@ -31,6 +31,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -635,8 +636,11 @@ class _TP2Ranks:
                         continue  # what a library printed; the answer is its own line
                 if any(p.poll() is not None for p in self.procs):
                     break
-        self.close(kill=True)
+        for p in self.procs:  # their logs are complete once they are gone
+            p.kill()
+            p.wait()
         logs = [(self.logs / f"rank{r}.log").read_text()[-3000:] for r in range(2)]
+        self.close(kill=True)
         raise AssertionError(f"the TP=2 ranks failed:\n{logs[0]}\n{logs[1]}")
 
     def alive(self) -> bool:
@@ -658,6 +662,8 @@ class _TP2Ranks:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        # the ranks' logs, read above where they failed: nothing of them is left in the temp dir
+        shutil.rmtree(self.logs, ignore_errors=True)
 
 
 _TP2: _TP2Ranks | None = None
