@@ -7,8 +7,8 @@ The package declares ranges (what the code supports); each lock set (scripts/loc
 tested closure. A lock is installed with --no-deps, so nothing but this check would notice a pin
 outside porting's own range, or a requirement the lock forgot. With no argument it reads the
 installed distributions; with lock files, their pins, each against the Python its header names.
-The extras checked are those the lock's environment is for: `current` carries `bridge` and
-`test`, `nemo2` carries `nemo2`, `ray` and `test` (ENV_EXTRAS). Exits 1 naming every unmet
+The extras checked are those the lock's environment is for: `current` carries `bridge`, `ray`
+and `test`, `nemo2` carries `nemo2`, `ray` and `test` (ENV_EXTRAS). Exits 1 naming every unmet
 requirement.
 """
 
@@ -26,7 +26,7 @@ from packaging.version import Version
 ROOT = Path(__file__).resolve().parents[1]
 # lock name -> (its Python, the extras its environment installs porting with)
 ENV_EXTRAS = {
-    "current": ("3.12", ("bridge", "test")),
+    "current": ("3.12", ("bridge", "ray", "test")),
     "nemo2": ("3.11", ("nemo2", "ray", "test")),
 }
 
