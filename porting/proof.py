@@ -973,6 +973,28 @@ def prove_features_named(hf_dir: str | Path, ckpt_or_report, features=None):
     return seen, report
 
 
+def sharpened(scores: float = 16.0, routers: float = 1.0):
+    """An ``edit`` for :func:`make_hf` for a config that scales its attention scores by an
+    ``attention_multiplier`` (Granite's 1/128 or 1/64): with a random init's small ``q.k`` that
+    leaves a tiny model's attention uniform, where the scale and the rotary base move the logits
+    by under 1e-6 and no gate could see them. q and k are scaled until ``multiplier * q.k`` is
+    ``scores`` times the usual ``q.k / sqrt(head_dim)`` (largest scores about 4 at the default),
+    and a mixture's router weights (``router.layer``) times ``routers``, so that no top-k choice
+    is within rounding of a tie."""
+
+    def edit(model) -> None:
+        c = model.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        gain = scores / (c.attention_multiplier * math.sqrt(head_dim))
+        for name, p in model.named_parameters():
+            if name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+                p.mul_(gain**0.5)
+            elif name.endswith("router.layer.weight"):
+                p.mul_(routers)
+
+    return edit
+
+
 def reach_caps(score: float = 4.0, logit: float = 5.0):
     """An ``edit`` for :func:`make_hf` that makes a tiny model reach published soft-caps (Gemma
     2's 50 and 30), which its random init barely bends (scores up to ~0.2, logits up to ~0.6):

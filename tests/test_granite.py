@@ -2,12 +2,12 @@
 the published ones, each multiplier pinned by a negative control and seen by the gate, and the
 configs it refuses.
 
-Tolerance: fp32, atol=rtol=1e-5 on every logit, 100% top-1 (porting.proof.assert_parity).
+Tolerance: fp32, atol=rtol=1e-5 on every logit, 100% top-1 (porting.proof.assert_parity). q and
+k are sharpened (porting.proof.sharpened): at the published attention multiplier a random init's
+attention is uniform, and the scale and rope_theta would move its logits by under 1e-6.
 """
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
@@ -45,26 +45,13 @@ VARIANTS = {
 }  # fmt: skip
 
 
-def _sharpened(model) -> None:
-    """Attention scores of a trained model's size: a random init's ``q.k`` times Granite's small
-    ``attention_multiplier`` leaves the attention uniform (the scale, and the rotary base with it,
-    then move the logits by under 1e-6), so q and k are scaled until ``multiplier * q.k`` is about
-    16 times the usual ``q.k / sqrt(head_dim)`` (largest scores ~4)."""
-    c = model.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    gain = 16 / (c.attention_multiplier * math.sqrt(head_dim))
-    for name, p in model.named_parameters():
-        if name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
-            p.mul_(gain**0.5)
-
-
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """``converted(variant) -> (hf_dir, ckpt)``, each built and imported once per module."""
     return proof.imported_variants(
         tmp_path_factory,
         lambda d, v: proof.make_hf(
-            d, "GraniteForCausalLM", seed=len(v), edit=_sharpened, **COMMON, **VARIANTS[v]
+            d, "GraniteForCausalLM", seed=len(v), edit=proof.sharpened(), **COMMON, **VARIANTS[v]
         ),
     )
 

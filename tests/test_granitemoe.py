@@ -1,15 +1,14 @@
 """Granite MoE family: the full proof (porting.proof) on tiny random-init models with Granite's
 multipliers and stacked experts, routing checked token by token, and the configs it refuses.
 
-Tolerance: fp32, atol=rtol=1e-5 on every logit, 100% top-1 (porting.proof.assert_parity).
+Tolerance: fp32, atol=rtol=1e-5 on every logit, 100% top-1 (porting.proof.assert_parity). q and
+k are sharpened as in tests/test_granite.py, and the routers' logits spread 8 times wider
+(porting.proof.sharpened).
 """
 
 from __future__ import annotations
 
-import math
-
 import pytest
-import torch
 
 from converters import granitemoe
 from porting import proof
@@ -39,27 +38,18 @@ VARIANTS = {
 }  # fmt: skip
 
 
-def _sharpened(model) -> None:
-    """q and k scaled until ``attention_multiplier * q.k`` is about 16 times a random init's usual
-    ``q.k / sqrt(head_dim)`` (the multiplier alone leaves a tiny model's attention uniform:
-    tests/test_granite.py), and the routers' logits spread 8 times wider."""
-    c = model.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    gain = 16 / (c.attention_multiplier * math.sqrt(head_dim))
-    for name, p in model.named_parameters():
-        if name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
-            p.mul_(gain**0.5)
-        elif name.endswith("router.layer.weight"):  # no top-k decision within rounding of a tie
-            p.mul_(8)
-
-
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """``converted(variant) -> (hf_dir, ckpt)``, each built and imported once per module."""
     return proof.imported_variants(
         tmp_path_factory,
         lambda d, v: proof.make_hf(
-            d, "GraniteMoeForCausalLM", seed=len(v), edit=_sharpened, **COMMON, **VARIANTS[v]
+            d,
+            "GraniteMoeForCausalLM",
+            seed=len(v),
+            edit=proof.sharpened(routers=8),
+            **COMMON,
+            **VARIANTS[v],
         ),
     )
 
