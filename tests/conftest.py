@@ -208,7 +208,7 @@ CURRENT_STACK_ONLY = {
     "test_gemma.py", "test_gemma3.py", "test_olmo2.py", "test_phi3.py", "test_config_rules.py",
     "test_fuzz.py", "test_moe.py", "test_olmoe.py", "test_bad_input.py", "test_bench_suite.py",
     "test_convert_ranks.py", "test_gate.py", "test_layout.py", "test_layout_hostile.py",
-    "test_new_family.py", "test_parity_streamed.py", "test_plan_cli.py", "test_plan_moe.py",
+    "test_new_family.py", "test_parity_streamed.py", "test_plan_cli.py", "test_plan_moe.py", "test_plan_experts.py",
     "test_prep_blend.py", "test_prep_hostile.py", "test_prep_provenance.py", "test_prep_tools.py",
     "test_shell_trust.py", "test_overlap.py", "test_hostile.py", "test_nemotron.py",
     "test_granite.py", "test_smollm3.py", "test_granitemoe.py", "test_prep_ray.py",

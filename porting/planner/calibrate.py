@@ -28,6 +28,7 @@ from porting.planner.comm import (
     check_efficiency,
     p2p,
 )
+from porting.planner.experts import gemm_seconds
 from porting.planner.limits import (
     MAX_CONSTANTS_BYTES,
     MAX_LOG_BYTES,
@@ -147,12 +148,15 @@ def parse_nccl_test(path: str | Path) -> NcclTest:
 
 
 def load_nccl_tests(directory: str | Path) -> list[NcclTest]:
-    """Every ``*.log``/``*.txt`` nccl-tests output in ``directory``."""
+    """Every ``*.log``/``*.txt`` nccl-tests output in ``directory`` (none where the directory
+    holds only grouped-GEMM logs, :func:`load_gemm_logs`)."""
     d = Path(directory)
     if not d.is_dir():
         raise PortingError(f"--calibrate {d}: not a directory")
     files = []
+    gemm = False
     for f in d.iterdir():
+        gemm = gemm or _is_gemm_log(f)
         if f.suffix in (".log", ".txt", ".out"):
             files.append(f)
             if len(files) > MAX_LOGS:
@@ -160,7 +164,12 @@ def load_nccl_tests(directory: str | Path) -> list[NcclTest]:
                     f"--calibrate {d}: more than the planner's limit of {MAX_LOGS} logs"
                 )
     if not files:
-        raise PortingError(f"--calibrate {d}: no nccl-tests logs (*.log, *.txt, *.out)")
+        if gemm:
+            return []
+        raise PortingError(
+            f"--calibrate {d}: no nccl-tests logs (*.log, *.txt, *.out) and no grouped-GEMM "
+            "log (grouped_gemm*.csv)"
+        )
     total = sum(f.stat().st_size for f in files if f.is_file())
     if total > MAX_LOGS_BYTES:
         raise PortingError(
@@ -395,3 +404,131 @@ def load_constants(path: str | Path) -> Efficiency:
         if value is not None or key not in ("node_latency", "site_latency"):
             EFFICIENCY_RANGES[key].check(value, f"{p}: {key}")
     return replace(Efficiency(), **data)
+
+
+# A grouped-GEMM benchmark log (``grouped_gemm*.csv``, as the emitted ``gemm_bench.py`` writes
+# it): a header naming at least ``groups,m,n,k`` and ``ms`` (or ``us``), then a row per shape:
+# ``groups`` experts each multiplying ``m`` rows by a ``k`` x ``n`` weight, timed per call;
+# ``grouped`` (1 or 0, default 1) says whether one launch ran all of them. ``#`` starts a comment.
+GEMM_COLUMNS = ("groups", "m", "n", "k")
+GEMM_SHAPE = Range(1, 1 << 20, integer=True)
+GEMM_MS = Range(1e-6, 3_600_000)
+
+
+@dataclass(frozen=True)
+class GemmRow:
+    """One measured GEMM shape."""
+
+    path: str
+    groups: int
+    rows: int
+    n: int
+    k: int
+    seconds: float
+    grouped: bool
+
+
+def _is_gemm_log(f: Path) -> bool:
+    return f.name.startswith("grouped_gemm") and f.suffix == ".csv"
+
+
+def load_gemm_logs(directory: str | Path) -> list[GemmRow]:
+    """Every grouped-GEMM log in ``directory`` (``grouped_gemm*.csv``), parsed."""
+    d = Path(directory)
+    rows: list[GemmRow] = []
+    for f in sorted(d.iterdir()):
+        if _is_gemm_log(f):
+            rows.extend(parse_gemm_log(f))
+    return rows
+
+
+def parse_gemm_log(path: str | Path) -> list[GemmRow]:
+    """Parse one grouped-GEMM log; every bad line is an error naming the file and the line."""
+    p = Path(path)
+    text = read_text(p, str(p), MAX_LOG_BYTES)
+    header: list[str] | None = None
+    out: list[GemmRow] = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        cells = [c.strip() for c in line.split(",")]
+        where = f"{p}: line {number}"
+        if header is None:
+            header = [c.lower() for c in cells]
+            missing = [c for c in GEMM_COLUMNS if c not in header]
+            if missing or not ({"ms", "us"} & set(header)):
+                raise PortingError(
+                    f"{where}: the header must name groups, m, n, k and ms (or us); "
+                    f"got {show(line)}"
+                )
+            continue
+        if len(cells) != len(header):
+            raise PortingError(f"{where}: {len(cells)} values for {len(header)} columns")
+        row = dict(zip(header, cells, strict=True))
+        try:
+            shape = {c: int(row[c]) for c in GEMM_COLUMNS}
+            t = float(row["ms"]) * 1e-3 if "ms" in row else float(row["us"]) * 1e-6
+            grouped = row.get("grouped", "1") not in ("0", "false", "False")
+        except ValueError:
+            raise PortingError(f"{where}: not a number in {show(line)}") from None
+        for c in GEMM_COLUMNS:
+            GEMM_SHAPE.check(shape[c], f"{where}: {c}")
+        GEMM_MS.check(t * 1e3, f"{where}: time (ms)")
+        out.append(GemmRow(str(p), shape["groups"], shape["m"], shape["n"], shape["k"], t, grouped))
+    if not out:
+        raise PortingError(f"{p}: no measured rows (groups,m,n,k,ms)")
+    return out
+
+
+def predict_gemm(row: GemmRow, peak: float, hbm: float, eff: Efficiency) -> float:
+    """What the expert-GEMM model predicts for one logged shape (seconds)."""
+    return gemm_seconds(row.rows, row.k, row.n, row.groups, peak, hbm, eff, grouped=row.grouped)
+
+
+def fit_experts(
+    rows: list[GemmRow], peak: float, hbm: float, eff: Efficiency
+) -> tuple[Efficiency, float, float]:
+    """Refit ``expert_compute``, ``expert_hbm`` and ``expert_launch`` to a grouped-GEMM log.
+
+    Minimises the root mean square of log(predicted / measured) by a search over the three
+    (each a geometric grid, then refined around the best twice): the model is a smooth roofline,
+    so the error surface has one basin. Returns the constants and the worst relative error
+    before and after.
+    """
+    if not rows:
+        return eff, 0.0, 0.0
+
+    def errors(e: Efficiency) -> list[float]:
+        return [math.log(predict_gemm(r, peak, hbm, e) / r.seconds) for r in rows]
+
+    def rms(e: Efficiency) -> float:
+        return math.sqrt(sum(x * x for x in errors(e)) / len(rows))
+
+    def worst(e: Efficiency) -> float:
+        return max(math.exp(abs(x)) - 1 for x in errors(e))
+
+    before = worst(eff)
+    centre = (eff.expert_compute, eff.expert_hbm, max(eff.expert_launch, 1e-7))
+    span = 4.0
+    best = (rms(eff), eff)
+    for _ in range(3):
+        grid = [span ** ((i - 4) / 4) for i in range(9)]
+        for a in grid:
+            for b in grid:
+                for c in grid:
+                    e = replace(
+                        eff,
+                        expert_compute=min(1.0, centre[0] * a),
+                        expert_hbm=min(1.0, centre[1] * b),
+                        expert_launch=min(0.01, centre[2] * c),
+                    )
+                    r = rms(e)
+                    if r < best[0]:
+                        best = (r, e)
+        e = best[1]
+        centre = (e.expert_compute, e.expert_hbm, max(e.expert_launch, 1e-7))
+        span = math.sqrt(span)
+    fitted = best[1]
+    check_efficiency(fitted, f"{rows[0].path}: fitted")
+    return fitted, before, worst(fitted)

@@ -59,7 +59,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--emit", type=Path, metavar="DIR", help="write launch files for the choice")
     p.add_argument("--plot", type=Path, metavar="PNG", help="write a plot of the plan")
     p.add_argument(
-        "--calibrate", type=Path, metavar="DIR", help="nccl-tests logs to fit bandwidths to"
+        "--calibrate",
+        type=Path,
+        metavar="DIR",
+        help="nccl-tests logs to fit bandwidths to, and grouped-GEMM logs "
+        "(grouped_gemm*.csv, as --emit's gemm_bench.py writes them) to fit the expert GEMMs to",
     )
     p.add_argument(
         "--measured-step",
@@ -111,6 +115,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="MoE token dispatcher the all-to-all is predicted for: alltoall (Megatron's "
         "default, a copy per routed expert; what porting train runs) or flex (DeepEP: a copy "
         "per node, forwarded over NVLink)",
+    )
+    g.add_argument(
+        "--no-grouped-gemm",
+        action="store_true",
+        help="MoE models: predict the local experts' GEMMs one launch each (Megatron's "
+        "SequentialMLP) instead of grouped (--moe-grouped-gemm, TEGroupedMLP)",
     )
     g.add_argument(
         "--no-tune-nccl",
@@ -186,6 +196,7 @@ def _settings(args):
         uneven_pipeline=not args.no_uneven_pipeline,
         expert_parallel=eps,
         dispatcher=args.dispatcher,
+        grouped_gemm=not args.no_grouped_gemm,
     )
 
 
@@ -371,11 +382,12 @@ def _cmd_plan(args) -> int:
     if args.calibrate:
         tests = cal.load_nccl_tests(args.calibrate)
         eff, fits = cal.fit_levels(cluster, eff, tests)
-        lines.append("calibration from nccl-tests (busbw GB/s and small-message latency us):")
-        lines.append(
-            f"  {'log':<40} {'level':<5} {'pred bw':>8} {'meas bw':>8} "
-            f"{'pred lat':>9} {'meas lat':>9}  constant"
-        )
+        if fits:
+            lines.append("calibration from nccl-tests (busbw GB/s and small-message latency us):")
+            lines.append(
+                f"  {'log':<40} {'level':<5} {'pred bw':>8} {'meas bw':>8} "
+                f"{'pred lat':>9} {'meas lat':>9}  constant"
+            )
         for f in fits:
             lines.append(
                 f"  {Path(f.path).name:<40} {f.level:<5} {f.predicted_busbw / 1e9:>8.1f} "
@@ -383,6 +395,24 @@ def _cmd_plan(args) -> int:
                 f"{f.measured_latency * 1e6:>9.1f}  {f.constant}={f.value:.3f}"
             )
         out["calibration"] = [asdict(f) for f in fits]
+        gemms = cal.load_gemm_logs(args.calibrate)
+        if gemms:
+            gpu = cluster.slowest_gpu()
+            eff, before, after = cal.fit_experts(gemms, gpu.peak_flops, gpu.hbm_bytes_s, eff)
+            lines.append(
+                f"calibration from {len(gemms)} grouped-GEMM shapes: expert_compute="
+                f"{eff.expert_compute:.3f}, expert_hbm={eff.expert_hbm:.3f}, expert_launch="
+                f"{eff.expert_launch * 1e6:.1f} us; worst error {before:.0%} before, "
+                f"{after:.0%} after"
+            )
+            out["expert_calibration"] = {
+                "shapes": len(gemms),
+                "expert_compute": eff.expert_compute,
+                "expert_hbm": eff.expert_hbm,
+                "expert_launch": eff.expert_launch,
+                "worst_error_before": before,
+                "worst_error_after": after,
+            }
     result = plan(model, cluster, args.seq_length, args.global_batch, settings, eff)
     ev = Evaluator(model, cluster, args.seq_length, args.global_batch, result.settings, eff)
     chosen = result.best

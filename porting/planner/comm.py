@@ -65,6 +65,14 @@ class Efficiency:
     # from alltoall logs
     a2a_net_bw: float = 1.0
     a2a_wan_bw: float = 1.0
+    # The expert GEMMs by their shape (porting/planner/experts.py): the fraction of peak they
+    # reach when compute-bound, of HBM bandwidth when their weights bound them, the kernel's row
+    # tile, and the launch a looped (not grouped) expert pays; ``--calibrate`` fits them from a
+    # grouped-GEMM benchmark log
+    expert_compute: float = 0.80
+    expert_hbm: float = 0.61
+    expert_tile: int = 64
+    expert_launch: float = 30e-6
 
 
 # What each constant may be, from a constants file or a fit (docs/planner.md "Limits"): a
@@ -84,6 +92,10 @@ EFFICIENCY_RANGES = {
     "a2a_latency": Range(0, 1),
     "a2a_net_bw": Range(0.001, 10),
     "a2a_wan_bw": Range(0.001, 10),
+    "expert_compute": Range(0.001, 1),
+    "expert_hbm": Range(0.001, 1),
+    "expert_tile": Range(1, 1024, integer=True),
+    "expert_launch": Range(0, 0.01),
 }
 
 

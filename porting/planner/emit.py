@@ -123,10 +123,11 @@ def strategy_snippet(p: Prediction, plan: Plan) -> str:
     if m.moe:
         moe = (
             f"\nMoE: num_moe_experts={m.experts}, moe_router_topk={m.top_k}, "
-            f"moe_token_dispatcher_type={s.dispatcher!r} in the model config; Megatron-LM: "
-            f"--num-experts {m.experts} --moe-router-topk {m.top_k} "
-            f"--expert-model-parallel-size {lay.ep} --expert-tensor-parallel-size {lay.etp} "
-            f"--moe-token-dispatcher-type {s.dispatcher}."
+            f"moe_token_dispatcher_type={s.dispatcher!r}, moe_grouped_gemm={s.grouped_gemm} in "
+            f"the model config; Megatron-LM: --num-experts {m.experts} --moe-router-topk "
+            f"{m.top_k} --expert-model-parallel-size {lay.ep} --expert-tensor-parallel-size "
+            f"{lay.etp} --moe-token-dispatcher-type {s.dispatcher}"
+            + (" --moe-grouped-gemm." if s.grouped_gemm else ".")
         )
         experts = (
             f"    expert_model_parallel_size={lay.ep},\n"
@@ -444,6 +445,86 @@ def nccl_tests_script(cluster: Cluster, moe: bool = False) -> str:
     return "\n".join(lines) + "\n"
 
 
+GEMM_ROWS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def gemm_bench_script(m, lay) -> str:
+    """A standalone benchmark of the chosen layout's expert GEMMs (each GPU's local experts, the
+    two weights of an expert at its ETP share) over the rows an expert may get, grouped (one
+    launch, ``torch._grouped_mm`` where the build has it) and looped (a launch per expert); its
+    log feeds ``--calibrate`` with the nccl-tests logs."""
+    width = m.moe_ffn // lay.etp
+    shapes = [(m.hidden, (2 if m.gated else 1) * width), (width, m.hidden)]
+    return f'''#!/usr/bin/env python3
+"""Time {m.name}'s expert GEMMs as {lay.label()} runs them: {m.experts // lay.ep} local experts,
+weights k x n = {shapes[0][0]} x {shapes[0][1]} and {shapes[1][0]} x {shapes[1][1]}, in bf16. Then
+    porting plan ... --calibrate nccl-logs/
+Usage: python3 gemm_bench.py [--device cuda] [--out nccl-logs/grouped_gemm.csv] [--rows 16,32,...]
+"""
+import argparse
+import os
+import time
+
+import torch
+
+GROUPS = {m.experts // lay.ep}
+SHAPES = {shapes!r}  # (k, n)
+ROWS = {",".join(str(r) for r in GEMM_ROWS)!r}
+
+
+def timed(fn, device, repeat):
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t) / repeat
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                  "nccl-logs", "grouped_gemm.csv"))
+    ap.add_argument("--rows", default=ROWS, help="rows per expert to time")
+    ap.add_argument("--groups", type=int, default=GROUPS)
+    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--scale", type=int, default=1, help="divide k and n (a quick rehearsal)")
+    a = ap.parse_args()
+    dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
+    grouped_mm = getattr(torch, "_grouped_mm", None) if a.device == "cuda" else None
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    tmp = a.out + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(f"# {{torch.cuda.get_device_name() if a.device == 'cuda' else 'cpu'}}, "
+                f"torch {{torch.__version__}}, {{dtype}}\\n")
+        f.write("groups,m,n,k,grouped,ms\\n")
+        for k, n in SHAPES:
+            k, n = k // a.scale, n // a.scale
+            w = torch.randn(a.groups, k, n, device=a.device, dtype=dtype)
+            for rows in (int(r) for r in a.rows.split(",")):
+                x = torch.randn(a.groups * rows, k, device=a.device, dtype=dtype)
+                parts = x.split(rows)
+                looped = timed(lambda: [p @ w[i] for i, p in enumerate(parts)], a.device, a.repeat)
+                f.write(f"{{a.groups}},{{rows}},{{n}},{{k}},0,{{looped * 1e3:.6f}}\\n")
+                if grouped_mm is not None:
+                    offs = torch.arange(rows, rows * a.groups + 1, rows, device=a.device,
+                                        dtype=torch.int32)
+                    t = timed(lambda: grouped_mm(x, w, offs=offs), a.device, a.repeat)
+                    f.write(f"{{a.groups}},{{rows}},{{n}},{{k}},1,{{t * 1e3:.6f}}\\n")
+                print(f"k={{k}} n={{n}} rows={{rows}}: looped {{looped * 1e3:.3f}} ms", flush=True)
+    os.replace(tmp, a.out)
+    print(f"wrote {{a.out}}")
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
 def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
     """Write ``text`` to a temporary file next to ``path`` and rename it into place (the
     temporary file removed if writing fails)."""
@@ -494,4 +575,6 @@ def write_launch(
         "nccl.env": (nccl_env(ev, p), 0o644),
         "nccl_tests.sh": (nccl_tests_script(plan.cluster, moe=plan.model.moe), 0o755),
     }
+    if plan.model.moe:
+        files["gemm_bench.py"] = (gemm_bench_script(plan.model, p.layout), 0o755)
     return shell.write_set(out, files, "--emit")

@@ -35,6 +35,7 @@ from porting.planner.comm import (
     p2p,
     reduce_scatter,
 )
+from porting.planner.experts import ExpertCost, expert_layer_cost
 from porting.planner.model import ModelShape
 from porting.planner.placement import LEVEL_NAMES, ORDER_DEFAULT, ORDER_TP_PP_DP, Topology
 
@@ -81,6 +82,8 @@ class Settings:
     # token dispatcher the all-to-all is predicted for
     expert_parallel: tuple[int, ...] = ()
     dispatcher: str = "alltoall"
+    # Megatron's --moe-grouped-gemm (TEGroupedMLP): the local experts' GEMMs in one launch
+    grouped_gemm: bool = True
 
 
 @dataclass(frozen=True)
@@ -380,6 +383,7 @@ class Evaluator:
         self.gpu = cluster.slowest_gpu()
         self.topology = Topology(cluster)
         self._topologies: dict[tuple[str, ...], Topology] = {}
+        self._experts: dict[tuple[int, ...], ExpertCost] = {}
         self._file_order = tuple(x.name for x in cluster.sites)
         self.net = Network(cluster, self.eff, tune=self.settings.tune_nccl)
         self.evaluated = 0
@@ -456,14 +460,25 @@ class Evaluator:
         hidden = [0.0, 0.0, 0.0]
 
         # --- one layer, one microbatch, one GPU
-        gemm_f = 2 * tokens * m.matmul_params_per_layer() / tp / peak
+        # the routed experts' GEMMs go by their shape (experts.py), the rest at the dense rate;
+        # an MoE model's layer is the mean over its dense and MoE layers
+        share = m.moe_layers / m.layers if m.moe else 0.0
+        routed = share * m.top_k * m.expert_params()
+        gemm_f = 2 * tokens * (m.matmul_params_per_layer() - routed) / tp / peak
         attn_f = 2 * tokens * seq * m.score_width / tp / peak
         rep, sh = layer_activation_bytes(
             m, tokens, seq, tp, sp, scores=not s.flash_attention and cp == 1
         )
+        ex = self.experts(layout)
+        if m.moe:
+            # the routed copies' dispatched input and permuted output are moved by the
+            # permutation, which ex.routing_* counts
+            sh -= 2 * tokens * m.top_k * 2 * m.hidden / tp
         mem_pass = eff.memory_passes * (rep + sh) / hbm  # forward + backward
-        fwd = gemm_f + attn_f + mem_pass / 3
-        bwd = 2 * (gemm_f + attn_f) + 2 * mem_pass / 3
+        ex_f = share * (ex.forward + ex.routing_forward) if ex else 0.0
+        ex_b = share * (ex.backward + ex.routing_backward) if ex else 0.0
+        fwd = gemm_f + attn_f + ex_f + mem_pass / 3
+        bwd = 2 * (gemm_f + attn_f) + ex_b + 2 * mem_pass / 3
         if layout.recompute == "full":
             recompute = fwd
         elif layout.recompute == "selective":
@@ -604,6 +619,14 @@ class Evaluator:
             exposed[ep_level] += n_mb * ep_comm
         parts = {
             "compute": per_step * (per_stage_layers * 3 * (gemm_f + attn_f) + logits),
+            **(
+                {
+                    "expert GEMMs": n_mb * share * (ex.forward + ex.backward),
+                    "routing": n_mb * share * (ex.routing_forward + ex.routing_backward),
+                }
+                if ex
+                else {}
+            ),
             "memory-bound": n_mb * mem_pass,
             "recompute": n_mb * recompute,
             "tp/cp comm": n_mb * (tp_exp + cp_exp),
@@ -628,6 +651,22 @@ class Evaluator:
             order=order,
             num_microbatches=per_step,
         )
+
+    def experts(self, layout: Layout) -> ExpertCost | None:
+        """What one MoE layer's routed experts cost on one GPU of ``layout`` per micro-batch
+        (None for a dense model)."""
+        m = self.model
+        if not m.moe:
+            return None
+        key = (layout.micro_batch, layout.cp, layout.tp, layout.ep, layout.etp)
+        if key not in self._experts:
+            # sequence parallelism (required with TP for MoE) leaves each GPU 1/TP of the tokens
+            local = layout.micro_batch * self.seq / layout.cp / layout.tp
+            self._experts[key] = expert_layer_cost(
+                m, local, layout.ep, layout.etp, self.gpu.peak_flops, self.gpu.hbm_bytes_s,
+                self.eff, grouped=self.settings.grouped_gemm,
+            )  # fmt: skip
+        return self._experts[key]
 
     def _expert_comm(self, layout: Layout, place, tokens: int) -> tuple[float, int]:
         """(one MoE layer's all-to-all for one pass of one microbatch on one GPU, the level it

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from porting.errors import PortingError
-from porting.planner.cluster import Cluster
+from porting.planner.cluster import GIB, Cluster
 from porting.planner.comm import Efficiency
 from porting.planner.limits import GLOBAL_BATCH, MAX_LAYOUTS, MAX_SITE_ORDERS, SEQ_LENGTH
 from porting.planner.model import ModelShape, divisors
@@ -537,12 +537,14 @@ def expert_notes(ev: Evaluator, ranked: list[Prediction]) -> list[str]:
     best = ranked[0]
     mine = next(k for k, p in best_at.items() if p is best)
     if mine[0] < 0:
-        head = "expert parallelism: none (each GPU holds every expert of its stage's layers)"
+        head = (
+            "expert parallelism: none (each GPU holds every expert of its stage's layers): "
+            + _experts_said(ev, best)
+        )
     else:
         head = (
             f"expert parallelism: EP{best.layout.ep} ETP{best.layout.etp} "
-            f"{ev.net.where(*mine)}, all-to-all {best.parts.get('ep comm', 0.0):.2f} s of the "
-            f"{best.step:.2f} s step"
+            f"{ev.net.where(*mine)}: {_experts_said(ev, best)}"
         )
         if mine > (0, 0):
             head += (
@@ -551,11 +553,28 @@ def expert_notes(ev: Evaluator, ranked: list[Prediction]) -> list[str]:
                 else " (no layout with EP inside a node fits)"
             )
     others = [
-        f"{where(k)}: {p.layout.label()} ({p.step:.2f} s, {p.step / best.step:.2f}x)"
+        f"{where(k)}: {p.layout.label()} ({p.step:.2f} s, {p.step / best.step:.2f}x: "
+        f"{_experts_said(ev, p)})"
         for k, p in sorted(best_at.items())
         if p is not best
     ]
     return [head + ("; the best " + "; ".join(others) if others else "")]
+
+
+def _experts_said(ev: Evaluator, p: Prediction) -> str:
+    """What EP buys and costs in ``p``: the rows each expert's GEMM gets, the rate those GEMMs
+    reach, the all-to-all, and the memory a GPU needs."""
+    ex = ev.experts(p.layout)
+    m = ev.model
+    # the routed experts' FLOPs of a micro-batch's MoE layer on one GPU: forward and backward
+    flops = 6 * ex.tokens_per_expert * ex.local_experts * m.expert_params() / p.layout.etp
+    rate = flops / (ex.forward + ex.backward) / ev.gpu.peak_flops
+    return (
+        f"{ex.tokens_per_expert:,.0f} tokens per expert ({ex.local_experts} local), expert "
+        f"GEMMs {p.parts.get('expert GEMMs', 0.0):.2f} s at {rate:.0%} of peak, all-to-all "
+        f"{p.parts.get('ep comm', 0.0):.2f} s of the {p.step:.2f} s step, "
+        f"{p.memory.total / GIB:.1f} GiB a GPU"
+    )
 
 
 def _site_orders_within_budget(ev: Evaluator) -> tuple[list[tuple[str, ...]], list[str]]:
