@@ -640,6 +640,22 @@ def cpu_cluster(path: Path, name: str, gpus_per_site: dict[str, int]) -> Path:
     return path
 
 
+def h100_cluster(directory: Path, nodes: int) -> Path:
+    """A ``porting plan --cluster`` file of one site of ``nodes`` DGX H100s (NVIDIA's Eos as MoE
+    Parallel Folding describes it: 989.5 TFLOP/s, 80 GiB, NVLink 450 GB/s a direction, a 400
+    Gb/s InfiniBand NIC per GPU), the machine of the published runs the planner is checked
+    against. Written into ``directory``; returns its path."""
+    path = Path(directory) / f"eos-{nodes}.yaml"
+    path.write_text(
+        f"name: eos-{nodes}\n"
+        "gpu: {name: H100, peak_bf16_tflops: 989.5, memory_gib: 80, hbm_tbytes_s: 3.35}\n"
+        "node: {bandwidth_gbytes_s: 450, latency_us: 3}\n"
+        "site: {bandwidth_gbit_s: 400, latency_us: 5}\n"
+        f"sites:\n  - {{name: eos, nodes: {nodes}, gpus_per_node: 8}}\n"
+    )
+    return path
+
+
 def train_losses(out: Path) -> dict[int, float]:
     """step -> ``reduced_train_loss`` from every metrics.csv of a `porting train` run directory
     (each restart writes its own)."""

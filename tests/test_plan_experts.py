@@ -24,6 +24,7 @@ from porting.planner.model import PRESETS, from_hf_config
 from porting.planner.perf import Evaluator, Layout, Settings
 from porting.planner.placement import ORDER_DEFAULT
 from porting.planner.search import plan
+from porting.testing import h100_cluster
 
 EFF = Efficiency()
 BAND = 0.15  # every published end-to-end figure, as the issue asks
@@ -114,19 +115,6 @@ def test_one_moe_layer_as_megatron_lms_h100_baseline(name):
     assert ex.tokens_per_expert == 8192
 
 
-def _h100(tmp_path: Path, nodes: int) -> Path:
-    # DGX H100: NVLink 450 GB/s a direction, a 400 Gb/s InfiniBand NIC per GPU
-    path = tmp_path / f"h100-{nodes}.yaml"
-    path.write_text(
-        f"name: h100-{nodes}\n"
-        "gpu: {name: H100, peak_bf16_tflops: 989.5, memory_gib: 80, hbm_tbytes_s: 3.35}\n"
-        "node: {bandwidth_gbytes_s: 450, latency_us: 3}\n"
-        "site: {bandwidth_gbit_s: 400, latency_us: 5}\n"
-        f"sites:\n  - {{name: s, nodes: {nodes}, gpus_per_node: 8}}\n"
-    )
-    return path
-
-
 QWEN3_30B = from_hf_config(
     {"hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
      "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
@@ -171,7 +159,7 @@ RUNS = {
 def _run(tmp_path: Path, name: str):
     model, gpus, gbs, tp, pp, vp, ep, dispatcher, (kind, value) = RUNS[name]
     m = MODELS[model]
-    cluster = load_cluster(_h100(tmp_path, gpus // 8))
+    cluster = load_cluster(h100_cluster(tmp_path, gpus // 8))
     settings = Settings(dispatcher=dispatcher, overlap_grad_reduce=True, overlap_param_gather=True)
     ev = Evaluator(m, cluster, 4096, gbs, settings)
     split = {}
@@ -198,17 +186,34 @@ def test_published_moe_runs_within_the_band_at_their_layouts(tmp_path, name):
     assert p.parts["expert GEMMs"] > 0 and p.parts["ep comm"] > 0
 
 
-@pytest.mark.parametrize("name", ["zoo-qwen3-235b-ep32", "bridge-qwen3-30b-ep16"])
+# where the planner's best is predicted faster than the published layout, the part that makes
+# it so (docs/planner.md gives the figures): the experts' launches and the all-to-all
+FASTER_BY = {
+    "zoo-qwen3-235b-ep32": "ep comm",  # EP16 over 2 nodes, not EP32 over 4
+    "zoo-qwen3-235b-tp4-ep8": "expert GEMMs",  # 8 local experts at half the passes, not 16
+    "mlm-qwen3-30b-ep8": "expert GEMMs",  # EP16 and micro-batch 2: half the experts, 2x rows
+    "zoo-mixtral-8x22b": "tp/cp comm",  # CP2 instead of TP2
+}
+
+
+@pytest.mark.parametrize("name", sorted(RUNS))
 def test_the_planners_best_is_no_slower_than_the_published_layout(tmp_path, name):
     ev, layout, _, settings, cluster = _run(tmp_path, name)
     model, _, gbs, *_ = RUNS[name]
     best = plan(MODELS[model], cluster, 4096, gbs, settings).best
-    assert best.step <= ev.predict(layout).step * 1.0001
+    published = ev.predict(layout)
+    assert best.step <= published.step * 1.0001
     assert best.layout.ep > 1
+    if name in FASTER_BY:
+        part = FASTER_BY[name]
+        assert best.step < published.step * 0.99
+        assert best.parts.get(part, 0.0) < published.parts[part], (part, best.parts)
+    else:
+        assert best.step == pytest.approx(published.step)
 
 
 def _plain_1024(tmp_path: Path):
-    return load_cluster(_h100(tmp_path, 128))
+    return load_cluster(h100_cluster(tmp_path, 128))
 
 
 @pytest.mark.parametrize("name", ["qwen3-235b-a22b", "deepseek-v3"])
@@ -228,7 +233,7 @@ def test_frontier_moe_on_a_plain_1024_h100_cluster_uses_ep_and_says_why(tmp_path
 def test_qwen3_235b_without_ep_starves_its_experts(tmp_path):
     """The issue's case: TP1 PP32 CP8 DP4 gives each expert 32 rows; EP8 gives 256, and is
     predicted faster though its all-to-all is exposed."""
-    cluster = load_cluster(_h100(tmp_path, 128))
+    cluster = load_cluster(h100_cluster(tmp_path, 128))
     ev = Evaluator(PRESETS["qwen3-235b-a22b"], cluster, 4096, 2048)
     base = dict(tp=1, cp=8, pp=32, vp=1, dp=4, micro_batch=1, recompute="none",
                 first_layers=2, middle_layers=3, last_layers=2)  # fmt: skip
@@ -241,7 +246,7 @@ def test_qwen3_235b_without_ep_starves_its_experts(tmp_path):
 
 
 def test_dense_models_never_touch_the_expert_constants(tmp_path):
-    cluster = load_cluster(_h100(tmp_path, 16))
+    cluster = load_cluster(h100_cluster(tmp_path, 16))
     odd = replace(EFF, expert_compute=0.01, expert_hbm=0.01, expert_launch=0.01, expert_tile=512)
     for name in ("llama3-70b", "gpt-145b"):
         a = plan(PRESETS[name], cluster, 4096, 512).best
@@ -300,7 +305,7 @@ def test_the_emitted_benchmark_writes_a_log_that_calibrates(tmp_path, monkeypatc
     from porting.cli import main
 
     emit = tmp_path / "launch"
-    argv = ["plan", "--model", "mixtral-8x7b", "--cluster", str(_h100(tmp_path, 8)),
+    argv = ["plan", "--model", "mixtral-8x7b", "--cluster", str(h100_cluster(tmp_path, 8)),
             "--global-batch", "256", "--seq-length", "4096", "--emit", str(emit)]  # fmt: skip
     assert main(argv) == 0
     script = emit / "gemm_bench.py"

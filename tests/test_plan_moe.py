@@ -19,6 +19,7 @@ from porting.planner.model import PRESETS, from_hf_config
 from porting.planner.perf import Evaluator, Layout, Settings
 from porting.planner.placement import NODE, ORDER_DEFAULT, ORDER_TP_PP_DP, SITE
 from porting.planner.search import plan, search_size
+from porting.testing import h100_cluster
 
 # docs/planner.md "Mixture of experts": the band every published figure is reproduced within
 BAND = 0.15
@@ -81,20 +82,6 @@ def test_routing_spread_counts_what_uniform_routing_reaches():
     assert limited.remote_nodes < limited.nodes
 
 
-def _h100(tmp_path: Path, nodes: int) -> Path:
-    # NVIDIA Eos as MoE Parallel Folding describes it: DGX H100, NVLink 450 GB/s a direction,
-    # a 400 Gb/s InfiniBand NIC per GPU
-    path = tmp_path / f"eos-{nodes}.yaml"
-    path.write_text(
-        f"name: eos-{nodes}\n"
-        "gpu: {name: H100, peak_bf16_tflops: 989.5, memory_gib: 80, hbm_tbytes_s: 3.35}\n"
-        "node: {bandwidth_gbytes_s: 450, latency_us: 3}\n"
-        "site: {bandwidth_gbit_s: 400, latency_us: 5}\n"
-        f"sites:\n  - {{name: eos, nodes: {nodes}, gpus_per_node: 8}}\n"
-    )
-    return path
-
-
 # MoE Parallel Folding (Liu et al. 2025, arXiv 2504.14960) Table 3, "MCore w/ Folding": BF16,
 # sequence 4096, global batch 256 (appendix 6.4); micro-batch 1 and the virtual stages from
 # NVIDIA's Megatron-MoE-ModelZoo runtime.conf (Mixtral VPP 1 at the paper's time, 7 later).
@@ -107,7 +94,7 @@ FOLDING = [
 
 @pytest.mark.parametrize("name, nodes, split, published", FOLDING)
 def test_moe_parallel_folding_mfu_within_the_band(tmp_path, name, nodes, split, published):
-    cluster = load_cluster(_h100(tmp_path, nodes))
+    cluster = load_cluster(h100_cluster(tmp_path, nodes))
     ev = Evaluator(PRESETS[name], cluster, 4096, 256)
     tp, pp, ep = split["tp"], split["pp"], split["ep"]
     dp = cluster.world // (tp * pp)
@@ -210,7 +197,7 @@ def test_frontier_moe_models_are_planned_with_ep_placed_and_explained(name, clus
 
 
 def test_an_ep_group_wider_than_a_node_is_placed_across_the_site(tmp_path):
-    cluster = load_cluster(_h100(tmp_path, 16))
+    cluster = load_cluster(h100_cluster(tmp_path, 16))
     ev = Evaluator(PRESETS["deepseek-v3"], cluster, 4096, 1024)
     place = ev.topology.placement(1, 1, 2, 64, 1, ORDER_TP_PP_DP, 64, 1)
     # EP 64 with ETP 1 is 64 consecutive ranks: 8 nodes of 8 inside the site
@@ -245,7 +232,7 @@ def _run(argv, capsys):
 
 
 def test_plan_flags_for_experts(tmp_path, capsys):
-    base = ["plan", "--cluster", str(_h100(tmp_path, 16)), "--global-batch", "256"]
+    base = ["plan", "--cluster", str(h100_cluster(tmp_path, 16)), "--global-batch", "256"]
     base += ["--seq-length", "4096"]
     code, _, err = _run([*base, "--model", "mixtral-8x22b", "--ep", "3"], capsys)
     assert code == 2 and "--ep 3 does not divide the 8 experts of model mixtral-8x22b" in err
@@ -261,7 +248,7 @@ def test_emitted_flags_are_what_porting_train_accepts(tmp_path, capsys):
     from porting.cli import build_parser
 
     out = tmp_path / "emit"
-    argv = ["plan", "--model", "mixtral-8x22b", "--cluster", str(_h100(tmp_path, 16))]
+    argv = ["plan", "--model", "mixtral-8x22b", "--cluster", str(h100_cluster(tmp_path, 16))]
     argv += ["--global-batch", "256", "--seq-length", "4096", "--emit", str(out), "--json"]
     argv += ["--layout", "tp=2,pp=8,ep=8,etp=1,mb=1,recompute=none,order=default"]
     code, text, _ = _run(argv, capsys)
@@ -286,6 +273,8 @@ def test_emitted_flags_are_what_porting_train_accepts(tmp_path, capsys):
     script = (out / "nccl_tests.sh").read_text()
     assert "alltoall_perf" in script and "nccl-logs/node_alltoall.log" in script
     assert "nccl-logs/site-eos_alltoall.log" in script
+    # and the expert GEMMs' benchmark, for --calibrate beside them (tests/test_plan_experts.py)
+    assert "GROUPS = 1" in (out / "gemm_bench.py").read_text()
     plan_json = json.loads((out / "plan.json").read_text())
     assert plan_json["model"]["experts"] == 8
 
@@ -298,6 +287,7 @@ def test_dense_plans_carry_no_expert_flags(tmp_path, capsys):
     assert "--ep" not in (out / "train_flags.txt").read_text().split()
     assert "expert" not in (out / "strategy.py").read_text()
     assert "alltoall" not in (out / "nccl_tests.sh").read_text()
+    assert not (out / "gemm_bench.py").exists()
 
 
 def test_gpt_oss_sliding_layers_are_attention_layers():
