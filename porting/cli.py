@@ -23,13 +23,13 @@ from porting import guard, quiet
 from porting.errors import PortingError
 
 _SUBCOMMAND_MODULES = (
-    "porting.convert.cli",
-    "porting.families",
-    "porting.parity.cli",
-    "porting.demo",
-    "porting.train.cli",
-    "data_prep.cli",
-    "porting.planner.cli",
+    "porting.commands.convert",
+    "porting.commands.families",
+    "porting.commands.verify",
+    "porting.commands.demo",
+    "porting.commands.train",
+    "porting.commands.prep_data",
+    "porting.commands.plan",
 )
 
 

@@ -465,7 +465,7 @@ def prove_round_trip(hf_dir: str | Path, ckpt: str | Path, out: str | Path) -> N
     from transformers import AutoTokenizer
 
     from porting.api import export_hf
-    from porting.demo import compare_hf_dirs
+    from porting.commands.demo import compare_hf_dirs
 
     hf_dir, out = Path(hf_dir), Path(out)
     export_hf(ckpt, out, verify=False)

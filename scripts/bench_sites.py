@@ -455,8 +455,8 @@ def predict_train(bed: TestBed, rtt: float, rows: list[dict], ckpt: Path, out: P
     sys.path.insert(0, str(ROOT))
     import yaml
 
+    from porting.commands.plan import parse_layout
     from porting.planner.calibrate import fit_step, load_constants
-    from porting.planner.cli import parse_layout
     from porting.planner.cluster import cluster_from_dict
     from porting.planner.model import load_model
     from porting.planner.perf import Evaluator, Settings

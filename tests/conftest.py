@@ -101,8 +101,8 @@ def prep_in_process(monkeypatch):
     tests/test_prep_hostile.py (their signals and their end)."""
     import functools
 
-    from data_prep import cli
     from data_prep.executors.base import PrepConfig
+    from porting.commands import prep_data as cli
 
     monkeypatch.setattr(cli, "PrepConfig", functools.partial(PrepConfig, in_process=True))
 

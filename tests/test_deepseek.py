@@ -524,7 +524,7 @@ def test_a_declared_layer_that_is_absent_imports_the_decoder_and_comes_back_as_i
     ), said
     assert "the decoder alone is imported" in said, said
     assert "MTP block" not in said, said  # the note of a layer that would be imported
-    from porting.demo import compare_hf_dirs
+    from porting.commands.demo import compare_hf_dirs
     from porting.testing import checkpoint_config
 
     assert not checkpoint_config(out).mtp_num_layers

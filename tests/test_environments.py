@@ -88,8 +88,8 @@ def test_installing_this_checkout_here_changes_nothing_else(tmp_path):
 def test_train_without_nemo2_is_refused_naming_the_environment_to_use(monkeypatch):
     import importlib.util
 
+    from porting.commands import train as cli
     from porting.errors import PortingError
-    from porting.train import cli
 
     real = importlib.util.find_spec
     monkeypatch.setattr(

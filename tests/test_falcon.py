@@ -23,7 +23,7 @@ from models.falcon import (
 )
 from porting import proof
 from porting.api import import_hf
-from porting.demo import compare_hf_dirs
+from porting.commands.demo import compare_hf_dirs
 from porting.parity import harness as parity
 from porting.proof import (
     prove_formats,

@@ -21,10 +21,10 @@ import torch
 
 from porting import proof
 from porting.api import convert, export_hf, import_hf
+from porting.commands.demo import compare_hf_dirs
 from porting.convert.checkpoint import locate
 from porting.convert.foreign import reading
 from porting.convert.layouts import SavedEnum, load_common, read_common
-from porting.demo import compare_hf_dirs
 from porting.errors import PortingError
 
 

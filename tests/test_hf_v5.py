@@ -119,7 +119,7 @@ def test_a_transformers_5_save_imports_gives_its_logits_and_exports_as_it_came(
     name, saved, tmp_path
 ):
     from porting.api import export_hf, import_hf
-    from porting.demo import compare_hf_dirs
+    from porting.commands.demo import compare_hf_dirs
     from porting.parity.harness import megatron_logits_from_checkpoint
 
     hf = saved / "models" / name

@@ -15,7 +15,7 @@ import torch
 
 from converters import llama
 from porting.api import ParityError, export_hf, import_hf
-from porting.demo import compare_hf_dirs
+from porting.commands.demo import compare_hf_dirs
 from porting.parity import harness as parity
 from porting.testing import assert_streamed_agrees, make_llama
 

@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from porting import proof
+from porting.commands.demo import compare_hf_dirs
 from porting.contract import registry
 from porting.convert.megatron import build_config, build_mcore_model, init_parallel
-from porting.demo import compare_hf_dirs
 from porting.testing import foreign_lines
 
 CASES = [

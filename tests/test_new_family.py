@@ -20,7 +20,7 @@ import pytest
 
 from porting import proof, scaffold
 from porting.cli import main
-from porting.demo import compare_hf_dirs
+from porting.commands.demo import compare_hf_dirs
 from porting.testing import child_env, make_llama
 
 GUIDE = Path(__file__).resolve().parents[1] / "docs" / "families.md"

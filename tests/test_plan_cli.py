@@ -89,7 +89,7 @@ def emitted(tmp_path_factory):
 
 
 def _train_parser() -> argparse.ArgumentParser:
-    from porting.train import cli as train_cli
+    from porting.commands import train as train_cli
 
     parser = argparse.ArgumentParser(prog="porting")
     train_cli.register(parser.add_subparsers(dest="command"))

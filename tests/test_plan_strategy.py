@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from porting.commands.plan import parse_layout
 from porting.planner import Evaluator, load_cluster, plan
-from porting.planner.cli import parse_layout
 from porting.planner.emit import strategy_snippet
 from porting.planner.model import PRESETS
 

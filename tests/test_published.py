@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from porting.api import export_hf, import_hf
-from porting.demo import compare_hf_dirs
+from porting.commands.demo import compare_hf_dirs
 from porting.testing import make_tokenizer, quantize_hf_dir
 
 _spec = importlib.util.spec_from_file_location(

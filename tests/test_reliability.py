@@ -303,7 +303,7 @@ def test_non_finite_weights_are_named_on_import_and_export(tiny_llama, tiny_nemo
 
 
 def test_non_finite_logits_fail_the_gate_and_the_json_stays_strict(capsys):
-    from porting.parity.cli import print_report
+    from porting.commands.verify import print_report
     from porting.parity.harness import compare
 
     hf = [torch.full((1, 3, 10), float("nan"))]

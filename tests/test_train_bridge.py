@@ -282,7 +282,7 @@ def test_a_checkpoint_directory_named_nemo_does_not_pass_for_nemo(tmp_path, monk
     engine is still the one this environment has."""
     import importlib
 
-    from porting.train.cli import _engine
+    from porting.commands.train import _engine
 
     (tmp_path / "nemo" / "context").mkdir(parents=True)
     monkeypatch.syspath_prepend(str(tmp_path))

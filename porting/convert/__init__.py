@@ -18,5 +18,5 @@
 
 Imports the contract below it, never ``porting.parity``, ``porting.train`` or ``porting.planner``
 (only its ``cli``, the command edge, reaches up to :mod:`porting.api` and
-:mod:`porting.parity.cli`). The package root imports nothing.
+:mod:`porting.commands.verify`). The package root imports nothing.
 """

@@ -1,6 +1,6 @@
 """Training-layout planner: which TP/PP/CP/DP, where the ranks go, how long a step takes.
 
-``porting plan`` (``porting/planner/cli.py``) is the command; the pieces are plain functions and
+``porting plan`` (``porting/commands/plan.py``) is the command; the pieces are plain functions and
 dataclasses that tests call directly:
 
 - :mod:`~porting.planner.model`: model shapes (HF config, imported checkpoint, presets)

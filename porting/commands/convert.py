@@ -10,11 +10,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from porting import guard, quiet
+from porting.commands.verify import add_gate_flags, print_report
 from porting.convert.foreign import add_source_flags, source_inputs
 from porting.convert.layouts.registry import NAMES
 from porting.convert.ranks import add_launch_flags
 from porting.errors import PortingError
-from porting.parity.cli import add_gate_flags, print_report
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -176,7 +176,7 @@ def _converting(args, reads, what: str, refuse_early=None) -> Iterator[str]:
     prepare_output(args.out, args.overwrite)
     with guard.output_lock(args.out, what):
         from porting import cpu
-        from porting.parity.cli import resolve_device
+        from porting.commands.verify import resolve_device
 
         device = resolve_device(args.device)
         cpu.hide_gpus()
