@@ -179,7 +179,9 @@ def _class_defaults() -> list[tuple[str, str, str, object, object]]:
                     continue
                 # transformers 5 folds rope_theta into rope_parameters; 4.57 keeps it an attribute
                 if hasattr(theirs, e.hf) and getattr(theirs, e.hf) is not None or e.default:
-                    out.append((family.name, arch, e.hf, e.default, getattr(theirs, e.hf, e.default)))
+                    out.append(
+                        (family.name, arch, e.hf, e.default, getattr(theirs, e.hf, e.default))
+                    )
     return out
 
 

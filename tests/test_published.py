@@ -74,7 +74,8 @@ def shrink(cfg: dict) -> dict:
     c["num_hidden_layers"] = LAYERS
     if c.get("layer_types"):
         c["layer_types"] = c["layer_types"][:LAYERS]
-    if c.get("no_rope_layers"):  # SmolLM3's per-layer rotary: the last layers keep a rotary-free one
+    # SmolLM3's per-layer rotary: the last layers keep a rotary-free one
+    if c.get("no_rope_layers"):
         c["no_rope_layers"] = c["no_rope_layers"][-LAYERS:]
     for key in ("num_experts", "num_local_experts"):
         if c.get(key):

@@ -54,7 +54,8 @@ def test_the_rotary_free_layers_are_megatrons_no_rope_list(converted):
     assert checkpoint_config(converted("smollm3")[1]).no_rope_freq == [0, 0, 0, 1]
     windowed = checkpoint_config(converted("windowed")[1])
     assert windowed.no_rope_freq == [1, 0, 1, 0]
-    assert windowed.window_size == (WINDOW - 1, 0) and windowed.window_attn_skip_freq == [1, 0, 1, 0]
+    assert windowed.window_size == (WINDOW - 1, 0)
+    assert windowed.window_attn_skip_freq == [1, 0, 1, 0]
 
 
 def test_tensor_parallel_2_matches_tp_1(converted, tmp_path):
