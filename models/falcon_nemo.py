@@ -3,27 +3,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from nemo.collections.llm.gpt.model.base import GPTConfig, GPTModel
+from nemo.collections.llm.gpt.model.base import GPTConfig
 
 from models.falcon import FalconCore
+from porting.nemo_classes import nemo_classes
 
-
-@dataclass
-class FalconConfig(FalconCore, GPTConfig):
-    """NeMo's GPT config with the fields and maths of :class:`models.falcon.FalconCore`."""
-
-
-class FalconModel(GPTModel):
-    """NeMo 2.0 model for the Falcon-style family (a ``GPTModel`` with :class:`FalconConfig`)."""
-
-    def __init__(
-        self, config: FalconConfig | None = None, optim=None, tokenizer=None, model_transform=None
-    ):
-        super().__init__(
-            config or FalconConfig(),
-            optim=optim,
-            tokenizer=tokenizer,
-            model_transform=model_transform,
-        )
+FalconConfig, FalconModel = nemo_classes(FalconCore, GPTConfig, __name__)

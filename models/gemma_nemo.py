@@ -3,27 +3,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from nemo.collections.llm.gpt.model.base import GPTConfig, GPTModel
+from nemo.collections.llm.gpt.model.base import GPTConfig
 
 from models.gemma import GemmaCore
+from porting.nemo_classes import nemo_classes
 
-
-@dataclass
-class GemmaConfig(GemmaCore, GPTConfig):
-    """NeMo's GPT config with the fields and maths of :class:`models.gemma.GemmaCore`."""
-
-
-class GemmaModel(GPTModel):
-    """NeMo 2.0 model for the Gemma family (a ``GPTModel`` with :class:`GemmaConfig`)."""
-
-    def __init__(
-        self, config: GemmaConfig | None = None, optim=None, tokenizer=None, model_transform=None
-    ):
-        super().__init__(
-            config or GemmaConfig(),
-            optim=optim,
-            tokenizer=tokenizer,
-            model_transform=model_transform,
-        )
+GemmaConfig, GemmaModel = nemo_classes(GemmaCore, GPTConfig, __name__)

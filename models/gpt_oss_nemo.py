@@ -3,28 +3,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from nemo.collections.llm.gpt.model.base import GPTModel
-
 from models.gpt_oss import GptOssCore
 from models.moe_nemo import MoEConfig
+from porting.nemo_classes import nemo_classes
 
-
-@dataclass
-class GptOssConfig(GptOssCore, MoEConfig):
-    """NeMo's GPT config with the fields and maths of :class:`models.gpt_oss.GptOssCore`."""
-
-
-class GptOssModel(GPTModel):
-    """NeMo 2.0 model for gpt-oss (a ``GPTModel`` with :class:`GptOssConfig`)."""
-
-    def __init__(
-        self, config: GptOssConfig | None = None, optim=None, tokenizer=None, model_transform=None
-    ):
-        super().__init__(
-            config or GptOssConfig(),
-            optim=optim,
-            tokenizer=tokenizer,
-            model_transform=model_transform,
-        )
+GptOssConfig, GptOssModel = nemo_classes(GptOssCore, MoEConfig, __name__)

@@ -3,28 +3,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from nemo.collections.llm.gpt.model.base import GPTModel
-
 from models.granite import GraniteCore
 from models.llama_nemo import LlamaConfig
+from porting.nemo_classes import nemo_classes
 
-
-@dataclass
-class GraniteConfig(GraniteCore, LlamaConfig):
-    """NeMo's GPT config with the fields and maths of :class:`models.granite.GraniteCore`."""
-
-
-class GraniteModel(GPTModel):
-    """NeMo 2.0 model for the Granite family (a ``GPTModel`` with :class:`GraniteConfig`)."""
-
-    def __init__(
-        self, config: GraniteConfig | None = None, optim=None, tokenizer=None, model_transform=None
-    ):
-        super().__init__(
-            config or GraniteConfig(),
-            optim=optim,
-            tokenizer=tokenizer,
-            model_transform=model_transform,
-        )
+GraniteConfig, GraniteModel = nemo_classes(GraniteCore, LlamaConfig, __name__)

@@ -3,32 +3,8 @@ GPT config (the class a checkpoint's ``context/io.json`` names) and its ``GPTMod
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from nemo.collections.llm.gpt.model.base import GPTModel
-
 from models.granitemoe import GraniteMoeCore
 from models.qwen_nemo import QwenConfig
+from porting.nemo_classes import nemo_classes
 
-
-@dataclass
-class GraniteMoeConfig(GraniteMoeCore, QwenConfig):
-    """NeMo's GPT config with the fields and maths of :class:`models.granitemoe.GraniteMoeCore`."""
-
-
-class GraniteMoeModel(GPTModel):
-    """NeMo 2.0 model for the Granite MoE family (a ``GPTModel`` with :class:`GraniteMoeConfig`)."""
-
-    def __init__(
-        self,
-        config: GraniteMoeConfig | None = None,
-        optim=None,
-        tokenizer=None,
-        model_transform=None,
-    ):
-        super().__init__(
-            config or GraniteMoeConfig(),
-            optim=optim,
-            tokenizer=tokenizer,
-            model_transform=model_transform,
-        )
+GraniteMoeConfig, GraniteMoeModel = nemo_classes(GraniteMoeCore, QwenConfig, __name__)

@@ -3,27 +3,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from nemo.collections.llm.gpt.model.base import GPTConfig, GPTModel
+from nemo.collections.llm.gpt.model.base import GPTConfig
 
 from models.llama import LlamaCore
+from porting.nemo_classes import nemo_classes
 
-
-@dataclass
-class LlamaConfig(LlamaCore, GPTConfig):
-    """NeMo's GPT config with the fields and maths of :class:`models.llama.LlamaCore`."""
-
-
-class LlamaModel(GPTModel):
-    """NeMo 2.0 model of the Llama family (a ``GPTModel`` with :class:`LlamaConfig`)."""
-
-    def __init__(
-        self, config: LlamaConfig | None = None, optim=None, tokenizer=None, model_transform=None
-    ):
-        super().__init__(
-            config or LlamaConfig(),
-            optim=optim,
-            tokenizer=tokenizer,
-            model_transform=model_transform,
-        )
+LlamaConfig, LlamaModel = nemo_classes(LlamaCore, GPTConfig, __name__)

@@ -3,28 +3,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from nemo.collections.llm.gpt.model.base import GPTModel
-
 from models.llama_nemo import LlamaConfig
 from models.mistral import MistralCore
+from porting.nemo_classes import nemo_classes
 
-
-@dataclass
-class MistralConfig(MistralCore, LlamaConfig):
-    """NeMo's GPT config with the fields and maths of :class:`models.mistral.MistralCore`."""
-
-
-class MistralModel(GPTModel):
-    """NeMo 2.0 model for the Mistral family (a ``GPTModel`` with :class:`MistralConfig`)."""
-
-    def __init__(
-        self, config: MistralConfig | None = None, optim=None, tokenizer=None, model_transform=None
-    ):
-        super().__init__(
-            config or MistralConfig(),
-            optim=optim,
-            tokenizer=tokenizer,
-            model_transform=model_transform,
-        )
+MistralConfig, MistralModel = nemo_classes(MistralCore, LlamaConfig, __name__)

@@ -3,28 +3,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from nemo.collections.llm.gpt.model.base import GPTModel
-
 from models.llama_nemo import LlamaConfig
 from models.phi3 import Phi3Core
+from porting.nemo_classes import nemo_classes
 
-
-@dataclass
-class Phi3Config(Phi3Core, LlamaConfig):
-    """NeMo's GPT config with the fields and maths of :class:`models.phi3.Phi3Core`."""
-
-
-class Phi3Model(GPTModel):
-    """NeMo 2.0 model for the Phi-3 family (a ``GPTModel`` with :class:`Phi3Config`)."""
-
-    def __init__(
-        self, config: Phi3Config | None = None, optim=None, tokenizer=None, model_transform=None
-    ):
-        super().__init__(
-            config or Phi3Config(),
-            optim=optim,
-            tokenizer=tokenizer,
-            model_transform=model_transform,
-        )
+Phi3Config, Phi3Model = nemo_classes(Phi3Core, LlamaConfig, __name__)

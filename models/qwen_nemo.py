@@ -3,28 +3,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from nemo.collections.llm.gpt.model.base import GPTModel
-
 from models.llama_nemo import LlamaConfig
 from models.qwen import QwenCore
+from porting.nemo_classes import nemo_classes
 
-
-@dataclass
-class QwenConfig(QwenCore, LlamaConfig):
-    """NeMo's GPT config with the fields and maths of :class:`models.qwen.QwenCore`."""
-
-
-class QwenModel(GPTModel):
-    """NeMo 2.0 model for the Qwen family (a ``GPTModel`` with :class:`QwenConfig`)."""
-
-    def __init__(
-        self, config: QwenConfig | None = None, optim=None, tokenizer=None, model_transform=None
-    ):
-        super().__init__(
-            config or QwenConfig(),
-            optim=optim,
-            tokenizer=tokenizer,
-            model_transform=model_transform,
-        )
+QwenConfig, QwenModel = nemo_classes(QwenCore, LlamaConfig, __name__)

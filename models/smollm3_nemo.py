@@ -3,28 +3,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from nemo.collections.llm.gpt.model.base import GPTModel
-
 from models.llama_nemo import LlamaConfig
 from models.smollm3 import SmolLM3Core
+from porting.nemo_classes import nemo_classes
 
-
-@dataclass
-class SmolLM3Config(SmolLM3Core, LlamaConfig):
-    """NeMo's GPT config with the fields and maths of :class:`models.smollm3.SmolLM3Core`."""
-
-
-class SmolLM3Model(GPTModel):
-    """NeMo 2.0 model for the SmolLM3 family (a ``GPTModel`` with :class:`SmolLM3Config`)."""
-
-    def __init__(
-        self, config: SmolLM3Config | None = None, optim=None, tokenizer=None, model_transform=None
-    ):
-        super().__init__(
-            config or SmolLM3Config(),
-            optim=optim,
-            tokenizer=tokenizer,
-            model_transform=model_transform,
-        )
+SmolLM3Config, SmolLM3Model = nemo_classes(SmolLM3Core, LlamaConfig, __name__)

@@ -933,23 +933,17 @@ class {cls}Core(BaseCore):
         files[
             f"{pkg}/model_nemo.py"
         ] = f'''"""The {name} family's NeMo 2.0 classes: the config of ``model.py`` as NeMo's GPT config
-(the class a checkpoint's ``context/io.json`` names) and its model."""
+(the class a checkpoint's ``context/io.json`` names) and its model, made as every family's are
+(porting.nemo_classes)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from {cmod} import {ccls} as BaseConfig
-from {mmod} import {mcls} as BaseModel
 from {pkg}.model import {cls}Core
+from porting.nemo_classes import nemo_classes
 
-
-@dataclass
-class {cls}Config({cls}Core, BaseConfig):
-    """NeMo's GPT config with the fields and maths of {cls}Core."""
-
-
-{model_class}'''
+{cls}Config, {cls}Model = nemo_classes({cls}Core, BaseConfig, __name__)
+'''
     config_lines = "\n".join(
         f"    {entry(lit)},{plan.comments.get(i, '')}" for i, entry in enumerate(plan.entries)
     )

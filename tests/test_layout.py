@@ -157,7 +157,7 @@ LAYERS = (
         ),
     ),  # fmt: skip
     ("contract", ("porting.contract", "porting.planner")),
-    ("megatron side", ("models", "porting.cpu", "porting.mcore")),
+    ("megatron side", ("models", "porting.cpu", "porting.mcore", "porting.nemo_classes")),
     ("families", ("converters",)),
     ("engine", ("porting.convert", "porting.owners", "data_prep")),
     ("gate", ("porting.parity",)),

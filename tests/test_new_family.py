@@ -391,7 +391,7 @@ def test_base_picks_the_family_to_start_from(tmp_path, capsys):
     assert "import nemo" not in model and "from nemo" not in model
     nemo = (out / "porting_family_s2" / "model_nemo.py").read_text()
     assert "from models.llama_nemo import LlamaConfig as BaseConfig" in nemo
-    assert "class S2Config(S2Core, BaseConfig):" in nemo
+    assert "S2Config, S2Model = nemo_classes(S2Core, BaseConfig, __name__)" in nemo
     assert "core_config_cls='porting_family_s2.model:S2Core'" in text
     other = tmp_path / "q"
     assert main(["new-family", "s3", "--from", str(hf), "--out", str(other), "--base", "nope"]) == 2
