@@ -39,10 +39,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from converters.llama import _rope_kind, _rope_number
 from porting.contract.config_map import BOOL, Carry, Derived, Field, NoOp, Require
 from porting.contract.family import Family, ShapeContext, Variant
 from porting.contract.mapping import Fused, Ignore, Rename
+from porting.contract.rope import rope_kind, rope_number
 from porting.contract.transforms import GATED_MLP, VOCAB_PAD, TransformPair
 from porting.errors import PortingError
 
@@ -139,7 +139,7 @@ def _rope_to_mcore(hf: dict) -> dict:
         return {"rope_type": "rope", "rotary_scaling_factor": 1.0, "mscale_all_dim": 0.0}
     if not isinstance(rs, dict):
         raise PortingError(f"config.json: rope_scaling must be an object, not {rs!r}")
-    kind = _rope_kind(rs)
+    kind = rope_kind(rs)
     if kind != "yarn":
         raise PortingError(
             f"config.json: rope_scaling type {kind!r} is not supported: DeepseekV3Attention reads "
@@ -156,10 +156,10 @@ def _rope_to_mcore(hf: dict) -> dict:
             f"config.json: rope_scaling.truncate={rs['truncate']!r} is not supported: "
             "Megatron-Core's multi-latent YaRN always rounds its correction range"
         )
-    factor = _rope_number(rs, "factor", at_least=1)
+    factor = rope_number(rs, "factor", at_least=1)
 
     def optional(key: str, default, **bounds):
-        return default if rs.get(key) is None else _rope_number(rs, key, **bounds)
+        return default if rs.get(key) is None else rope_number(rs, key, **bounds)
 
     mscale, all_dim = (
         optional("mscale", 0.0, at_least=0),

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from porting.contract.config_map import BOOL, POSITIVE_INT, Carry, Derived, Field, NoOp, Require
 from porting.contract.family import Family, ShapeContext, Variant
 from porting.contract.mapping import Fused, Ignore, Rename
+from porting.contract.rope import rope_kind, rope_number
 from porting.contract.transforms import GATED_MLP, QKV, VOCAB_PAD
 from porting.errors import PortingError
 
@@ -45,72 +46,6 @@ def _biases_to_mcore(hf: dict) -> dict:
 
 def _biases_to_hf(c) -> dict:
     return {"attention_bias": c.add_bias_linear, "mlp_bias": c.add_bias_linear}
-
-
-# The keys each rotary type reads besides rope_type / type: transformers 4.57's
-# modeling_rope_utils._validate_<type>_parameters (required and optional together). Any other key
-# is refused by name: transformers only warns, and a misspelt one would be dropped silently.
-_ROPE_KEYS = {
-    "default": frozenset(),
-    "linear": frozenset({"factor"}),
-    "llama3": frozenset(
-        {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
-    ),
-    "yarn": frozenset(
-        {
-            "factor",
-            "original_max_position_embeddings",
-            "attention_factor",
-            "beta_fast",
-            "beta_slow",
-            "mscale",
-            "mscale_all_dim",
-            "truncate",
-        }
-    ),
-}
-# The types transformers knows that Megatron-Core's rotary embedding cannot compute, and why: it
-# computes one frequency table per model (RotaryEmbedding.inv_freq), the same for every length.
-# Up to max_position_embeddings dynamic NTK is the unscaled table: the gate's prompts could not tell.
-_ROPE_REFUSED = {
-    "dynamic": (
-        "dynamic NTK recomputes the frequencies from the running sequence length once it passes "
-        "max_position_embeddings, and Megatron-Core's rotary embedding computes one frequency "
-        "table for every length"
-    ),
-    "longrope": (
-        "LongRoPE switches between per-dimension short_factor and long_factor tables by sequence "
-        "length, and Megatron-Core's rotary embedding has one frequency table for every length"
-    ),
-}
-
-
-def _rope_number(
-    rs: dict,
-    key: str,
-    *,
-    at_least: float | None = None,
-    above: float | None = None,
-    integer: bool = False,
-):
-    """``rope_scaling[key]`` as transformers' ``rope_config_validation`` requires it (present, a
-    finite number, an integer where it must be, ``factor >= 1``), or one line naming it: a factor
-    of 0 divided by zero inside Megatron's rotary embedding, a negative one converted silently."""
-    v = rs.get(key)
-    ok = (
-        isinstance(v, int | float)
-        and not isinstance(v, bool)
-        and math.isfinite(v)
-        and (not integer or isinstance(v, int))
-        and (at_least is None or v >= at_least)
-        and (above is None or v > above)
-    )
-    if not ok:
-        kind = "an integer" if integer else "a finite number"
-        bound = f" >= {at_least:g}" if at_least is not None else ""
-        bound += f" > {above:g}" if above is not None else ""
-        raise PortingError(f"config.json: rope_scaling.{key} must be {kind}{bound}, not {v!r}")
-    return v
 
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -148,39 +83,6 @@ def layer_windows(
     return ((window - 1, 0) if any(pattern) else None), pattern
 
 
-def _rope_kind(rs: dict) -> str:
-    """The rotary type ``rs`` names. transformers' configs write the legacy ``type`` and the newer
-    ``rope_type`` both; they must agree, since its config classes copy ``type`` over
-    ``rope_type`` while its rotary validation reads ``rope_type`` first."""
-    if "type" in rs and "rope_type" in rs and rs["type"] != rs["rope_type"]:
-        raise PortingError(
-            f"config.json: rope_scaling.type ({rs['type']!r}) and rope_scaling.rope_type "
-            f"({rs['rope_type']!r}) disagree"
-        )
-    kind = rs.get("rope_type", rs.get("type"))
-    if not isinstance(kind, str):
-        raise PortingError(
-            f"config.json: rope_scaling.rope_type (or type) must name the scaling, not {kind!r}"
-        )
-    if kind in _ROPE_REFUSED:
-        raise PortingError(
-            f"config.json: rope_scaling type {kind!r} is not supported: {_ROPE_REFUSED[kind]}"
-        )
-    if kind not in _ROPE_KEYS:
-        raise PortingError(
-            f"config.json: rope_scaling type {kind!r} is not supported: Megatron-Core's rotary "
-            f"embedding has no such scaling (supported: {', '.join(map(repr, _ROPE_KEYS))})"
-        )
-    extra = sorted(set(rs) - {"rope_type", "type"} - _ROPE_KEYS[kind])
-    if extra:
-        reads = ", ".join(sorted(_ROPE_KEYS[kind])) or "nothing else"
-        raise PortingError(
-            f"config.json: rope_scaling key(s) {', '.join(map(repr, extra))} are not read by "
-            f"{kind!r} scaling (transformers reads {reads}); refused rather than dropped"
-        )
-    return kind
-
-
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     # transformers' get_mscale in _compute_yarn_parameters: the YaRN paper's 0.1 ln(s) + 1
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
@@ -192,9 +94,9 @@ def _yarn_to_mcore(rs: dict, hf: dict) -> dict:
     :func:`models.llama.yarn_softmax_scale` use."""
 
     def optional(key: str, **bounds):
-        return None if rs.get(key) is None else _rope_number(rs, key, **bounds)
+        return None if rs.get(key) is None else rope_number(rs, key, **bounds)
 
-    factor = _rope_number(rs, "factor", at_least=1)
+    factor = rope_number(rs, "factor", at_least=1)
     original = optional("original_max_position_embeddings", at_least=1, integer=True)
     # beta 0 would be a log of infinity; transformers' validation warns below beta_fast > beta_slow
     beta_fast = optional("beta_fast", above=0) or 32
@@ -250,17 +152,17 @@ def _rope_to_mcore(hf: dict) -> dict:
         return {"rope_scaling_type": None}
     if not isinstance(rs, dict):
         raise PortingError(f"config.json: rope_scaling must be an object, not {rs!r}")
-    kind = _rope_kind(rs)
+    kind = rope_kind(rs)
     if kind == "default":
         return {"rope_scaling_type": None}
     if kind == "linear":
         # HF divides inv_freq by the factor; Megatron divides positions by it: the same angles.
-        factor = _rope_number(rs, "factor", at_least=1)
+        factor = rope_number(rs, "factor", at_least=1)
         return {"rope_scaling_type": "linear", "seq_len_interpolation_factor": float(factor)}
     if kind == "yarn":
         return _yarn_to_mcore(rs, hf)
-    low = _rope_number(rs, "low_freq_factor", at_least=0)
-    high = _rope_number(rs, "high_freq_factor", at_least=0)
+    low = rope_number(rs, "low_freq_factor", at_least=0)
+    high = rope_number(rs, "high_freq_factor", at_least=0)
     if not low < high:
         # transformers' llama3 rule divides by (high - low)
         raise PortingError(
@@ -269,10 +171,10 @@ def _rope_to_mcore(hf: dict) -> dict:
         )
     return {
         "rope_scaling_type": "llama3",
-        "rope_scaling_factor": float(_rope_number(rs, "factor", at_least=1)),
+        "rope_scaling_factor": float(rope_number(rs, "factor", at_least=1)),
         "rope_scaling_low_freq_factor": float(low),
         "rope_scaling_high_freq_factor": float(high),
-        "rope_scaling_original_max_position_embeddings": _rope_number(
+        "rope_scaling_original_max_position_embeddings": rope_number(
             rs, "original_max_position_embeddings", at_least=1, integer=True
         ),
     }
