@@ -299,6 +299,26 @@ def test_a_bad_gemm_log_is_refused_by_file_and_line(tmp_path, text, problem):
         cal.parse_gemm_log(path)
 
 
+def test_a_calibrate_directory_is_read_within_itself_and_its_limits(tmp_path):
+    outside = tmp_path / "elsewhere.csv"
+    outside.write_text("groups,m,n,k,ms\n1,2,3,4,5\n")
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "grouped_gemm.csv").symlink_to(outside)
+    with pytest.raises(PortingError, match="a link out of --calibrate"):
+        cal.load_gemm_logs(linked)
+    (linked / "grouped_gemm.csv").unlink()
+    (linked / "node_all_reduce.log").symlink_to(outside)
+    with pytest.raises(PortingError, match="a link out of --calibrate"):
+        cal.load_nccl_tests(linked)
+    big = tmp_path / "big"
+    big.mkdir()
+    rows = "".join(f"1,{i + 1},64,64,0.01\n" for i in range(cal.MAX_GEMM_ROWS + 1))
+    (big / "grouped_gemm.csv").write_text("groups,m,n,k,ms\n" + rows)
+    with pytest.raises(PortingError, match=f"limit of {cal.MAX_GEMM_ROWS} grouped-GEMM rows"):
+        cal.load_gemm_logs(big)
+
+
 def test_the_emitted_benchmark_writes_a_log_that_calibrates(tmp_path, monkeypatch, capsys):
     """`--emit` writes gemm_bench.py for an MoE model; run here on the CPU at a 32nd of the
     shapes, its log refits the expert constants through `porting plan --calibrate`."""

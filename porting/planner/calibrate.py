@@ -31,6 +31,7 @@ from porting.planner.comm import (
 from porting.planner.experts import gemm_seconds
 from porting.planner.limits import (
     MAX_CONSTANTS_BYTES,
+    MAX_GEMM_ROWS,
     MAX_LOG_BYTES,
     MAX_LOGS,
     MAX_LOGS_BYTES,
@@ -158,6 +159,7 @@ def load_nccl_tests(directory: str | Path) -> list[NcclTest]:
     for f in d.iterdir():
         gemm = gemm or _is_gemm_log(f)
         if f.suffix in (".log", ".txt", ".out"):
+            _inside(d, f)
             files.append(f)
             if len(files) > MAX_LOGS:
                 raise PortingError(
@@ -438,8 +440,20 @@ def load_gemm_logs(directory: str | Path) -> list[GemmRow]:
     rows: list[GemmRow] = []
     for f in sorted(d.iterdir()):
         if _is_gemm_log(f):
+            _inside(d, f)
             rows.extend(parse_gemm_log(f))
+            if len(rows) > MAX_GEMM_ROWS:
+                raise PortingError(
+                    f"--calibrate {d}: more than the planner's limit of {MAX_GEMM_ROWS} "
+                    "grouped-GEMM rows"
+                )
     return rows
+
+
+def _inside(d: Path, f: Path) -> None:
+    """A log is read only where it lies inside the directory given (a link out of it is not)."""
+    if not f.resolve().is_relative_to(d.resolve()):
+        raise PortingError(f"{f}: a link out of --calibrate {d}; refused")
 
 
 def parse_gemm_log(path: str | Path) -> list[GemmRow]:

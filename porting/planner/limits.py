@@ -48,6 +48,9 @@ MAX_CONSTANTS_BYTES = 64 << 10
 MAX_LOG_BYTES = 1 << 20  # one nccl-tests log
 MAX_LOGS = 4096
 MAX_LOGS_BYTES = 64 << 20  # all of them
+# grouped-GEMM shapes a --calibrate directory's logs may hold in all: a sweep is tens of rows,
+# and the fit evaluates each ~2,000 times
+MAX_GEMM_ROWS = 1024
 
 
 @dataclass(frozen=True)
