@@ -362,6 +362,31 @@ def peak_memory(
     return max(parts, key=lambda x: x.total)
 
 
+@dataclass(frozen=True)
+class _LayerCost:
+    """One layer, one micro-batch, one GPU (seconds; an MoE model's the mean over its dense and
+    MoE layers): what :meth:`Evaluator.predict` builds the step from."""
+
+    gemm: float  # the dense GEMMs, one forward
+    attn: float  # the attention score and value GEMMs, one forward
+    mem_pass: float  # the memory-bound kernels, forward and backward
+    share: float  # MoE layers over all layers
+    experts: ExpertCost | None
+    fwd: float
+    bwd: float
+    recompute: float
+    tp_comm: float
+    tp_exp: float
+    cp_comm: float
+    cp_exp: float
+    ep_comm: float
+    ep_level: int
+
+    @property
+    def total(self) -> float:
+        return self.fwd + self.bwd + self.recompute + self.tp_exp + self.cp_exp + self.ep_comm
+
+
 class Evaluator:
     """Predicts layouts of one model on one cluster; caches what layouts share."""
 
@@ -431,11 +456,11 @@ class Evaluator:
     def predict(self, layout: Layout, order: str | None = None) -> Prediction:
         """Step time, throughput and memory of ``layout``; raises Infeasible with the reason."""
         self.evaluated += 1
-        m, s, eff, gpu = self.model, self.settings, self.eff, self.gpu
+        m, s, gpu = self.model, self.settings, self.gpu
         tp, cp, pp, vp, dp = layout.tp, layout.cp, layout.pp, layout.vp, layout.dp
-        b, seq = layout.micro_batch, self.seq
+        seq = self.seq
         order = order or layout.order
-        per_step = self.global_batch // (b * dp)
+        per_step = self.global_batch // (layout.micro_batch * dp)
         mem = peak_memory(m, layout, seq, per_step, s)
         if mem.total > gpu.memory_bytes:
             raise Infeasible(
@@ -451,114 +476,201 @@ class Evaluator:
         except PortingError as err:
             # a group whose neighbours sit in two sites with no link between them
             raise Infeasible(f"{err} (traffic is not routed through a third site)") from None
-        net = self.net
-        peak = gpu.peak_flops * eff.compute
-        hbm = gpu.hbm_bytes_s
-        tokens = b * seq // cp
-        sp = layout.sequence_parallel
         exposed = [0.0, 0.0, 0.0]
         hidden = [0.0, 0.0, 0.0]
+        c = self._layer_cost(layout, place)
+        tokens = layout.micro_batch * seq // cp
+        peak = gpu.peak_flops * self.eff.compute
+        stage_split = layout.stage_layers(m.layers)
+        per_stage_layers = max(stage_split)
+        logits = 6 * tokens * m.hidden * m.padded_vocab(tp) / tp / peak
+        logits += 3 * 4 * tokens * m.padded_vocab(tp) / tp / gpu.hbm_bytes_s
+        # The slowest stage sets the pace of the steady state; the bubble costs the average.
+        stage_times = [n * c.total for n in stage_split]
+        stage_times[-1] += logits
+        t_last = max(stage_times)
+        t_avg = sum(stage_times) / pp
+        p2p_max, p2p_avg = self._pipeline_p2p(
+            layout, place, per_stage_layers * c.total, per_step, exposed, hidden
+        )
+        slots = per_step * (t_last + p2p_max) + (pp - 1) / vp * (t_avg + p2p_avg)
+        grad_exp, gather_exp, optimizer = self._gradient_sync(
+            layout, place, stage_split, c, exposed, hidden
+        )
+        n_mb = per_step * per_stage_layers
+        tp_lv = place.tp.level
+        exposed[tp_lv] += n_mb * c.tp_exp
+        hidden[tp_lv] += n_mb * (c.tp_comm - c.tp_exp)
+        if cp > 1:
+            exposed[place.cp.level] += n_mb * c.cp_exp
+            hidden[place.cp.level] += n_mb * (c.cp_comm - c.cp_exp)
+        if c.ep_comm:
+            exposed[c.ep_level] += n_mb * c.ep_comm
+        step = slots + grad_exp + gather_exp + optimizer
+        ex = c.experts
+        parts = {
+            "compute": per_step * (per_stage_layers * 3 * (c.gemm + c.attn) + logits),
+            **(
+                {
+                    "expert GEMMs": n_mb * c.share * (ex.forward + ex.backward),
+                    "routing": n_mb * c.share * (ex.routing_forward + ex.routing_backward),
+                }
+                if ex
+                else {}
+            ),
+            "memory-bound": n_mb * c.mem_pass,
+            "recompute": n_mb * c.recompute,
+            "tp/cp comm": n_mb * (c.tp_exp + c.cp_exp),
+            **({"ep comm": n_mb * c.ep_comm} if m.moe else {}),
+            "pp comm": per_step * p2p_max + (pp - 1) / vp * p2p_avg,
+            "bubble": (pp - 1) / vp * t_avg,
+            "dp comm": grad_exp + gather_exp,
+            "optimizer": optimizer,
+        }
+        tokens_step = self.global_batch * seq
+        world = dp * tp * cp * pp
+        mfu = m.model_flops_per_token(seq) * tokens_step / (step * world * gpu.peak_flops)
+        return Prediction(
+            layout=layout,
+            step=step,
+            tokens_per_s=tokens_step / step,
+            mfu=mfu,
+            memory=mem,
+            parts=parts,
+            exposed=dict(zip(LEVEL_NAMES, exposed, strict=True)),
+            hidden=dict(zip(LEVEL_NAMES, hidden, strict=True)),
+            order=order,
+            num_microbatches=per_step,
+        )
 
-        # --- one layer, one microbatch, one GPU
+    def _layer_cost(self, layout: Layout, place) -> _LayerCost:
+        """One layer, one micro-batch, one GPU: its compute, memory-bound passes, recompute and
+        the TP, CP and EP traffic of its passes."""
+        m, s, eff, gpu, net = self.model, self.settings, self.eff, self.gpu, self.net
+        tp, cp, seq = layout.tp, layout.cp, self.seq
+        peak = gpu.peak_flops * eff.compute
+        tokens = layout.micro_batch * seq // cp
         # the routed experts' GEMMs go by their shape (experts.py), the rest at the dense rate;
         # an MoE model's layer is the mean over its dense and MoE layers
         share = m.moe_layers / m.layers if m.moe else 0.0
         routed = share * m.top_k * m.expert_params()
-        gemm_f = 2 * tokens * (m.matmul_params_per_layer() - routed) / tp / peak
-        attn_f = 2 * tokens * seq * m.score_width / tp / peak
+        gemm = 2 * tokens * (m.matmul_params_per_layer() - routed) / tp / peak
+        attn = 2 * tokens * seq * m.score_width / tp / peak
         rep, sh = layer_activation_bytes(
-            m, tokens, seq, tp, sp, scores=not s.flash_attention and cp == 1
+            m, tokens, seq, tp, layout.sequence_parallel, scores=not s.flash_attention and cp == 1
         )
         ex = self.experts(layout)
         if m.moe:
             # the routed copies' dispatched input and permuted output are moved by the
             # permutation, which ex.routing_* counts
             sh -= 2 * tokens * m.top_k * 2 * m.hidden / tp
-        mem_pass = eff.memory_passes * (rep + sh) / hbm  # forward + backward
+        mem_pass = eff.memory_passes * (rep + sh) / gpu.hbm_bytes_s  # forward + backward
         ex_f = share * (ex.forward + ex.routing_forward) if ex else 0.0
         ex_b = share * (ex.backward + ex.routing_backward) if ex else 0.0
-        fwd = gemm_f + attn_f + ex_f + mem_pass / 3
-        bwd = 2 * (gemm_f + attn_f) + ex_b + 2 * mem_pass / 3
-        if layout.recompute == "full":
-            recompute = fwd
-        elif layout.recompute == "selective":
-            recompute = attn_f
-        else:
-            recompute = 0.0
+        fwd = gemm + attn + ex_f + mem_pass / 3
+        bwd = 2 * (gemm + attn) + ex_b + 2 * mem_pass / 3
+        recompute = {"full": fwd, "selective": attn}.get(layout.recompute, 0.0)
         # TP: per pass, 2 all-reduces (or 2 all-gathers + 2 reduce-scatters with SP)
         tp_one = 0.0
         if tp > 1:
-            path = net.path(place.tp)
             act = tokens * m.hidden * s.param_bytes
-            tp_one = m.tp_collectives_per_layer() * reduce_scatter(tp, act, path)
+            tp_one = m.tp_collectives_per_layer() * reduce_scatter(tp, act, net.path(place.tp))
         passes = 3 if layout.recompute == "full" else 2
         tp_comm = passes * tp_one
-        tp_exp = max(0.0, tp_comm - (gemm_f * (passes + 1))) if s.tp_comm_overlap else tp_comm
+        tp_exp = max(0.0, tp_comm - (gemm * (passes + 1))) if s.tp_comm_overlap else tp_comm
         # CP: ring exchange of K and V chunks, behind the attention kernel
         cp_comm = cp_exp = 0.0
         if cp > 1:
-            path = net.path(place.cp)
             kv = 2 * tokens * m.kv_width / tp * s.param_bytes
             sends = (cp - 1) * (3 + (1 if layout.recompute == "full" else 0))
-            cp_comm = sends * p2p(kv, path)
-            cp_exp = max(0.0, cp_comm - 3 * attn_f)
+            cp_comm = sends * p2p(kv, net.path(place.cp))
+            cp_exp = max(0.0, cp_comm - 3 * attn)
         # EP: each MoE layer's dispatch and combine, forward, backward (and the recomputed
         # forward), exposed: the default schedule does not overlap them
         ep_one, ep_level = self._expert_comm(layout, place, tokens)
-        ep_comm = passes * ep_one * (m.moe_layers / m.layers if m.moe else 0.0)
-        layer = fwd + bwd + recompute + tp_exp + cp_exp + ep_comm
-        stage_split = layout.stage_layers(m.layers)
+        return _LayerCost(
+            gemm=gemm,
+            attn=attn,
+            mem_pass=mem_pass,
+            share=share,
+            experts=ex,
+            fwd=fwd,
+            bwd=bwd,
+            recompute=recompute,
+            tp_comm=tp_comm,
+            tp_exp=tp_exp,
+            cp_comm=cp_comm,
+            cp_exp=cp_exp,
+            ep_comm=passes * ep_one * share,
+            ep_level=ep_level,
+        )
+
+    def _pipeline_p2p(
+        self,
+        layout: Layout,
+        place,
+        stage_t: float,
+        per_step: int,
+        exposed: list[float],
+        hidden: list[float],
+    ) -> tuple[float, float]:
+        """(the worst and the mean exposed point-to-point time of one micro-batch's crossing of
+        a stage boundary); adds the step's to ``exposed`` and ``hidden`` by level."""
+        m, s, net = self.model, self.settings, self.net
+        tp, pp, vp = layout.tp, layout.pp, layout.vp
+        if pp == 1:
+            return 0.0, 0.0
+        tokens = layout.micro_batch * self.seq // layout.cp
+        split = tp if (layout.sequence_parallel or s.p2p_scatter_gather) else 1
+        act = tokens * m.hidden * s.param_bytes / split
+        flows = place.pp_count
+        times = []
+        bounds = list(place.pp_boundaries)
+        tiers = list(place.pp_tiers[:-1])
+        if vp > 1:
+            bounds.append(place.pp_wrap)
+            tiers.append(place.pp_tiers[-1])
+        for (level, link), tier in zip(bounds, tiers, strict=True):
+            if link is not None:
+                path = net.link_path(link, flows)
+            else:
+                path = net.level_path(level, tier)
+            times.append((level, p2p(act, path)))
+        # An activation forward and a gradient backward per microbatch and model chunk; in the
+        # 1F1B steady state Megatron sends one while receiving the other in one batched call
+        # (send_forward_recv_backward), opposite directions of a full-duplex link, so one
+        # transfer time is exposed, not two (measured on shaped links: bench_sites.py).
+        per_mb = vp
+        chunk_compute = stage_t / vp / 2
+        exp_list = []
+        for level, t in times:
+            e = max(0.0, t - chunk_compute) if s.overlap_p2p else t
+            exp_list.append((level, per_mb * e, per_mb * t))
+        p2p_max = max(exp_list, key=lambda x: x[1])[1]
+        p2p_avg = sum(x[1] for x in exp_list) / len(exp_list)
+        total_p2p = per_step * p2p_max + (pp - 1) / vp * p2p_avg
+        lv = max(bounds, key=lambda x: x[0])[0]
+        exposed[lv] += total_p2p
+        all_p2p = (per_step + (pp - 1) / vp) * max(x[2] for x in exp_list)
+        hidden[lv] += max(0.0, all_p2p - total_p2p)
+        return p2p_max, p2p_avg
+
+    def _gradient_sync(
+        self,
+        layout: Layout,
+        place,
+        stage_split: list[int],
+        c: _LayerCost,
+        exposed: list[float],
+        hidden: list[float],
+    ) -> tuple[float, float, float]:
+        """(the exposed gradient reduction, the exposed parameter gather, the optimizer step),
+        the dense weights' over the data-parallel group and the experts' over theirs; adds the
+        traffic to ``exposed`` and ``hidden`` by level."""
+        m, s, net = self.model, self.settings, self.net
+        tp, cp, pp, dp = layout.tp, layout.cp, layout.pp, layout.dp
+        hbm = self.gpu.hbm_bytes_s
         per_stage_layers = max(stage_split)
-        stage_t = per_stage_layers * layer
-        logits = 6 * tokens * m.hidden * m.padded_vocab(tp) / tp / peak
-        logits += 3 * 4 * tokens * m.padded_vocab(tp) / tp / hbm
-        # The slowest stage sets the pace of the steady state; the bubble costs the average.
-        stage_times = [n * layer for n in stage_split]
-        stage_times[-1] += logits
-        t_last = max(stage_times)
-        t_avg = sum(stage_times) / pp
-
-        # --- pipeline point-to-point
-        p2p_max = p2p_avg = 0.0
-        if pp > 1:
-            split = tp if (sp or s.p2p_scatter_gather) else 1
-            act = tokens * m.hidden * s.param_bytes / split
-            flows = place.pp_count
-            times = []
-            bounds = list(place.pp_boundaries)
-            tiers = list(place.pp_tiers[:-1])
-            if vp > 1:
-                bounds.append(place.pp_wrap)
-                tiers.append(place.pp_tiers[-1])
-            for (level, link), tier in zip(bounds, tiers, strict=True):
-                if link is not None:
-                    path = net.link_path(link, flows)
-                else:
-                    path = net.level_path(level, tier)
-                t = p2p(act, path)
-                times.append((level, t))
-            # An activation forward and a gradient backward per microbatch and model chunk; in
-            # the 1F1B steady state Megatron sends one while receiving the other in one batched
-            # call (send_forward_recv_backward), opposite directions of a full-duplex link, so
-            # one transfer time is exposed, not two (measured on shaped links: bench_sites.py).
-            per_mb = vp
-            chunk_compute = stage_t / vp / 2
-            exp_list = []
-            for level, t in times:
-                e = max(0.0, t - chunk_compute) if s.overlap_p2p else t
-                exp_list.append((level, per_mb * e, per_mb * t))
-            worst = max(exp_list, key=lambda x: x[1])
-            p2p_max = worst[1]
-            p2p_avg = sum(x[1] for x in exp_list) / len(exp_list)
-        slots = per_step * (t_last + p2p_max) + (pp - 1) / vp * (t_avg + p2p_avg)
-        if pp > 1:
-            total_p2p = per_step * p2p_max + (pp - 1) / vp * p2p_avg
-            lv = max(bounds, key=lambda x: x[0])[0]
-            exposed[lv] += total_p2p
-            all_p2p = (per_step + (pp - 1) / vp) * max(x[2] for x in exp_list)
-            hidden[lv] += max(0.0, all_p2p - total_p2p)
-
-        # --- data-parallel gradient reduction and parameter gather
         ep, etp = layout.ep, layout.etp
         splits = [stage_param_split(m, tp, pp, i, n, ep, etp) for i, n in enumerate(stage_split)]
         params = max(d for d, _ in splits)
@@ -585,9 +697,9 @@ class Evaluator:
                     cpath = net.path(place.cross)
                     grad_parts.append((cpath.level, buckets * allreduce(k, per / n_i, cpath)))
         # the backward of the last microbatch on the first stage (which finishes last)
-        window = (bwd + recompute) * per_stage_layers if s.overlap_grad_reduce else 0.0
+        window = (c.bwd + c.recompute) * per_stage_layers if s.overlap_grad_reduce else 0.0
         grad_exp = _expose(grad_parts, window, exposed, hidden)
-        window = fwd * per_stage_layers if s.overlap_param_gather else 0.0
+        window = c.fwd * per_stage_layers if s.overlap_param_gather else 0.0
         gather_exp = _expose(gather_parts, window, exposed, hidden)
         shard = d // layout.instances if s.distributed_optimizer else 1
         optimizer = params / shard * OPTIMIZER_BYTES_PER_PARAM / hbm
@@ -605,52 +717,7 @@ class Evaluator:
                 else:
                     e_t = allreduce(edp, e_bytes, epath)
                 grad_exp += _expose([(epath.level, e_t)], 0.0, exposed, hidden)
-
-        tp_lv = place.tp.level
-        exposed[tp_lv] += per_step * per_stage_layers * tp_exp
-        hidden[tp_lv] += per_step * per_stage_layers * (tp_comm - tp_exp)
-        if cp > 1:
-            exposed[place.cp.level] += per_step * per_stage_layers * cp_exp
-            hidden[place.cp.level] += per_step * per_stage_layers * (cp_comm - cp_exp)
-
-        step = slots + grad_exp + gather_exp + optimizer
-        n_mb = per_step * per_stage_layers
-        if ep_comm:
-            exposed[ep_level] += n_mb * ep_comm
-        parts = {
-            "compute": per_step * (per_stage_layers * 3 * (gemm_f + attn_f) + logits),
-            **(
-                {
-                    "expert GEMMs": n_mb * share * (ex.forward + ex.backward),
-                    "routing": n_mb * share * (ex.routing_forward + ex.routing_backward),
-                }
-                if ex
-                else {}
-            ),
-            "memory-bound": n_mb * mem_pass,
-            "recompute": n_mb * recompute,
-            "tp/cp comm": n_mb * (tp_exp + cp_exp),
-            **({"ep comm": n_mb * ep_comm} if m.moe else {}),
-            "pp comm": per_step * p2p_max + (pp - 1) / vp * p2p_avg,
-            "bubble": (pp - 1) / vp * t_avg,
-            "dp comm": grad_exp + gather_exp,
-            "optimizer": optimizer,
-        }
-        tokens_step = self.global_batch * seq
-        world = dp * tp * cp * pp
-        mfu = m.model_flops_per_token(seq) * tokens_step / (step * world * gpu.peak_flops)
-        return Prediction(
-            layout=layout,
-            step=step,
-            tokens_per_s=tokens_step / step,
-            mfu=mfu,
-            memory=mem,
-            parts=parts,
-            exposed=dict(zip(LEVEL_NAMES, exposed, strict=True)),
-            hidden=dict(zip(LEVEL_NAMES, hidden, strict=True)),
-            order=order,
-            num_microbatches=per_step,
-        )
+        return grad_exp, gather_exp, optimizer
 
     def experts(self, layout: Layout) -> ExpertCost | None:
         """What one MoE layer's routed experts cost on one GPU of ``layout`` per micro-batch
