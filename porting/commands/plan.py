@@ -325,6 +325,47 @@ def _check_layout(layout, ev) -> None:
     )
 
 
+def _calibrated(directory: Path, cluster, eff, lines: list[str], out: dict):
+    """``eff`` refitted to the nccl-tests and grouped-GEMM logs in ``directory``; what was fitted
+    added to ``lines`` (the table) and ``out`` (the JSON)."""
+    from porting.planner import calibrate as cal
+
+    tests = cal.load_nccl_tests(directory)
+    eff, fits = cal.fit_levels(cluster, eff, tests)
+    if fits:
+        lines.append("calibration from nccl-tests (busbw GB/s and small-message latency us):")
+        lines.append(
+            f"  {'log':<40} {'level':<5} {'pred bw':>8} {'meas bw':>8} "
+            f"{'pred lat':>9} {'meas lat':>9}  constant"
+        )
+    for f in fits:
+        lines.append(
+            f"  {Path(f.path).name:<40} {f.level:<5} {f.predicted_busbw / 1e9:>8.1f} "
+            f"{f.measured_busbw / 1e9:>8.1f} {f.predicted_latency * 1e6:>9.1f} "
+            f"{f.measured_latency * 1e6:>9.1f}  {f.constant}={f.value:.3f}"
+        )
+    out["calibration"] = [asdict(f) for f in fits]
+    gemms = cal.load_gemm_logs(directory)
+    if gemms:
+        gpu = cluster.slowest_gpu()
+        eff, before, after = cal.fit_experts(gemms, gpu.peak_flops, gpu.hbm_bytes_s, eff)
+        lines.append(
+            f"calibration from {len(gemms)} grouped-GEMM shapes: expert_compute="
+            f"{eff.expert_compute:.3f}, expert_hbm={eff.expert_hbm:.3f}, expert_launch="
+            f"{eff.expert_launch * 1e6:.1f} us; worst error {before:.0%} before, "
+            f"{after:.0%} after"
+        )
+        out["expert_calibration"] = {
+            "shapes": len(gemms),
+            "expert_compute": eff.expert_compute,
+            "expert_hbm": eff.expert_hbm,
+            "expert_launch": eff.expert_launch,
+            "worst_error_before": before,
+            "worst_error_after": after,
+        }
+    return eff
+
+
 def _cmd_plan(args) -> int:
     from porting.planner import calibrate as cal
     from porting.planner import report
@@ -380,39 +421,7 @@ def _cmd_plan(args) -> int:
     out: dict = {}
     lines: list[str] = []
     if args.calibrate:
-        tests = cal.load_nccl_tests(args.calibrate)
-        eff, fits = cal.fit_levels(cluster, eff, tests)
-        if fits:
-            lines.append("calibration from nccl-tests (busbw GB/s and small-message latency us):")
-            lines.append(
-                f"  {'log':<40} {'level':<5} {'pred bw':>8} {'meas bw':>8} "
-                f"{'pred lat':>9} {'meas lat':>9}  constant"
-            )
-        for f in fits:
-            lines.append(
-                f"  {Path(f.path).name:<40} {f.level:<5} {f.predicted_busbw / 1e9:>8.1f} "
-                f"{f.measured_busbw / 1e9:>8.1f} {f.predicted_latency * 1e6:>9.1f} "
-                f"{f.measured_latency * 1e6:>9.1f}  {f.constant}={f.value:.3f}"
-            )
-        out["calibration"] = [asdict(f) for f in fits]
-        gemms = cal.load_gemm_logs(args.calibrate)
-        if gemms:
-            gpu = cluster.slowest_gpu()
-            eff, before, after = cal.fit_experts(gemms, gpu.peak_flops, gpu.hbm_bytes_s, eff)
-            lines.append(
-                f"calibration from {len(gemms)} grouped-GEMM shapes: expert_compute="
-                f"{eff.expert_compute:.3f}, expert_hbm={eff.expert_hbm:.3f}, expert_launch="
-                f"{eff.expert_launch * 1e6:.1f} us; worst error {before:.0%} before, "
-                f"{after:.0%} after"
-            )
-            out["expert_calibration"] = {
-                "shapes": len(gemms),
-                "expert_compute": eff.expert_compute,
-                "expert_hbm": eff.expert_hbm,
-                "expert_launch": eff.expert_launch,
-                "worst_error_before": before,
-                "worst_error_after": after,
-            }
+        eff = _calibrated(args.calibrate, cluster, eff, lines, out)
     result = plan(model, cluster, args.seq_length, args.global_batch, settings, eff)
     ev = Evaluator(model, cluster, args.seq_length, args.global_batch, result.settings, eff)
     chosen = result.best
