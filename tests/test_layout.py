@@ -154,6 +154,7 @@ LAYERS = (
             "porting.shell",
             "porting.handoff",
             "porting.slurm",
+            "porting.untrusted",
         ),
     ),  # fmt: skip
     ("contract", ("porting.contract", "porting.planner")),

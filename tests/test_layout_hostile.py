@@ -227,8 +227,8 @@ def test_yaml_infinity_and_nan_are_data(tmp_path):
     NaN are read as floats, while a literal too large for one is refused."""
     import math
 
-    from porting.convert.untrusted import read_yaml
     from porting.errors import PortingError
+    from porting.untrusted import read_yaml
 
     path = tmp_path / "run_config.yaml"
     path.write_text("a: .inf\nb: -.Inf\nc: .NaN\nd: 1.5\n")
@@ -284,8 +284,8 @@ def test_hostile_yaml_costs_no_time(tmp_path):
     """The bomb is refused from its parser events, before anything is composed or walked."""
     import time
 
-    from porting.convert.untrusted import read_yaml
     from porting.errors import PortingError
+    from porting.untrusted import read_yaml
 
     path = tmp_path / "bomb.yaml"
     path.write_text(_BOMB + "".join(f"z{i}: &z{i} [*i, *i]\n" for i in range(40)))
@@ -296,7 +296,7 @@ def test_hostile_yaml_costs_no_time(tmp_path):
 
 
 def test_yaml_anchors_and_merges_within_bounds_are_data(tmp_path):
-    from porting.convert.untrusted import read_yaml
+    from porting.untrusted import read_yaml
 
     path = tmp_path / "ok.yaml"
     path.write_text("base: &b {x: 1, y: 2}\nd:\n  <<: *b\n  x: 3\nl: [*b, *b]\n")

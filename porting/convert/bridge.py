@@ -5,7 +5,7 @@ Megatron-Bridge rebuilds a model from ``iter_NNNNNNN/run_config.yaml``'s ``model
 instantiating its ``_target_`` (a model provider) and every nested ``_target_``
 (``megatron/bridge/training/model_load_save.py``: ``load_model_config``). We write that section
 from the family's config; we read one only as bounded YAML data
-(:func:`porting.convert.untrusted.read_yaml`) and check every ``_target_`` against an allow-list,
+(:func:`porting.untrusted.read_yaml`) and check every ``_target_`` against an allow-list,
 never instantiating anything.
 
 ``bridge_fields.json`` lists the fields of ``megatron.bridge.models.gpt_provider.GPTModelProvider``
@@ -241,7 +241,7 @@ def _check_targets(data, path: Path, family) -> None:
     alias repeats the same object, and walking it once per repetition is what made a 1 KB alias
     bomb run for minutes."""
     from porting.convert.context import context_symbol
-    from porting.convert.untrusted import shown
+    from porting.untrusted import shown
 
     declared = {".".join(context_symbol(o)) for o in family.context_symbols} if family else set()
     declared.add(family_provider(family))
@@ -267,13 +267,13 @@ def check_run_config(path: str | os.PathLike, root: str | os.PathLike, family=No
     """Read ``run_config.yaml`` (a file of the checkpoint at ``root``) as data and return its
     ``model:`` section.
 
-    Refused: a file that is not plain YAML data within :func:`porting.convert.untrusted.read_yaml`'s
+    Refused: a file that is not plain YAML data within :func:`porting.untrusted.read_yaml`'s
     bounds (size, depth, aliases expanded, numbers), a ``model:`` whose ``_target_`` is not a
     Megatron-Bridge model provider (or ``family``'s own, :func:`family_provider`), and any ``_target_`` anywhere outside torch's functions and
     dtypes, Megatron-Core, Megatron-Bridge and the functions ``family`` declares
     (``Family.context_symbols``).
     """
-    from porting.convert.untrusted import read_yaml, shown
+    from porting.untrusted import read_yaml, shown
 
     path = Path(path)
     data = read_yaml(path, root, MAX_RUN_CONFIG_BYTES)

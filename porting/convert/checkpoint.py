@@ -22,9 +22,9 @@ from pathlib import Path
 from porting.convert.layouts.base import Located
 from porting.convert.layouts.registry import locate
 from porting.convert.manifest import Manifest, check_manifest
-from porting.convert.untrusted import read_json
 from porting.errors import PortingError
 from porting.guard import Terminated, raise_if_stopped, signals_deferred
+from porting.untrusted import read_json
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ def tokenizer_files(
 
     A symlink, a subdirectory or a path that leaves that directory is refused, so a crafted
     manifest can neither read files elsewhere nor make export copy them; each JSON file must parse
-    within :mod:`porting.convert.untrusted`'s bounds before ``transformers`` reads it. A checkpoint
+    within :mod:`porting.untrusted`'s bounds before ``transformers`` reads it. A checkpoint
     adopted with a tokenizer directory (:func:`adopt`) gives that directory's files.
     """
     checkpoint = open_checkpoint(ckpt)
@@ -182,7 +182,7 @@ def _regular_files(tok_dir: Path) -> list[Path]:
 
 def extra_file(checkpoint: Checkpoint, name: str) -> Path:
     """The HF extra file ``name`` (``generation_config.json``) kept in the checkpoint, a JSON
-    object within :mod:`porting.convert.untrusted`'s bounds."""
+    object within :mod:`porting.untrusted`'s bounds."""
     loc = checkpoint.located
     path = loc.meta / "hf_extra" / name
     if not isinstance(read_json(path, loc.root), dict):

@@ -14,8 +14,8 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from porting.convert.untrusted import read_json
 from porting.errors import PortingError
+from porting.untrusted import read_json
 
 # Exactly what NeMo 2.7.3 writes for a model, tokenizer, trainer and optimizer, beyond the classes
 # of the namespaces below and what the checkpoint's family declares (Family.context_symbols).

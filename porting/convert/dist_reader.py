@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from porting.convert.untrusted import open_file, read_bytes, read_json, regular_file, shown
 from porting.errors import PortingError, check_finite
+from porting.untrusted import open_file, read_bytes, read_json, regular_file, shown
 
 # A 405B model's .metadata with its optimizer state, saved by a thousand ranks, is some 100 MB.
 MAX_METADATA_BYTES = 1 << 30

@@ -83,11 +83,11 @@ def check_model_files(model_dir: str | Path) -> None:
     """Every file of the HF directory ``model_dir`` may be read: each passes :func:`model_file`,
     and each tokenizer file (:data:`TOKENIZER_FILE`) is at most
     :data:`~porting.convert.checkpoint.MAX_TOKENIZER_JSON_BYTES` and, if JSON, parses within
-    :mod:`porting.convert.untrusted`'s bounds (UTF-8, depth, numbers): ``transformers`` and the
+    :mod:`porting.untrusted`'s bounds (UTF-8, depth, numbers): ``transformers`` and the
     ``tokenizers`` library answer such files with a traceback, a hang or all the memory there is.
     Subfolders are skipped: only an index reaches them, and it is checked there.
     """
-    from porting.convert import untrusted
+    from porting import untrusted
     from porting.convert.checkpoint import MAX_TOKENIZER_JSON_BYTES
 
     for entry in sorted(Path(model_dir).iterdir()):
@@ -168,7 +168,7 @@ def _needs_remote_config(model_dir: str | Path, hf_config: dict | None = None) -
 def _tokenizer_class(model_dir: str | Path) -> str | None:
     """``tokenizer_class`` of the directory's ``tokenizer_config.json`` (checked by
     :func:`check_model_files` first), None without one."""
-    from porting.convert import untrusted
+    from porting import untrusted
     from porting.convert.checkpoint import MAX_TOKENIZER_JSON_BYTES
 
     path = Path(model_dir) / "tokenizer_config.json"
@@ -193,21 +193,12 @@ def read_json(path: Path, model_dir: str | Path) -> Any:
 
     Duplicate keys are refused (``json`` would silently keep the last one).
     """
-    from porting.convert.untrusted import MAX_TEXT_BYTES, parse_json
+    from porting.untrusted import MAX_TEXT_BYTES, parse_json, read_named_text
 
     model_file(path, model_dir)
-    try:
-        size = path.stat().st_size
-        if size > MAX_TEXT_BYTES:
-            raise PortingError(f"{path}: {size} bytes, more than the {MAX_TEXT_BYTES} it may hold")
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise PortingError(f"{path}: not UTF-8 text ({err})") from err
-    except OSError as err:
-        raise PortingError(f"{path}: cannot be read ({err.strerror})") from err
-    # The bounds our checkpoint reader applies (depth, number length, duplicate keys): what import
-    # carries into the manifest, export must be able to read back.
-    return parse_json(text, path)
+    # The bounds our checkpoint reader applies (size, depth, number length, duplicate keys):
+    # what import carries into the manifest, export must be able to read back.
+    return parse_json(read_named_text(path, str(path), MAX_TEXT_BYTES), path)
 
 
 def read_hf_config(hf_dir: str | Path) -> dict:

@@ -131,6 +131,7 @@ def prepare(
     weight_dtype = resolve_dtype(source, dtype, family)
     fp32 = kept_fp32(source, family)
     reader = _CastingSource(source, weight_dtype, frozenset(fp32)) if dtype else source
+
     def shape_of(cfg: dict) -> ShapeContext:
         config = family.config_class(nemo=False)(
             **config_arguments(family, cfg, weight_dtype, vocab_divisor)

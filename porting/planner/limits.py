@@ -15,8 +15,6 @@ worst accepted cluster is a stated, tested number rather than whatever the input
 from __future__ import annotations
 
 import math
-import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +38,6 @@ MAX_ORDER_STEPS = 20_000
 # ~25 us a value in pure Python (the C loader recurses without a depth limit), so both caps
 # keep a hostile file's parse to a few seconds
 MAX_CLUSTER_BYTES = 512 << 10
-MAX_YAML_VALUES = 100_000
 MAX_CONFIG_BYTES = 16 << 20  # config.json or context/porting.json
 MAX_CONSTANTS_BYTES = 64 << 10
 # nccl_tests.sh (from --emit) logs a node, each site and each link: 2,081 logs of a few KB for
@@ -115,85 +112,29 @@ MAX_MICRO_BATCH_SIZES = 16
 STEP_SECONDS = Range(1e-6, 1e7)  # --measured-step: a microsecond to four months
 
 
+# Python's int() refuses a literal of more digits (sys.get_int_max_str_digits); up to it a number
+# parses, and the rule of its field refuses it by name (a cluster's nodes: 10**400)
+NUMBER_CHARS = 4300
+
+
 def read_text(path: Path, what: str, max_bytes: int) -> str:
-    """The UTF-8 text of a regular file of at most ``max_bytes``; ``what`` names it in errors
-    (a flag, or the file itself)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except OSError as err:
-        raise PortingError(f"{what}: cannot read ({err.strerror or err})") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise PortingError(f"{what}: not a regular file")
-        if info.st_size > max_bytes:
-            raise PortingError(
-                f"{what}: {info.st_size} bytes is more than the planner's limit of {max_bytes}"
-            )
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read(max_bytes + 1)
-    except OSError as err:
-        raise PortingError(f"{what}: cannot read ({err.strerror or err})") from None
-    finally:
-        os.close(fd)
-    if len(data) > max_bytes:
-        raise PortingError(f"{what}: more than the planner's limit of {max_bytes} bytes")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise PortingError(f"{what}: not UTF-8 text (byte {err.start})") from None
+    """The UTF-8 text of a regular file of at most ``max_bytes`` that the user named, through
+    the one bounded reader (porting.untrusted); ``what`` names it in errors."""
+    from porting import untrusted
 
-
-class _TooManyValues(Exception):
-    pass
+    return untrusted.read_named_text(path, what, max_bytes)
 
 
 def parse_yaml(text: str, source: str) -> object:
-    """Parsed YAML (safe loader) of at most ``MAX_YAML_VALUES`` values; nesting too deep or a
-    number too long is an error naming ``source``. Aliases are not expanded: the loader shares
-    one object between them, and nothing here walks a value as a tree."""
-    import yaml
+    """Parsed YAML by the one bounded parser (porting.untrusted: depth, expanded size, keys given
+    twice), numbers left to their fields' rules."""
+    from porting import untrusted
 
-    class Loader(yaml.SafeLoader):
-        values = 0
-
-        def compose_node(self, parent, index):
-            self.values += 1
-            if self.values > MAX_YAML_VALUES:
-                raise _TooManyValues
-            return super().compose_node(parent, index)
-
-    loader = Loader(text)
-    try:
-        return loader.get_single_data()
-    except _TooManyValues:
-        raise PortingError(
-            f"{source}: more than the planner's limit of {MAX_YAML_VALUES} YAML values"
-        ) from None
-    except yaml.YAMLError as err:
-        raise PortingError(f"{source}: not valid YAML ({_first_line(err)})") from None
-    except RecursionError:
-        raise PortingError(f"{source}: nested too deeply to read") from None
-    except ValueError as err:
-        raise PortingError(f"{source}: unreadable value ({_first_line(err)})") from None
-    finally:
-        loader.dispose()
+    return untrusted.parse_yaml(text, source, NUMBER_CHARS)
 
 
 def parse_json(text: str, source: str) -> object:
-    """Parsed JSON; the same errors as :func:`parse_yaml`."""
-    import json
+    """Parsed JSON by the one bounded parser, as :func:`parse_yaml`."""
+    from porting import untrusted
 
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as err:
-        raise PortingError(f"{source}: cannot read JSON ({err})") from None
-    except RecursionError:
-        raise PortingError(f"{source}: nested too deeply to read") from None
-    except ValueError as err:
-        raise PortingError(f"{source}: unreadable value ({_first_line(err)})") from None
-
-
-def _first_line(err: Exception) -> str:
-    text = str(err).strip().splitlines()
-    return text[0][:200] if text else type(err).__name__
+    return untrusted.parse_json(text, source, NUMBER_CHARS)

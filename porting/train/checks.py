@@ -347,9 +347,9 @@ _SHAPE = (
 
 def read_json(path: Path, inside: Path | None = None) -> dict:
     """A JSON object from ``path``, read within the bounds every checkpoint file is read with
-    (``porting.convert.untrusted``); ``inside`` is the checkpoint it belongs to, if any, else the
+    (``porting.untrusted``); ``inside`` is the checkpoint it belongs to, if any, else the
     file given by the user is taken where its links lead. Anything else is an error naming it."""
-    from porting.convert import untrusted
+    from porting import untrusted
 
     if inside is None:
         path = Path(os.path.realpath(path))
@@ -402,7 +402,7 @@ def check_run_dir(spec: TrainSpec, manifest, config) -> None:
     :class:`SelfDescribingCheckpoint`) and ``context/model.yaml`` (NeMo's) are compared with
     ``--checkpoint``'s manifest and model.
     """
-    from porting.convert import untrusted
+    from porting import untrusted
 
     source = Path(spec.checkpoint) / "context" / "porting.json"
     facts = _model_facts(manifest, config)
@@ -792,7 +792,7 @@ def check_bridge_layout_change(spec: TrainSpec) -> str | None:
     """:func:`check_layout_change` for a Megatron-Bridge run: the layout a resume starts from is
     the newest iteration's ``run_config.yaml`` (read as data), the optimizer format its
     ``checkpoint.dist_ckpt_optim_fully_reshardable``."""
-    from porting.convert import untrusted
+    from porting import untrusted
 
     it = bridge_iteration(Path(spec.out) / "checkpoints")
     if it is None or not (it / "run_config.yaml").is_file():

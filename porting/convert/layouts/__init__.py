@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 
 from porting.convert.layouts.base import Located
 from porting.convert.layouts.megatron_lm import SavedEnum, load_common, read_common
-from porting.convert.untrusted import shown
 from porting.errors import PortingError
+from porting.untrusted import shown
 
 if TYPE_CHECKING:
     from porting.convert.checkpoint import Checkpoint

@@ -24,8 +24,8 @@ from pathlib import Path
 from porting.convert.bridge import RUN_CONFIG
 from porting.convert.layouts.base import Located
 from porting.convert.manifest import MANIFEST, Manifest, write_manifest
-from porting.convert.untrusted import checkpoint_dir, read_bytes, read_int
 from porting.errors import PortingError
+from porting.untrusted import checkpoint_dir, read_bytes, read_int
 
 TRACKER = "latest_checkpointed_iteration.txt"
 OURS = "porting"  # our directory beside the iterations

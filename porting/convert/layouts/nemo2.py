@@ -13,7 +13,7 @@ from pathlib import Path
 
 from porting.convert.layouts.base import Located
 from porting.convert.manifest import Manifest
-from porting.convert.untrusted import checkpoint_dir
+from porting.untrusted import checkpoint_dir
 
 
 class NeMo2:

@@ -1,4 +1,6 @@
-"""Reading the files a checkpoint brings: each one inside the checkpoint, each text one bounded.
+"""Reading the files a checkpoint brings (each one inside the checkpoint) and those a user names
+(:func:`read_named_text`: a cluster file, a config, a log): each text one bounded, every JSON and
+YAML parsed here, whoever reads it (conversion, training, the planner).
 
 A checkpoint comes from elsewhere (a download, another team's run), so nothing in it may decide
 what we open or how much a parse costs. Every file a checkpoint names, in any layout, goes through
@@ -147,12 +149,43 @@ def read_text(
     path: str | os.PathLike, inside: str | os.PathLike, max_bytes: int = MAX_TEXT_BYTES
 ) -> str:
     """:func:`read_bytes` decoded as strict UTF-8."""
-    raw = read_bytes(path, inside, max_bytes)
+    return _decoded(read_bytes(path, inside, max_bytes), str(path))
+
+
+def read_named_text(path: str | os.PathLike, what: str, max_bytes: int) -> str:
+    """The strict UTF-8 text of a file the user names (a cluster file, a config, a log), or one a
+    caller has vetted by its own rule (an HF directory's, whose hub links are allowed): taken
+    where its links lead, it must be a regular file (a FIFO or a device is refused without a
+    read; ``O_NONBLOCK`` keeps one swapped in from blocking) of at most ``max_bytes``. ``what``
+    names it in errors."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as err:
+        raise PortingError(f"{what}: cannot read ({err.strerror or err})") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise PortingError(f"{what}: is {_kind(mode)}, not a regular file")
+    with os.fdopen(fd, "rb") as f:
+        os.set_blocking(fd, True)
+        size = os.fstat(fd).st_size
+        if size > max_bytes:
+            raise PortingError(f"{what}: {size} bytes is more than the limit of {max_bytes}")
+        try:
+            raw = f.read(max_bytes + 1)
+        except OSError as err:
+            raise PortingError(f"{what}: cannot read ({err.strerror or err})") from None
+    if len(raw) > max_bytes:
+        raise PortingError(f"{what}: more than the limit of {max_bytes} bytes")
+    return _decoded(raw, what)
+
+
+def _decoded(raw: bytes, what: str) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as err:
         raise PortingError(
-            f"{path}: not UTF-8 text (byte {raw[err.start]:#04x} at offset {err.start})"
+            f"{what}: not UTF-8 text (byte {raw[err.start]:#04x} at offset {err.start})"
         ) from None
 
 
@@ -179,11 +212,9 @@ class _Refused(ValueError):
     """A bound broken inside a parser's hook; becomes the file's PortingError."""
 
 
-def _number(text: str) -> str:
-    if len(text) > MAX_NUMBER_CHARS:
-        raise _Refused(
-            f"a number of {len(text)} characters ({text[:20]}...); at most {MAX_NUMBER_CHARS}"
-        )
+def _number(text: str, limit: int = MAX_NUMBER_CHARS) -> str:
+    if len(text) > limit:
+        raise _Refused(f"a number of {len(text)} characters ({text[:20]}...); at most {limit}")
     return text
 
 
@@ -193,8 +224,8 @@ def _finite(value: float, text: str) -> float:
     return value
 
 
-def _json_float(text: str) -> float:
-    return _finite(float(_number(text)), text)
+def _json_float(text: str, limit: int = MAX_NUMBER_CHARS) -> float:
+    return _finite(float(_number(text, limit)), text)
 
 
 def _json_constant(text: str) -> float:
@@ -240,15 +271,18 @@ def read_json(
     return parse_json(read_text(path, inside, max_bytes), path)
 
 
-def parse_json(text: str, path: Path) -> Any:
+def parse_json(text: str, path: str | os.PathLike, number_chars: int = MAX_NUMBER_CHARS) -> Any:
     """The JSON value of ``text`` (read from ``path``, which errors name), within the bounds
-    above; for files read by other rules (an HF directory's, whose hub links are allowed)."""
+    above; for files read by other rules (an HF directory's, whose hub links are allowed, or a
+    file the user names). ``number_chars``: a caller whose every number is then checked by the
+    rule of its field (the planner) may let numbers up to Python's own ``int()`` limit through,
+    so that the field is named."""
     try:
         data = json.loads(
             text,
             object_pairs_hook=_unique_keys,
-            parse_int=lambda s: int(_number(s)),
-            parse_float=_json_float,
+            parse_int=lambda s: int(_number(s, number_chars)),
+            parse_float=functools.partial(_json_float, limit=number_chars),
             parse_constant=_json_constant,
         )
     except _Refused as err:
@@ -333,7 +367,7 @@ def _check_yaml_events(events, path: Path) -> None:
 
 
 @functools.cache
-def _loader():
+def _loader(number_chars: int = MAX_NUMBER_CHARS):
     """PyYAML's safe loader (libyaml's parser where available) with the bounds above on numbers
     and keys; only the standard YAML types are built, never an object named by a tag."""
     import yaml
@@ -342,11 +376,11 @@ def _loader():
 
     class Loader(base):
         def construct_yaml_int(self, node):
-            _number(node.value)
+            _number(node.value, number_chars)
             return super().construct_yaml_int(node)
 
         def construct_yaml_float(self, node):
-            _number(node.value)
+            _number(node.value, number_chars)
             value = super().construct_yaml_float(node)
             # YAML's own spellings of infinity and NaN are data: Megatron-Bridge writes
             # `grad_norm_skip_threshold: .inf`. A literal too large for a float is not.
@@ -378,11 +412,17 @@ def read_yaml(
 ) -> Any:
     """The one YAML document in ``path`` (:func:`regular_file` in ``inside``) as plain data, within
     the bounds above; its events are checked before anything is composed."""
+
+    return parse_yaml(read_text(path, inside, max_bytes), Path(path))
+
+
+def parse_yaml(text: str, path: str | os.PathLike, number_chars: int = MAX_NUMBER_CHARS) -> Any:
+    """The one YAML document of ``text`` (read from ``path``, which errors name) as plain data,
+    within the bounds above (``number_chars`` as for :func:`parse_json`); its events are checked
+    before anything is composed."""
     import yaml
 
-    path = Path(path)
-    text = read_text(path, inside, max_bytes)
-    loader = _loader()
+    loader = _loader(number_chars)
     try:
         _check_yaml_events(yaml.parse(text, Loader=loader), path)
         data = yaml.load(text, Loader=loader)
@@ -390,5 +430,7 @@ def read_yaml(
         raise PortingError(f"{path}: {err}") from None
     except yaml.YAMLError as err:
         raise PortingError(f"{path}: not YAML data ({_yaml_problem(err)})") from None
+    except ValueError as err:  # a number past int()'s own limit, where number_chars allows it
+        raise PortingError(f"{path}: not YAML data ({str(err).splitlines()[0][:200]})") from None
     _check_tree(data, path)
     return data
