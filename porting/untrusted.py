@@ -162,13 +162,13 @@ def read_named_text(path: str | os.PathLike, what: str, max_bytes: int) -> str:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as err:
         raise PortingError(f"{what}: cannot read ({err.strerror or err})") from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
         os.close(fd)
-        raise PortingError(f"{what}: is {_kind(mode)}, not a regular file")
+        raise PortingError(f"{what}: is {_kind(info.st_mode)}, not a regular file")
     with os.fdopen(fd, "rb") as f:
         os.set_blocking(fd, True)
-        size = os.fstat(fd).st_size
+        size = info.st_size
         if size > max_bytes:
             raise PortingError(f"{what}: {size} bytes is more than the limit of {max_bytes}")
         try:

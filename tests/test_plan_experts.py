@@ -341,3 +341,36 @@ def test_the_emitted_benchmark_writes_a_log_that_calibrates(tmp_path, monkeypatc
     assert main([*argv[:-2], "--calibrate", str(log.parent), "--json"]) == 0
     out = capsys.readouterr().out
     assert '"expert_calibration"' in out and '"shapes": 4' in out
+
+
+def test_the_emitted_benchmark_holds_a_hostile_model_name_as_a_string_and_refuses_bad_rows(
+    tmp_path, monkeypatch, capsys
+):
+    """A model's name comes from its directory: quotes, a newline and code in it stay one string
+    constant of gemm_bench.py; a --rows that is not a list of positive integers is argparse's
+    one-line refusal, not a traceback."""
+    import ast
+    from dataclasses import replace as with_field
+
+    from porting.planner.emit import gemm_bench_script
+
+    name = 'x"""\nimport os; os.system("touch pwned") #\'\'\''
+    m = with_field(PRESETS["mixtral-8x7b"], name=name)
+    script = gemm_bench_script(m, Layout(tp=1, cp=1, pp=1, vp=1, dp=8, micro_batch=1,
+                                         recompute="none", ep=8))  # fmt: skip
+    tree = ast.parse(script)
+    consts = {
+        n.targets[0].id: n.value.value
+        for n in tree.body
+        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)
+    }
+    assert consts["MODEL"] == name and consts["GROUPS"] == 1
+    path = tmp_path / "gemm_bench.py"
+    path.write_text(script)
+    for rows in ("16,x", "0,16", ""):
+        monkeypatch.setattr(sys, "argv", [str(path), "--device", "cpu", "--rows", rows])
+        with pytest.raises(SystemExit) as stop:
+            runpy.run_path(str(path), run_name="__main__")
+        assert stop.value.code == 2
+        assert "argument --rows" in capsys.readouterr().err
+    assert not (tmp_path / "pwned").exists()

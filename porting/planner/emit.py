@@ -456,8 +456,8 @@ def gemm_bench_script(m, lay) -> str:
     width = m.moe_ffn // lay.etp
     shapes = [(m.hidden, (2 if m.gated else 1) * width), (width, m.hidden)]
     return f'''#!/usr/bin/env python3
-"""Time {m.name}'s expert GEMMs as {lay.label()} runs them: {m.experts // lay.ep} local experts,
-weights k x n = {shapes[0][0]} x {shapes[0][1]} and {shapes[1][0]} x {shapes[1][1]}, in bf16. Then
+"""Time the planned model's expert GEMMs (MODEL, as LAYOUT runs them: GROUPS local experts,
+the weights SHAPES, in bf16). Then
     porting plan ... --calibrate nccl-logs/
 Usage: python3 gemm_bench.py [--device cuda] [--out nccl-logs/grouped_gemm.csv] [--rows 16,32,...]
 """
@@ -467,9 +467,23 @@ import time
 
 import torch
 
+# the model's name comes from its file or directory: a string here, never code
+MODEL = {m.name!r}
+LAYOUT = {lay.label()!r}
 GROUPS = {m.experts // lay.ep}
 SHAPES = {shapes!r}  # (k, n)
 ROWS = {",".join(str(r) for r in GEMM_ROWS)!r}
+
+
+def row_list(text):
+    """``16,32,...``: positive integers, or argparse's one-line error."""
+    try:
+        rows = [int(r) for r in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of integers: {{text!r}}") from None
+    if not rows or min(rows) < 1:
+        raise argparse.ArgumentTypeError(f"rows must be positive: {{text!r}}")
+    return rows
 
 
 def timed(fn, device, repeat):
@@ -489,7 +503,7 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                   "nccl-logs", "grouped_gemm.csv"))
-    ap.add_argument("--rows", default=ROWS, help="rows per expert to time")
+    ap.add_argument("--rows", default=ROWS, type=row_list, help="rows per expert to time")
     ap.add_argument("--groups", type=int, default=GROUPS)
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--scale", type=int, default=1, help="divide k and n (a quick rehearsal)")
@@ -505,7 +519,7 @@ def main():
         for k, n in SHAPES:
             k, n = k // a.scale, n // a.scale
             w = torch.randn(a.groups, k, n, device=a.device, dtype=dtype)
-            for rows in (int(r) for r in a.rows.split(",")):
+            for rows in a.rows:
                 x = torch.randn(a.groups * rows, k, device=a.device, dtype=dtype)
                 parts = x.split(rows)
                 looped = timed(lambda: [p @ w[i] for i, p in enumerate(parts)], a.device, a.repeat)
