@@ -20,7 +20,7 @@ keeps it); the releases store it as F32 beside BF16 weights, so it is one of the
 ``fp32_tensors``: no vote on the import dtype, never cast, and F32 again on export. The routing
 maths is in
 :mod:`models.deepseek`; what the family refuses, by name, is in :func:`_moe_to_mcore`,
-:func:`_mla_to_mcore` and :func:`_rope_to_mcore`.
+:func:`mla_to_mcore` and :func:`_rope_to_mcore`.
 
 Multi-token prediction: published DeepSeek-V3 checkpoints carry ``num_nextn_predict_layers``
 (one) extra layer at index ``num_hidden_layers`` (``model.layers.61.*``), which transformers'
@@ -77,7 +77,7 @@ def _int(hf: dict, name: str, *, null_ok: bool = False, at_least: int = 1):
     return v
 
 
-def _mla_to_mcore(hf: dict) -> dict:
+def mla_to_mcore(hf: dict) -> dict:
     heads = hf["num_attention_heads"]
     kv_heads = hf.get("num_key_value_heads")
     if kv_heads is not None and kv_heads != heads:
@@ -111,7 +111,7 @@ def _mla_to_mcore(hf: dict) -> dict:
     }
 
 
-_MLA_FIELDS = (
+MLA_FIELDS = (
     "num_key_value_heads",
     "q_lora_rank",
     "kv_lora_rank",
@@ -121,6 +121,61 @@ _MLA_FIELDS = (
     "qk_head_dim",
     "head_dim",
 )
+
+
+# unscaled rotary; Megatron's softmax scale reads rotary_scaling_factor whatever the rope type
+UNSCALED_ROPE = {"rope_type": "rope", "rotary_scaling_factor": 1.0, "mscale_all_dim": 0.0}
+
+
+def yarn_fields(hf: dict, max_positions: int, attention: str) -> dict | None:
+    """``rope_scaling``'s YaRN fields, each checked (None where it is null), for Megatron-Core's
+    multi-latent YaRN: ``factor``, ``mscale`` and ``mscale_all_dim`` (0 where absent), the betas
+    and ``original_max_position_embeddings`` (``max_positions`` where neither it nor
+    ``max_position_embeddings`` is given). ``attention`` names the HF class, for the refusal of
+    another rotary type."""
+    rs = hf.get("rope_scaling")
+    if rs is None:
+        return None
+    if not isinstance(rs, dict):
+        raise PortingError(f"config.json: rope_scaling must be an object, not {rs!r}")
+    kind = rope_kind(rs)
+    if kind != "yarn":
+        raise PortingError(
+            f"config.json: rope_scaling type {kind!r} is not supported: {attention} and "
+            "Megatron-Core's multi-latent attention have only plain and YaRN rotary embeddings in "
+            "common"
+        )
+    if rs.get("attention_factor") is not None:
+        raise PortingError(
+            f"config.json: rope_scaling.attention_factor={rs['attention_factor']!r} is not "
+            "supported: Megatron-Core's YaRN derives the factor from mscale and mscale_all_dim"
+        )
+    if rs.get("truncate", True) is not True:
+        raise PortingError(
+            f"config.json: rope_scaling.truncate={rs['truncate']!r} is not supported: "
+            "Megatron-Core's multi-latent YaRN always rounds its correction range"
+        )
+
+    def optional(key: str, default, **bounds):
+        return default if rs.get(key) is None else rope_number(rs, key, **bounds)
+
+    beta_fast = optional("beta_fast", 32.0, above=0) or 32.0
+    beta_slow = optional("beta_slow", 1.0, above=0) or 1.0
+    if beta_fast < beta_slow:
+        raise PortingError(
+            f"config.json: rope_scaling.beta_fast ({beta_fast!r}) must not be below beta_slow "
+            f"({beta_slow!r})"
+        )
+    original = optional("original_max_position_embeddings", None, at_least=1, integer=True)
+    return {
+        "factor": float(rope_number(rs, "factor", at_least=1)),
+        "mscale": float(optional("mscale", 0.0, at_least=0)),
+        "mscale_all_dim": float(optional("mscale_all_dim", 0.0, at_least=0)),
+        "beta_fast": float(beta_fast),
+        "beta_slow": float(beta_slow),
+        "original_max_position_embeddings": original
+        or hf.get("max_position_embeddings", max_positions),
+    }
 
 
 def _rope_to_mcore(hf: dict) -> dict:
@@ -133,38 +188,11 @@ def _rope_to_mcore(hf: dict) -> dict:
     ``mscale`` and ``mscale_all_dim`` (``_yarn_get_concentration_factor``, ``_yarn_get_mscale``).
     Values where the two readings part are refused by name.
     """
-    rs = hf.get("rope_scaling")
-    if rs is None:
-        # Megatron's softmax scale reads rotary_scaling_factor whatever the rope type
-        return {"rope_type": "rope", "rotary_scaling_factor": 1.0, "mscale_all_dim": 0.0}
-    if not isinstance(rs, dict):
-        raise PortingError(f"config.json: rope_scaling must be an object, not {rs!r}")
-    kind = rope_kind(rs)
-    if kind != "yarn":
-        raise PortingError(
-            f"config.json: rope_scaling type {kind!r} is not supported: DeepseekV3Attention reads "
-            "rope_scaling['factor'] for its softmax scale whatever the type, and Megatron-Core's "
-            "multi-latent attention has only plain and YaRN rotary embeddings"
-        )
-    if rs.get("attention_factor") is not None:
-        raise PortingError(
-            f"config.json: rope_scaling.attention_factor={rs['attention_factor']!r} is not "
-            "supported: Megatron-Core's YaRN derives the factor from mscale and mscale_all_dim"
-        )
-    if rs.get("truncate", True) is not True:
-        raise PortingError(
-            f"config.json: rope_scaling.truncate={rs['truncate']!r} is not supported: "
-            "Megatron-Core's multi-latent YaRN always rounds its correction range"
-        )
-    factor = rope_number(rs, "factor", at_least=1)
-
-    def optional(key: str, default, **bounds):
-        return default if rs.get(key) is None else rope_number(rs, key, **bounds)
-
-    mscale, all_dim = (
-        optional("mscale", 0.0, at_least=0),
-        optional("mscale_all_dim", 0.0, at_least=0),
-    )
+    # DeepseekV3Attention reads rope_scaling['factor'] for its softmax scale whatever the type
+    y = yarn_fields(hf, _DEFAULTS["max_position_embeddings"], "DeepseekV3Attention")
+    if y is None:
+        return dict(UNSCALED_ROPE)
+    mscale, all_dim = y.pop("mscale"), y["mscale_all_dim"]
     if all_dim and not mscale:
         # transformers then scales cos/sin by get_mscale(factor) but the scores by
         # get_mscale(factor, mscale_all_dim)**2; Megatron divides the former by the latter's root
@@ -172,24 +200,12 @@ def _rope_to_mcore(hf: dict) -> dict:
             f"config.json: rope_scaling.mscale_all_dim={all_dim!r} without mscale is not "
             "supported: Megatron-Core's YaRN would divide the rotary scale by it"
         )
-    beta_fast = optional("beta_fast", 32.0, above=0) or 32.0
-    beta_slow = optional("beta_slow", 1.0, above=0) or 1.0
-    if beta_fast < beta_slow:
-        raise PortingError(
-            f"config.json: rope_scaling.beta_fast ({beta_fast!r}) must not be below beta_slow "
-            f"({beta_slow!r})"
-        )
-    original = optional("original_max_position_embeddings", None, at_least=1, integer=True)
     return {
         "rope_type": "yarn",
-        "rotary_scaling_factor": float(factor),
+        "rotary_scaling_factor": y.pop("factor"),
         # transformers reads mscale only beside mscale_all_dim (else get_mscale(factor): 1.0)
-        "mscale": float(mscale) if all_dim else 1.0,
-        "mscale_all_dim": float(all_dim),
-        "beta_fast": float(beta_fast),
-        "beta_slow": float(beta_slow),
-        "original_max_position_embeddings": original
-        or hf.get("max_position_embeddings", _DEFAULTS["max_position_embeddings"]),
+        "mscale": mscale if all_dim else 1.0,
+        **y,
     }
 
 
@@ -338,7 +354,7 @@ CONFIG = (
         lambda v: v in ("deepseek_v3", "kimi_k2"),
         "the HF side is DeepseekV3ForCausalLM (deepseek_v3; Kimi K2's configs say kimi_k2)",
     ),
-    Derived(_MLA_FIELDS, _mla_to_mcore, lambda c: {}),
+    Derived(MLA_FIELDS, mla_to_mcore, lambda c: {}),
     Derived(("rope_scaling",), _rope_to_mcore, lambda c: {}),
     Derived(_MOE_FIELDS, _moe_to_mcore, lambda c: {}),
     NoOp(
@@ -427,7 +443,7 @@ def _shared(where: str) -> TransformPair:
 TO_FP32 = TransformPair("to_fp32", lambda t, ctx: t.float(), lambda t, ctx: (t,))
 
 
-_LAYER_WEIGHTS = (
+LAYER_WEIGHTS = (
     Rename(_L + "input_layernorm.weight", _M + "input_layernorm.weight"),
     Rename(_A + "q_a_proj.weight", _SA + "linear_q_down_proj.weight", when=_q_lora),
     Rename(_A + "q_a_layernorm.weight", _SA + "q_layernorm.weight", when=_q_lora),
@@ -502,7 +518,7 @@ WEIGHTS = (
         _shared("embed_tokens"),
         when=_mtp,
     ),
-    *_LAYER_WEIGHTS,
+    *LAYER_WEIGHTS,
     Rename("model.norm.weight", "decoder.final_layernorm.weight"),
     Fused(
         ("lm_head.weight",),
@@ -524,7 +540,7 @@ WEIGHTS = (
     Rename(_H + "enorm.weight", _T + "enorm.weight", when=_mtp),
     Rename(_H + "hnorm.weight", _T + "hnorm.weight", when=_mtp),
     Rename(_H + "eh_proj.weight", _T + "eh_proj.weight", when=_mtp),
-    *(_as_mtp(e) for e in _LAYER_WEIGHTS if e.layers is not _dense),
+    *(_as_mtp(e) for e in LAYER_WEIGHTS if e.layers is not _dense),
     Rename(_H + "shared_head.norm.weight", _T + "final_layernorm.weight", when=_mtp),
 )
 

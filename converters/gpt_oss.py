@@ -33,8 +33,8 @@ from converters import moe
 from converters.llama import FULL, LLAMA_LAYOUT, ROPE_SCALING, SLIDING, layer_windows
 from porting.contract.config_map import Carry, Derived, Field, NoOp, Require
 from porting.contract.family import Family, ShapeContext, Variant
-from porting.contract.mapping import Fused, Ignore, Rename
-from porting.contract.transforms import QKV, VOCAB_PAD, TransformPair
+from porting.contract.mapping import EMBEDDING, FINAL_NORM_AND_HEAD, Fused, Rename
+from porting.contract.transforms import QKV, TransformPair
 from porting.errors import PortingError
 
 if TYPE_CHECKING:  # annotations only: the family's tables load without its Megatron side
@@ -196,7 +196,7 @@ _X = _L + "mlp.experts."
 _EXPERT = _M + "mlp.experts.local_experts.#."
 _ATTN = _L + "self_attn."
 WEIGHTS = (
-    Fused(("model.embed_tokens.weight",), "embedding.word_embeddings.weight", VOCAB_PAD),
+    EMBEDDING,
     Rename(_L + "input_layernorm.weight", _M + "input_layernorm.weight"),
     Fused(
         (_ATTN + "q_proj.weight", _ATTN + "k_proj.weight", _ATTN + "v_proj.weight"),
@@ -218,13 +218,7 @@ WEIGHTS = (
     Fused((_X + "gate_up_proj_bias[#]",), _EXPERT + "linear_fc1.bias", INTERLEAVED_GATE_UP_BIAS),
     Fused((_X + "down_proj[#]",), _EXPERT + "linear_fc2.weight", TRANSPOSED),
     Rename(_X + "down_proj_bias[#]", _EXPERT + "linear_fc2.bias"),
-    Rename("model.norm.weight", "decoder.final_layernorm.weight"),
-    Fused(("lm_head.weight",), "output_layer.weight", VOCAB_PAD, when=lambda c: not c.tied_output),
-    Ignore(
-        "lm_head.weight",
-        "tied to model.embed_tokens.weight; transformers ignores it too",
-        when=lambda c: c.tied_output,
-    ),
+    *FINAL_NORM_AND_HEAD,
 )
 
 

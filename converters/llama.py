@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 
 from porting.contract.config_map import BOOL, POSITIVE_INT, Carry, Derived, Field, NoOp, Require
 from porting.contract.family import Family, ShapeContext, Variant
-from porting.contract.mapping import Fused, Ignore, Rename
+from porting.contract.mapping import EMBEDDING, FINAL_NORM_AND_HEAD, Fused, Ignore, Rename
 from porting.contract.rope import rope_kind, rope_number
-from porting.contract.transforms import GATED_MLP, QKV, VOCAB_PAD
+from porting.contract.transforms import GATED_MLP, QKV
 from porting.errors import PortingError
 
 if TYPE_CHECKING:  # annotations only: the family's tables load without its Megatron side
@@ -293,7 +293,7 @@ def _biased(ctx: ShapeContext) -> bool:
 
 
 WEIGHTS = (
-    Fused(("model.embed_tokens.weight",), "embedding.word_embeddings.weight", VOCAB_PAD),
+    EMBEDDING,
     Rename(_L + "input_layernorm.weight", _M + "input_layernorm.weight"),
     Fused(
         (
@@ -326,13 +326,7 @@ WEIGHTS = (
     ),
     Rename(_L + "mlp.down_proj.weight", _M + "mlp.linear_fc2.weight"),
     Rename(_L + "mlp.down_proj.bias", _M + "mlp.linear_fc2.bias", when=_biased),
-    Rename("model.norm.weight", "decoder.final_layernorm.weight"),
-    Fused(("lm_head.weight",), "output_layer.weight", VOCAB_PAD, when=lambda c: not c.tied_output),
-    Ignore(
-        "lm_head.weight",
-        "tied to model.embed_tokens.weight; transformers ignores it too",
-        when=lambda c: c.tied_output,
-    ),
+    *FINAL_NORM_AND_HEAD,
     Ignore(_L + "self_attn.rotary_emb.inv_freq", "a buffer recomputed from rope_theta"),
 )
 

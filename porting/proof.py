@@ -92,6 +92,12 @@ _TINY_EXTRA = {
         topk_group=1, n_shared_experts=1, moe_intermediate_size=48, first_k_dense_replace=1,
         q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
     ),
+    # DeepSeek-V2-Lite's layout: no query latent, greedy top-2 of 4, 2 shared experts
+    "DeepseekV2ForCausalLM": dict(
+        num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=2,
+        moe_intermediate_size=48, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, topk_method="greedy",
+    ),
 }  # fmt: skip
 _FALCON_NAMES = ("intermediate_size", "num_key_value_heads")
 
@@ -288,8 +294,9 @@ def routing(
     ``router_suffix`` names the HF router modules (``block_sparse_moe.gate``, ``mlp.gate``); the
     Megatron side is every ``TopKRouter``'s routing map. ``router_logits(module, inputs, output)``
     gives the logits of a router whose output is not them (gpt-oss's returns its top-k scores
-    and indices); by default the output is, or its first element (transformers 5's routers
-    return their logits, scores and indices).
+    and indices), or None for a module of that name that routes nothing (a dense layer's MLP
+    where the hook is on the MLP); by default the output is, or its first element (transformers
+    5's routers return their logits, scores and indices).
     """
     from megatron.core.transformer.moe.router import TopKRouter
 
@@ -323,7 +330,8 @@ def routing(
 
     def keep(i: int, mod, a, out) -> None:
         got = read(mod, a, out)
-        hf_logits[i].append(got.reshape(-1, got.shape[-1]))
+        if got is not None:
+            hf_logits[i].append(got.reshape(-1, got.shape[-1]))
 
     hooks = [
         r.register_forward_hook(lambda mod, a, out, i=i: keep(i, mod, a, out))
@@ -333,6 +341,7 @@ def routing(
         hf_model.eval()(p)
     for h in hooks:
         h.remove()
+    hf_logits = [layer for layer in hf_logits if layer]
     hf_top = [[t.topk(k, -1).indices.sort(-1).values for t in layer] for layer in hf_logits]
     gaps = [
         (s[:, k - 1] - s[:, k]).min().item()
@@ -449,14 +458,18 @@ def swapped_experts_table(table, layer: int, a: int, b: int, num_layers: int, nu
         hf = (e.hf,) if isinstance(e, Rename) else e.hf
         transform = e.transform if isinstance(e, Fused) else None
         for i in range(num_layers):
+
+            def when(c, i=i, e=e) -> bool:  # an entry for some layers only stays for those
+                return (e.when is None or e.when(c)) and (e.layers is None or e.layers(c, i))
+
             for x in range(num_experts):
                 src = {a: b, b: a}.get(x, x) if i == layer else x
                 keys = tuple(k.replace(LAYER, str(i)).replace(EXPERT, str(src)) for k in hf)
                 mcore = e.mcore.replace(LAYER, str(i)).replace(EXPERT, str(x))
                 if transform is None:
-                    out.append(Rename(keys[0], mcore, when=e.when))
+                    out.append(Rename(keys[0], mcore, when=when))
                 else:
-                    out.append(Fused(keys, mcore, transform, when=e.when))
+                    out.append(Fused(keys, mcore, transform, when=when))
     return tuple(out)
 
 
@@ -712,7 +725,8 @@ def broken_table(table, pattern: str, layer: int, breaker, num_layers: int):
     """``table`` with the entry whose Megatron name ends in ``pattern`` broken for one layer only.
 
     ``breaker(transform) -> TransformPair`` turns the entry's own transform into the broken one
-    (see :func:`scaled`); the other layers keep theirs.
+    (see :func:`scaled`); the other layers keep theirs. An entry for some layers only (its
+    ``layers``) stays for those.
     """
     from porting.contract.mapping import Fused, Rename
     from porting.contract.transforms import IDENTITY
@@ -725,7 +739,11 @@ def broken_table(table, pattern: str, layer: int, breaker, num_layers: int):
                 hf = (e.hf,) if isinstance(e, Rename) else e.hf
                 hf = tuple(k.replace("*", str(i)) for k in hf)
                 chosen = breaker(fixed) if i == layer else fixed
-                out.append(Fused(hf, e.mcore.replace("*", str(i)), chosen, when=e.when))
+
+                def when(c, i=i, e=e) -> bool:
+                    return (e.when is None or e.when(c)) and (e.layers is None or e.layers(c, i))
+
+                out.append(Fused(hf, e.mcore.replace("*", str(i)), chosen, when=when))
         else:
             out.append(e)
     assert tuple(out) != tuple(table), f"no layered entry ends in {pattern!r}"

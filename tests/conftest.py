@@ -163,7 +163,8 @@ LONGEST_FIRST = (
 QUICK_FAMILY_FILES = {
     f"test_{family}.py" for family in (
         "llama", "tsuzumi", "falcon", "qwen", "mistral", "gemma", "gemma3", "moe", "gpt_oss",
-        "deepseek", "olmo2", "olmoe", "phi3", "nemotron", "granite", "smollm3", "granitemoe",
+        "deepseek", "deepseek_v2", "olmo2", "olmoe", "phi3", "nemotron", "granite", "smollm3",
+        "granitemoe",
     )
 }  # fmt: skip
 QUICK_IN_A_FAMILY_FILE = ("parity", "round_trip")
@@ -212,6 +213,7 @@ CURRENT_STACK_ONLY = {
     "test_prep_blend.py", "test_prep_hostile.py", "test_prep_provenance.py", "test_prep_tools.py",
     "test_shell_trust.py", "test_overlap.py", "test_hostile.py", "test_nemotron.py",
     "test_granite.py", "test_smollm3.py", "test_granitemoe.py", "test_prep_ray.py",
+    "test_deepseek_v2.py",
 }  # fmt: skip
 # Of those, the files with cases marked ``nemo2``: collected on the NeMo 2 stack too, for those.
 WITH_NEMO2_CASES = {

@@ -53,6 +53,7 @@ ARCHITECTURES = (
     "GraniteForCausalLM",
     "SmolLM3ForCausalLM",
     "GraniteMoeForCausalLM",
+    "DeepseekV2ForCausalLM",
 )
 
 
@@ -230,7 +231,7 @@ def _moe(configs):
 
 def test_top_k_above_the_expert_count_is_refused_in_every_moe_layout(configs):
     archs = _moe(configs)
-    assert len(archs) == 7
+    assert len(archs) == 8
     for arch in archs:
         family, cfg = configs[arch]
         experts = next(
@@ -257,7 +258,7 @@ def test_heads_must_divide_hidden_unless_head_dim_is_given(configs):
         for kv in ("num_key_value_heads", "num_kv_heads"):
             if kv in changed:
                 # multi-latent attention gives every head its own keys (refused otherwise)
-                changed[kv] = 3 if arch == "DeepseekV3ForCausalLM" else 1
+                changed[kv] = 3 if arch.startswith("Deepseek") else 1
         if arch.startswith("Gemma"):  # transformers' Gemma needs its head_dim
             assert _refusal(family, changed) == "required field 'head_dim' is missing"
             continue

@@ -73,10 +73,18 @@ CASES = {
         first_k_dense_replace=1, n_group=2, topk_group=1, q_lora_rank=32, kv_lora_rank=16,
         qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_nextn_predict_layers=1,
     ), ()),
+    # DeepSeek-V2-Lite's layout: no query latent, greedy softmax routing, YaRN
+    "DeepseekV2ForCausalLM": ("DeepseekV2Config", dict(
+        num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=2,
+        moe_intermediate_size=32, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, topk_method="greedy",
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                      "mscale": 0.707, "mscale_all_dim": 0.707},
+    ), ()),
 }  # fmt: skip
 # the MoE families' experts saved stacked (save_original_format=False), read as published
 PACKED = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
-          "DeepseekV3ForCausalLM")  # fmt: skip
+          "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")  # fmt: skip
 CASES |= {f"{name}-packed": CASES[name] for name in PACKED}
 
 

@@ -159,6 +159,13 @@ _BRIDGE_FAMILIES = {
         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
         q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
         n_group=1, topk_group=1)),
+    # DeepSeek-V2-Lite's layout, with its YaRN (transformers' V2 softmax scale)
+    "deepseek_v2": ("DeepseekV2ForCausalLM", "deepseek-v2", dict(
+        intermediate_size=96, moe_intermediate_size=32, num_key_value_heads=4,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=2, first_k_dense_replace=1,
+        q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        max_position_embeddings=64, rope_scaling={"type": "yarn", "factor": 4.0,
+        "original_max_position_embeddings": 16, "mscale": 0.707, "mscale_all_dim": 0.707})),
     "llama_llama3_scaling": ("LlamaForCausalLM", "llama", dict(
         intermediate_size=96, num_key_value_heads=2, rope_scaling=_ROPE_LLAMA3)),
     "mistral_linear_scaling": ("MistralForCausalLM", "mistral", dict(
@@ -249,7 +256,8 @@ def test_megatron_bridge_loader_reads_our_other_families(variant, bridge_run):
         if variant == "qwen2_moe":
             assert all(t.startswith(("megatron.", "torch.")) for t in got["targets"])
     else:
-        assert len(provider) == 1 and provider[0].startswith(f"models.{family}_bridge."), provider
+        module = f"models.{family.replace('-', '_')}_bridge."
+        assert len(provider) == 1 and provider[0].startswith(module), provider
     _assert_logits(got["hf"], got["bridge"])
 
 

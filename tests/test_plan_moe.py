@@ -110,18 +110,20 @@ def test_moe_parallel_folding_mfu_within_the_band(tmp_path, name, nodes, split, 
 
 
 def test_moe_configs_are_read_with_their_published_sizes():
-    # total / active parameters from the model cards (billions)
+    # total / active parameters from the model cards (billions), and how many of the embedding
+    # and the output layer each card's active count holds
     published = {
-        "mixtral-8x7b": (46.7, 12.9),
-        "mixtral-8x22b": (141, 39),
-        "qwen2-57b-a14b": (57, 14),
-        "qwen3-235b-a22b": (235, 22),
-        "deepseek-v3": (671, 37),
+        "mixtral-8x7b": (46.7, 12.9, 2),
+        "mixtral-8x22b": (141, 39, 2),
+        "qwen2-57b-a14b": (57, 14, 2),
+        "qwen3-235b-a22b": (235, 22, 2),
+        "deepseek-v2-lite": (15.7, 2.4, 1),
+        "deepseek-v3": (671, 37, 2),
     }
-    for name, (total, active) in published.items():
+    for name, (total, active, tables) in published.items():
         m = PRESETS[name]
         assert m.moe
-        got_active = m.layers * m.matmul_params_per_layer() + 2 * m.vocab * m.hidden
+        got_active = m.layers * m.matmul_params_per_layer() + tables * m.vocab * m.hidden
         assert m.total_params() / 1e9 == pytest.approx(total, rel=0.02), name
         assert got_active / 1e9 == pytest.approx(active, rel=0.03), name
     v3 = PRESETS["deepseek-v3"]
@@ -313,6 +315,7 @@ CARD_TOTALS = {
     "Qwen/Qwen3-30B-A3B": 30.5,
     "allenai/OLMoE-1B-7B-0924": 6.9,
     "allenai/OLMoE-1B-7B-0125": 6.9,
+    "deepseek-ai/DeepSeek-V2-Lite": 15.7,
     "deepseek-ai/DeepSeek-V3": 671,
     "deepseek-ai/DeepSeek-V3.1": 671,
     "moonshotai/Kimi-K2-Instruct": 1040,

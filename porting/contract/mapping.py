@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from porting.contract.transforms import IDENTITY, TransformPair
+from porting.contract.transforms import IDENTITY, VOCAB_PAD, TransformPair
 
 Predicate = Callable[[Any], bool]
 LayerPredicate = Callable[[Any, int], bool]
@@ -69,6 +69,28 @@ class Ignore:
 
 
 Entry = Rename | Fused | Ignore
+
+
+def _untied(c) -> bool:
+    return not c.tied_output
+
+
+def _tied(c) -> bool:
+    return c.tied_output
+
+
+# A decoder laid out as transformers' Llama is (and most are): its embedding, padded to Megatron's
+# vocabulary, and its final norm and output layer, tied or not.
+EMBEDDING = Fused(("model.embed_tokens.weight",), "embedding.word_embeddings.weight", VOCAB_PAD)
+FINAL_NORM_AND_HEAD = (
+    Rename("model.norm.weight", "decoder.final_layernorm.weight"),
+    Fused(("lm_head.weight",), "output_layer.weight", VOCAB_PAD, when=_untied),
+    Ignore(
+        "lm_head.weight",
+        "tied to model.embed_tokens.weight; transformers ignores it too",
+        when=_tied,
+    ),
+)
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ _PUBLISHED = {
         )
         # kimi_k2: DeepseekV3ForCausalLM under its own model_type, for which transformers 5 has
         # no conversion back and always saves the stacks
-        for model_type in ("qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "kimi_k2")
+        for model_type in ("qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "kimi_k2")
     },
 }  # fmt: skip
 

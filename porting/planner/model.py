@@ -612,6 +612,16 @@ _MOE_CONFIGS = {
         "head_dim": 128, "vocab_size": 151936, "num_experts": 128, "num_experts_per_tok": 8,
         "decoder_sparse_step": 1, "mlp_only_layers": [],
     },
+    # deepseek-ai/DeepSeek-V2-Lite: MLA without a query latent, 2 shared + 64 routed experts, the
+    # first layer dense, greedy top-6
+    "deepseek-v2-lite": {
+        "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+        "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
+        "vocab_size": 102400, "q_lora_rank": None, "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "n_routed_experts": 64, "num_experts_per_tok": 6, "n_shared_experts": 2,
+        "first_k_dense_replace": 1, "moe_layer_freq": 1,
+    },
     # deepseek-ai/DeepSeek-V3: MLA, 1 shared + 256 routed experts, the first 3 layers dense,
     # node-limited routing (8 groups, 4 per token)
     "deepseek-v3": {
