@@ -480,13 +480,26 @@ def _hf_tensor_names(hf_class: str, cfg: dict) -> tuple[list[str], str]:
         config = cls.config_class.from_dict(copy.deepcopy(cfg))
         with init_empty_weights(include_buffers=True):
             model = cls._from_config(config, dtype=torch.float32)
-        names = list(model.state_dict())
+        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     except Exception as err:  # the reference class refuses this config: the gate will say so
         return (
             [],
             f"transformers' {hf_class} cannot be built from config.json ({type(err).__name__})",
         )
-    return names, ""
+    return _published_names(cfg.get("model_type"), shapes), ""
+
+
+def _published_names(model_type: object, shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """The names of a model's tensors as its checkpoints store them: transformers 5 holds a
+    mixture's experts stacked in the model and saves them one tensor each again (the names
+    the families' tables read), where it knows the model type's published form."""
+    from porting.convert.packed_experts import Slice, plan
+
+    published = plan(model_type, shapes, "the model built on the meta device")
+    if not published:
+        return list(shapes)
+    stored = {v.stored if isinstance(v, Slice) else v for v in published.values()}
+    return [n for n in shapes if n not in stored] + list(published)
 
 
 def _refused(entries: list, cfg: dict, where: str) -> set[str]:

@@ -399,6 +399,19 @@ def test_base_picks_the_family_to_start_from(tmp_path, capsys):
     assert not other.exists()
 
 
+@pytest.mark.parametrize(
+    "arch,base", [("Qwen3MoeForCausalLM", "moe"), ("DeepseekV2ForCausalLM", "deepseek-v2")]
+)
+def test_a_mixture_of_experts_starts_from_its_family_with_no_tensor_to_decide(arch, base, tmp_path):
+    """transformers 5 holds a mixture's experts stacked in the model it builds and stores them
+    one tensor each, as published: the scaffold reads the stored names, so the family whose
+    table reads them covers every tensor (the stacks were listed as undecided before)."""
+    hf = proof.make_hf(tmp_path / "hf", arch, **proof.tiny_fields(arch))
+    done = scaffold.new_family("mixture", hf, tmp_path / "p")
+    assert done.base == base
+    assert done.uncovered_tensors == [] and done.undecided == [] and done.missing == []
+
+
 def test_every_guide_section_the_scaffold_points_to_exists(tmp_path):
     hf = _stablelm(tmp_path / "hf")
     out = tmp_path / "p"
