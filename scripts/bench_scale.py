@@ -18,6 +18,8 @@ weights, no model built in memory), then runs each command in a fresh process un
     qwen3-coder-480b-1  one Qwen3-Coder-480B-A35B layer: 160 experts of 6144 x 2560 (top-8), 96
                    heads, vocab 32000                                  (7.6B, 15.1 GB in bf16)
     nemotron-mini-4b  Nemotron-Mini-4B-Instruct's published config, all 32 layers  (4.2B, 8.4 GB)
+    deepseek-v2-lite-4  DeepSeek-V2-Lite's published config with 4 of its 27 layers: 1 dense and
+                   3 MoE layers of all 64 experts, YaRN as published             (2.3B, 4.6 GB)
     deepseek-v3-1  one DeepSeek-V3 MoE layer with all 256 experts, no MTP layer, vocab 32000, in
                    FP8                                      (11.3B, 22.5 GB in bf16, 11 GB FP8)
 
@@ -104,6 +106,14 @@ ARCH_SIZES = {
         "nvidia/Nemotron-Mini-4B-Instruct",
         {},
         "Nemotron-Mini-4B (hidden 3072, 32 layers, vocab 256000; LayerNorm1P, squared ReLU), bf16",
+    ),
+    # DeepSeek-V2-Lite as published, its first 4 layers: the dense one and 3 MoE layers with all
+    # 64 experts and 2 shared ones (2.3B parameters, 4.6 GB in bf16)
+    "deepseek-v2-lite-4": (
+        "deepseek-ai/DeepSeek-V2-Lite",
+        dict(num_hidden_layers=4),
+        "DeepSeek-V2-Lite (MLA without a query latent, hidden 2048, vocab 102400; 1 dense + 3 "
+        "MoE layers of all 64 experts), bf16",
     ),
     # One DeepSeek-V3 MoE layer with all 256 experts (11.3B parameters, 22.5 GB in bf16, 11 GB
     # in FP8 as shipped), no MTP layer, a 32,000-token vocabulary as above.
@@ -246,6 +256,8 @@ def write_arch_checkpoint(out: Path, size: str) -> int:
     (read from the model built on the meta device, so nothing of its size is allocated), written
     shard by shard in bf16, then quantized as the shape's ``quantization_config`` says, the way
     the published checkpoint ships. Returns bytes on disk."""
+    import copy
+
     import torch
     import transformers
     from safetensors.torch import save_file
@@ -262,7 +274,9 @@ def write_arch_checkpoint(out: Path, size: str) -> int:
     make_tokenizer(out)
     cls = getattr(transformers, arch)
     skip = ("architectures", "auto_map", "quantization_config")
-    config = cls.config_class(**{k: v for k, v in fields.items() if k not in skip})
+    # a copy: transformers 5's config classes rewrite a rope_scaling dict in place (rope_theta
+    # moved into it), which config.json must not take
+    config = cls.config_class(**copy.deepcopy({k: v for k, v in fields.items() if k not in skip}))
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in cls(config).state_dict().items()}
     # under transformers 5 a layer's experts are two stacks: the published names are per expert
