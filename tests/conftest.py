@@ -150,6 +150,7 @@ LONGEST_FIRST = (
     "test_published.py",
     "test_layout_hostile.py",
     "test_deepseek.py",
+    "test_deepseek_v2.py",
     "test_prep_inputs.py",
     "test_formats.py",
     "test_gpt_oss.py",

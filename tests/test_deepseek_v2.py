@@ -134,6 +134,14 @@ def test_round_trip_is_exact(variant, converted, tmp_path):
     proof.prove_round_trip(*converted(variant), tmp_path / "hf-back")
 
 
+def test_every_layout_round_trips_exactly(converted, tmp_path):
+    """Both Megatron layouts; the Bridge layout names the family's own provider
+    (models.deepseek_v2_bridge), which Bridge's loader builds: tests/test_owners.py."""
+    proof.prove_formats(converted("v2_lite")[0], tmp_path)
+    run_config = (tmp_path / "megatron-bridge" / "iter_0000000" / "run_config.yaml").read_text()
+    assert "_target_: models.deepseek_v2_bridge.DeepseekV2ModelProvider\n" in run_config
+
+
 @pytest.mark.parametrize(
     "layer,pattern",
     [(0, "mlp.linear_fc1.weight"), (2, "self_attention.linear_kv_up_proj.weight")],
