@@ -862,11 +862,22 @@ def new_family(
 def _render(plan: _Plan, lit: _Values) -> dict[str, str]:
     """The package's files by relative path; every value of the plan but ``name`` through
     ``lit``, never into a comment's or a docstring's text."""
-    name = plan.name
-    pkg = f"porting_family_{name}"
-    cls = "".join(part.capitalize() for part in name.split("_"))
-    files = {}
-    files["pyproject.toml"] = f"""[build-system]
+    pkg = f"porting_family_{plan.name}"
+    cls = "".join(part.capitalize() for part in plan.name.split("_"))
+    files = {
+        "pyproject.toml": _pyproject(plan.name, pkg),
+        f"{pkg}/__init__.py": f'"""The {plan.name} family for porting."""\n',
+    }
+    models, classes = _model_files(plan, pkg, cls)
+    files |= models
+    files[f"{pkg}/converter.py"] = _converter(plan, lit, classes)
+    files[f"tests/test_{plan.name}.py"] = _test_file(plan, lit)
+    return files
+
+
+def _pyproject(name: str, pkg: str) -> str:
+    """The package's pyproject.toml: its ``porting.families`` entry point."""
+    return f"""[build-system]
 requires = ["setuptools>=64"]
 build-backend = "setuptools.build_meta"
 
@@ -883,8 +894,14 @@ dependencies = ["porting"]
 [tool.setuptools]
 packages = ["{pkg}"]
 """
-    files[f"{pkg}/__init__.py"] = f'"""The {name} family for porting."""\n'
-    bmod, (cmod, ccls), (mmod, mcls) = plan.base.module, plan.base.config_cls, plan.base.model_cls
+
+
+def _model_files(plan: _Plan, pkg: str, cls: str) -> tuple[dict[str, str], tuple]:
+    """``model.py`` (and ``model_nemo.py`` where the base has a NeMo-free config) started from the
+    base's classes, and the family's (config, model, core config) class references."""
+    name = plan.name
+    files = {}
+    (cmod, ccls), (mmod, mcls) = plan.base.config_cls, plan.base.model_cls
     base_name = plan.base.family.name
     guide = f"""Set the Megatron-Core fields that differ here (docs/families.md#{GUIDE_KEYS}: a LayerNorm with a
 bias is ``normalization = "LayerNorm"``), or give ``transformer_layer_spec`` a spec of your own
@@ -957,6 +974,13 @@ from porting.nemo_classes import nemo_classes
 
 {cls}Config, {cls}Model = nemo_classes({cls}Core, BaseConfig, __name__)
 '''
+    return files, classes
+
+
+def _converter(plan: _Plan, lit: _Values, classes: tuple) -> str:
+    """``converter.py``: the base's entries and table, extended by the plan's, and the family."""
+    name = plan.name
+    bmod, base_name = plan.base.module, plan.base.family.name
     config_lines = "\n".join(
         f"    {entry(lit)},{plan.comments.get(i, '')}" for i, entry in enumerate(plan.entries)
     )
@@ -972,9 +996,7 @@ from porting.nemo_classes import nemo_classes
     def names(items: list[str]) -> str:
         return "".join(f"    {lit(n)},\n" for n in items)
 
-    files[
-        f"{pkg}/converter.py"
-    ] = f'''"""The {name} family: config entries, weight table, family object (its Megatron side, in
+    return f'''"""The {name} family: config entries, weight table, family object (its Megatron side, in
 ``model.py``, is named and loaded when a conversion needs them).
 
 Written by ``porting new-family`` from an HF checkpoint, started from the {base_name} family, the
@@ -1030,11 +1052,14 @@ FAMILY = Family(
     summary={lit(plan.summary)},
 )
 '''
+
+
+def _test_file(plan: _Plan, lit: _Values) -> str:
+    """``tests/test_NAME.py``: the full proof on tiny models of the config and of a variant."""
+    name = plan.name
     tiny = "".join(f"    {lit(k)}: {lit(v)},\n" for k, v in sorted(plan.tiny.items()))
     toggled = "".join(f"    {lit(k)}: {lit(v)},\n" for k, v in sorted(plan.toggled.items()))
-    files[
-        f"tests/test_{name}.py"
-    ] = f'''"""The full proof of the {name} family (porting.proof) on tiny random models of its config,
+    return f'''"""The full proof of the {name} family (porting.proof) on tiny random models of its config,
 built here (no hub): fp32 full-logit parity (atol=rtol=1e-5, 100% top-1), the streamed gate,
 tensor parallel 2, an exact round trip, a planted fault named by layer; and parity and the round
 trip again on a second variant with the config's optional features toggled. Add the published
@@ -1106,4 +1131,3 @@ def test_toggled_variant_parity(toggled):
 def test_toggled_variant_round_trip_is_exact(toggled, tmp_path):
     proof.prove_round_trip(*toggled, tmp_path / "hf-back")
 '''
-    return files
