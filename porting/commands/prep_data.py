@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 def register(subparsers) -> None:
-    """Add ``prep-data`` with its ``merge``, ``blend`` and ``inspect`` actions."""
+    """Add ``prep-data`` with its ``merge``, ``blend``, ``inspect`` and Slurm actions."""
     p = subparsers.add_parser(
         "prep-data",
         help="tokenize JSONL / local datasets into Megatron .bin/.idx (also: merge, blend, inspect)",
@@ -43,6 +43,20 @@ def register(subparsers) -> None:
         "details: docs/data_prep.md",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _input_flags(p)
+    _tokenizer_flags(p)
+    _output_flags(p)
+    _runtime_flags(p)
+    p.set_defaults(func=run_prep)
+    actions = p.add_subparsers(dest="prep_action", metavar="ACTION")
+    _merge_actions(actions)
+    _status_action(actions)
+    _blend_action(actions)
+    _inspect_action(actions)
+
+
+def _input_flags(p) -> None:
+    """What is read: files, globs, folders, saved datasets, and the keys."""
     g = p.add_argument_group("input data")
     g.add_argument(
         "--input",
@@ -61,6 +75,10 @@ def register(subparsers) -> None:
         help="NeMo's flag; a folder given to --input is always read as JSONL files",
     )
     g.add_argument("--split-sentences", action="store_true", help=argparse.SUPPRESS)
+
+
+def _tokenizer_flags(p) -> None:
+    """Which tokenizer decides the ids, which library encodes, and Megatron's and NeMo's names."""
     g = p.add_argument_group("tokenizer")
     g.add_argument(
         "--tokenizer",
@@ -103,6 +121,10 @@ def register(subparsers) -> None:
         "$PORTING_CACHE_DIR/tokenizers, default ~/.cache/porting/tokenizers), importing neither "
         "megatron.core nor transformers",
     )
+
+
+def _output_flags(p) -> None:
+    """Where the .bin/.idx pairs go and what each document ends with."""
     g = p.add_argument_group("output data")
     g.add_argument("--output-prefix", help="output path without suffix")
     g.add_argument(
@@ -112,6 +134,11 @@ def register(subparsers) -> None:
     )
     g.add_argument("--dataset-impl", choices=["mmap"], default="mmap", help="NeMo's; only mmap")
     g.add_argument("--overwrite", action="store_true", help="replace existing outputs")
+
+
+def _runtime_flags(p) -> None:
+    """Where and how the tokenizing runs (the executors' own flags included), and what a bad
+    record does."""
     g = p.add_argument_group("runtime")
     g.add_argument(
         "--workers",
@@ -165,9 +192,10 @@ def register(subparsers) -> None:
     )
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.set_defaults(func=run_prep)
 
-    actions = p.add_subparsers(dest="prep_action", metavar="ACTION")
+
+def _merge_actions(actions) -> None:
+    """``merge``, and the two steps an emitted Slurm job runs (``run-unit``, ``finish``)."""
     m = actions.add_parser("merge", help="merge .bin/.idx pairs (as merge_datasets.py)")
     m.add_argument("prefixes", nargs="*", help="prefixes to merge, in this order")
     m.add_argument(
@@ -186,6 +214,10 @@ def register(subparsers) -> None:
     f.add_argument("--job", dest="job_file", required=True, help="the emitted job.json")
     f.add_argument("--json", dest="finish_json", action="store_true")
     f.set_defaults(func=run_finish)
+
+
+def _status_action(actions) -> None:
+    """``status``: where a submitted Slurm job stands."""
     st = actions.add_parser(
         "status",
         help="where a submitted slurm job stands (exit 0 done, 3 still going, 2 failed)",
@@ -198,6 +230,10 @@ def register(subparsers) -> None:
         "--wait", dest="status_wait", action="store_true", help="follow it to the end, with a bar"
     )
     st.set_defaults(func=run_status)
+
+
+def _blend_action(actions) -> None:
+    """``blend``: the weighted ``--data`` blend of prepared corpora."""
     b = actions.add_parser(
         "blend",
         help="the weighted --data blend of prepared corpora from their token counts and shares",
@@ -224,6 +260,10 @@ def register(subparsers) -> None:
     b.add_argument("--overwrite", dest="blend_overwrite", action="store_true")
     b.add_argument("--json", dest="blend_json", action="store_true")
     b.set_defaults(func=run_blend)
+
+
+def _inspect_action(actions) -> None:
+    """``inspect``: counts, the first documents, one document and its source."""
     i = actions.add_parser("inspect", help="counts and the first documents decoded")
     i.add_argument("prefix", help="e.g. out/corpus_text_document")
     i.add_argument(
