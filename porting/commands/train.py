@@ -29,6 +29,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         "an interrupted run from its last checkpoint. Export a result with "
         "`porting export OUT/checkpoints/last --out DIR`.",
     )
+    _run_flags(p)
+    _parallel_flags(p)
+    _schedule_flags(p)
+    _validation_flags(p)
+    _layout_flags(p)
+    _launch_flags(p)
+    p.set_defaults(func=_cmd_train)
+
+
+def _run_flags(p) -> None:
+    """The checkpoint, the data and the run directory."""
     p.add_argument(
         "--checkpoint", type=Path, required=True, help="checkpoint from `porting import`"
     )
@@ -39,6 +50,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="dataset prefixes (PREFIX for PREFIX.bin/.idx), or a blend W1 PREFIX1 W2 PREFIX2 ...",
     )
     p.add_argument("--out", type=Path, required=True, help="run directory")
+
+
+def _parallel_flags(p) -> None:
+    """How one model is split: tensor, pipeline, context and expert parallel."""
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
     p.add_argument("--vp", type=int, default=None, help="virtual pipeline stages per rank")
@@ -58,6 +73,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "Parallel Folding does (`porting plan` picks it)",
     )
     p.add_argument("--sequence-parallel", action="store_true")
+
+
+def _schedule_flags(p) -> None:
+    """Sequence and batches, steps, the learning rate's schedule and the checkpoints' interval."""
     p.add_argument("--seq-length", type=int, default=2048)
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--global-batch", type=int, default=8)
@@ -67,6 +86,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=int, default=0, help="linear warmup steps")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps (0: none)")
+
+
+def _validation_flags(p) -> None:
+    """The held-out data, how often it is read, and the split and seed that order the data."""
     p.add_argument(
         "--valid-data",
         nargs="+",
@@ -88,6 +111,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--split", default="99,1,0", help="train,valid,test split of --data (without --valid-data)"
     )
     p.add_argument("--seed", type=int, default=1234)
+
+
+def _layout_flags(p) -> None:
+    """Where the processes are, the optimizer's layout, the stages' layers, the overlaps and the
+    recomputation."""
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument(
         "--gpus-per-node", type=int, default=1, help="processes per node (GPUs; CPU processes)"
@@ -131,6 +159,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="none",
         help="activation recomputation (full: uniform, one layer per unit)",
     )
+
+
+def _launch_flags(p) -> None:
+    """The plan a run is checked against, the precision, the training loop and the launcher."""
     p.add_argument(
         "--plan",
         type=Path,
@@ -175,7 +207,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "on gloo)",
     )
     p.add_argument("--dry-run", action="store_true", help="validate and print the plan only")
-    p.set_defaults(func=_cmd_train)
 
 
 def _spec(args):
