@@ -333,25 +333,8 @@ def _cmd_train(args) -> int:
         raise PortingError(
             "--executor nemo-run comes with NeMo 2; launch --engine bridge with torchrun or slurm"
         )
-    if args.executor != "local":
-        from porting import shell, slurm
-
-        slurm.check_launch_size(
-            spec.nodes, spec.gpus_per_node, local=args.executor != "slurm",
-            nodes_flag="--nodes", ranks_flag="--gpus-per-node",
-        )  # fmt: skip
-        for flag, value in (("--partition", args.partition), ("--time", args.time_limit)):
-            if value is not None:
-                shell.checked(value, flag)
-        shell.command(_rank_argv(args))  # every value a rank's command line (or a script) holds
     if args.executor != "local" or args.dry_run:
-        # Every check that needs no trainer, in this process, before any rank is started; on
-        # the NeMo-free config, so that the launcher is not one more NeMo start-up (~15 s of
-        # CPU) beside its ranks'.
-        pre = checks.preflight_bridge(spec) if engine == "bridge" else checks.preflight(spec, False)
-        for w in pre.warnings:
-            print(f"warning: {w}", file=sys.stderr)
-        gc.freeze()  # see the end of this function
+        _checked_before_any_rank(args, spec, engine)
     if args.dry_run:
         print(
             f"ok: TP {spec.tp} x PP {spec.pp} x CP {spec.cp} x DP {spec.data_parallel}"
@@ -362,51 +345,97 @@ def _cmd_train(args) -> int:
         )
         return 0
     _need_engine(engine)
-    if args.executor == "slurm":
-        from porting import slurm
-        from porting.train import launch
+    launch = _LAUNCHERS.get(args.executor)
+    if launch is not None:
+        return launch(args, spec)
+    return _train_here(args, spec, engine)
 
-        if not args.no_submit:
-            slurm.sbatch_path()
-        text = launch.slurm_script(
-            spec, _rank_argv(args), cpu_nodes=args.cpu_nodes, partition=args.partition,
-            time_limit=args.time_limit,
+
+def _checked_before_any_rank(args, spec, engine: str) -> None:
+    """Every check that needs no trainer, in this process, before any rank is started: the
+    launch's size, each value a rank's command line (or a script) holds, and the run's
+    preflight on the NeMo-free config, so that the launcher is not one more NeMo start-up (~15 s
+    of CPU) beside its ranks'."""
+    from porting import shell, slurm
+    from porting.train import checks
+
+    if args.executor != "local":
+        slurm.check_launch_size(
+            spec.nodes, spec.gpus_per_node, local=args.executor != "slurm",
+            nodes_flag="--nodes", ranks_flag="--gpus-per-node",
         )  # fmt: skip
-        script = Path(spec.out).absolute() / "slurm" / "train.sbatch"
-        script.parent.mkdir(parents=True, exist_ok=True)
-        script.write_text(text)
-        if args.no_submit:
-            print(f"wrote {script}; submit with: sbatch {script}")
-            return 0
-        job = slurm.sbatch([str(script)], "the training job")
-        log_file = script.parent / f"job-{job}.out"
-        print(f"submitted Slurm job {job} ({spec.nodes} nodes); log {log_file}", flush=True)
-        if args.no_wait:
-            print(f"follow with: tail -f {log_file}; stop with: scancel {job}")
-            return 0
-        launch.follow_slurm(job, log_file, out=Path(spec.out))
-        return 0
-    if args.executor == "torchrun":
-        if spec.nodes != 1:
-            raise PortingError("--executor torchrun starts processes on this node only; use slurm")
-        torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
-        cmd = [
-            torchrun,
-            "--standalone",
-            f"--nproc-per-node={spec.gpus_per_node}",
-            "-m",
-            "porting.cli",
-            "train",
-            *_rank_argv(args),
-        ]
-        with guard.output_lock(spec.out, "training run"):
-            return _run_ranks(cmd, Path(spec.out))
-    if args.executor == "nemo-run":
-        from porting.train import launch
+        for flag, value in (("--partition", args.partition), ("--time", args.time_limit)):
+            if value is not None:
+                shell.checked(value, flag)
+        shell.command(_rank_argv(args))
+    pre = checks.preflight_bridge(spec) if engine == "bridge" else checks.preflight(spec, False)
+    for w in pre.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    gc.freeze()  # as at the end of _train_here
 
-        with guard.output_lock(spec.out, "training run"):
-            argv = _rank_argv(args)
-            return stop.launched(lambda: launch.launch_nemo_run(spec, argv), Path(spec.out))
+
+def _submit_to_slurm(args, spec) -> int:
+    """``--executor slurm``: OUT/slurm/train.sbatch written, submitted and followed to its end
+    (or only written, or handed over once submitted)."""
+    from porting import slurm
+    from porting.train import launch
+
+    if not args.no_submit:
+        slurm.sbatch_path()
+    text = launch.slurm_script(
+        spec, _rank_argv(args), cpu_nodes=args.cpu_nodes, partition=args.partition,
+        time_limit=args.time_limit,
+    )  # fmt: skip
+    script = Path(spec.out).absolute() / "slurm" / "train.sbatch"
+    script.parent.mkdir(parents=True, exist_ok=True)
+    script.write_text(text)
+    if args.no_submit:
+        print(f"wrote {script}; submit with: sbatch {script}")
+        return 0
+    job = slurm.sbatch([str(script)], "the training job")
+    log_file = script.parent / f"job-{job}.out"
+    print(f"submitted Slurm job {job} ({spec.nodes} nodes); log {log_file}", flush=True)
+    if args.no_wait:
+        print(f"follow with: tail -f {log_file}; stop with: scancel {job}")
+        return 0
+    launch.follow_slurm(job, log_file, out=Path(spec.out))
+    return 0
+
+
+def _start_torchrun(args, spec) -> int:
+    """``--executor torchrun``: this node's ranks, under the run's lock."""
+    if spec.nodes != 1:
+        raise PortingError("--executor torchrun starts processes on this node only; use slurm")
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
+    cmd = [
+        torchrun,
+        "--standalone",
+        f"--nproc-per-node={spec.gpus_per_node}",
+        "-m",
+        "porting.cli",
+        "train",
+        *_rank_argv(args),
+    ]
+    with guard.output_lock(spec.out, "training run"):
+        return _run_ranks(cmd, Path(spec.out))
+
+
+def _launch_nemo_run(args, spec) -> int:
+    """``--executor nemo-run``: NeMo-Run's LocalExecutor with its torchrun launcher."""
+    from porting.train import launch
+
+    with guard.output_lock(spec.out, "training run"):
+        argv = _rank_argv(args)
+        return stop.launched(lambda: launch.launch_nemo_run(spec, argv), Path(spec.out))
+
+
+_LAUNCHERS = {"slurm": _submit_to_slurm, "torchrun": _start_torchrun, "nemo-run": _launch_nemo_run}
+
+
+def _train_here(args, spec, engine: str) -> int:
+    """This process trains: one process, or a rank that torchrun or srun started."""
+    from porting.train import checks
+
     if spec.world_size == 1 and os.environ.get("RANK", "0") not in ("", "0"):
         # one process that took a stray RANK for its own would skip the run's lock and verdict
         raise PortingError(
