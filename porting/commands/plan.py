@@ -36,18 +36,32 @@ def register(sub: argparse._SubParsersAction) -> None:
         "`porting train` flags, a NeMo MegatronStrategy, torchrun/Slurm launchers, nccl.env and "
         "nccl-tests commands. See docs/planner.md for the formulas and their sources.",
     )
+    _problem_flags(p)
+    _output_flags(p)
+    _calibration_flags(p)
+    _training_settings(p)
+    _emitted_command_flags(p)
+    p.set_defaults(func=_cmd_plan)
+
+
+def _problem_flags(p) -> None:
+    """The model, the cluster, the batch and the sequence."""
     p.add_argument(
         "--model",
         required=True,
         help="imported checkpoint dir, HF config.json (or its dir), or a preset "
         "(llama-7b, llama-13b, llama-70b, llama3-8b, llama3-70b, falcon-7b, falcon-40b, "
         "gpt-1.7b ... gpt-1t, tiny; MoE: mixtral-8x7b, mixtral-8x22b, qwen2-57b-a14b, "
-        "qwen3-235b-a22b, deepseek-v3)",
+        "qwen3-235b-a22b, deepseek-v2-lite, deepseek-v3)",
     )
     p.add_argument("--cluster", type=Path, required=True, help="cluster YAML (examples/clusters)")
     # numbers are read as text and checked by _cmd_plan: one error line naming the flag
     p.add_argument("--global-batch", required=True, help="sequences per step")
     p.add_argument("--seq-length", required=True, help="tokens per sequence")
+
+
+def _output_flags(p) -> None:
+    """What is shown and written: the table, JSON, the rejected, one layout, launch files, a plot."""
     p.add_argument("--top", default="10", help="layouts to show (default 10)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--rejected", action="store_true", help="list rejected layouts and why")
@@ -58,6 +72,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--emit", type=Path, metavar="DIR", help="write launch files for the choice")
     p.add_argument("--plot", type=Path, metavar="PNG", help="write a plot of the plan")
+
+
+def _calibration_flags(p) -> None:
+    """Measurements to fit the model's constants to, and the constants read and written."""
     p.add_argument(
         "--calibrate",
         type=Path,
@@ -72,6 +90,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--constants", type=Path, help="efficiency constants (YAML) to start from")
     p.add_argument("--save-constants", type=Path, help="write the fitted constants (YAML)")
+
+
+def _training_settings(p) -> None:
+    """The training settings a prediction assumes (defaults follow ``porting train``)."""
     g = p.add_argument_group("training settings (defaults follow `porting train`)")
     g.add_argument(
         "--order",
@@ -127,12 +149,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="predict with the cluster file's NCCL settings, not the ones --emit recommends",
     )
+
+
+def _emitted_command_flags(p) -> None:
+    """What the emitted ``porting train`` command names."""
     e = p.add_argument_group("emitted train command")
     e.add_argument("--checkpoint", help="checkpoint for `porting train` (default: --model if it "
                    "is an imported checkpoint, else $CHECKPOINT)")  # fmt: skip
     e.add_argument("--data", help="dataset prefix (default: $DATA)")
     e.add_argument("--out", help="run directory (default: $OUT)")
-    p.set_defaults(func=_cmd_plan)
 
 
 def _integer(text: str, where: str) -> int:
