@@ -19,6 +19,13 @@ from porting.errors import PortingError
 
 def register(sub: argparse._SubParsersAction) -> None:
     """Add the conversion subcommands."""
+    _register_import(sub)
+    _register_export(sub)
+    _register_convert(sub)
+
+
+def _register_import(sub) -> None:
+    """``import``: HF -> a checkpoint in one of the three layouts, gated."""
     p = sub.add_parser(
         "import",
         help="convert a Hugging Face model directory into a NeMo 2.0 checkpoint",
@@ -69,6 +76,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_launch_flags(p)
     p.set_defaults(func=_cmd_import)
 
+
+def _register_export(sub) -> None:
+    """``export``: a checkpoint of any layout -> HF, gated."""
     p = sub.add_parser(
         "export",
         help="convert a NeMo 2, Megatron-LM or Megatron-Bridge checkpoint to a Hugging Face "
@@ -100,7 +110,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="a mixture of experts' tensors: one per expert under the names the model was "
         "published with (published), or each layer's experts in one gate_up_proj and one "
         "down_proj as transformers 5 saves them with save_original_format=False (stacked; "
-        "Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3). Default: the form the import read",
+        "Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2 and V3). Default: the form the import read",
     )
     add_source_flags(p)
     p.add_argument("--json", action="store_true", help="print the parity report as JSON")
@@ -108,6 +118,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_launch_flags(p)
     p.set_defaults(func=_cmd_export)
 
+
+def _register_convert(sub) -> None:
+    """``convert``: between the layouts (or from HF), each step gated."""
     p = sub.add_parser(
         "convert",
         help="convert between NeMo 2, Megatron-LM and Megatron-Bridge checkpoints (or from HF)",
