@@ -393,12 +393,49 @@ def _calibrated(directory: Path, cluster, eff, lines: list[str], out: dict):
 
 def _cmd_plan(args) -> int:
     from porting.planner import calibrate as cal
-    from porting.planner import report
     from porting.planner.cluster import load_cluster
     from porting.planner.comm import Efficiency
-    from porting.planner.model import PRESETS, load_model
-    from porting.planner.perf import Evaluator, Infeasible
+    from porting.planner.model import load_model
+    from porting.planner.perf import Evaluator
     from porting.planner.search import plan
+
+    refs = _checked_flags(args)
+    settings = _settings(args)
+    model = load_model(args.model)
+    cluster = load_cluster(args.cluster)
+    _check_expert_parallel(settings.expert_parallel, model, cluster)
+    eff = cal.load_constants(args.constants) if args.constants else Efficiency()
+    out: dict = {}
+    lines: list[str] = []
+    if args.calibrate:
+        eff = _calibrated(args.calibrate, cluster, eff, lines, out)
+    result = plan(model, cluster, args.seq_length, args.global_batch, settings, eff)
+    ev = Evaluator(model, cluster, args.seq_length, args.global_batch, result.settings, eff)
+    chosen = _chosen_layout(args.layout, ev, result.best)
+    if args.measured_step is not None:
+        result, ev, chosen, eff = _fitted_to_step(args, settings, ev, chosen, lines, out)
+    if args.save_constants:
+        import yaml
+
+        from porting.planner.emit import write_atomic
+
+        write_atomic(args.save_constants, yaml.safe_dump(asdict(eff), sort_keys=True))
+        lines.append(f"wrote {args.save_constants}")
+    chosen = _with_slowdown(chosen, ev)
+    written = _written(args, refs, result, ev, chosen)
+    if args.json:
+        _print_json(args, result, ev, chosen, out, written)
+    else:
+        _print_tables(args, result, ev, chosen, lines, written)
+    return 0
+
+
+def _checked_flags(args) -> dict:
+    """Every path and number of the command line checked before any work (the paths a script
+    will hold for a shell among them); the numbers put in ``args`` as numbers. Returns the
+    emitted train command's ``--checkpoint``, ``--data`` and ``--out``: each a path, or a
+    ``"$NAME"`` the scripts expand."""
+    from porting.planner.model import PRESETS
 
     guard.check_outputs(
         [
@@ -410,7 +447,6 @@ def _cmd_plan(args) -> int:
         writes=[("--emit", args.emit)],
         files=[("--plot", args.plot), ("--save-constants", args.save_constants)],
     )
-    # the emitted train command's values: each a path, or a "$NAME" the scripts expand
     refs = {
         flag: None if value is None else shell.reference_or_value(value, flag)
         for flag, value in (("--checkpoint", args.checkpoint), ("--data", args.data),
@@ -430,10 +466,12 @@ def _cmd_plan(args) -> int:
     args.top = int(positive_int(1 << 20).check(_integer(args.top, "--top"), "--top"))
     if args.measured_step is not None:
         args.measured_step = _seconds(args.measured_step, "--measured-step")
-    settings = _settings(args)
-    model = load_model(args.model)
-    cluster = load_cluster(args.cluster)
-    for ep in settings.expert_parallel:
+    return refs
+
+
+def _check_expert_parallel(sizes, model, cluster) -> None:
+    """``--ep``'s sizes against the model's experts and the cluster's GPUs."""
+    for ep in sizes:
         if not model.moe:
             raise PortingError(f"--ep: model {model.name} has no experts")
         if model.experts % ep:
@@ -442,52 +480,67 @@ def _cmd_plan(args) -> int:
             )
         if ep > cluster.world:
             raise PortingError(f"--ep {ep} is more than the {cluster.world} GPUs of {cluster.name}")
-    eff = cal.load_constants(args.constants) if args.constants else Efficiency()
-    out: dict = {}
-    lines: list[str] = []
-    if args.calibrate:
-        eff = _calibrated(args.calibrate, cluster, eff, lines, out)
+
+
+def _chosen_layout(layout_flag: str | None, ev, best):
+    """The search's best, or the prediction of ``--layout``."""
+    from porting.planner.perf import Infeasible
+
+    if not layout_flag:
+        return best
+    layout = parse_layout(layout_flag, ev)
+    _check_layout(layout, ev)
+    try:
+        return ev.predict(layout)
+    except Infeasible as err:
+        raise PortingError(f"--layout {layout.label()}: {err}") from None
+
+
+def _fitted_to_step(args, settings, ev, chosen, lines: list[str], out: dict):
+    """``--measured-step``: the compute efficiency fitted to the chosen layout's measured step,
+    the search run again with it; ``(result, evaluator, chosen, constants)``, what was fitted
+    said in ``lines`` and ``out``."""
+    from porting.planner import calibrate as cal
+    from porting.planner.perf import Evaluator
+    from porting.planner.search import plan
+
+    model, cluster = ev.model, ev.cluster
+    before = chosen.step
+    eff = cal.fit_step(ev, chosen.layout, args.measured_step)
     result = plan(model, cluster, args.seq_length, args.global_batch, settings, eff)
     ev = Evaluator(model, cluster, args.seq_length, args.global_batch, result.settings, eff)
-    chosen = result.best
-    if args.layout:
-        layout = parse_layout(args.layout, ev)
-        _check_layout(layout, ev)
-        try:
-            chosen = ev.predict(layout)
-        except Infeasible as err:
-            raise PortingError(f"--layout {layout.label()}: {err}") from None
-    if args.measured_step is not None:
-        before = chosen.step
-        eff = cal.fit_step(ev, chosen.layout, args.measured_step)
-        result = plan(model, cluster, args.seq_length, args.global_batch, settings, eff)
-        ev = Evaluator(model, cluster, args.seq_length, args.global_batch, result.settings, eff)
-        chosen = ev.predict(chosen.layout)
-        lines.append(
-            f"step time of {chosen.layout.label()}: measured {args.measured_step:.3f} s, "
-            f"predicted {before:.3f} s before the fit and {chosen.step:.3f} s after "
-            f"(compute efficiency {eff.compute:.3f})"
-        )
-        out["step_fit"] = {
-            "layout": chosen.layout.label(),
-            "measured_s": args.measured_step,
-            "predicted_before_s": before,
-            "predicted_after_s": chosen.step,
-            "compute": eff.compute,
-        }
-    if args.save_constants:
-        import yaml
+    chosen = ev.predict(chosen.layout)
+    lines.append(
+        f"step time of {chosen.layout.label()}: measured {args.measured_step:.3f} s, "
+        f"predicted {before:.3f} s before the fit and {chosen.step:.3f} s after "
+        f"(compute efficiency {eff.compute:.3f})"
+    )
+    out["step_fit"] = {
+        "layout": chosen.layout.label(),
+        "measured_s": args.measured_step,
+        "predicted_before_s": before,
+        "predicted_after_s": chosen.step,
+        "compute": eff.compute,
+    }
+    return result, ev, chosen, eff
 
-        from porting.planner.emit import write_atomic
 
-        write_atomic(args.save_constants, yaml.safe_dump(asdict(eff), sort_keys=True))
-        lines.append(f"wrote {args.save_constants}")
-    if chosen.slowdown is None and len(cluster.sites) > 1:
-        one = ev.with_cluster(cluster.one_site())
-        try:
-            chosen = replace(chosen, slowdown=chosen.step / one.predict(chosen.layout).step)
-        except Infeasible:
-            pass
+def _with_slowdown(chosen, ev):
+    """The choice with its step time against the same GPUs in one site, where there are
+    several and the search did not say."""
+    from porting.planner.perf import Infeasible
+
+    if chosen.slowdown is not None or len(ev.cluster.sites) <= 1:
+        return chosen
+    one = ev.with_cluster(ev.cluster.one_site())
+    try:
+        return replace(chosen, slowdown=chosen.step / one.predict(chosen.layout).step)
+    except Infeasible:
+        return chosen
+
+
+def _written(args, refs: dict, result, ev, chosen) -> list[Path]:
+    """``--emit``'s launch files and ``--plot``'s plot, as written."""
     written: list[Path] = []
     if args.emit:
         from porting.planner.emit import DATA, OUT, default_checkpoint, write_launch
@@ -505,14 +558,23 @@ def _cmd_plan(args) -> int:
         from porting.planner.plot import write_plot
 
         written.append(write_plot(args.plot, result, ev, top=min(args.top, 8)))
-    if args.json:
-        data = report.plan_dict(result, top=args.top, with_rejected=args.rejected)
-        data["chosen"] = report.prediction_dict(chosen)
-        data["chosen"]["groups"] = report.groups(ev, chosen)
-        data.update(out)
-        data["written"] = [str(w) for w in written]
-        print(json.dumps(data, indent=2, default=str))
-        return 0
+    return written
+
+
+def _print_json(args, result, ev, chosen, out: dict, written: list[Path]) -> None:
+    from porting.planner import report
+
+    data = report.plan_dict(result, top=args.top, with_rejected=args.rejected)
+    data["chosen"] = report.prediction_dict(chosen)
+    data["chosen"]["groups"] = report.groups(ev, chosen)
+    data.update(out)
+    data["written"] = [str(w) for w in written]
+    print(json.dumps(data, indent=2, default=str))
+
+
+def _print_tables(args, result, ev, chosen, lines: list[str], written: list[Path]) -> None:
+    from porting.planner import report
+
     print(report.header(result))
     print()
     print(report.table(result, args.top))
@@ -520,7 +582,7 @@ def _cmd_plan(args) -> int:
     if report.placements(result):
         print(report.placements(result))
         print()
-    where = f", {chosen.layout.placement_label()}" if len(cluster.sites) > 1 else ""
+    where = f", {chosen.layout.placement_label()}" if len(ev.cluster.sites) > 1 else ""
     print(f"chosen: {chosen.layout.label()} (rank order {chosen.order}{where})")
     print(f"  {report.breakdown(chosen)}")
     print(f"  groups: {report.groups(ev, chosen)}")
@@ -536,4 +598,3 @@ def _cmd_plan(args) -> int:
     for w in written:
         print(f"wrote {w}")
     sys.stdout.flush()
-    return 0
