@@ -510,6 +510,24 @@ def cluster_from_dict(data: object, source: str = "cluster") -> Cluster:
     """
     r = _Reader(source)
     top = r.mapping(data, "top level")
+    sites = _sites(r, top)
+    links = _links(r, top, {s.name: s for s in sites})
+    nccl = _nccl(r, top)
+    if "name" in top:
+        name = r.name(top["name"], "name", LABEL)
+    else:
+        name = re.sub(r"[^A-Za-z0-9._+-]", "_", Path(source).stem)[:128] or "cluster"
+    cluster = Cluster(name=name, sites=tuple(sites), links=tuple(links), nccl=nccl)
+    try:
+        cluster.ring_links()
+    except PortingError as err:
+        raise r.fail("links", f"{err} (sites talk in a ring in file order)") from None
+    return cluster
+
+
+def _sites(r: _Reader, top: dict) -> list[Site]:
+    """The ``sites`` list: each site's GPUs, node and network (its own or the file's), and its
+    racks and zones; the GPUs of all sites within the planner's limit."""
     raw_sites = r.get(top, "sites", "")
     if not isinstance(raw_sites, list) or not raw_sites:
         raise r.fail("sites", f"expected a non-empty list of sites, got {show(raw_sites)}")
@@ -546,16 +564,21 @@ def cluster_from_dict(data: object, source: str = "cluster") -> Cluster:
                 "GPUs in all sites",
             )
         sites.append(site)
-    by_name = {s.name: s for s in sites}
+    return sites
+
+
+def _links(r: _Reader, top: dict, by_name: dict[str, Site]) -> list[Link]:
+    """The ``links`` between sites: each pair once, its length (or round trip), bandwidth,
+    count and transport."""
     links: list[Link] = []
     pairs: set[frozenset[str]] = set()
     raw_links = top.get("links") or []
     if not isinstance(raw_links, list):
         raise r.fail("links", f"expected a list, got {show(raw_links)}")
-    most = len(sites) * (len(sites) - 1) // 2
+    most = len(by_name) * (len(by_name) - 1) // 2
     if len(raw_links) > most:
         raise r.fail(
-            "links", f"{len(raw_links)} links, more than the {most} pairs of {len(sites)} sites"
+            "links", f"{len(raw_links)} links, more than the {most} pairs of {len(by_name)} sites"
         )
     for i, raw in enumerate(raw_links):
         where = f"links[{i}]"
@@ -602,8 +625,13 @@ def cluster_from_dict(data: object, source: str = "cluster") -> Cluster:
                 distance_km=distance,
             )
         )
+    return links
+
+
+def _nccl(r: _Reader, top: dict) -> NcclSettings:
+    """The file's ``nccl`` settings, each within its range (NCCL's defaults where absent)."""
     nccl_d = r.mapping(top.get("nccl", {}) or {}, "nccl")
-    nccl = NcclSettings(
+    return NcclSettings(
         buffsize=int(r.number(nccl_d, "buffsize_mib", "nccl", BUFFSIZE_MIB) * MIB)
         if "buffsize_mib" in nccl_d
         else NcclSettings.buffsize,
@@ -612,16 +640,6 @@ def cluster_from_dict(data: object, source: str = "cluster") -> Cluster:
         socket_threads=r.integer(nccl_d, "socket_threads", "nccl", SOCKETS, default=1),
         socks_per_thread=r.integer(nccl_d, "socks_per_thread", "nccl", SOCKETS, default=1),
     )
-    if "name" in top:
-        name = r.name(top["name"], "name", LABEL)
-    else:
-        name = re.sub(r"[^A-Za-z0-9._+-]", "_", Path(source).stem)[:128] or "cluster"
-    cluster = Cluster(name=name, sites=tuple(sites), links=tuple(links), nccl=nccl)
-    try:
-        cluster.ring_links()
-    except PortingError as err:
-        raise r.fail("links", f"{err} (sites talk in a ring in file order)") from None
-    return cluster
 
 
 def load_cluster(path: str | Path) -> Cluster:
