@@ -234,35 +234,11 @@ def parse_layout(text: str, ev) -> object:
     the first/last stage layers from :func:`porting.planner.search.uneven_split` where PP does not
     divide the layers.
     """
-    from porting.planner.perf import RECOMPUTE, Layout
+    from porting.planner.perf import Layout
     from porting.planner.placement import ORDER_DEFAULT, ORDER_TP_PP_DP
-    from porting.planner.search import uneven_split
+    from porting.planner.search import megatron_order_rule, uneven_split
 
-    fields: dict = {"tp": 1, "pp": 1, "vp": 1, "cp": 1, "mb": 1, "recompute": "selective"}
-    fields.update(ep=1, etp=1)
-    fields.update(order="tp-pp-dp", sites="")
-    for item in text.replace(" ", ",").split(","):
-        if not item:
-            continue
-        key, sep, value = item.partition("=")
-        if not sep or key not in fields:
-            raise PortingError(
-                f"--layout: {item!r}: expected one of {', '.join(fields)} as key=value"
-            )
-        if key == "recompute":
-            if value not in RECOMPUTE:
-                raise PortingError(f"--layout: recompute must be one of {', '.join(RECOMPUTE)}")
-            fields[key] = value
-        elif key == "order":
-            if value not in ("tp-pp-dp", "default"):
-                raise PortingError("--layout: order must be tp-pp-dp or default")
-            fields[key] = value
-        elif key == "sites":
-            fields[key] = value
-        else:
-            fields[key] = positive_int(MAX_GPUS).check(
-                _integer(value, f"--layout: {key}"), f"--layout: {key}"
-            )
+    fields = _layout_fields(text)
     tp, pp, cp = fields["tp"], fields["pp"], fields["cp"]
     world = ev.cluster.world
     if world % (tp * pp * cp):
@@ -274,40 +250,11 @@ def parse_layout(text: str, ev) -> object:
             "per node (TP stays inside a node)"
         )
     order = ORDER_DEFAULT if fields["order"] == "default" and pp > 1 else ORDER_TP_PP_DP
-    sites: tuple[str, ...] = ()
-    names = tuple(x.name for x in ev.cluster.sites)
-    if order == ORDER_DEFAULT and len(names) > 1:
-        sites = tuple(fields["sites"].split(">")) if fields["sites"] else names
-        try:
-            ev.cluster.reordered(sites).ring_links()  # each site once, each neighbour linked
-        except PortingError as err:
-            raise PortingError(f"--layout: sites: {err}") from None
-        if names.index(sites[0]) > names.index(sites[-1]):
-            sites = sites[::-1]  # the search lists one of each pair that reverses the other
-    elif fields["sites"]:
-        raise PortingError(
-            "--layout: sites= only applies with order=default (pipeline across sites)"
-        )
+    sites = _layout_sites(fields["sites"], order == ORDER_DEFAULT, ev.cluster)
     ep, etp = fields["ep"], fields["etp"]
-    m = ev.model
     if ep * etp > 1:
-        if not m.moe:
-            raise PortingError(f"--layout: ep/etp: model {m.name} has no experts")
-        stage = world // pp
-        if m.experts % ep:
-            raise PortingError(f"--layout: EP {ep} does not divide the {m.experts} experts")
-        if etp not in (1, tp):
-            raise PortingError(f"--layout: ETP {etp} must be 1 or TP {tp}")
-        if stage % (ep * etp):
-            raise PortingError(
-                f"--layout: EP {ep} x ETP {etp} does not divide the {stage} GPUs of a pipeline "
-                "stage"
-            )
-        if ev.settings.expert_parallel and ep not in ev.settings.expert_parallel:
-            raise PortingError(f"--layout: EP {ep} is not among --ep")
-    from porting.planner.search import megatron_order_rule
-
-    why = megatron_order_rule(order, tp, cp, pp, ep, etp, m.moe)
+        _check_layout_experts(ep, etp, tp, world // pp, ev)
+    why = megatron_order_rule(order, tp, cp, pp, ep, etp, ev.model.moe)
     if why:
         raise PortingError(f"--layout: {why} (give order=default)")
     first = middle = last = 0
@@ -334,6 +281,75 @@ def parse_layout(text: str, ev) -> object:
         ep=ep,
         etp=etp,
     )
+
+
+def _layout_fields(text: str) -> dict:
+    """``--layout``'s ``key=value`` items, each key known and each value of its kind."""
+    from porting.planner.perf import RECOMPUTE
+
+    fields: dict = {"tp": 1, "pp": 1, "vp": 1, "cp": 1, "mb": 1, "recompute": "selective"}
+    fields.update(ep=1, etp=1)
+    fields.update(order="tp-pp-dp", sites="")
+    for item in text.replace(" ", ",").split(","):
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields:
+            raise PortingError(
+                f"--layout: {item!r}: expected one of {', '.join(fields)} as key=value"
+            )
+        if key == "recompute":
+            if value not in RECOMPUTE:
+                raise PortingError(f"--layout: recompute must be one of {', '.join(RECOMPUTE)}")
+            fields[key] = value
+        elif key == "order":
+            if value not in ("tp-pp-dp", "default"):
+                raise PortingError("--layout: order must be tp-pp-dp or default")
+            fields[key] = value
+        elif key == "sites":
+            fields[key] = value
+        else:
+            fields[key] = positive_int(MAX_GPUS).check(
+                _integer(value, f"--layout: {key}"), f"--layout: {key}"
+            )
+    return fields
+
+
+def _layout_sites(given: str, across_sites: bool, cluster) -> tuple[str, ...]:
+    """The order of the sites the pipeline crosses (Megatron's default rank order with several
+    sites): ``sites=a>b>c`` or the file's, each site once and each neighbour linked; () else."""
+    names = tuple(x.name for x in cluster.sites)
+    if across_sites and len(names) > 1:
+        sites = tuple(given.split(">")) if given else names
+        try:
+            cluster.reordered(sites).ring_links()  # each site once, each neighbour linked
+        except PortingError as err:
+            raise PortingError(f"--layout: sites: {err}") from None
+        if names.index(sites[0]) > names.index(sites[-1]):
+            sites = sites[::-1]  # the search lists one of each pair that reverses the other
+        return sites
+    if given:
+        raise PortingError(
+            "--layout: sites= only applies with order=default (pipeline across sites)"
+        )
+    return ()
+
+
+def _check_layout_experts(ep: int, etp: int, tp: int, stage: int, ev) -> None:
+    """``ep``/``etp`` against the model's experts, TP, a pipeline stage's GPUs and ``--ep``."""
+    m = ev.model
+    if not m.moe:
+        raise PortingError(f"--layout: ep/etp: model {m.name} has no experts")
+    if m.experts % ep:
+        raise PortingError(f"--layout: EP {ep} does not divide the {m.experts} experts")
+    if etp not in (1, tp):
+        raise PortingError(f"--layout: ETP {etp} must be 1 or TP {tp}")
+    if stage % (ep * etp):
+        raise PortingError(
+            f"--layout: EP {ep} x ETP {etp} does not divide the {stage} GPUs of a pipeline stage"
+        )
+    if ev.settings.expert_parallel and ep not in ev.settings.expert_parallel:
+        raise PortingError(f"--layout: EP {ep} is not among --ep")
 
 
 def _check_layout(layout, ev) -> None:
