@@ -140,6 +140,36 @@ def validate(spec: TrainSpec, model_config, vocab_size: int) -> list[str]:
     checkpoint's real (HF) vocabulary, the bound on the data's token ids.
     """
     manifest = Path(spec.checkpoint) / "context" / "porting.json"
+    _check_tensor_parallel(spec, model_config, manifest)
+    _check_layout_and_batch(spec, model_config, manifest)
+    _check_experts(spec, model_config)
+    if spec.sequence_parallel and spec.tp == 1:
+        raise PortingError("--sequence-parallel needs --tp > 1")
+    if spec.steps < 1 or spec.warmup >= spec.steps:
+        raise PortingError(f"--warmup {spec.warmup} must be below --steps {spec.steps}")
+    if spec.save_every < 0:
+        raise PortingError(f"--save-every {spec.save_every} must be 0 (no checkpoints) or more")
+    if spec.eval_every is not None and spec.eval_every < 1:
+        raise PortingError(f"--eval-every {spec.eval_every} must be at least 1")
+    if spec.eval_iters < 1:
+        raise PortingError(f"--eval-iters {spec.eval_iters} must be at least 1")
+    if spec.recompute not in RECOMPUTE:
+        raise PortingError(f"--recompute {spec.recompute!r}: one of {', '.join(RECOMPUTE)}")
+    _check_optimizer(spec)
+    if model_config.vocab_size % spec.tp:
+        raise PortingError(
+            f"padded vocabulary {model_config.vocab_size} is not divisible by --tp {spec.tp}"
+        )
+    check_data(spec.data, vocab_size, "--data", model_config.vocab_size)
+    if spec.valid_data:
+        check_data(spec.valid_data, vocab_size, "--valid-data", model_config.vocab_size)
+    else:
+        check_split(spec.data, spec.split, "--data")
+    return _warnings(spec, model_config)
+
+
+def _check_tensor_parallel(spec: TrainSpec, model_config, manifest: Path) -> None:
+    """TP against the attention heads and the KV groups."""
     heads = model_config.num_attention_heads
     groups = model_config.num_query_groups or heads
     if spec.tp < 1 or spec.pp < 1 or spec.cp < 1:
@@ -161,6 +191,11 @@ def validate(spec: TrainSpec, model_config, vocab_size: int) -> list[str]:
             "num_query_groups to be divisible by the tensor-parallel size "
             f"(num_key_value_heads of the model in {manifest})"
         )
+
+
+def _check_layout_and_batch(spec: TrainSpec, model_config, manifest: Path) -> None:
+    """The pipeline's stages and virtual stages, the devices against TP x PP x CP, and the
+    global batch against micro-batch x DP."""
     layers = model_config.num_layers
     check_stage_layers(spec, layers, manifest)
     if spec.vp is not None and spec.pp == 1:
@@ -176,6 +211,12 @@ def validate(spec: TrainSpec, model_config, vocab_size: int) -> list[str]:
             f"--global-batch {spec.global_batch} is not divisible by --micro-batch "
             f"{spec.micro_batch} x data-parallel size {dp}"
         )
+
+
+def _check_experts(spec: TrainSpec, model_config) -> None:
+    """EP and ETP against the model's experts and the ranks they tile, and Megatron's rule for
+    the tp-pp-dp rank order."""
+    dp = spec.data_parallel
     experts = getattr(model_config, "num_moe_experts", None)
     if spec.ep < 1:
         raise PortingError(f"--ep {spec.ep} must be at least 1")
@@ -204,18 +245,11 @@ def validate(spec: TrainSpec, model_config, vocab_size: int) -> list[str]:
             "attention layers' data-parallel sizes to be the same under that order (drop "
             "--use-tp-pp-dp-mapping, or use CP 1 for a dense model)"
         )
-    if spec.sequence_parallel and spec.tp == 1:
-        raise PortingError("--sequence-parallel needs --tp > 1")
-    if spec.steps < 1 or spec.warmup >= spec.steps:
-        raise PortingError(f"--warmup {spec.warmup} must be below --steps {spec.steps}")
-    if spec.save_every < 0:
-        raise PortingError(f"--save-every {spec.save_every} must be 0 (no checkpoints) or more")
-    if spec.eval_every is not None and spec.eval_every < 1:
-        raise PortingError(f"--eval-every {spec.eval_every} must be at least 1")
-    if spec.eval_iters < 1:
-        raise PortingError(f"--eval-iters {spec.eval_iters} must be at least 1")
-    if spec.recompute not in RECOMPUTE:
-        raise PortingError(f"--recompute {spec.recompute!r}: one of {', '.join(RECOMPUTE)}")
+
+
+def _check_optimizer(spec: TrainSpec) -> None:
+    """The distributed optimizer's instances and what needs the distributed optimizer."""
+    dp = spec.data_parallel
     instances = spec.num_distributed_optimizer_instances
     if instances < 1 or dp % instances:
         raise PortingError(
@@ -228,15 +262,10 @@ def validate(spec: TrainSpec, model_config, vocab_size: int) -> list[str]:
         )
     if spec.overlap_param_gather and not spec.distributed_optimizer:
         raise PortingError("--overlap-param-gather needs the distributed optimizer")
-    if model_config.vocab_size % spec.tp:
-        raise PortingError(
-            f"padded vocabulary {model_config.vocab_size} is not divisible by --tp {spec.tp}"
-        )
-    check_data(spec.data, vocab_size, "--data", model_config.vocab_size)
-    if spec.valid_data:
-        check_data(spec.valid_data, vocab_size, "--valid-data", model_config.vocab_size)
-    else:
-        check_split(spec.data, spec.split, "--data")
+
+
+def _warnings(spec: TrainSpec, model_config) -> list[str]:
+    """Settings that run but deserve a look."""
     warnings = []
     trained = _trained_context(model_config)
     if trained and spec.seq_length > trained:
