@@ -528,6 +528,33 @@ def check_plan(spec: TrainSpec, manifest, config) -> None:
     if not isinstance(model, dict) or not isinstance(layouts, list) or not layouts:
         raise PortingError(f"{path}: not a plan written by `porting plan --emit` (model, layouts)")
     _check_plan_types(plan, path)
+    _check_plan_model(model, path, spec, manifest, config)
+    chosen = layouts[0].get("layout") or {}
+    for where, (planned, flag_value, flag) in _planned_and_given(plan, chosen, spec).items():
+        if planned is not None and planned != flag_value:
+            raise PortingError(
+                f"{path}: {where} is {planned!r}, but {flag} gives {flag_value!r}: the flags do "
+                "not follow the plan (drop --plan to run another layout)"
+            )
+    planned_split = (chosen.get("first_layers") or None, chosen.get("last_layers") or None)
+    given_split = (spec.first_stage_layers, spec.last_stage_layers)
+    if "first_layers" in chosen and planned_split != given_split:
+        raise PortingError(
+            f"{path}: layouts[0].layout first_layers/last_layers are {planned_split}, but "
+            f"--first-stage-layers / --last-stage-layers give {given_split}: the flags do not "
+            "follow the plan"
+        )
+    order = layouts[0].get("rank_order")
+    pp_order = "tp-cp-ep-pp-dp"
+    if order is not None and spec.pp > 1 and (order == pp_order) != spec.use_tp_pp_dp_mapping:
+        raise PortingError(
+            f"{path}: layouts[0].rank_order is {order!r}, but --use-tp-pp-dp-mapping is "
+            f"{'on' if spec.use_tp_pp_dp_mapping else 'off'}: the flags do not follow the plan"
+        )
+
+
+def _check_plan_model(model: dict, path: Path, spec: TrainSpec, manifest, config) -> None:
+    """The plan's ``model`` fields against the checkpoint's model."""
     facts = _model_facts(manifest, config)
     source = Path(spec.checkpoint) / "context" / "porting.json"
     for _, key, plan_key in _SHAPE:
@@ -538,7 +565,12 @@ def check_plan(spec: TrainSpec, manifest, config) -> None:
                 f"{source} has {key} {facts[key]}: the plan was made for another model "
                 f"({model.get('name', '?')})"
             )
-    chosen = layouts[0].get("layout") or {}
+
+
+def _planned_and_given(plan: dict, chosen: dict, spec: TrainSpec) -> dict:
+    """``{plan field: (its value, the flags' value, the flag)}`` of the layout and settings the
+    flags must follow (a dense plan's EP and ETP left out)."""
+    model = plan["model"]
     settings = plan.get("settings") or {}
     expect = {
         "layouts[0].layout.tp": (chosen.get("tp"), spec.tp, "--tp"),
@@ -595,27 +627,7 @@ def check_plan(spec: TrainSpec, manifest, config) -> None:
     if not model.get("experts"):
         # a dense plan's layout carries EP 1 and ETP 1, which mean nothing without experts
         del expect["layouts[0].layout.ep"], expect["layouts[0].layout.etp"]
-    for where, (planned, flag_value, flag) in expect.items():
-        if planned is not None and planned != flag_value:
-            raise PortingError(
-                f"{path}: {where} is {planned!r}, but {flag} gives {flag_value!r}: the flags do "
-                "not follow the plan (drop --plan to run another layout)"
-            )
-    planned_split = (chosen.get("first_layers") or None, chosen.get("last_layers") or None)
-    given_split = (spec.first_stage_layers, spec.last_stage_layers)
-    if "first_layers" in chosen and planned_split != given_split:
-        raise PortingError(
-            f"{path}: layouts[0].layout first_layers/last_layers are {planned_split}, but "
-            f"--first-stage-layers / --last-stage-layers give {given_split}: the flags do not "
-            "follow the plan"
-        )
-    order = layouts[0].get("rank_order")
-    pp_order = "tp-cp-ep-pp-dp"
-    if order is not None and spec.pp > 1 and (order == pp_order) != spec.use_tp_pp_dp_mapping:
-        raise PortingError(
-            f"{path}: layouts[0].rank_order is {order!r}, but --use-tp-pp-dp-mapping is "
-            f"{'on' if spec.use_tp_pp_dp_mapping else 'off'}: the flags do not follow the plan"
-        )
+    return expect
 
 
 # The fields of a plan.json that train reads, and their kinds: a plan is input, read as data
