@@ -435,19 +435,7 @@ def plan(
     t0 = time.perf_counter()
     ev = Evaluator(model, cluster, seq_length, global_batch, settings, eff)
     orders, notes = _site_orders_within_budget(ev)
-    ranked: list[Prediction] = []
-    rejected: list[Rejected] = []
-    considered = 0
-    for item in enumerate_layouts(ev, orders):
-        considered += 1
-        if isinstance(item, Rejected):
-            rejected.append(item)
-            continue
-        try:
-            ranked.append(ev.predict(item))
-        except Infeasible as err:
-            rejected.append(Rejected(item.label(), str(err)))
-    ranked.sort(key=lambda p: (p.step, p.memory.total))
+    ranked, rejected, considered = _ranked(ev, orders)
     result = Plan(
         model=model,
         cluster=cluster,
@@ -464,35 +452,17 @@ def plan(
     )
     if not ranked:
         raise PortingError(no_fit_message(result))
-    if len(cluster.sites) > 1:
-        one = ev.with_cluster(cluster.one_site())
+    one = ev.with_cluster(cluster.one_site()) if len(cluster.sites) > 1 else None
+    if one is not None:
         for p in ranked[:slowdown_top]:
-            try:
-                p.slowdown = p.step / one.predict(p.layout).step
-            except Infeasible:
-                p.slowdown = None
+            _set_slowdown(p, one)
     best = ranked[0]
     seen: dict[str, Prediction] = {}
     for p in ranked:
         seen.setdefault(p.layout.placement_label(), p)
     result.placements = list(seen.values())
-    if len(cluster.sites) > 1:
-        for p in result.placements:
-            if p.slowdown is None:
-                try:
-                    p.slowdown = p.step / one.predict(p.layout).step
-                except Infeasible:
-                    p.slowdown = None
-        others = [p for p in result.placements if p is not best]
-        if others:
-            beaten = ", ".join(
-                f"{p.layout.placement_label()} ({p.step:.2f} s, {p.step / best.step:.2f}x)"
-                for p in others
-            )
-            result.notes.append(
-                f"placement: {best.layout.placement_label()} ({best.step:.2f} s per step) beats "
-                f"the best with {beaten}"
-            )
+    if one is not None:
+        _placement_notes(result, best, one)
     if model.moe:
         result.notes.extend(expert_notes(ev, ranked))
         if ev.settings.dispatcher == "flex":
@@ -514,6 +484,50 @@ def plan(
     result.seconds = time.perf_counter() - t0
     log.debug("planned %d layouts in %.3f s", considered, result.seconds)
     return result
+
+
+def _ranked(ev: Evaluator, orders) -> tuple[list[Prediction], list[Rejected], int]:
+    """Every candidate layout predicted (or rejected, with why), the feasible ones by step time
+    then memory; and how many were considered."""
+    ranked: list[Prediction] = []
+    rejected: list[Rejected] = []
+    considered = 0
+    for item in enumerate_layouts(ev, orders):
+        considered += 1
+        if isinstance(item, Rejected):
+            rejected.append(item)
+            continue
+        try:
+            ranked.append(ev.predict(item))
+        except Infeasible as err:
+            rejected.append(Rejected(item.label(), str(err)))
+    ranked.sort(key=lambda p: (p.step, p.memory.total))
+    return ranked, rejected, considered
+
+
+def _set_slowdown(p: Prediction, one: Evaluator) -> None:
+    """``p``'s step time against the same GPUs in one site (None where one site cannot hold it)."""
+    try:
+        p.slowdown = p.step / one.predict(p.layout).step
+    except Infeasible:
+        p.slowdown = None
+
+
+def _placement_notes(result: Plan, best: Prediction, one: Evaluator) -> None:
+    """Each placement's slowdown against one site, and what the best placement beats."""
+    for p in result.placements:
+        if p.slowdown is None:
+            _set_slowdown(p, one)
+    others = [p for p in result.placements if p is not best]
+    if others:
+        beaten = ", ".join(
+            f"{p.layout.placement_label()} ({p.step:.2f} s, {p.step / best.step:.2f}x)"
+            for p in others
+        )
+        result.notes.append(
+            f"placement: {best.layout.placement_label()} ({best.step:.2f} s per step) beats "
+            f"the best with {beaten}"
+        )
 
 
 def expert_notes(ev: Evaluator, ranked: list[Prediction]) -> list[str]:
