@@ -79,8 +79,6 @@ def export_into(
     it, run backwards through the table, cast to the import dtype and written into its place in
     the planned safetensors shards. One parameter and its HF tensors are in memory at a time.
     """
-    from accelerate import init_empty_weights
-
     manifest = checkpoint.manifest
     # Not read here, but a checkpoint whose metadata would run code on load is hostile.
     check_saved_metadata(checkpoint, family)
@@ -89,20 +87,7 @@ def export_into(
             f"{checkpoint.path}: a {manifest.family!r} checkpoint, not one of family "
             f"{family.name!r}"
         )
-    init_parallel()
-    config = checkpoint_config(checkpoint, family)
-    with init_empty_weights():
-        model = build_mcore_model(config)
-    ctx = family.shape_context(config, manifest.vocab_size)
-    if ctx.padded_vocab_size != manifest.padded_vocab_size:
-        raise PortingError(
-            f"{checkpoint.path}: model vocabulary {ctx.padded_vocab_size} differs from the "
-            f"manifest's padded vocabulary {manifest.padded_vocab_size}"
-        )
-    meta = {
-        k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")
-    }
-    check_table(family, ctx, hf_meta_shapes(family, manifest.hf_config), shapes_of(meta))
+    config, model, ctx, meta = _meta_model(checkpoint, family)
     # Training keeps fp32 master weights; HF gets the import dtype, and the tensors the source
     # stored in float32 beside them (the manifest's fp32_tensors) float32 again.
     fp32 = frozenset(manifest.fp32_tensors)
@@ -132,14 +117,7 @@ def export_into(
     )  # fmt: skip
     if world > 1:
         torch.distributed.barrier()  # the files exist, at their sizes, before any rank writes
-    loc = checkpoint.located
-    reader = DistCheckpointReader(loc.weights)
-    sharded = model.sharded_state_dict(prefix=loc.prefix)
-    check_nemo_layout(sharded, reader, str(loc.manifest_path))
-    params = CheckpointParameters(reader, sharded, meta, loc.prefix)
-    for key, tensor in export_weights(params, family.weights, ctx, ctx.num_layers, keep):
-        writer.write(key, tensor.to(dtype_of(key)))
-        del tensor
+    _stream_weights(checkpoint, model, meta, family, ctx, writer, keep, dtype_of)
     writer.finish()
     if world > 1:
         torch.distributed.barrier()
@@ -148,6 +126,52 @@ def export_into(
     writer.publish()
     del model, meta
     gc.collect()
+    _write_config_and_files(checkpoint, config, family, out)
+    return manifest
+
+
+def _meta_model(checkpoint: Checkpoint, family: Family):
+    """``(config, model, shape context, parameters)`` of the checkpoint's Megatron model built on
+    the meta device, its vocabulary and table checked against the manifest's HF model."""
+    from accelerate import init_empty_weights
+
+    manifest = checkpoint.manifest
+    init_parallel()
+    config = checkpoint_config(checkpoint, family)
+    with init_empty_weights():
+        model = build_mcore_model(config)
+    ctx = family.shape_context(config, manifest.vocab_size)
+    if ctx.padded_vocab_size != manifest.padded_vocab_size:
+        raise PortingError(
+            f"{checkpoint.path}: model vocabulary {ctx.padded_vocab_size} differs from the "
+            f"manifest's padded vocabulary {manifest.padded_vocab_size}"
+        )
+    meta = {
+        k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")
+    }
+    check_table(family, ctx, hf_meta_shapes(family, manifest.hf_config), shapes_of(meta))
+    return config, model, ctx, meta
+
+
+def _stream_weights(
+    checkpoint: Checkpoint, model, meta, family: Family, ctx, writer, keep, dtype_of
+):
+    """Each parameter read from the checkpoint's weights as the table reaches it, run backwards
+    through the table and written into its planned place (this rank's share: ``keep``)."""
+    loc = checkpoint.located
+    reader = DistCheckpointReader(loc.weights)
+    sharded = model.sharded_state_dict(prefix=loc.prefix)
+    check_nemo_layout(sharded, reader, str(loc.manifest_path))
+    params = CheckpointParameters(reader, sharded, meta, loc.prefix)
+    for key, tensor in export_weights(params, family.weights, ctx, ctx.num_layers, keep):
+        writer.write(key, tensor.to(dtype_of(key)))
+        del tensor
+
+
+def _write_config_and_files(checkpoint: Checkpoint, config, family: Family, out: Path) -> None:
+    """``config.json`` as the source wrote it (its spelling, its declared MTP count), the
+    tokenizer's files and the files carried beside the weights."""
+    manifest = checkpoint.manifest
     written = manifest.hf_config_as_written
     hf_config = hf_spelling.as_written(
         config_map.to_hf(config, manifest.hf_config, family.config_entries),
@@ -163,4 +187,3 @@ def export_into(
         shutil.copyfile(f, out / f.name)
     for name in manifest.extra_files:
         shutil.copyfile(extra_file(checkpoint, name), out / name)
-    return manifest
