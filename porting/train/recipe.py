@@ -66,12 +66,7 @@ class Recipe:
 
 def recipe(spec: TrainSpec) -> Recipe:
     """Build the NeMo 2.0 objects for ``spec`` (checked by :func:`preflight` first)."""
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig
-    from nemo import lightning as nl
-    from nemo.collections import llm
     from nemo.collections.common.tokenizers.huggingface.auto_tokenizer import AutoTokenizer
-    from nemo.lightning.pytorch.optim import CosineAnnealingScheduler, MegatronOptimizerModule
 
     from porting.convert.checkpoint import tokenizer_files
     from porting.convert.connectors import model_class
@@ -81,22 +76,34 @@ def recipe(spec: TrainSpec) -> Recipe:
     if not tok_files:
         raise PortingError(f"{spec.checkpoint}: the manifest names no tokenizer; cannot train")
     model = model_class(pre.family)(pre.config, tokenizer=AutoTokenizer(str(tok_files[0].parent)))
-    warnings = pre.warnings
-
     gpu = cpu.cuda_available()
     bf16 = wants_bf16(spec)
-    cfg = model.config
-    configure_model(cfg, spec, bf16)
+    configure_model(model.config, spec, bf16)
+    return Recipe(
+        spec,
+        model,
+        _data_module(spec, model.tokenizer, gpu),
+        _trainer(spec, model.config, gpu, bf16),
+        _optimizer(spec, bf16),
+        _logger(spec),
+        _resume(spec),
+        pre.warnings,
+    )
+
+
+def _data_module(spec: TrainSpec, tokenizer, gpu: bool):
+    """NeMo's pretraining data module over ``--data`` (and ``--valid-data``)."""
+    from nemo.collections import llm
 
     paths: list | dict[str, list] = megatron_paths(spec.data, "--data")
     if spec.valid_data:
         valid = megatron_paths(spec.valid_data, "--valid-data")
         # NeMo's data module needs a test split too; training never reads it.
         paths = {"train": paths, "validation": valid, "test": valid}
-    data = llm.PreTrainingDataModule(
+    return llm.PreTrainingDataModule(
         paths=paths,
         seq_length=spec.seq_length,
-        tokenizer=model.tokenizer,
+        tokenizer=tokenizer,
         micro_batch_size=spec.micro_batch,
         global_batch_size=spec.global_batch,
         num_workers=spec.num_workers,
@@ -107,6 +114,14 @@ def recipe(spec: TrainSpec) -> Recipe:
         split=None if spec.valid_data else spec.split,
         index_mapping_dir=str(Path(spec.out) / "index_cache"),
     )
+
+
+def _trainer(spec: TrainSpec, cfg, gpu: bool, bf16: bool):
+    """Lightning's trainer on NeMo's Megatron strategy: the layout, DDP, precision, schedule of
+    validation and checkpoints, our per-step lines."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from nemo import lightning as nl
+
     ddp = DistributedDataParallelConfig(**ddp_settings(spec))
     strategy = nl.MegatronStrategy(
         tensor_model_parallel_size=spec.tp,
@@ -131,7 +146,7 @@ def recipe(spec: TrainSpec) -> Recipe:
         ckpt_optim_fully_reshardable=spec.optim_fully_reshardable,
     )
     plugins = [nl.MegatronMixedPrecision(precision="bf16-mixed")] if bf16 else []
-    trainer = nl.Trainer(
+    return nl.Trainer(
         accelerator="gpu" if gpu else "cpu",
         devices=spec.gpus_per_node,
         num_nodes=spec.nodes,
@@ -149,6 +164,13 @@ def recipe(spec: TrainSpec) -> Recipe:
         enable_checkpointing=spec.save_every > 0,
         callbacks=[ThroughputLogger(spec.global_batch * spec.seq_length), BuiltLayout()],
     )
+
+
+def _optimizer(spec: TrainSpec, bf16: bool):
+    """Megatron's optimizer under a cosine schedule with linear warmup."""
+    from megatron.core.optimizer import OptimizerConfig
+    from nemo.lightning.pytorch.optim import CosineAnnealingScheduler, MegatronOptimizerModule
+
     opt = OptimizerConfig(**optimizer_settings(spec, bf16))
     sched = CosineAnnealingScheduler(
         warmup_steps=spec.warmup,
@@ -156,7 +178,13 @@ def recipe(spec: TrainSpec) -> Recipe:
         max_steps=spec.steps,
         min_lr=opt.min_lr,
     )
-    optim = MegatronOptimizerModule(config=opt, lr_scheduler=sched)
+    return MegatronOptimizerModule(config=opt, lr_scheduler=sched)
+
+
+def _logger(spec: TrainSpec):
+    """NeMo's logger: the run directory, its self-describing checkpoints, TensorBoard and CSV."""
+    from nemo import lightning as nl
+
     ckpt_cb = (
         None
         if spec.save_every == 0
@@ -172,19 +200,24 @@ def recipe(spec: TrainSpec) -> Recipe:
             filename="{step}",
         )
     )
-    logger = nl.NeMoLogger(
+    return nl.NeMoLogger(
         explicit_log_dir=str(spec.out),
         update_logger_directory=False,
         ckpt=ckpt_cb,
         tensorboard=_tensorboard_logger(spec.out),
         extra_loggers=[_csv_logger(spec.out)],
     )
-    resume = nl.AutoResume(
+
+
+def _resume(spec: TrainSpec):
+    """The run's last checkpoint where there is one, else the imported checkpoint's weights."""
+    from nemo import lightning as nl
+
+    return nl.AutoResume(
         restore_config=nl.RestoreConfig(path=str(spec.checkpoint), load_optim_state=False),
         resume_if_exists=True,
         resume_ignore_no_checkpoint=True,
     )
-    return Recipe(spec, model, data, trainer, optim, logger, resume, warnings)
 
 
 def _fmt(value) -> str:
