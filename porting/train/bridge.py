@@ -85,32 +85,67 @@ def config(spec: TrainSpec) -> BridgeRun:
             os.environ.setdefault(name, value)
     shims.bridge_training()
     from megatron.bridge.training.config import (
-        CheckpointConfig,
         ConfigContainer,
         DistributedDataParallelConfig,
         DistributedInitConfig,
-        GPTDatasetConfig,
-        LoggerConfig,
         OptimizerConfig,
         RNGConfig,
-        SchedulerConfig,
         TrainingConfig,
         ValidationConfig,
     )
-    from megatron.bridge.training.model_load_save import load_model_config
     from megatron.bridge.training.tokenizers.config import TokenizerConfig
-
-    from porting.owners.bridge import spec_overrides
 
     pre = preflight_bridge(spec)
     gpu = cpu.cuda_available()
     bf16 = wants_bf16(spec)
+    tokenizer_dir = Path(spec.checkpoint) / "porting" / "tokenizer"
+    cfg = ConfigContainer(
+        model=_model(spec, bf16),
+        train=TrainingConfig(
+            train_iters=spec.steps,
+            global_batch_size=spec.global_batch,
+            micro_batch_size=spec.micro_batch,
+        ),
+        validation=ValidationConfig(
+            eval_interval=spec.eval_every or spec.steps, eval_iters=spec.eval_iters
+        ),
+        optimizer=OptimizerConfig(**optimizer_settings(spec, bf16), fp16=False),
+        scheduler=_scheduler(spec),
+        ddp=DistributedDataParallelConfig(**ddp_settings(spec)),
+        dataset=_dataset(spec, gpu),
+        logger=_logger(spec),
+        tokenizer=TokenizerConfig(
+            tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tokenizer_dir)
+        ),
+        checkpoint=_checkpoint(spec, gpu),
+        rng=RNGConfig(seed=spec.seed),
+        dist=DistributedInitConfig(
+            distributed_backend="nccl" if gpu else "gloo",
+            use_tp_pp_dp_mapping=spec.use_tp_pp_dp_mapping,
+        ),
+    )
+    return BridgeRun(spec, cfg, pre.warnings)
+
+
+def _model(spec: TrainSpec, bf16: bool):
+    """The checkpoint's model provider (its family's own, registered first), configured for the
+    run."""
+    from megatron.bridge.training.model_load_save import load_model_config
+
+    from porting.owners.bridge import spec_overrides
+
     source = bridge_iteration(spec.checkpoint)
     overrides = spec_overrides(str(source))  # registers a family's own provider package first
     model, _ = load_model_config(str(source))
     for key, value in overrides.items():
         setattr(model, key, value)
     configure_model(model, spec, bf16)
+    return model
+
+
+def _dataset(spec: TrainSpec, gpu: bool):
+    """Megatron's GPT dataset over ``--data`` (and ``--valid-data``)."""
+    from megatron.bridge.training.config import GPTDatasetConfig
 
     if spec.valid_data:
         valid = _blend(spec.valid_data, "--valid-data")
@@ -118,7 +153,7 @@ def config(spec: TrainSpec) -> BridgeRun:
         blend, blend_per_split, split = None, [_blend(spec.data, "--data"), valid, valid], None
     else:
         blend, blend_per_split, split = _blend(spec.data, "--data"), None, spec.split
-    dataset = GPTDatasetConfig(
+    return GPTDatasetConfig(
         seq_length=spec.seq_length,
         random_seed=spec.seed,
         blend=blend,
@@ -136,64 +171,58 @@ def config(spec: TrainSpec) -> BridgeRun:
         # Without Transformer Engine Megatron's local attention needs an explicit causal mask.
         skip_getting_attention_mask_from_dataset=gpu,
     )
-    tokenizer_dir = Path(spec.checkpoint) / "porting" / "tokenizer"
-    ckpts = checkpoints_dir(spec.out)
-    cfg = ConfigContainer(
-        model=model,
-        train=TrainingConfig(
-            train_iters=spec.steps,
-            global_batch_size=spec.global_batch,
-            micro_batch_size=spec.micro_batch,
-        ),
-        validation=ValidationConfig(
-            eval_interval=spec.eval_every or spec.steps, eval_iters=spec.eval_iters
-        ),
-        optimizer=OptimizerConfig(**optimizer_settings(spec, bf16), fp16=False),
-        scheduler=SchedulerConfig(
-            lr_decay_style="cosine",
-            lr_warmup_iters=spec.warmup,
-            # Megatron's warmup starts at lr_warmup_init on the first step (0 by default: a step
-            # that changes nothing), NeMo 2's at lr / (warmup + 1); starting there, the two
-            # engines apply the same rate at every step (measured: within 3e-10)
-            lr_warmup_init=spec.lr / (spec.warmup + 1) if spec.warmup else 0.0,
-            lr_decay_iters=spec.steps,
-            start_weight_decay=spec.weight_decay,
-            end_weight_decay=spec.weight_decay,
-            weight_decay_incr_style="constant",
-        ),
-        ddp=DistributedDataParallelConfig(**ddp_settings(spec)),
-        dataset=dataset,
-        logger=LoggerConfig(
-            log_interval=1,
-            tensorboard_dir=str(Path(spec.out) / "tb"),
-            # Bridge's set-up narration (and its own per-step line) only with -v; its filter of
-            # WARNING records would also drop ours.
-            logging_level=logging.INFO if log.isEnabledFor(logging.DEBUG) else logging.WARNING,
-            filter_warnings=False,
-            save_config_filepath=str(Path(spec.out) / "bridge_config.yaml"),
-        ),
-        tokenizer=TokenizerConfig(
-            tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tokenizer_dir)
-        ),
-        checkpoint=CheckpointConfig(
-            pretrained_checkpoint=str(spec.checkpoint),
-            save=str(ckpts) if spec.save_every else None,
-            load=str(ckpts),
-            save_interval=spec.save_every or None,
-            ckpt_format="torch_dist",
-            save_optim=True,
-            save_rng=True,
-            async_save=False,
-            fully_parallel_save=gpu,
-            dist_ckpt_optim_fully_reshardable=spec.optim_fully_reshardable,
-        ),
-        rng=RNGConfig(seed=spec.seed),
-        dist=DistributedInitConfig(
-            distributed_backend="nccl" if gpu else "gloo",
-            use_tp_pp_dp_mapping=spec.use_tp_pp_dp_mapping,
-        ),
+
+
+def _scheduler(spec: TrainSpec):
+    """Cosine decay after a linear warmup that starts where NeMo 2's does."""
+    from megatron.bridge.training.config import SchedulerConfig
+
+    return SchedulerConfig(
+        lr_decay_style="cosine",
+        lr_warmup_iters=spec.warmup,
+        # Megatron's warmup starts at lr_warmup_init on the first step (0 by default: a step
+        # that changes nothing), NeMo 2's at lr / (warmup + 1); starting there, the two
+        # engines apply the same rate at every step (measured: within 3e-10)
+        lr_warmup_init=spec.lr / (spec.warmup + 1) if spec.warmup else 0.0,
+        lr_decay_iters=spec.steps,
+        start_weight_decay=spec.weight_decay,
+        end_weight_decay=spec.weight_decay,
+        weight_decay_incr_style="constant",
     )
-    return BridgeRun(spec, cfg, pre.warnings)
+
+
+def _logger(spec: TrainSpec):
+    """A line a step, TensorBoard, the run's config saved; Bridge's narration only with -v."""
+    from megatron.bridge.training.config import LoggerConfig
+
+    return LoggerConfig(
+        log_interval=1,
+        tensorboard_dir=str(Path(spec.out) / "tb"),
+        # Bridge's set-up narration (and its own per-step line) only with -v; its filter of
+        # WARNING records would also drop ours.
+        logging_level=logging.INFO if log.isEnabledFor(logging.DEBUG) else logging.WARNING,
+        filter_warnings=False,
+        save_config_filepath=str(Path(spec.out) / "bridge_config.yaml"),
+    )
+
+
+def _checkpoint(spec: TrainSpec, gpu: bool):
+    """The imported checkpoint to start from, and where the run's own go (torch_dist)."""
+    from megatron.bridge.training.config import CheckpointConfig
+
+    ckpts = checkpoints_dir(spec.out)
+    return CheckpointConfig(
+        pretrained_checkpoint=str(spec.checkpoint),
+        save=str(ckpts) if spec.save_every else None,
+        load=str(ckpts),
+        save_interval=spec.save_every or None,
+        ckpt_format="torch_dist",
+        save_optim=True,
+        save_rng=True,
+        async_save=False,
+        fully_parallel_save=gpu,
+        dist_ckpt_optim_fully_reshardable=spec.optim_fully_reshardable,
+    )
 
 
 def _blend(items: list[str], flag: str) -> list:
