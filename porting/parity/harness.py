@@ -642,18 +642,8 @@ def verify(
     """
 
     from porting.contract.registry import family_by_name
-    from porting.convert.checkpoint import open_checkpoint, tokenizer_files
-    from porting.convert.hf_files import HFSource, load_tokenizer, read_hf_config_as_written  # noqa: F811
-    from porting.convert.layouts import check_saved_metadata
-    from porting.convert.megatron import build_config
-    from porting.convert.preflight import (
-        as_stored,
-        check_float_dtypes,
-        check_gate_memory,
-        check_hf_checkpoint,
-    )
-    from porting.convert.safetensors_io import SafetensorsSource, hf_weights
-    from porting.parity.hf_dequant import REFERENCE
+    from porting.convert.checkpoint import open_checkpoint
+    from porting.convert.hf_files import HFSource, read_hf_config_as_written  # noqa: F811
     from porting.parity.pair import check_pair
 
     # Opened once (layout, manifest; the HF directory's config where the caller read it:
@@ -679,33 +669,9 @@ def verify(
 
     quiet.quiet_nemo(load=False)
     started = time.perf_counter()
-    # Not read here, but a checkpoint whose metadata would run code on load is hostile.
-    check_saved_metadata(checkpoint, family)
-    # The HF side's config against its headers before either model is built (the Megatron
-    # side's is checked as its config is rebuilt, checkpoint_config).
-    # a quantized checkpoint's weights as the reference dequantizes them, not as the import did
-    if hf is not None:
-        source = hf_weights(hf, allow_pickle=allow_pickle, dequantizer=REFERENCE)
-    else:
-        source = SafetensorsSource(hf_dir, allow_pickle=allow_pickle, dequantizer=REFERENCE)
-    check_float_dtypes(family, source)
-    # an MTP count over a checkpoint that stores no MTP layer is read as 0, as import read it
-    stored, _ = as_stored(
-        family,
-        hf_config,
-        source.keys(),
-        lambda cfg: build_config(family, cfg, torch.float32, vocab_divisor=1)[1],
+    source, ctx, reference, prompts = _gate_inputs(
+        checkpoint, family, hf_config, hf, hf_dir, allow_pickle, device, whole_model
     )
-    _, ctx = build_config(family, stored, torch.float32, vocab_divisor=1)
-    hf_shapes = check_hf_checkpoint(
-        family, stored, ctx, source, Path(hf_dir) / "config.json", "verify"
-    )
-    if torch.device(device).type == "cpu":
-        check_gate_memory("verify", hf_shapes, hf_config, whole_model)
-    tok_files = tokenizer_files(checkpoint)
-    tokenizer = load_tokenizer(tok_files[0].parent) if tok_files else None
-    reference = reference_config(family, hf_config)
-    prompts = build_prompts(tokenizer, manifest.vocab_size, config=reference)
     probe = SiteProbe()
     if whole_model:
         mc = megatron_logits_from_checkpoint(checkpoint, prompts, manifest.vocab_size)
@@ -743,31 +709,102 @@ def verify(
             )
             torch.cuda.empty_cache()
             return _verify_in_child(hf_dir, ckpt, "cpu", locals())
-        report = compare(hf, mc, atol=atol, rtol=rtol, min_top1=min_top1)
-        for k, (hf_k, mc_k) in enumerate(mtp):
-            r = compare(hf_k, mc_k, atol=atol, rtol=rtol, min_top1=min_top1)
-            report.mtp.append(
-                {
-                    "layer": k,
-                    "max_abs_diff": r.max_abs_diff,
-                    "top1_agreement": r.top1_agreement,
-                    "passed": r.passed,
-                }
-            )
-            report.passed = report.passed and r.passed
-        report.mode = "layer-streamed"
-        report.matmul_tflop = cost.flop * 2 / 1e12
-        report.matmul_gflops = cost.gflops
-        report.floor_s = cost.floor_s
-        report.layers = [asdict(d) for d in layers]
-        first = next((d.layer for d in layers if d.diverges), None)
-        report.first_divergent_layer = first
-        if first is not None:
-            report.passed = False
+        report = _streamed_report(hf, mc, layers, cost, mtp, atol, rtol, min_top1)
+    report.unobserved = _unobserved(
+        reference, prompts, hf, probe, atol, rtol, family, ctx, whole_model
+    )
+    report.device = torch.device(device).type
+    report.wall_s = time.perf_counter() - started
+    if report.floor_s:
+        report.floor_ratio = report.wall_s / report.floor_s
+    log.debug("%s", report.summary())
+    return report
+
+
+def _gate_inputs(
+    checkpoint, family, hf_config: dict, hf, hf_dir: Path, allow_pickle: bool, device: str,
+    whole_model: bool,
+):  # fmt: skip
+    """What the gate compares, each checked before either model is built: the HF weights as the
+    reference dequantizes them, the shape context of what the checkpoint stores, the reference
+    config and the prompts."""
+    from porting.convert.checkpoint import tokenizer_files
+    from porting.convert.hf_files import load_tokenizer
+    from porting.convert.layouts import check_saved_metadata
+    from porting.convert.megatron import build_config
+    from porting.convert.preflight import (
+        as_stored,
+        check_float_dtypes,
+        check_gate_memory,
+        check_hf_checkpoint,
+    )
+    from porting.convert.safetensors_io import SafetensorsSource, hf_weights
+    from porting.parity.hf_dequant import REFERENCE
+
+    manifest = checkpoint.manifest
+    # Not read here, but a checkpoint whose metadata would run code on load is hostile.
+    check_saved_metadata(checkpoint, family)
+    # The HF side's config against its headers before either model is built (the Megatron
+    # side's is checked as its config is rebuilt, checkpoint_config).
+    # a quantized checkpoint's weights as the reference dequantizes them, not as the import did
+    if hf is not None:
+        source = hf_weights(hf, allow_pickle=allow_pickle, dequantizer=REFERENCE)
+    else:
+        source = SafetensorsSource(hf_dir, allow_pickle=allow_pickle, dequantizer=REFERENCE)
+    check_float_dtypes(family, source)
+    # an MTP count over a checkpoint that stores no MTP layer is read as 0, as import read it
+    stored, _ = as_stored(
+        family,
+        hf_config,
+        source.keys(),
+        lambda cfg: build_config(family, cfg, torch.float32, vocab_divisor=1)[1],
+    )
+    _, ctx = build_config(family, stored, torch.float32, vocab_divisor=1)
+    hf_shapes = check_hf_checkpoint(
+        family, stored, ctx, source, Path(hf_dir) / "config.json", "verify"
+    )
+    if torch.device(device).type == "cpu":
+        check_gate_memory("verify", hf_shapes, hf_config, whole_model)
+    tok_files = tokenizer_files(checkpoint)
+    tokenizer = load_tokenizer(tok_files[0].parent) if tok_files else None
+    reference = reference_config(family, hf_config)
+    prompts = build_prompts(tokenizer, manifest.vocab_size, config=reference)
+    return source, ctx, reference, prompts
+
+
+def _streamed_report(hf, mc, layers, cost, mtp, atol, rtol, min_top1) -> ParityReport:
+    """The layer-streamed gate's report: the logits compared, the MTP layers' too, its cost and
+    floor, each layer's divergence and the first that diverges."""
+    report = compare(hf, mc, atol=atol, rtol=rtol, min_top1=min_top1)
+    for k, (hf_k, mc_k) in enumerate(mtp):
+        r = compare(hf_k, mc_k, atol=atol, rtol=rtol, min_top1=min_top1)
+        report.mtp.append(
+            {
+                "layer": k,
+                "max_abs_diff": r.max_abs_diff,
+                "top1_agreement": r.top1_agreement,
+                "passed": r.passed,
+            }
+        )
+        report.passed = report.passed and r.passed
+    report.mode = "layer-streamed"
+    report.matmul_tflop = cost.flop * 2 / 1e12
+    report.matmul_gflops = cost.gflops
+    report.floor_s = cost.floor_s
+    report.layers = [asdict(d) for d in layers]
+    first = next((d.layer for d in layers if d.diverges), None)
+    report.first_divergent_layer = first
+    if first is not None:
+        report.passed = False
+    return report
+
+
+def _unobserved(reference, prompts, hf, probe, atol, rtol, family, ctx, whole_model) -> list:
+    """The mapped features the gate's prompts could not see, and what --whole-model leaves out."""
     sight = Sight(reference, [p.shape[1] for p in prompts], hf, probe, atol, rtol)
-    report.unobserved = unobserved_features(sight, mapped_fields(family))
+    unobserved = unobserved_features(sight, mapped_fields(family))
     if whole_model and ctx.mtp_layers:
-        report.unobserved.append(
+        unobserved.append(
             {
                 "field": "mtp_num_layers",
                 "value": ctx.mtp_layers,
@@ -775,12 +812,7 @@ def verify(
                 "compares the main logits only (the layer-streamed gate compares theirs too)",
             }
         )
-    report.device = torch.device(device).type
-    report.wall_s = time.perf_counter() - started
-    if report.floor_s:
-        report.floor_ratio = report.wall_s / report.floor_s
-    log.debug("%s", report.summary())
-    return report
+    return unobserved
 
 
 def _verify_in_child(hf_dir, ckpt, device: str, given: dict) -> ParityReport:
