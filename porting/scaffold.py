@@ -659,10 +659,7 @@ def _hf_model_class(hf_class: str, arch: str, config: Path) -> str:
 def _plan(
     name: str, hf_dir: Path, hf_class: str | None, base_name: str | None, result: Scaffold
 ) -> _Plan:
-    from porting.contract import registry
-    from porting.contract.config_map import known_fields, native_architecture
     from porting.convert.hf_files import read_hf_config
-    from porting.convert.safetensors_io import SafetensorsSource
 
     config = hf_dir / "config.json"
     cfg = read_hf_config(hf_dir)
@@ -675,25 +672,62 @@ def _plan(
     if mtype is not None and not isinstance(mtype, str):
         raise PortingError(f"{config}: model_type must be a string, not {_literal(mtype)[:80]}")
     hf_class = _hf_model_class(arch if hf_class is None else hf_class, arch, config)
+    architectures, model_types = _claims(name, arch, mtype, result)
+    patterns = _tensor_patterns(hf_class, cfg, hf_dir, result)
+    chosen = _chosen_base(cfg, patterns, arch, config, base_name, result)
+    base = _base(chosen[0])
+    fam = base.family
+    result.base = fam.name
+    replaced = _replaced_fields(fam, cfg, chosen[2], result)
+    entries, comments, imports = _entries(cfg, fam, replaced, arch, result)
+    result.uncovered_tensors, result.conditional_tensors, _ = _coverage(fam, patterns)
+    _hints(fam, result)
+    tiny, toggled = _tiny(cfg)
+    return _Plan(
+        name=name,
+        base=base,
+        hf_class=hf_class,
+        architectures=architectures,
+        model_types=model_types,
+        replaced=sorted(replaced),
+        entries=entries,
+        comments=comments,
+        imports=imports,
+        missing=result.missing,
+        uncovered=result.uncovered_tensors,
+        tiny=tiny,
+        toggled=toggled,
+        summary=f"started by porting new-family from a {mtype or arch} checkpoint",
+    )
+
+
+def _claims(name: str, arch: str, mtype, result: Scaffold) -> tuple[tuple, tuple]:
+    """``(architectures, model_types)`` the new family claims: the architecture where no family
+    has it, else the model type (the import then chooses the family with --family)."""
+    from porting.contract import registry
+
     taken = {k: f.name for f in registry.families() for k in f.keys}
     if arch not in taken:
-        architectures, model_types = (arch,), ()
         result.claims = f"{_shown(arch)} (its architecture)"
-    elif mtype and mtype not in taken:
+        return (arch,), ()
+    if mtype and mtype not in taken:
         # The architecture is another family's: claim the model type, chosen with --family.
-        architectures, model_types = (), (mtype,)
         result.claims = (
             f"model_type {_quoted(mtype)}; {arch} is family {taken[arch]}'s, so import with "
             f"--family {name}"
         )
-    else:
-        raise PortingError(
-            f"{_quoted(arch)} and model_type {_quoted(str(mtype))} are both claimed (by "
-            f"{taken.get(arch)}, {taken.get(mtype)}); give the checkpoint its own architecture name"
-        )
+        return (), (mtype,)
+    raise PortingError(
+        f"{_quoted(arch)} and model_type {_quoted(str(mtype))} are both claimed (by "
+        f"{taken.get(arch)}, {taken.get(mtype)}); give the checkpoint its own architecture name"
+    )
 
-    # Every tensor the HF class has for this config, and every one the checkpoint holds (which
-    # the import must account for too).
+
+def _tensor_patterns(hf_class: str, cfg: dict, hf_dir: Path, result: Scaffold) -> list[str]:
+    """The table patterns of every tensor the HF class has for this config and every one the
+    checkpoint holds (which the import must account for too)."""
+    from porting.convert.safetensors_io import SafetensorsSource
+
     names, why = _hf_tensor_names(hf_class, cfg)
     source = SafetensorsSource(hf_dir, allow_pickle=False)
     try:
@@ -707,6 +741,12 @@ def _plan(
     )
     patterns = sorted({_pattern(k) for k in [*names, *stored]})
 
+    return patterns
+
+
+def _chosen_base(cfg: dict, patterns: list[str], arch: str, config: Path, base_name, result):
+    """The family to start from: ``--base``, else the closest (:func:`closest`), with every
+    family's score."""
     ranked = closest(cfg, patterns, arch, str(config))
     result.scores = [(i.name, *score) for i, score, _ in ranked]
     if base_name is None:
@@ -722,13 +762,15 @@ def _plan(
             )
         chosen = found[0]
         result.scores.sort(key=lambda row: row[0] != base_name)
-    base = _base(chosen[0])
-    fam, refused = base.family, chosen[2]
-    result.base = fam.name
+    return chosen
 
-    # The base's entries for these fields are left out and each field placed afresh: the fields
-    # it refuses at this checkpoint's values, those it requires that the checkpoint lacks, and
-    # the other fields of any entry so left out.
+
+def _replaced_fields(fam, cfg: dict, refused, result: Scaffold) -> set[str]:
+    """The fields whose base entries are left out and placed afresh: those the base refuses at
+    this checkpoint's values, those it requires that the checkpoint lacks, and the other fields
+    of any entry so left out."""
+    from porting.contract.config_map import known_fields
+
     result.missing = _missing(fam, cfg)
     replaced = set(refused) | set(result.missing)
     while True:
@@ -741,8 +783,16 @@ def _plan(
         if grown <= replaced:
             break
         replaced |= grown
-    base_fields = known_fields(fam.config_entries) - replaced
+    return replaced
 
+
+def _entries(cfg: dict, fam, replaced: set[str], arch: str, result: Scaffold):
+    """Each config field placed: as the base places it, by the engine's common rule, as a known
+    field's entry, ``Require`` for the model type, else ``Undecided`` with the Megatron-Core field
+    it usually sets; ``(entries, comments, imports)``."""
+    from porting.contract.config_map import known_fields, native_architecture
+
+    base_fields = known_fields(fam.config_entries) - replaced
     # the engine refuses auto_map on an architecture transformers lacks: the author decides it
     remote = not native_architecture(arch)
     entries: list[Callable[[_Values], str]] = []
@@ -777,7 +827,11 @@ def _plan(
             comments[len(entries) - 1] = "" if hint is None else f"  # Megatron-Core: {hint}"
             imports.add("Undecided")
             result.undecided.append(key)
-    result.uncovered_tensors, result.conditional_tensors, _ = _coverage(fam, patterns)
+    return entries, comments, imports
+
+
+def _hints(fam, result: Scaffold) -> None:
+    """What the author is told besides the lists: norm biases, the base's fields it lacks."""
     norm_bias = [p for p in result.uncovered_tensors if re.search(r"norm[^.]*\.bias\Z", p)]
     if norm_bias:
         result.hints.append(
@@ -791,23 +845,6 @@ def _plan(
             f"field it sets is {HINTS.get(key, 'in the base family converter')} "
             f"(docs/families.md#{GUIDE_KEYS})"
         )
-    tiny, toggled = _tiny(cfg)
-    return _Plan(
-        name=name,
-        base=base,
-        hf_class=hf_class,
-        architectures=architectures,
-        model_types=model_types,
-        replaced=sorted(replaced),
-        entries=entries,
-        comments=comments,
-        imports=imports,
-        missing=result.missing,
-        uncovered=result.uncovered_tensors,
-        tiny=tiny,
-        toggled=toggled,
-        summary=f"started by porting new-family from a {mtype or arch} checkpoint",
-    )
 
 
 def new_family(
