@@ -648,26 +648,7 @@ def _prepare(cfg: PrepConfig, sources: list[Source], tok_fp: str, run_fp: str, s
         runner = _Runner(cfg, tasks, head_first=state["chunks"] == 0)
         head = _head(sources, keys, pos, cfg)
         recorded = recorded_facts(cfg, tok_fp)
-        guessed = None
-        if recorded is not None:
-            # From a record the workers' configuration is known before the backend is checked
-            # on the probes: they start (spawn, imports, the tokenizer built) meanwhile, and a
-            # failed check stops them before anything is written.
-            spec = backend_spec(recorded, backend_name)
-            guessed = _worker_config(
-                cfg, spec, recorded.eod, recorded.vocab_size, recorded.dtype, src.contract,
-                recorded.payload,
-            )  # fmt: skip
-        elif cfg.in_process or (os.cpu_count() or 1) > cfg.workers + 1:
-            # Without a record, workers start on a guess while Megatron's tokenizer loads, where
-            # spare cores can absorb the loading (and its memory is not on top of theirs on a
-            # small machine).
-            guess = provisional(src, cfg.include_special_tokens, backend_name)
-            if guess is not None:
-                spec, eod, vocab = guess
-                guessed = _worker_config(
-                    cfg, spec, eod, vocab, _guess_dtype(vocab), src.contract, spec.payload
-                )
+        guessed = _early_worker_config(cfg, backend_name, recorded)
         if guessed is not None:
             runner.start(guessed)
             runner.fill(min(32, 8 * cfg.workers))
@@ -698,17 +679,7 @@ def _prepare(cfg: PrepConfig, sources: list[Source], tok_fp: str, run_fp: str, s
         work.close()
         t_work = time.perf_counter() - t_work
 
-        for key in keys:
-            lengths = work.lens_path(key)
-            if work.bin_path(key).stat().st_size != total_tokens(lengths) * dtype.itemsize:
-                raise PortingError(
-                    f"{work.bin_path(key)}: size does not match its document lengths"
-                )
-            if prov_heads is not None:
-                provenance.read(work.prov_path(key), state["keys"][key]["documents"])
-            write_index_from_doc_lengths(
-                work.path / f"{key}.idx", facts.index_header, dtype.itemsize, lengths
-            )
+        _write_indexes(work, facts, dtype, state, prov_heads is not None)
         elapsed = time.perf_counter() - t_start
         # the workers are joined by now (runner.close), so their CPU is counted
         cpu = cpu_seconds() - cpu_start
@@ -716,20 +687,7 @@ def _prepare(cfg: PrepConfig, sources: list[Source], tok_fp: str, run_fp: str, s
         report = _report(
             cfg, sources, src, facts, backend_name, dtype, state, work.problems(), tok_fp, n_probes
         )
-        report["time"] = {
-            "seconds": round(elapsed, 3),
-            # From the first chunk handed out to the last one written: the steady-state part.
-            "processing_seconds": round(t_work, 3),
-            "seconds_all_runs": round(state["elapsed"], 3),
-            "runs": state["runs"],
-            "bytes_this_run": run.run_bytes,
-            "bytes_per_s": round(rate(run.run_bytes, elapsed), 1),
-            "tokens_per_s": round(rate(run.run_tokens, elapsed), 1),
-            "documents_per_s": round(rate(run.run_docs, elapsed), 1),
-            # the run's per-core rate: every process of it, start-up and the index included
-            "cpu_seconds": round(cpu, 3),
-            "tokens_per_cpu_s": round(rate(run.run_tokens, cpu), 1),
-        }
+        report["time"] = _timing(run, state, elapsed, t_work, cpu)
         # Written beside the partial outputs, so that finishing is renames only.
         write_json_atomic(work.path / REPORT, report)
     except BaseException as err:
@@ -753,22 +711,83 @@ def _prepare(cfg: PrepConfig, sources: list[Source], tok_fp: str, run_fp: str, s
     except PortingError:
         work.remove()
         raise
+    rpath = _publish(cfg, work, prov_heads is not None)
+    log.info("wrote %s (%d records, %d skipped)", rpath, state["records"], state["skipped"])
+    return report
+
+
+def _early_worker_config(cfg: PrepConfig, backend_name: str, recorded):
+    """The workers' configuration before the backend is checked, where it is known: from the
+    tokenizer's record (the workers start meanwhile, and a failed check stops them before
+    anything is written), or guessed from the tokenizer's files while Megatron's tokenizer
+    loads, where spare cores can absorb the loading (and its memory is not on top of theirs on a
+    small machine); else None."""
+    src = cfg.tokenizer
+    if recorded is not None:
+        spec = backend_spec(recorded, backend_name)
+        return _worker_config(
+            cfg, spec, recorded.eod, recorded.vocab_size, recorded.dtype, src.contract,
+            recorded.payload,
+        )  # fmt: skip
+    if cfg.in_process or (os.cpu_count() or 1) > cfg.workers + 1:
+        guess = provisional(src, cfg.include_special_tokens, backend_name)
+        if guess is not None:
+            spec, eod, vocab = guess
+            return _worker_config(
+                cfg, spec, eod, vocab, _guess_dtype(vocab), src.contract, spec.payload
+            )
+    return None
+
+
+def _write_indexes(work: WorkDir, facts: Facts, dtype, state: dict, provenance_on: bool) -> None:
+    """Each key's ``.idx`` from its document lengths, once its ``.bin`` is the size they say (and
+    its provenance sidecar holds every document)."""
+    for key in work.keys:
+        lengths = work.lens_path(key)
+        if work.bin_path(key).stat().st_size != total_tokens(lengths) * dtype.itemsize:
+            raise PortingError(f"{work.bin_path(key)}: size does not match its document lengths")
+        if provenance_on:
+            provenance.read(work.prov_path(key), state["keys"][key]["documents"])
+        write_index_from_doc_lengths(
+            work.path / f"{key}.idx", facts.index_header, dtype.itemsize, lengths
+        )
+
+
+def _timing(run, state: dict, elapsed: float, t_work: float, cpu: float) -> dict:
+    """The report's ``time``: this run's and every run's seconds, its rates and per-core rate."""
+    return {
+        "seconds": round(elapsed, 3),
+        # From the first chunk handed out to the last one written: the steady-state part.
+        "processing_seconds": round(t_work, 3),
+        "seconds_all_runs": round(state["elapsed"], 3),
+        "runs": state["runs"],
+        "bytes_this_run": run.run_bytes,
+        "bytes_per_s": round(rate(run.run_bytes, elapsed), 1),
+        "tokens_per_s": round(rate(run.run_tokens, elapsed), 1),
+        "documents_per_s": round(rate(run.run_docs, elapsed), 1),
+        # the run's per-core rate: every process of it, start-up and the index included
+        "cpu_seconds": round(cpu, 3),
+        "tokens_per_cpu_s": round(rate(run.run_tokens, cpu), 1),
+    }
+
+
+def _publish(cfg: PrepConfig, work: WorkDir, provenance_on: bool):
+    """The finished outputs renamed into place, the report last; its path."""
     rpath = report_path(cfg.output_prefix)
     try:
         # A signal now would leave some outputs renamed and the resume state without them.
         with signals_deferred():
-            for key in keys:
+            for key in work.keys:
                 final = output_prefix_for(cfg.output_prefix, key)
                 os.replace(work.bin_path(key), f"{final}.bin")
                 os.replace(work.path / f"{key}.idx", f"{final}.idx")
-                provenance.place(work.prov_path(key) if prov_heads else None, final)
+                provenance.place(work.prov_path(key) if provenance_on else None, final)
             os.replace(work.path / REPORT, rpath)
             work.remove()
     except (KeyboardInterrupt, Terminated) as err:
         err.kept = f"it came as the run finished: outputs complete, report {rpath}"
         raise
-    log.info("wrote %s (%d records, %d skipped)", rpath, state["records"], state["skipped"])
-    return report
+    return rpath
 
 
 def _report(
