@@ -674,11 +674,8 @@ def verify(
     )
     probe = SiteProbe()
     if whole_model:
-        mc = megatron_logits_from_checkpoint(checkpoint, prompts, manifest.vocab_size)
-        hf_cls = family.hf_class(manifest.hf_architecture)
-        with probe:
-            hf = hf_logits(hf_dir, hf_cls, prompts, family.hf_attn_implementation, device=device)
-        report = compare(hf, mc, atol=atol, rtol=rtol, min_top1=min_top1)
+        hf, report = _whole_model(checkpoint, family, hf_dir, prompts, probe, device, atol, rtol,
+                                  min_top1)  # fmt: skip
     else:
         from porting.convert.megatron import init_parallel
         from porting.parity.streamed import streamed_logits
@@ -770,6 +767,16 @@ def _gate_inputs(
     reference = reference_config(family, hf_config)
     prompts = build_prompts(tokenizer, manifest.vocab_size, config=reference)
     return source, ctx, reference, prompts
+
+
+def _whole_model(checkpoint, family, hf_dir, prompts, probe, device, atol, rtol, min_top1):
+    """Both models whole, never together (Megatron first, then HF): the HF logits and the report."""
+    manifest = checkpoint.manifest
+    mc = megatron_logits_from_checkpoint(checkpoint, prompts, manifest.vocab_size)
+    hf_cls = family.hf_class(manifest.hf_architecture)
+    with probe:
+        hf = hf_logits(hf_dir, hf_cls, prompts, family.hf_attn_implementation, device=device)
+    return hf, compare(hf, mc, atol=atol, rtol=rtol, min_top1=min_top1)
 
 
 def _streamed_report(hf, mc, layers, cost, mtp, atol, rtol, min_top1) -> ParityReport:
