@@ -240,25 +240,7 @@ def run_unit(job: Job, index: int, report=None) -> dict:
     _check_size(src)
     _init_worker(wcfg)
     stem = _stem(job, index)
-    tag = f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp = {
-        k: (
-            Path(f"{stem}.{k}.bin{tag}"),
-            Path(f"{stem}.{k}.idx{tag}"),
-            Path(f"{stem}.{k}.prov{tag}"),
-        )
-        for k in job.json_keys
-    }
-    bins = {k: open(tmp[k][0], "wb") for k in job.json_keys}
-    provs = {}
-    if job.provenance:
-        # Its own source only (a job of a thousand files has a thousand units: every source in
-        # every unit's header would grow with their product); the merge lists the job's sources
-        # and places the unit's lines after those of the units before it.
-        entries = [provenance.source_entry(src, job.split)]
-        for k in job.json_keys:
-            provs[k] = open(tmp[k][2], "wb")
-            provs[k].write(provenance.header(entries, k))
+    tmp, bins, provs = _open_unit_files(job, stem, src)
     lens: dict[str, list] = {k: [] for k in job.json_keys}
     stats = {k: {"documents": 0, "tokens": 0, "empty": 0} for k in job.json_keys}
     problems: list[list] = []
@@ -319,22 +301,7 @@ def run_unit(job: Job, index: int, report=None) -> dict:
             if report is not None:
                 report(index, docs, tokens, nbytes, disk)
         _check_size(src)
-        itemsize = np.dtype(wcfg.dtype).itemsize
-        for key in job.json_keys:
-            bins[key].flush()
-            os.fsync(bins[key].fileno())
-            bins[key].close()
-            doc_lens = np.concatenate(lens[key]) if lens[key] else np.empty(0, np.int32)
-            write_index_from_doc_lengths(tmp[key][1], job.header, itemsize, doc_lens)
-            if job.provenance:
-                provs[key].flush()
-                os.fsync(provs[key].fileno())
-                provs[key].close()
-        for key in job.json_keys:
-            os.replace(tmp[key][0], f"{stem}.{key}.bin")
-            os.replace(tmp[key][1], f"{stem}.{key}.idx")
-            if job.provenance:
-                os.replace(tmp[key][2], f"{stem}.{key}.prov")
+        _place_unit_files(job, stem, tmp, bins, provs, lens)
     finally:
         for key in job.json_keys:
             bins[key].close()
@@ -361,6 +328,52 @@ def run_unit(job: Job, index: int, report=None) -> dict:
     # Written last: the unit counts as done only once its pair is in place.
     write_json_atomic(Path(f"{stem}.json"), summary)
     return summary
+
+
+def _open_unit_files(job: Job, stem: Path, src):
+    """The unit's temporary ``.bin``, ``.idx`` and ``.prov`` paths per key (under a tag of this
+    process), its ``.bin`` files open, and its provenance sidecars open with their header."""
+    tag = f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = {
+        k: (
+            Path(f"{stem}.{k}.bin{tag}"),
+            Path(f"{stem}.{k}.idx{tag}"),
+            Path(f"{stem}.{k}.prov{tag}"),
+        )
+        for k in job.json_keys
+    }
+    bins = {k: open(tmp[k][0], "wb") for k in job.json_keys}
+    provs = {}
+    if job.provenance:
+        # Its own source only (a job of a thousand files has a thousand units: every source in
+        # every unit's header would grow with their product); the merge lists the job's sources
+        # and places the unit's lines after those of the units before it.
+        entries = [provenance.source_entry(src, job.split)]
+        for k in job.json_keys:
+            provs[k] = open(tmp[k][2], "wb")
+            provs[k].write(provenance.header(entries, k))
+    return tmp, bins, provs
+
+
+def _place_unit_files(job: Job, stem: Path, tmp: dict, bins: dict, provs: dict, lens: dict) -> None:
+    """Each key's ``.bin`` (and sidecar) synced, its ``.idx`` written from the document lengths,
+    and all renamed into place."""
+    itemsize = np.dtype(job.wcfg.dtype).itemsize
+    for key in job.json_keys:
+        bins[key].flush()
+        os.fsync(bins[key].fileno())
+        bins[key].close()
+        doc_lens = np.concatenate(lens[key]) if lens[key] else np.empty(0, np.int32)
+        write_index_from_doc_lengths(tmp[key][1], job.header, itemsize, doc_lens)
+        if job.provenance:
+            provs[key].flush()
+            os.fsync(provs[key].fileno())
+            provs[key].close()
+    for key in job.json_keys:
+        os.replace(tmp[key][0], f"{stem}.{key}.bin")
+        os.replace(tmp[key][1], f"{stem}.{key}.idx")
+        if job.provenance:
+            os.replace(tmp[key][2], f"{stem}.{key}.prov")
 
 
 def _index_counts(path: Path, header: bytes) -> tuple[int, int, int] | None:
