@@ -277,18 +277,7 @@ def run_unit(job: Job, index: int, report=None) -> dict:
                     lossy["differing"] += 1
                     if lossy["example"] is None:
                         lossy["example"] = [lines + rel, key, text, decoded]
-            for key in job.json_keys:
-                toks, dl = res.tokens[key], res.doc_lens[key]
-                bins[key].write(toks.tobytes(order="C"))
-                lens[key].append(dl)
-                if job.provenance:
-                    offsets = None if res.offsets is None else task.start + res.offsets
-                    prov = provenance.records(0, lines + res.lines + 1, offsets, res.hashes[key])
-                    provs[key].write(prov.tobytes(order="C"))
-                stats[key]["documents"] += len(dl)
-                stats[key]["tokens"] += int(toks.size)
-                stats[key]["empty"] += int(np.count_nonzero(dl == 0))
-                tokens += int(toks.size)
+            tokens += _write_chunk(job, res, task.start, lines, bins, provs, lens, stats)
             problems += [
                 [lines + rel, kind, detail]
                 for rel, kind, detail in res.problems
@@ -328,6 +317,25 @@ def run_unit(job: Job, index: int, report=None) -> dict:
     # Written last: the unit counts as done only once its pair is in place.
     write_json_atomic(Path(f"{stem}.json"), summary)
     return summary
+
+
+def _write_chunk(job: Job, res, start: int, lines: int, bins, provs, lens, stats) -> int:
+    """One chunk's tokens, document lengths and provenance records per key, written after the
+    unit's ``lines`` so far (its byte offsets from the chunk's ``start``); its token count."""
+    tokens = 0
+    for key in job.json_keys:
+        toks, dl = res.tokens[key], res.doc_lens[key]
+        bins[key].write(toks.tobytes(order="C"))
+        lens[key].append(dl)
+        if job.provenance:
+            offsets = None if res.offsets is None else start + res.offsets
+            prov = provenance.records(0, lines + res.lines + 1, offsets, res.hashes[key])
+            provs[key].write(prov.tobytes(order="C"))
+        stats[key]["documents"] += len(dl)
+        stats[key]["tokens"] += int(toks.size)
+        stats[key]["empty"] += int(np.count_nonzero(dl == 0))
+        tokens += int(toks.size)
+    return tokens
 
 
 def _open_unit_files(job: Job, stem: Path, src):
