@@ -556,6 +556,12 @@ def shape_context(config: DeepseekCore, vocab_size: int) -> DeepseekShapeContext
     )
 
 
+def plan_shape(cfg: dict, source: str, read) -> dict:
+    """What the planner needs (``Family.plan_shape``; ``read``: its readers): the Llama layout's
+    reading, experts included, with multi-head latent attention's ranks and head widths."""
+    return read.llama_layout(cfg, source) | read.mla_fields(cfg, source)
+
+
 FAMILY = Family(
     name="deepseek",
     architectures=("DeepseekV3ForCausalLM",),
@@ -577,4 +583,5 @@ FAMILY = Family(
         Variant("yarn", "YaRN rotary with mscale / mscale_all_dim (DeepSeek-V3, Kimi K2)"),
     ),
     mtp_count="num_nextn_predict_layers",
+    plan_shape=plan_shape,
 )

@@ -211,6 +211,7 @@ FAMILY = Family(
     core_config_cls="models.deepseek_v2:DeepseekV2Core",
     shape_context=shape_context,
     context_symbols=("models.deepseek:deepseek_block_spec",),
+    plan_shape=deepseek.plan_shape,
     summary="DeepSeek-V2-Lite and its chat and coder checkpoints: DeepSeek-V3's multi-latent "
     "attention and experts with greedy softmax routing and transformers' YaRN scales",
     variants=(

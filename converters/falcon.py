@@ -211,6 +211,50 @@ def shape_context(config: FalconCore, vocab_size: int) -> FalconShapeContext:
     )
 
 
+def plan_shape(cfg: dict, source: str, read) -> dict:
+    """What the planner needs from a Falcon config (``Family.plan_shape``): transformers'
+    FalconConfig / modeling_falcon.py's reading, MQA for 7B, ``num_kv_heads`` groups for the new
+    decoder architecture (40B, 180B, 11B), MHA for the RW layout, and its one or two norms.
+    ``read``: the planner's readers (:class:`porting.planner.model.Readers`)."""
+    count, need = read.count, read.need
+    experts = next((cfg[k] for k in read.expert_fields if cfg.get(k)), None)
+    if experts:
+        raise PortingError(
+            f"{source}: a Falcon-layout config with experts ({read.show(experts)}): the planner "
+            "reads experts in the Llama, Qwen and DeepSeek layouts only"
+        )
+    hidden = need(cfg, source, "hidden", "hidden_size", "n_embed")
+    heads = need(cfg, source, "heads", "num_attention_heads", "n_head")
+    head_dim = cfg.get("head_dim") or 0
+    new_arch = bool(cfg.get("new_decoder_architecture", False))
+    if new_arch:
+        kv = count(cfg.get("num_kv_heads", heads), "num_kv_heads", source, "kv_heads")
+    elif cfg.get("multi_query", True):
+        kv = 1
+    else:
+        kv = heads
+    parallel = bool(cfg.get("parallel_attn", True)) or new_arch
+    if new_arch:
+        norms = 1 if cfg.get("num_ln_in_parallel_attn") == 1 else 2
+    else:
+        norms = 1 if parallel else 2
+    return dict(
+        hidden=hidden,
+        layers=need(cfg, source, "layers", "num_hidden_layers", "n_layer"),
+        heads=heads,
+        kv_heads=kv,
+        ffn=count(cfg.get("ffn_hidden_size") or 4 * hidden, "ffn_hidden_size", source, "ffn"),
+        vocab=need(cfg, source, "vocab", "vocab_size"),
+        tied=bool(cfg.get("tie_word_embeddings", True)),
+        gated=False,
+        head_dim=count(head_dim, "head_dim", source, "head_dim") if head_dim else 0,
+        parallel_attn=parallel,
+        norms_per_layer=norms,
+        layernorm=True,
+        bias=bool(cfg.get("bias", False)),
+    )
+
+
 FAMILY = Family(
     name="falcon",
     architectures=("FalconForCausalLM",),
@@ -224,6 +268,7 @@ FAMILY = Family(
     # causal mask (FalconModel._update_causal_mask), unlike the original RW code and sdpa
     hf_attn_implementation="sdpa",
     context_symbols=("models.falcon:falcon_layer_spec",),
+    plan_shape=plan_shape,
     summary="parallel attention+MLP, MQA/GQA, one or two norms, ALiBi (RW): a custom spec",
     variants=(
         Variant("7b_mqa", "MQA, parallel block with one shared norm, tied output"),

@@ -171,9 +171,12 @@ def test_an_auto_map_family_goes_end_to_end_through_the_cli_once_decided(tmp_pat
     _pip_target(pkg, site)
 
     ck, back = tmp_path / "ck", tmp_path / "back"
-    listed, imported, verified, exported = _porting_in_turn(
+    # and planned from its checkpoint with no planner edit (the family's reading: the Llama's)
+    plan = ["plan", "--model", str(ck), "--cluster", "examples/clusters/dgx-h100-one-site.yaml",
+            "--global-batch", "64", "--seq-length", "256", "--json"]  # fmt: skip
+    listed, imported, verified, exported, planned = _porting_in_turn(
         [["families", "--json"], ["import", str(hf), "--out", str(ck)],
-         ["verify", str(hf), str(ck), "--json"], ["export", str(ck), "--out", str(back)]],
+         ["verify", str(hf), str(ck), "--json"], ["export", str(ck), "--out", str(back)], plan],
         site,
     )  # fmt: skip
     rows = {r["name"]: r for r in json.loads(listed.stdout)}
@@ -186,6 +189,8 @@ def test_an_auto_map_family_goes_end_to_end_through_the_cli_once_decided(tmp_pat
     assert exported.returncode == 0, exported.stderr[-3000:]
     assert compare_hf_dirs(hf, back).exact
     assert json.loads((back / "config.json").read_text())["auto_map"] == cfg["auto_map"]
+    assert planned.returncode == 0, planned.stderr[-3000:]
+    assert json.loads(planned.stdout)["model"]["layers"] == 3
 
 
 @pytest.mark.parametrize(

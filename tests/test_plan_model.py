@@ -215,7 +215,7 @@ def test_hf_llama_config_fields():
 )
 def test_hf_falcon_variants_by_config_fields(extra, kv, norms, parallel):
     cfg = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 128}
-    m = from_hf_config({**cfg, **extra})
+    m = from_hf_config({"architectures": ["FalconForCausalLM"], **cfg, **extra})
     assert (m.kv_heads, m.norms_per_layer, m.parallel_attn) == (kv, norms, parallel)
     assert m.ffn == 256 and not m.gated and m.layernorm
 

@@ -165,7 +165,10 @@ def test_qwen_sparse_step_and_dense_layers_are_counted():
         ({"expert_layer_period": 2, "expert_layer_offset": 1}, "expert_layer_period: the planner"),
         ({"interleave_moe_layer_step": 2}, "interleave_moe_layer_step: the planner does not"),
         ({"layer_types": ["linear_attention"] * 4}, "'linear_attention' layers are not"),
-        ({"multi_query": True}, "a Falcon-layout config with experts"),
+        (
+            {"architectures": ["FalconForCausalLM"], "multi_query": True},
+            "a Falcon-layout config with experts",
+        ),
     ],
 )
 def test_bad_moe_configs_are_refused_by_name(change, problem):

@@ -227,3 +227,73 @@ def test_import_family_flag_must_claim_the_checkpoint(tmp_path, capsys):
     code = main(["import", str(hf), "--out", str(tmp_path / "o"), "--family", "nope"])
     assert code == 2 and "no family called 'nope'" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+# An outside family whose config spells its shape in its own words: the planner asks the family.
+_PLANNED_SRC = """
+    import dataclasses
+    from converters import llama
+
+
+    def plan_shape(cfg, source, read):
+        hidden = read.need(cfg, source, "hidden", "d_model")
+        return read.llama_layout(
+            {
+                "hidden_size": hidden, "num_hidden_layers": cfg["n_layers"],
+                "num_attention_heads": cfg["n_heads"], "num_key_value_heads": cfg["n_kv"],
+                "intermediate_size": cfg["d_ff"], "vocab_size": cfg["vocab_size"],
+            },
+            source,
+        )
+
+
+    FAMILY = dataclasses.replace(
+        llama.FAMILY, name="inhouse", architectures=("InHouseForCausalLM",), model_types=(),
+        model_cls=__name__ + "_nemo:M", plan_shape=plan_shape,
+    )
+"""
+
+
+def test_an_outside_family_is_planned_by_its_own_reading_with_no_planner_edit(
+    site, tmp_path, capsys
+):
+    """``Family.plan_shape``: the planner reads no family's rules; a config in an outside
+    family's own words is refused until that family is installed, then planned from its
+    reading, end to end through ``porting plan``."""
+    from porting.planner.model import load_model
+
+    cfg = {"architectures": ["InHouseForCausalLM"], "d_model": 512, "n_layers": 4,
+           "n_heads": 8, "n_kv": 2, "d_ff": 1408, "vocab_size": 32000}  # fmt: skip
+    path = tmp_path / "inhouse" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(PortingError, match="missing field hidden_size"):
+        load_model(path)
+    _install(site, "inhouse-family", {"inhouse": "fam_inhouse:FAMILY"}, _PLANNED_SRC)
+    registry.refresh()
+    shape = load_model(path)
+    assert (shape.hidden, shape.layers, shape.heads, shape.kv_heads, shape.ffn, shape.vocab) == (
+        512, 4, 8, 2, 1408, 32000,
+    )  # fmt: skip
+    argv = ["plan", "--model", str(path), "--cluster", "examples/clusters/dgx-h100-one-site.yaml",
+            "--global-batch", "64", "--seq-length", "1024", "--json"]  # fmt: skip
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["chosen"]["step_s"] > 0
+
+
+def test_a_plan_shape_that_answers_wrongly_is_named(site, tmp_path):
+    """A plugin's reading that names a field the planner's shape lacks is the plugin's error."""
+    src = _PLANNED_SRC.replace(
+        "return read.llama_layout(", "return {'wings': 2} | read.llama_layout("
+    )
+    _install(site, "inhouse-family", {"inhouse": "fam_inhouse:FAMILY"}, src)
+    registry.refresh()
+    from porting.planner.model import from_hf_config
+
+    cfg = {"architectures": ["InHouseForCausalLM"], "d_model": 512, "n_layers": 4,
+           "n_heads": 8, "n_kv": 2, "d_ff": 1408, "vocab_size": 32000}  # fmt: skip
+    with pytest.raises(
+        PortingError, match=r"family inhouse's plan_shape \(.*fam_inhouse.py\).*wings"
+    ):
+        from_hf_config(cfg)

@@ -133,6 +133,15 @@ class Family:
             the decoder's layers and none of those imports its decoder alone, with the key read as
             0 and written back as it came: transformers' classes build no such layer, so every
             transformers save declares it and stores none.
+        plan_shape: what the planner needs from a config of this family:
+            ``plan_shape(config, source, read)`` with the parsed ``config.json`` (transformers
+            4.x's spelling), its name for messages and the planner's readers
+            (:class:`porting.planner.model.Readers`: a field checked against the planner's
+            ceilings, the Llama layout, experts, latent attention), returning the keyword fields
+            of :class:`porting.planner.model.ModelShape` (width, heads, layer kinds, experts,
+            attention). ``None``: the Llama layout's reading (``read.llama_layout``), experts
+            included; a family whose config says more (Falcon's block, DeepSeek's latent
+            attention) gives its own.
     """
 
     name: str
@@ -151,6 +160,7 @@ class Family:
     fp32_tensors: tuple[str, ...] = ()
     core_config_cls: str | type | None = None
     mtp_count: str | None = None
+    plan_shape: Callable[[dict, str, Any], dict] | None = None
 
     def check(self) -> None:
         """Raise :class:`PortingError` naming the first attribute of the wrong kind.
@@ -184,6 +194,7 @@ class Family:
                 "None, a class or a 'module:Class' name",
             ),
             ("mtp_count", lambda v: v is None or (isinstance(v, str) and v != ""), "None or a key"),
+            ("plan_shape", lambda v: v is None or callable(v), "None or a function"),
         )
         for attr, ok, what in rules:
             value = getattr(self, attr)

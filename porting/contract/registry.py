@@ -189,16 +189,25 @@ def family_by_name(name: str) -> Family:
     raise _not_found(f"no family called {name!r} is installed")
 
 
-def family_for_config(hf_config: dict) -> Family:
-    """The family that claims an HF config: by ``architectures[0]``, then by ``model_type``."""
-    arch = (hf_config.get("architectures") or [None])[0]
-    for fam in families():
-        if arch in fam.architectures:
-            return fam
+def claiming(hf_config: dict) -> Family | None:
+    """The family that claims an HF config, by ``architectures[0]``, then by ``model_type``;
+    ``None`` where none does."""
+    archs = hf_config.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs else None
     mtype = hf_config.get("model_type")
-    for fam in families():
-        if mtype in fam.model_types:
-            return fam
+    fams = families()
+    return next((f for f in fams if arch in f.architectures), None) or next(
+        (f for f in fams if mtype in f.model_types), None
+    )
+
+
+def family_for_config(hf_config: dict) -> Family:
+    """The family that claims an HF config (:func:`claiming`); refused by name where none does."""
+    fam = claiming(hf_config)
+    if fam is not None:
+        return fam
+    arch = (hf_config.get("architectures") or [None])[0]
+    mtype = hf_config.get("model_type")
     if isinstance(arch, str) and arch in OUT_OF_SCOPE:
         raise PortingError(
             f"architecture {arch!r} (model_type {mtype!r}) is not supported: "

@@ -11,10 +11,11 @@ FLOPs count the experts a token is routed to (top-k), the parameters every exper
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from porting.contract import hf_spelling
+from porting.contract import hf_spelling, registry
 from porting.errors import PortingError
 from porting.planner.limits import MAX_CONFIG_BYTES, parse_json, positive_int, read_text, show
 
@@ -292,25 +293,20 @@ class ModelShape:
         return self.q_width + self.v_width
 
 
-def _count(value: object, field_name: str, source: str, shape_field: str) -> int:
+def count(value: object, field_name: str, source: str, shape_field: str) -> int:
     """``value`` of the HF field ``field_name`` if it is within the ceiling of ``shape_field``."""
     return int(SHAPE_LIMITS[shape_field].check(value, f"{source}: {field_name}"))
 
 
-def _need(cfg: dict, source: str, shape_field: str, *names: str) -> int:
+def need(cfg: dict, source: str, shape_field: str, *names: str) -> int:
     """The first of ``names`` present in ``cfg`` (HF configs rename fields across versions)."""
     for name in names:
         if name in cfg and cfg[name] is not None:
-            return _count(cfg[name], name, source, shape_field)
+            return count(cfg[name], name, source, shape_field)
     raise PortingError(f"{source}: missing field {names[0]}")
 
 
-def _is_falcon_layout(cfg: dict) -> bool:
-    # Chosen by config fields, never by the model's name (STYLE.md rule 6).
-    return any(k in cfg for k in ("multi_query", "new_decoder_architecture", "parallel_attn"))
-
-
-_EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 
 def _layer_set(cfg: dict, key: str, layers: int, source: str) -> set[int]:
@@ -328,7 +324,7 @@ def _layer_set(cfg: dict, key: str, layers: int, source: str) -> set[int]:
 
 def _step(cfg: dict, key: str, source: str) -> int:
     value = cfg.get(key)
-    return 1 if value is None else _count(value, key, source, "layers")
+    return 1 if value is None else count(value, key, source, "layers")
 
 
 # Fields that place experts (or other kinds of layers) by rules the reader does not know (Jamba's
@@ -347,10 +343,10 @@ _UNKNOWN_PLACEMENT = (
 _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
-def _moe_fields(cfg: dict, source: str, layers: int) -> dict:
+def moe_fields(cfg: dict, source: str, layers: int) -> dict:
     """The mixture-of-experts fields of an HF config (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3,
     OLMoE, gpt-oss, Phi-3.5-MoE), empty for a dense model."""
-    key = next((k for k in _EXPERT_FIELDS if cfg.get(k)), None)
+    key = next((k for k in EXPERT_FIELDS if cfg.get(k)), None)
     if key is None:
         return {}
     unknown = next((k for k in _UNKNOWN_PLACEMENT if cfg.get(k) is not None), None)
@@ -370,30 +366,30 @@ def _moe_fields(cfg: dict, source: str, layers: int) -> dict:
                 f"{source}: layer_types: {show(other)} layers are not in the planner's model "
                 "(it plans attention layers: full or sliding)"
             )
-    experts = _count(cfg[key], key, source, "experts")
+    experts = count(cfg[key], key, source, "experts")
     k_key = next((k for k in ("num_experts_per_tok", "experts_per_token") if cfg.get(k)), None)
     if k_key is None:
         raise PortingError(f"{source}: {key} {experts} but no num_experts_per_tok")
-    top_k = _count(cfg[k_key], k_key, source, "top_k")
+    top_k = count(cfg[k_key], k_key, source, "top_k")
     # an expert's width: moe_intermediate_size where a model also has dense layers
     # (intermediate_size is then theirs), else intermediate_size (Mixtral, OLMoE, gpt-oss)
     w_key = "moe_intermediate_size" if cfg.get("moe_intermediate_size") else "intermediate_size"
-    moe_ffn = _need(cfg, source, "moe_ffn", w_key)
+    moe_ffn = need(cfg, source, "moe_ffn", w_key)
     shared = 0
     if cfg.get("shared_expert_intermediate_size"):
-        shared = _count(
+        shared = count(
             cfg["shared_expert_intermediate_size"],
             "shared_expert_intermediate_size",
             source,
             "shared_ffn",
         )
     elif cfg.get("n_shared_experts"):
-        shared = _count(cfg["n_shared_experts"], "n_shared_experts", source, "experts") * moe_ffn
+        shared = count(cfg["n_shared_experts"], "n_shared_experts", source, "experts") * moe_ffn
     # which layers are MoE: DeepSeek's first_k_dense_replace / moe_layer_freq, Qwen's
     # decoder_sparse_step / mlp_only_layers
     first_dense = cfg.get("first_k_dense_replace") or 0
     if first_dense:
-        first_dense = _count(first_dense, "first_k_dense_replace", source, "layers")
+        first_dense = count(first_dense, "first_k_dense_replace", source, "layers")
     freq = _step(cfg, "moe_layer_freq", source)
     sparse = _step(cfg, "decoder_sparse_step", source)
     dense_only = _layer_set(cfg, "mlp_only_layers", layers, source)
@@ -410,101 +406,99 @@ def _moe_fields(cfg: dict, source: str, layers: int) -> dict:
         experts=experts, top_k=top_k, moe_ffn=moe_ffn, shared_ffn=shared, moe_layers=moe_layers
     )
     if cfg.get("n_group") or cfg.get("topk_group"):
-        fields["groups"] = _need(cfg, source, "groups", "n_group")
-        fields["group_limit"] = _need(cfg, source, "group_limit", "topk_group")
+        fields["groups"] = need(cfg, source, "groups", "n_group")
+        fields["group_limit"] = need(cfg, source, "group_limit", "topk_group")
     return fields
 
 
-def _mla_fields(cfg: dict, source: str, heads: int) -> dict:
-    """DeepSeek's multi-head latent attention fields, empty for other attention."""
+def mla_fields(cfg: dict, source: str) -> dict:
+    """Multi-head latent attention's fields (DeepSeek's ``kv_lora_rank`` and the rest), empty
+    where the config has none: for a family's :attr:`~porting.contract.family.Family.plan_shape`."""
     if not cfg.get("kv_lora_rank"):
         return {}
-    nope = _need(cfg, source, "head_dim", "qk_nope_head_dim")
-    rope = _need(cfg, source, "rope_dim", "qk_rope_head_dim")
+    heads = need(cfg, source, "heads", "num_attention_heads")
+    nope = need(cfg, source, "head_dim", "qk_nope_head_dim")
+    rope = need(cfg, source, "rope_dim", "qk_rope_head_dim")
     return dict(
-        kv_lora=_count(cfg["kv_lora_rank"], "kv_lora_rank", source, "kv_lora"),
-        q_lora=_count(cfg["q_lora_rank"], "q_lora_rank", source, "q_lora")
+        kv_lora=count(cfg["kv_lora_rank"], "kv_lora_rank", source, "kv_lora"),
+        q_lora=count(cfg["q_lora_rank"], "q_lora_rank", source, "q_lora")
         if cfg.get("q_lora_rank")
         else 0,
-        head_dim=_count(nope + rope, "qk_nope_head_dim + qk_rope_head_dim", source, "head_dim"),
+        head_dim=count(nope + rope, "qk_nope_head_dim + qk_rope_head_dim", source, "head_dim"),
         rope_dim=rope,
-        v_head_dim=_need(cfg, source, "v_head_dim", "v_head_dim"),
+        v_head_dim=need(cfg, source, "v_head_dim", "v_head_dim"),
         kv_heads=heads,  # keys and values decompress to every head
     )
 
 
 def from_hf_config(cfg: dict, source: str = "config.json", name: str | None = None) -> ModelShape:
-    """Build a shape from an HF ``config.json`` dict (Llama-style, Falcon-style, MoE and MLA
-    fields)."""
+    """Build a shape from an HF ``config.json`` dict, read by the family that claims it
+    (its :attr:`~porting.contract.family.Family.plan_shape`), else as the Llama layout
+    (:func:`llama_layout`): the planner holds no family's rules."""
     if not isinstance(cfg, dict):
         raise PortingError(f"{source}: expected a JSON object")
-    name = name or source
-    hidden = _need(cfg, source, "hidden", "hidden_size", "n_embed")
-    layers = _need(cfg, source, "layers", "num_hidden_layers", "n_layer")
-    heads = _need(cfg, source, "heads", "num_attention_heads", "n_head")
-    vocab = _need(cfg, source, "vocab", "vocab_size")
+    family = registry.claiming(cfg)
+    if family is not None and family.plan_shape is not None:
+        fields = family.plan_shape(cfg, source, READERS)
+    else:
+        fields = llama_layout(cfg, source)
+    if not isinstance(fields, dict):
+        raise PortingError(
+            f"family {family.name}'s plan_shape ({family.source}) returned "
+            f"{type(fields).__name__}, not the dict of ModelShape fields"
+        )
+    try:
+        return ModelShape(name=name or source, **fields)
+    except TypeError as err:  # a plugin's reader naming a field ModelShape lacks
+        raise PortingError(f"family {family.name}'s plan_shape ({family.source}): {err}") from None
+
+
+def llama_layout(cfg: dict, source: str) -> dict:
+    """The :class:`ModelShape` fields of a Llama-layout config (``hidden_size``,
+    ``num_key_value_heads``, ``intermediate_size``, ``hidden_act``; experts by
+    :func:`moe_fields`): the reading of every family that gives no ``plan_shape`` of its own."""
+    hidden = need(cfg, source, "hidden", "hidden_size")
+    layers = need(cfg, source, "layers", "num_hidden_layers")
+    heads = need(cfg, source, "heads", "num_attention_heads")
     head_dim = cfg.get("head_dim") or 0
     if head_dim:
-        head_dim = _count(head_dim, "head_dim", source, "head_dim")
-    if _is_falcon_layout(cfg):
-        experts = next((cfg[k] for k in _EXPERT_FIELDS if cfg.get(k)), None)
-        if experts:
-            raise PortingError(
-                f"{source}: a Falcon-layout config with experts ({show(experts)}): the planner "
-                "reads experts in the Llama, Qwen and DeepSeek layouts only"
-            )
-        # transformers' FalconConfig / modeling_falcon.py: MQA for 7B, num_kv_heads groups for
-        # the new decoder architecture (40B/180B/11B), MHA for the RW layout.
-        new_arch = bool(cfg.get("new_decoder_architecture", False))
-        if new_arch:
-            kv = _count(cfg.get("num_kv_heads", heads), "num_kv_heads", source, "kv_heads")
-        elif cfg.get("multi_query", True):
-            kv = 1
-        else:
-            kv = heads
-        ffn = cfg.get("ffn_hidden_size") or 4 * hidden
-        ffn = _count(ffn, "ffn_hidden_size", source, "ffn")
-        parallel = bool(cfg.get("parallel_attn", True)) or new_arch
-        if new_arch:
-            norms = 1 if cfg.get("num_ln_in_parallel_attn") == 1 else 2
-        else:
-            norms = 1 if parallel else 2
-        return ModelShape(
-            name=name,
-            hidden=hidden,
-            layers=layers,
-            heads=heads,
-            kv_heads=kv,
-            ffn=ffn,
-            vocab=vocab,
-            tied=bool(cfg.get("tie_word_embeddings", True)),
-            gated=False,
-            head_dim=head_dim,
-            parallel_attn=parallel,
-            norms_per_layer=norms,
-            layernorm=True,
-            bias=bool(cfg.get("bias", False)),
-        )
+        head_dim = count(head_dim, "head_dim", source, "head_dim")
     kv = cfg.get("num_key_value_heads")
-    kv = heads if kv is None else _count(kv, "num_key_value_heads", source, "kv_heads")
+    kv = heads if kv is None else count(kv, "num_key_value_heads", source, "kv_heads")
     act = str(cfg.get("hidden_act", "silu"))
-    fields = dict(head_dim=head_dim, kv_heads=kv)
-    fields |= _mla_fields(cfg, source, heads)
-    fields |= _moe_fields(cfg, source, layers)
-    return ModelShape(
-        name=name,
+    return dict(
         hidden=hidden,
         layers=layers,
         heads=heads,
-        ffn=_need(cfg, source, "ffn", "intermediate_size"),
-        vocab=vocab,
+        ffn=need(cfg, source, "ffn", "intermediate_size"),
+        vocab=need(cfg, source, "vocab", "vocab_size"),
         tied=bool(cfg.get("tie_word_embeddings", False)),
         # gpt-oss's "silu" is its clamped SwiGLU: gated all the same
         gated=act in ("silu", "swiglu", "swish"),
         bias=bool(cfg.get("attention_bias", False) or cfg.get("mlp_bias", False)),
         dropout=bool(cfg.get("attention_dropout", 0.0) or cfg.get("hidden_dropout", 0.0)),
-        **fields,
+        head_dim=head_dim,
+        kv_heads=kv,
+        **moe_fields(cfg, source, layers),
     )
+
+
+@dataclass(frozen=True)
+class Readers:
+    """The planner's config readers, handed to a family's ``plan_shape`` (a family module never
+    imports the planner, which finds families through the registry): each checks a value
+    against the planner's ceilings (:data:`SHAPE_LIMITS`) and names the field."""
+
+    count: Callable[..., int] = count
+    need: Callable[..., int] = need
+    show: Callable[[object], str] = show
+    llama_layout: Callable[[dict, str], dict] = llama_layout
+    moe_fields: Callable[[dict, str, int], dict] = moe_fields
+    mla_fields: Callable[[dict, str], dict] = mla_fields
+    expert_fields: tuple[str, ...] = EXPERT_FIELDS
+
+
+READERS = Readers()
 
 
 def _gpt(name: str, hidden: int, layers: int, heads: int) -> ModelShape:
@@ -587,6 +581,7 @@ PRESETS: dict[str, ModelShape] = {
 _MOE_CONFIGS = {
     # mistralai/Mixtral-8x7B-v0.1
     "mixtral-8x7b": {
+        "architectures": ["MixtralForCausalLM"],
         "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
         "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 32000,
         "num_local_experts": 8, "num_experts_per_tok": 2,
@@ -594,12 +589,14 @@ _MOE_CONFIGS = {
     # mistralai/Mixtral-8x22B-v0.1 (the mistral-community conversion has vocab_size 32000, as
     # MoE Parallel Folding's runs do: a 0.1% difference in parameters)
     "mixtral-8x22b": {
+        "architectures": ["MixtralForCausalLM"],
         "hidden_size": 6144, "intermediate_size": 16384, "num_hidden_layers": 56,
         "num_attention_heads": 48, "num_key_value_heads": 8, "vocab_size": 32768,
         "num_local_experts": 8, "num_experts_per_tok": 2,
     },
     # Qwen/Qwen2-57B-A14B: a 20,480-wide shared expert, qkv biases
     "qwen2-57b-a14b": {
+        "architectures": ["Qwen2MoeForCausalLM"],
         "hidden_size": 3584, "intermediate_size": 18944, "moe_intermediate_size": 2560,
         "shared_expert_intermediate_size": 20480, "num_hidden_layers": 28,
         "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 151936,
@@ -607,6 +604,7 @@ _MOE_CONFIGS = {
     },
     # Qwen/Qwen3-235B-A22B
     "qwen3-235b-a22b": {
+        "architectures": ["Qwen3MoeForCausalLM"],
         "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 1536,
         "num_hidden_layers": 94, "num_attention_heads": 64, "num_key_value_heads": 4,
         "head_dim": 128, "vocab_size": 151936, "num_experts": 128, "num_experts_per_tok": 8,
@@ -615,6 +613,7 @@ _MOE_CONFIGS = {
     # deepseek-ai/DeepSeek-V2-Lite: MLA without a query latent, 2 shared + 64 routed experts, the
     # first layer dense, greedy top-6
     "deepseek-v2-lite": {
+        "architectures": ["DeepseekV2ForCausalLM"],
         "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408,
         "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
         "vocab_size": 102400, "q_lora_rank": None, "kv_lora_rank": 512,
@@ -625,6 +624,7 @@ _MOE_CONFIGS = {
     # deepseek-ai/DeepSeek-V3: MLA, 1 shared + 256 routed experts, the first 3 layers dense,
     # node-limited routing (8 groups, 4 per token)
     "deepseek-v3": {
+        "architectures": ["DeepseekV3ForCausalLM"],
         "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
         "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
         "vocab_size": 129280, "q_lora_rank": 1536, "kv_lora_rank": 512,
