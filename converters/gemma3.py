@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from converters import gemma
 from converters.llama import FULL, ROPE_SCALING, SLIDING, check_model_type, layer_windows
 from porting.contract.config_map import POSITIVE_INT, Carry, Derived, Field, NoOp
+from porting.contract.container import VISION_LANGUAGE, Container
 from porting.contract.family import Family, Variant
 from porting.contract.mapping import Rename
 from porting.errors import PortingError
@@ -151,6 +152,8 @@ FAMILY = Family(
         "models.gemma:gelu_tanh",
         "models.gemma:gelu_erf",
     ),
+    # the 4B, 12B and 27B releases: the language model inside the vision-language class
+    containers=(Container("Gemma3ForConditionalGeneration", "Gemma3ForCausalLM", VISION_LANGUAGE),),
     summary="Gemma 3 text: Gemma 2's decoder with per-head q/k (1+w) norms and local/global "
     "layers, each kind with its own rotary base (linear scaling on the global ones)",
     variants=(

@@ -11,6 +11,7 @@ from converters.llama import HEAD_DIM_OR_NULL, LLAMA_LAYOUT, ROPE_SCALING
 from converters.llama import WEIGHTS as LLAMA_WEIGHTS
 from converters.llama import shape_context as llama_shape_context
 from porting.contract.config_map import Field, Require
+from porting.contract.container import VISION_LANGUAGE, Container
 from porting.contract.family import Family, Variant
 
 CONFIG = (
@@ -39,6 +40,10 @@ FAMILY = Family(
     model_cls="models.mistral_nemo:MistralModel",
     core_config_cls="models.mistral:MistralCore",
     shape_context=llama_shape_context,
+    # Mistral Small 3.1 and 3.2: the language model inside the vision-language class
+    containers=(
+        Container("Mistral3ForConditionalGeneration", "MistralForCausalLM", VISION_LANGUAGE),
+    ),
     summary="Llama layout with sliding-window attention (window_size) on the stock GPT spec",
     variants=(
         Variant("window", "sliding window shorter than the prompts (7B v0.1 layout)"),

@@ -20,6 +20,7 @@ from porting.convert.checkpoint import (
     remove_stale,
     staged,
 )
+from porting.convert.container import reference_architecture
 from porting.convert.export import export_into, resolved_hf_layout
 from porting.convert.hf_files import HFSource, open_hf
 from porting.convert.layouts.registry import is_hf_dir, layout_named
@@ -183,7 +184,7 @@ def export_hf(
         if quantize == FP8_BLOCK and first:
             from porting.convert.quant_export import quantize_export
 
-            hf_class = family.hf_class(checkpoint.manifest.hf_architecture)
+            hf_class = family.hf_class(reference_architecture(checkpoint.manifest))
             n = quantize_export(tmp, hf_class, max_shard_bytes, released=released)
             log.info(
                 "%s: %d weights written as FP8 in 128x128 blocks (quantization_config fp8)", out, n

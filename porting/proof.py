@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from porting.convert.container import reference_architecture
 from porting.testing import assert_streamed_agrees, make_tokenizer, perturb, save_as_published
 
 ATOL = RTOL = 1e-5
@@ -160,6 +161,70 @@ def make_hf(
     return out
 
 
+# A vision tower of each container class, as small as its config allows: it is carried, never run
+# by the gate, so its size is only what the round trip copies.
+_TINY_VISION = {
+    "Gemma3ForConditionalGeneration": (
+        dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+             image_size=28, patch_size=14),
+        dict(mm_tokens_per_image=4, image_token_index=127, boi_token_index=125,
+             eoi_token_index=126),
+    ),
+    "Mistral3ForConditionalGeneration": (
+        dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+             image_size=28, patch_size=14, head_dim=16),
+        dict(image_token_index=10),
+    ),
+}  # fmt: skip
+
+
+def make_container(
+    out_dir: str | Path,
+    architecture: str,
+    text_architecture: str,
+    *,
+    seed: int = 0,
+    vision: dict | None = None,
+    **fields,
+) -> Path:
+    """Save a tiny random vision-language ``architecture`` model (its language model a
+    ``text_architecture`` of ``fields``, as :func:`make_hf` builds one; its vision tower from
+    ``vision`` or the class's tiny default) plus tokenizer at ``out_dir``."""
+    import transformers
+
+    out = Path(out_dir)
+    text = make_hf(out / ".text", text_architecture, seed=seed, **fields)
+    text_cfg = json.loads((text / "config.json").read_text())
+    for key in ("architectures", "torch_dtype", "dtype", "transformers_version"):
+        text_cfg.pop(key, None)
+    vision_cfg, top = _TINY_VISION[architecture] if vision is None else (vision, {})
+    cls = getattr(transformers, architecture)
+    tie = text_cfg.get("tie_word_embeddings", False)
+    config = cls.config_class(
+        text_config=text_cfg, vision_config=vision_cfg, tie_word_embeddings=tie, **top
+    )
+    torch.manual_seed(seed)
+    model = cls(config)
+    perturb(model, seed)
+    # the language model's weights are the text model's own (perturbed as make_hf leaves them)
+    shown = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        weights = getattr(transformers, text_architecture).from_pretrained(str(text)).state_dict()
+    finally:
+        if shown:
+            transformers.utils.logging.enable_progress_bar()
+    own = {k.replace("model.", "model.language_model.", 1): v for k, v in weights.items()}
+    missing = model.load_state_dict(own, strict=False)
+    assert not missing.unexpected_keys, missing.unexpected_keys
+    save_as_published(model, out)
+    for f in text.iterdir():
+        if f.name != "config.json" and not f.name.startswith(("model", "generation")):
+            shutil.copyfile(f, out / f.name)
+    shutil.rmtree(text)
+    return out
+
+
 def imported_variants(tmp_path_factory, make):
     """For a module-scoped fixture: ``get(variant) -> (hf_dir, ckpt)``, each variant's HF model
     built by ``make(directory, variant) -> hf_dir`` and imported (gate off) once per module."""
@@ -235,7 +300,7 @@ def logits(hf_dir: str | Path, ckpt: str | Path, prompts=None):
     family, m = checkpoint_family(ckpt)
     prompts = prompts_of(ckpt) if prompts is None else prompts
     mc = harness.megatron_logits_from_checkpoint(ckpt, prompts, m.vocab_size)
-    hf_cls = family.hf_class(m.hf_architecture)
+    hf_cls = family.hf_class(reference_architecture(m))
     hf = harness.hf_logits(hf_dir, hf_cls, prompts, family.hf_attn_implementation)
     return hf, mc
 
@@ -308,7 +373,7 @@ def routing(
 
     family, m = checkpoint_family(ckpt)
     prompts = prompts_of(ckpt) if prompts is None else prompts
-    hf_model = family.hf_class(m.hf_architecture).from_pretrained(
+    hf_model = family.hf_class(reference_architecture(m)).from_pretrained(
         str(hf_dir),
         config=reference_config(family, read_hf_config(hf_dir)),
         dtype=torch.float32,
@@ -499,7 +564,7 @@ def prove_round_trip(hf_dir: str | Path, ckpt: str | Path, out: str | Path) -> N
     assert tok_a(text)["input_ids"] == tok_b(text)["input_ids"]
     ids = torch.tensor([tok_b(text)["input_ids"]])
     family, m = checkpoint_family(ckpt)
-    cls = family.hf_class(m.hf_architecture)  # no remote code: the family's own class
+    cls = family.hf_class(reference_architecture(m))  # no remote code: the family's own class
     with torch.no_grad():
         a = cls.from_pretrained(str(hf_dir)).eval()(ids).logits
         b = cls.from_pretrained(str(out)).eval()(ids).logits

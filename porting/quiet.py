@@ -105,6 +105,12 @@ _RECORDS = (
     ("megatron.core.dist_checkpointing.strategies.filesystem_async", "Local process"),
     # NeMo's telemetry spans, cut short when a run is stopped
     ("nv_one_logger.recorder.default_recorder", "The parent of span"),
+    # transformers 5.12 validating a rotary config as it reads one: Gemma 3's own per-layer-type
+    # form (which 5.12 writes) is "unrecognized" to it, and a published YaRN factor that is not
+    # max_position_embeddings / original_max_position_embeddings (DeepSeek-V2-Lite's) is
+    # "explicitly set". Neither changes what the class computes, which is what the gate checks.
+    ("transformers.modeling_rope_utils", "Unrecognized keys in `rope_parameters`"),
+    ("transformers.modeling_rope_utils", "The explicitly set RoPE scaling factor"),
     # "Received SIGTERM": `porting train` says itself what a stop kept
     ("lightning.pytorch.trainer.connectors.signal_connector", "[rank: "),
     ("lightning.pytorch.trainer.connectors.signal_connector", "Received SIG"),

@@ -193,7 +193,7 @@ QUICK_FILES = {
 CURRENT_STACK_FILES = {
     "test_published.py", "test_hf_v5.py", "test_formats.py", "test_verify_pair.py",
     "test_table_check.py", "test_noop_fields.py", "test_environments.py", "test_prep_record.py",
-    "test_tsuzumi.py", "test_quant.py", "test_prep.py",
+    "test_tsuzumi.py", "test_quant.py", "test_prep.py", "test_containers.py",
 }  # fmt: skip
 # On the current stack alone: Megatron-Bridge's training loop (its packages), and the files that
 # need no NeMo and whose property is no library's (the planner, the mapping, a family's proofs,

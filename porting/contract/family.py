@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from porting.contract.config_map import ConfigEntry
+from porting.contract.container import Container
 from porting.contract.mapping import EXPERT, LAYER, MTP, Entry
 from porting.contract.named import is_ref, load, module_of
 from porting.errors import PortingError
@@ -133,6 +134,10 @@ class Family:
             the decoder's layers and none of those imports its decoder alone, with the key read as
             0 and written back as it came: transformers' classes build no such layer, so every
             transformers save declares it and stores none.
+        containers: the checkpoint classes that hold this family's language model beside parts
+            porting does not convert (a vision-language class:
+            :class:`porting.contract.container.Container`). Such a checkpoint imports its
+            language model through this family and carries the rest byte for byte.
         plan_shape: what the planner needs from a config of this family:
             ``plan_shape(config, source, read)`` with the parsed ``config.json`` (transformers
             4.x's spelling), its name for messages and the planner's readers
@@ -161,6 +166,7 @@ class Family:
     core_config_cls: str | type | None = None
     mtp_count: str | None = None
     plan_shape: Callable[[dict, str, Any], dict] | None = None
+    containers: tuple[Container, ...] = ()
 
     def check(self) -> None:
         """Raise :class:`PortingError` naming the first attribute of the wrong kind.
@@ -195,6 +201,7 @@ class Family:
             ),
             ("mtp_count", lambda v: v is None or (isinstance(v, str) and v != ""), "None or a key"),
             ("plan_shape", lambda v: v is None or callable(v), "None or a function"),
+            ("containers", tuple_of(Container), "a tuple of Container"),
         )
         for attr, ok, what in rules:
             value = getattr(self, attr)
@@ -204,6 +211,13 @@ class Family:
                 )
         if not self.keys:
             raise PortingError("Family claims no architecture and no model type")
+        for container in self.containers:
+            container.check()
+            if container.text_architecture not in self.architectures:
+                raise PortingError(
+                    f"Family.containers: {container.architecture}'s text_architecture "
+                    f"{container.text_architecture!r} is not one of the family's architectures"
+                )
 
     def keeps_fp32(self, key: str) -> bool:
         """Whether HF tensor ``key`` matches one of :attr:`fp32_tensors`."""

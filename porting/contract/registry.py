@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from porting import guard
 from porting.contract.config_map import to_mcore
+from porting.contract.container import Container
 from porting.contract.family import Family
 from porting.errors import PortingError
 from porting.guard import Terminated
@@ -144,13 +145,14 @@ def _check_claims(found: list[Installed]) -> None:
                 f"model class {model.split(':')[1]}; each family needs its own "
                 "(a subclass is enough) so that NeMo finds its importer and exporter"
             )
-        for key in inst.family.keys:
+        containers = tuple(c.architecture for c in inst.family.containers)
+        for key in (*inst.family.keys, *containers):
             if key in owner:
                 other = owner[key]
                 raise PortingError(
                     f"{key!r} is claimed by two families: {other.name} (package {other.package}, "
                     f"{other.value}) and {inst.name} (package {inst.package}, {inst.value}); "
-                    "uninstall one or narrow its Family.architectures / model_types"
+                    "uninstall one or narrow its Family.architectures / model_types / containers"
                 )
             owner[key] = inst
 
@@ -199,6 +201,18 @@ def claiming(hf_config: dict) -> Family | None:
     return next((f for f in fams if arch in f.architectures), None) or next(
         (f for f in fams if mtype in f.model_types), None
     )
+
+
+def container_for(hf_config: dict) -> tuple[Family, Container] | None:
+    """The family whose language model a container config holds, and that container
+    (:attr:`Family.containers`, by ``architectures[0]``); None for any other config."""
+    archs = hf_config.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs else None
+    for fam in families():
+        for container in fam.containers:
+            if container.architecture == arch:
+                return fam, container
+    return None
 
 
 def family_for_config(hf_config: dict) -> Family:

@@ -110,14 +110,18 @@ def export_into(
         owner = export_owners(family.weights, ctx, ctx.num_layers, meta, sizes, world)
         keep = lambda key: owner[key] == rank  # noqa: E731
     stored, parts = _hf_layout(hf_layout, manifest, specs, str(checkpoint.path))
+    mine = None if keep is None else {k for k in owner if keep(k)}
+    held = _container(checkpoint, family)
+    if held is not None:  # the language model under the names it came with, beside the rest
+        stored, parts, mine = held.renamed(stored, parts, mine, rank == 0)
     writer = StreamingShardWriter(
-        out, stored, max_shard_bytes,
-        mine=None if keep is None else {k for k in owner if keep(k)}, create=rank == 0,
-        parts=parts,
+        out, stored, max_shard_bytes, mine=mine, create=rank == 0, parts=parts,
     )  # fmt: skip
     if world > 1:
         torch.distributed.barrier()  # the files exist, at their sizes, before any rank writes
-    _stream_weights(checkpoint, model, meta, family, ctx, writer, keep, dtype_of)
+    _stream_weights(checkpoint, model, meta, family, ctx, writer, keep, dtype_of, held)
+    if held is not None and rank == 0:
+        held.write_carried(writer)
     writer.finish()
     if world > 1:
         torch.distributed.barrier()
@@ -154,7 +158,7 @@ def _meta_model(checkpoint: Checkpoint, family: Family):
 
 
 def _stream_weights(
-    checkpoint: Checkpoint, model, meta, family: Family, ctx, writer, keep, dtype_of
+    checkpoint: Checkpoint, model, meta, family: Family, ctx, writer, keep, dtype_of, held=None
 ):
     """Each parameter read from the checkpoint's weights as the table reaches it, run backwards
     through the table and written into its planned place (this rank's share: ``keep``)."""
@@ -163,9 +167,21 @@ def _stream_weights(
     sharded = model.sharded_state_dict(prefix=loc.prefix)
     check_nemo_layout(sharded, reader, str(loc.manifest_path))
     params = CheckpointParameters(reader, sharded, meta, loc.prefix)
+    name = held.stored_name if held is not None else (lambda key: key)
     for key, tensor in export_weights(params, family.weights, ctx, ctx.num_layers, keep):
-        writer.write(key, tensor.to(dtype_of(key)))
+        writer.write(name(key), tensor.to(dtype_of(key)))
         del tensor
+
+
+def _container(checkpoint: Checkpoint, family: Family):
+    """The container a checkpoint's language model came in (its manifest's, checked against
+    the family), ready to write it back; None for any other checkpoint."""
+    from porting.convert.container import ExportedContainer
+
+    recorded = checkpoint.manifest.container
+    if recorded is None:
+        return None
+    return ExportedContainer.of(checkpoint, family, recorded)
 
 
 def _write_config_and_files(checkpoint: Checkpoint, config, family: Family, out: Path) -> None:
@@ -182,6 +198,15 @@ def _write_config_and_files(checkpoint: Checkpoint, config, family: Family, out:
     if count and written and written.get(count) and manifest.hf_config.get(count) == 0:
         # the MTP layers it declared were never stored (hf_import.prepare): the count as it came
         hf_config[count] = written[count]
+    held = manifest.container
+    if held is not None:  # the language model's config in its place in the container's
+        from porting.convert.container import container_config, of_manifest
+
+        where = str(checkpoint.located.manifest_path)
+        container, _ = of_manifest(family, held, where)
+        hf_config = container_config(
+            held["config"], container, hf_config, manifest.hf_config, where
+        )
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     for f in tokenizer_files(checkpoint):
         shutil.copyfile(f, out / f.name)

@@ -7,6 +7,7 @@ file.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import re
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from porting.contract import hf_spelling, registry
+from porting.contract.container import ContainerSource
 from porting.contract.family import Family
 from porting.errors import PortingError
 
@@ -211,6 +213,8 @@ def read_hf_config_as_written(hf_dir: str | Path) -> tuple[dict, dict | None]:
     """Read ``config.json`` of an HF model directory and check its shape: the config in
     transformers 4.x's spelling, and the file's own content where it is spelled as transformers 5
     writes it (:mod:`porting.contract.hf_spelling`; None otherwise), for export to write back.
+    A vision-language container of a family's language model (``Family.containers``) reads as
+    its language model's config (:func:`porting.convert.container.text_view`).
 
     Every file of the directory must pass :func:`check_model_files` first: the tokenizer and
     generation files are opened by ``transformers`` and copied by us, and a FIFO among them would
@@ -218,6 +222,17 @@ def read_hf_config_as_written(hf_dir: str | Path) -> tuple[dict, dict | None]:
     architecture: porting converts one architecture per checkpoint, and a second entry would
     otherwise be ignored.
     """
+    return _view(_config_file(hf_dir), Path(hf_dir) / "config.json")[:2]
+
+
+def read_container(hf_dir: str | Path) -> ContainerSource | None:
+    """The container a model directory's ``config.json`` is (its family's
+    :class:`~porting.contract.container.Container` and the file as written), None for any other
+    checkpoint; the directory checked as :func:`read_hf_config_as_written` checks it."""
+    return _view(_config_file(hf_dir), Path(hf_dir) / "config.json")[2]
+
+
+def _config_file(hf_dir: str | Path) -> dict:
     path = Path(hf_dir) / "config.json"
     if not Path(hf_dir).is_dir():
         raise PortingError(f"{hf_dir}: not a directory")
@@ -235,9 +250,42 @@ def read_hf_config_as_written(hf_dir: str | Path) -> tuple[dict, dict | None]:
             f"{path}: architectures={archs!r} must name exactly one architecture (a string); "
             "porting converts one architecture per checkpoint"
         )
+    return cfg
+
+
+def _view(cfg: dict, path: Path) -> tuple[dict, dict | None, ContainerSource | None]:
+    found = registry.container_for(cfg)
+    if found is not None:  # a vision-language class: its language model is what is converted
+        held = ContainerSource(*found, cfg)
+        view, _ = held.container.text_view(cfg, str(path))
+        # the file as it came is the container's (held.config), which export writes back
+        return _completed(view, held, f"{path}: {held.container.text_config}"), None, held
     if not hf_spelling.is_v5(cfg):
-        return cfg, None
-    return hf_spelling.internal(cfg, str(path)), cfg
+        return cfg, None, None
+    return hf_spelling.internal(cfg, str(path)), cfg, None
+
+
+def _completed(view: dict, held: ContainerSource, where: str) -> dict:
+    """A container's text config as the installed transformers reads it: transformers writes a
+    composite config's parts as their differences from the part's class defaults (Gemma 3's
+    releases keep six keys of their language model's), so the keys left out are the defaults
+    of the family's text class's config, filled in here as a text checkpoint of that class
+    would hold them. A text config of another ``model_type`` is left to the family's checks to
+    refuse by name."""
+    cls = held.family.hf_class(held.container.text_architecture).config_class
+    if view.get("model_type") != cls.model_type:
+        return view
+    try:
+        full = cls.from_dict(copy.deepcopy(view)).to_diff_dict()
+    except Exception as err:  # transformers' validators raise their own kinds
+        raise PortingError(
+            f"{where}: transformers' {cls.__name__} cannot read it "
+            f"({type(err).__name__}: {str(err).strip()[:200]})"
+        ) from err
+    full.pop("transformers_version", None)
+    if hf_spelling.is_v5(full):
+        full = hf_spelling.internal(full, where)
+    return {**full, **view}
 
 
 def _json_kind(value: Any) -> str:
@@ -258,6 +306,9 @@ class HFSource:
     config: dict
     as_written: dict | None
     family: Family
+    # a vision-language class holding the family's language model (config and as_written are
+    # then its text config's): porting.convert.container
+    container: ContainerSource | None = None
 
     @property
     def config_path(self) -> Path:
@@ -266,6 +317,8 @@ class HFSource:
     @property
     def raw_config(self) -> dict:
         """``config.json`` as the file holds it."""
+        if self.container is not None:
+            return self.container.config
         return self.as_written if self.as_written is not None else self.config
 
 
@@ -274,9 +327,10 @@ def open_hf(hf: HFSource | str | os.PathLike, family: str | None = None) -> HFSo
     by a family: :func:`family_for_hf_dir`); an :class:`HFSource` is returned as it is."""
     if isinstance(hf, HFSource):
         return hf
-    cfg, written = read_hf_config_as_written(hf)
-    where = str(Path(hf) / "config.json")
-    return HFSource(Path(hf), cfg, written, registry.family_for_hf_config(cfg, where, family))
+    where = Path(hf) / "config.json"
+    cfg, written, held = _view(_config_file(hf), where)
+    fam = registry.family_for_hf_config(cfg, str(where), family)
+    return HFSource(Path(hf), cfg, written, fam, held)
 
 
 def hf_config_of(hf: HFSource | str | os.PathLike) -> tuple[Path, dict, dict | None]:

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from porting.contract import config_map
 from porting.contract.family import Family, ShapeContext
-from porting.convert import hf_files, nemo2_context, ranks, streaming_save
+from porting.convert import container, hf_files, nemo2_context, ranks, streaming_save
 from porting.convert.export import shapes_of
 from porting.convert.hf_files import HFSource, open_hf
 from porting.convert.manifest import EXTRA_HF_FILES, Manifest, write_manifest
@@ -231,7 +231,19 @@ def import_into(
     if ranks.rank() == 0:
         nemo2_context.write_context(out, family, prep.kwargs)
         hf_files.load_tokenizer(hf_dir, hf.raw_config).save_pretrained(str(out / TOKENIZER_SUBDIR))
-        manifest = write_extras(out, prep)
+        held = None
+        if hf.container is not None:  # what is not the language model, carried as stored
+            carried = container.write_carried(
+                source, container.carried_dir(out / "context"), allow_pickle
+            )
+            held = container.record(hf.container, source)
+            log.info(
+                "%s is a %s: its language model is converted, %d other tensor(s) carried as "
+                "stored (%s)",
+                hf_dir, hf.container.container.architecture, carried,
+                ", ".join(sorted({k.split(".")[0] for k in source.carried})),
+            )  # fmt: skip
+        manifest = write_extras(out, prep, held)
     if ranked:
         torch.distributed.barrier()
     if manifest is None:
@@ -272,7 +284,7 @@ def _save_weights(weights: Path, model, producer, ranked: bool, dist_checkpointi
     )
 
 
-def write_extras(out: Path, prep: Prepared) -> Manifest:
+def write_extras(out: Path, prep: Prepared, held: dict | None = None) -> Manifest:
     """Our files beside the checkpoint's: the HF files export hands back and ``porting.json``."""
     extra_dir = out / "context" / "hf_extra"
     extras = []
@@ -295,6 +307,7 @@ def write_extras(out: Path, prep: Prepared) -> Manifest:
         fp32_tensors=prep.fp32,
         hf_config_as_written=prep.hf_config_as_written,
         hf_experts="stacked" if prep.source.experts_stacked else None,
+        container=held,
     )
     write_manifest(out, manifest)
     return manifest

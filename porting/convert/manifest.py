@@ -19,7 +19,7 @@ MANIFEST = "porting.json"
 FORMAT = "porting-nemo2"
 VERSION = 1
 # HF files other than weights, config and tokenizer that export should hand back unchanged.
-EXTRA_HF_FILES = ("generation_config.json",)
+EXTRA_HF_FILES = ("generation_config.json", "preprocessor_config.json", "processor_config.json")
 _DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
@@ -43,6 +43,10 @@ class Manifest:
     # "stacked" where the source stored a mixture of experts' tensors as transformers 5 does with
     # save_original_format=False (export writes that form back unless asked otherwise)
     hf_experts: str | None = None
+    # a vision-language container holding the family's language model: its class, config.json
+    # as it came and how it spells the language model's tensors (porting.convert.container);
+    # hf_config is then the language model's config, the other tensors are in hf_extra/carried/
+    container: dict | None = None
     format: str = FORMAT
     version: int = VERSION
 
@@ -54,7 +58,7 @@ def write_manifest(
     path = Path(meta if meta is not None else Path(ckpt) / "context") / MANIFEST
     tmp = path.with_suffix(".json.tmp")
     data = asdict(manifest)
-    for name in ("hf_config_as_written", "hf_experts"):  # unset: the file as before the field
+    for name in ("hf_config_as_written", "hf_experts", "container"):  # unset: as before it
         if data[name] is None:
             del data[name]
     tmp.write_text(json.dumps(data, indent=2) + "\n")
@@ -104,6 +108,20 @@ def check_manifest(data, path: Path) -> Manifest:
     written = data.get("hf_config_as_written")
     if written is not None and not isinstance(written, dict):
         raise bad("hf_config_as_written", "must be an object")
+    held = data.get("container")
+    if held is not None and (
+        not isinstance(held, dict)
+        or set(held) != {"architecture", "config", "spelling"}
+        or not isinstance(held["architecture"], str)
+        or not isinstance(held["config"], dict)
+        or not isinstance(held["spelling"], list)
+        or not all(
+            isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p)
+            for p in held["spelling"]
+        )
+    ):
+        raise bad("container", "must be {'architecture': NAME, 'config': {...}, 'spelling': "
+                  "[[PREFIX, PREFIX], ...]}")  # fmt: skip
     if data.get("hf_experts") not in (None, "stacked"):
         raise bad("hf_experts", f"must be 'stacked' or absent, not {data['hf_experts']!r:.80}")
     return Manifest(**data)

@@ -27,7 +27,8 @@ from pathlib import Path, PurePath
 import torch
 from safetensors import SafetensorError, safe_open
 
-from porting.convert.hf_files import model_file, no_duplicate_keys, read_json
+from porting.contract.container import language_pairs, renamed
+from porting.convert.hf_files import model_file, no_duplicate_keys, read_container, read_json
 from porting.errors import PortingError, check_finite
 
 SAFE_INDEX = "model.safetensors.index.json"
@@ -729,9 +730,83 @@ class StreamingShardWriter:
         return paths
 
 
-def hf_weights(hf, allow_pickle: bool = False, dequantizer=None) -> SafetensorsSource:
+class RenamedSource:
+    """A container checkpoint's language-model tensors under other names (``pairs``: stored
+    prefix -> shown prefix, :func:`porting.contract.container.language_pairs`); every other
+    tensor is :attr:`carried`. The reader interface of :class:`SafetensorsSource`."""
+
+    def __init__(self, inner: SafetensorsSource, pairs, spelling, held) -> None:
+        self.inner, self.dir, self.spelling, self.held = inner, inner.dir, spelling, held
+        self._stored: dict[str, str] = {}
+        self.carried: list[str] = []
+        for key in inner.keys():
+            shown = renamed(key, pairs)
+            if shown is None:
+                self.carried.append(key)
+            else:
+                self._stored[shown] = key
+
+    def stored_name(self, key: str) -> str:
+        """The name the checkpoint stores the tensor shown as ``key`` under."""
+        try:
+            return self._stored[key]
+        except KeyError:
+            raise PortingError(f"{self.dir}: tensor {key!r} is missing") from None
+
+    def keys(self) -> list[str]:
+        return list(self._stored)
+
+    def get(self, key: str) -> torch.Tensor:
+        return self.inner.get(self.stored_name(key))
+
+    def shape(self, key: str):
+        return self.inner.shape(self.stored_name(key))
+
+    def stored_dtype(self, key: str):
+        return self.inner.stored_dtype(self.stored_name(key))
+
+    @contextmanager
+    def mapped(self, key: str):
+        with self.inner.mapped(self.stored_name(key)) as t:
+            yield t
+
+    def dtypes(self, skip: Callable[[str], bool] = lambda key: False) -> set[torch.dtype]:
+        shown = {v: k for k, v in self._stored.items()}
+        return self.inner.dtypes(skip=lambda key: key not in shown or skip(shown[key]))
+
+    def renamed_as(self, names: str) -> RenamedSource:
+        """The same checkpoint's language model under ``names`` (``"text"`` or ``"own"``)."""
+        pairs, spelling = language_pairs(self.held, self.inner.keys(), str(self.dir), names)
+        return RenamedSource(self.inner, pairs, spelling, self.held)
+
+    def __getattr__(self, name: str):  # dequantized(), experts_stacked, close()
+        return getattr(self.inner, name)
+
+
+def _language(source: SafetensorsSource, held, names: str):
+    if held is None:
+        return source
+    pairs, spelling = language_pairs(held, source.keys(), str(source.dir), names)
+    return RenamedSource(source, pairs, spelling, held)
+
+
+def hf_weights(
+    hf, allow_pickle: bool = False, dequantizer=None, names: str = "text"
+) -> SafetensorsSource:
     """The weights of the :class:`~porting.convert.hf_files.HFSource` ``hf``, read with the
-    config it holds (not read again)."""
-    return SafetensorsSource(
+    config it holds (not read again). A vision-language container's are its language model's,
+    under its family's text class's names (``names="text"``) or the container class's own
+    (``"own"``: the gate's reference), the rest carried (:class:`RenamedSource`)."""
+    source = SafetensorsSource(
         hf.path, allow_pickle=allow_pickle, dequantizer=dequantizer, hf_config=hf.raw_config
     )
+    return _language(source, hf.container, names)
+
+
+def weights_at(
+    hf_dir, allow_pickle: bool = False, dequantizer=None, names: str = "text"
+) -> SafetensorsSource:
+    """The weights of the HF directory ``hf_dir`` read by path, as :func:`hf_weights` reads an
+    opened one (a vision-language container's language model under ``names``)."""
+    source = SafetensorsSource(hf_dir, allow_pickle=allow_pickle, dequantizer=dequantizer)
+    return _language(source, read_container(hf_dir), names)

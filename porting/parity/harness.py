@@ -21,6 +21,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from porting import quiet
+from porting.convert.container import reference_architecture
 from porting.parity.floor import FLOOR_MIN_S, format_rate, format_seconds, format_work
 from porting.parity.streamed import LAYER_RTOL
 
@@ -565,13 +566,23 @@ def hf_logits(
     import transformers
 
     from porting.contract.hf_spelling import config_for_reference
-    from porting.convert.hf_files import read_hf_config_as_written
+    from porting.convert.container import reference_config
+    from porting.convert.hf_files import read_container, read_hf_config_as_written
 
     cls = (
         getattr(transformers, hf_model_class) if isinstance(hf_model_class, str) else hf_model_class
     )
     hf_config, written = read_hf_config_as_written(hf_dir)
-    if "quantization_config" in hf_config:
+    held = read_container(hf_dir)
+    if held is not None:  # the container class, its text config as import read it
+        model = cls.from_pretrained(
+            str(hf_dir),
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            local_files_only=True,
+            config=reference_config(cls, held, hf_config),
+        )
+    elif "quantization_config" in hf_config:
         from porting.parity.hf_dequant import load_whole
 
         model = load_whole(hf_dir, cls, attn_implementation).to(dtype)
@@ -664,7 +675,7 @@ def verify(
     family = family_by_name(manifest.family)
     # its Megatron side (and NeMo, for a family with no NeMo-free config): start-up, not the gate
     family.config_class(nemo=False)
-    family.hf_class(manifest.hf_architecture)
+    family.hf_class(reference_architecture(manifest))
     from megatron.core.models.gpt import gpt_layer_specs, gpt_model  # noqa: F401
 
     quiet.quiet_nemo(load=False)
@@ -735,7 +746,7 @@ def _gate_inputs(
         check_gate_memory,
         check_hf_checkpoint,
     )
-    from porting.convert.safetensors_io import SafetensorsSource, hf_weights
+    from porting.convert.safetensors_io import hf_weights, weights_at
     from porting.parity.hf_dequant import REFERENCE
 
     manifest = checkpoint.manifest
@@ -747,7 +758,7 @@ def _gate_inputs(
     if hf is not None:
         source = hf_weights(hf, allow_pickle=allow_pickle, dequantizer=REFERENCE)
     else:
-        source = SafetensorsSource(hf_dir, allow_pickle=allow_pickle, dequantizer=REFERENCE)
+        source = weights_at(hf_dir, allow_pickle=allow_pickle, dequantizer=REFERENCE)
     check_float_dtypes(family, source)
     # an MTP count over a checkpoint that stores no MTP layer is read as 0, as import read it
     stored, _ = as_stored(
@@ -773,7 +784,7 @@ def _whole_model(checkpoint, family, hf_dir, prompts, probe, device, atol, rtol,
     """Both models whole, never together (Megatron first, then HF): the HF logits and the report."""
     manifest = checkpoint.manifest
     mc = megatron_logits_from_checkpoint(checkpoint, prompts, manifest.vocab_size)
-    hf_cls = family.hf_class(manifest.hf_architecture)
+    hf_cls = family.hf_class(reference_architecture(manifest))
     with probe:
         hf = hf_logits(hf_dir, hf_cls, prompts, family.hf_attn_implementation, device=device)
     return hf, compare(hf, mc, atol=atol, rtol=rtol, min_top1=min_top1)

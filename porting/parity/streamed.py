@@ -133,11 +133,15 @@ def _check_shape(where: str, key: str, got: torch.Size, want: torch.Size) -> Non
         )
 
 
-def _layer_list(model: torch.nn.Module, num_layers: int) -> tuple[str, torch.nn.ModuleList]:
-    """The model's one ``ModuleList`` of ``num_layers`` decoder layers, and its name."""
+def _layer_list(
+    model: torch.nn.Module, num_layers: int, under: str = ""
+) -> tuple[str, torch.nn.ModuleList]:
+    """The model's one ``ModuleList`` of ``num_layers`` decoder layers, and its name (``under``:
+    only inside that submodule, a container's language model)."""
+    root = model.get_submodule(under) if under else model
     found = [
-        (n, m)
-        for n, m in model.named_modules()
+        (f"{under}.{n}" if under else n, m)
+        for n, m in root.named_modules()
         if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers
     ]
     if len(found) != 1:
@@ -552,33 +556,48 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
     from accelerate import init_empty_weights
 
     from porting.contract.hf_spelling import config_for_reference
+    from porting.convert.container import reference_config
     from porting.convert.hf_files import read_hf_config_as_written
     from porting.convert.packed_experts import published_parts
-    from porting.convert.safetensors_io import SafetensorsSource
+    from porting.convert.safetensors_io import RenamedSource, weights_at
 
     if read:
         hf_config, source, written = read
     else:
         (hf_config, written), source = read_hf_config_as_written(hf_dir), None
-    # The family's class reads the config: AutoConfig would want the checkpoint's own code for a
-    # model_type transformers does not know (an auto_map checkpoint). A config spelled by
-    # transformers 5 reaches it in the 4.x spelling, a 4.x one as transformers 4 meant it
-    # (porting.contract.hf_spelling.config_for_reference).
-    cls = family.hf_class(hf_config["architectures"][0])
-    config = config_for_reference(cls, hf_config, written) or cls.config_class.from_pretrained(
-        str(hf_dir), local_files_only=True
-    )
+    if source is None:  # a quantized checkpoint dequantized by the reference, not the importer
+        from porting.parity.hf_dequant import REFERENCE
+
+        source = weights_at(hf_dir, allow_pickle=allow_pickle, dequantizer=REFERENCE, names="own")
+        held = getattr(source, "held", None)
+    elif isinstance(source, RenamedSource):  # the text names the import read, as the class's
+        held = source.held
+        source = source.renamed_as("own")
+    else:
+        held = None
+    if held is not None:
+        # the container class itself, run on text: its language model, its head
+        cls = family.hf_class(held.container.architecture)
+        config = reference_config(cls, held, hf_config)
+        text = config.get_text_config()
+    else:
+        # The family's class reads the config: AutoConfig would want the checkpoint's own code
+        # for a model_type transformers does not know (an auto_map checkpoint). A config
+        # spelled by transformers 5 reaches it in the 4.x spelling, a 4.x one as transformers 4
+        # meant it (porting.contract.hf_spelling.config_for_reference).
+        cls = family.hf_class(hf_config["architectures"][0])
+        config = config_for_reference(cls, hf_config, written) or cls.config_class.from_pretrained(
+            str(hf_dir), local_files_only=True
+        )
+        text = config
     with init_empty_weights():
         model = cls._from_config(
             config, dtype=torch.float32, attn_implementation=family.hf_attn_implementation
         )
     model.eval()
     _to_device(model, device)
-    prefix, layers = _layer_list(model, config.num_hidden_layers)
-    if source is None:  # a quantized checkpoint dequantized by the reference, not the importer
-        from porting.parity.hf_dequant import REFERENCE
-
-        source = SafetensorsSource(hf_dir, allow_pickle=allow_pickle, dequantizer=REFERENCE)
+    language = held.container.own_names[0][0].rstrip(".") if held is not None else ""
+    prefix, layers = _layer_list(model, text.num_hidden_layers, language)
     available = set(source.keys())
     # transformers 5 holds a mixture's experts in two stacks per layer: its eager loop reads
     # them expert by expert, so no layer holds all of its experts (a 480B-class layer's are
@@ -607,7 +626,7 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
                 _cast_into(buf, whole[e])
             check_finite(buf, str(hf_dir), key)
             return buf
-        parts = published_parts(config.model_type, key, (e + 1, *shape)) or []
+        parts = published_parts(text.model_type, key, (e + 1, *shape)) or []
         mine = [(name, part) for name, part in parts if part is not None and part.expert == e]
         if not mine or any(name not in available for name, _ in mine):
             raise PortingError(f"{hf_dir}: tensor {key!r} is missing")
@@ -618,7 +637,7 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
 
     def read(key: str, want: torch.Size | None, buf: torch.Tensor | None = None) -> torch.Tensor:
         if key not in available:
-            parts = want is not None and published_parts(config.model_type, key, tuple(want))
+            parts = want is not None and published_parts(text.model_type, key, tuple(want))
             if not parts or any(name not in available for name, _ in parts):
                 raise PortingError(f"{hf_dir}: tensor {key!r} is missing")
             # transformers 5's model stacks what the checkpoint stores per expert
@@ -640,7 +659,13 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
         check_finite(buf, str(hf_dir), key)
         return buf
 
-    tied = getattr(config, "tie_word_embeddings", False)
+    tied = bool(getattr(text, "tie_word_embeddings", False))
+    if held is not None and not tied:
+        # a container's head may be tied to its embedding by the container's own flag (as
+        # transformers 5 builds it) where the language model's config says it is not
+        output = model.get_output_embeddings()
+        if output.weight is model.get_input_embeddings().weight:
+            output.weight = torch.nn.Parameter(torch.empty_like(output.weight, device="meta"))
     # untied, the embedding and the output layer are read when called (one of them, or a
     # layer, in memory at a time); tied, the one tensor stays
     on_call = {}
@@ -658,8 +683,12 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
                 on_call[module] = partial(head, module, own)
     streamed = {id(p) for m in on_call for p in m.parameters()}
     layer_params = {f"{prefix}.{i}.": layer for i, layer in enumerate(layers)}
+    # a container's parts that text does not run (vision tower, projector) stay on meta
+    own = tuple(p for p, _ in held.container.own_names) if held is not None else ("",)
     for name, p in model.named_parameters():
         if id(p) in streamed or any(name.startswith(lp) for lp in layer_params):
+            continue
+        if not name.startswith(own):
             continue
         if name in available or not tied:
             set_param(model, name, read(name, p.shape))
@@ -675,7 +704,7 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
     # The reader (and the mapped files behind it) outlives the pass only for layers past the
     # decoder's (MTP layers, porting.parity.mtp): otherwise its pages would stay resident
     # through the Megatron pass.
-    beyond = any(k.startswith(f"{prefix}.{config.num_hidden_layers}.") for k in available)
+    beyond = any(k.startswith(f"{prefix}.{text.num_hidden_layers}.") for k in available)
     side = _Side(
         model,
         layers,
@@ -686,7 +715,7 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
         on_call,
         read_expert if beyond else None,
     )
-    return side, config
+    return side, text
 
 
 def _megatron_side(ckpt, family, device: torch.device, buffers: _Buffers):

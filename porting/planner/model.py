@@ -434,9 +434,13 @@ def mla_fields(cfg: dict, source: str) -> dict:
 def from_hf_config(cfg: dict, source: str = "config.json", name: str | None = None) -> ModelShape:
     """Build a shape from an HF ``config.json`` dict, read by the family that claims it
     (its :attr:`~porting.contract.family.Family.plan_shape`), else as the Llama layout
-    (:func:`llama_layout`): the planner holds no family's rules."""
+    (:func:`llama_layout`): the planner holds no family's rules. A vision-language container
+    (``Family.containers``) is planned as its language model."""
     if not isinstance(cfg, dict):
         raise PortingError(f"{source}: expected a JSON object")
+    held = registry.container_for(cfg)
+    if held is not None:  # a vision-language class: its language model is what trains here
+        cfg = held[1].text_view(cfg, source)[0]
     family = registry.claiming(cfg)
     if family is not None and family.plan_shape is not None:
         fields = family.plan_shape(cfg, source, READERS)
