@@ -153,7 +153,15 @@ FAMILY = Family(
         "models.gemma:gelu_erf",
     ),
     # the 4B, 12B and 27B releases: the language model inside the vision-language class
-    containers=(Container("Gemma3ForConditionalGeneration", "Gemma3ForCausalLM", VISION_LANGUAGE),),
+    containers=(
+        Container(
+            "Gemma3ForConditionalGeneration",
+            "Gemma3ForCausalLM",
+            VISION_LANGUAGE,
+            # its forward returns the head's logits as they are; only the text class caps them
+            unapplied=("final_logit_softcapping",),
+        ),
+    ),
     summary="Gemma 3 text: Gemma 2's decoder with per-head q/k (1+w) norms and local/global "
     "layers, each kind with its own rotary base (linear scaling on the global ones)",
     variants=(

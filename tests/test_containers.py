@@ -192,3 +192,24 @@ def test_a_release_s_sparse_text_config_reads_with_its_class_defaults(tmp_path):
     code, _, err = _run(["import", str(hf), "--out", str(tmp_path / "ck")])
     assert code == 0, err
     proof.prove_round_trip(hf, tmp_path / "ck", tmp_path / "back")
+
+
+def test_what_the_container_class_does_not_apply_is_converted_as_it_runs(tmp_path, caplog):
+    """Gemma3ForConditionalGeneration returns its head's logits uncapped whatever the text
+    config's final_logit_softcapping says (Gemma3ForCausalLM caps them): the language model is
+    converted as the container runs it, the import says so, and the key goes back as it came."""
+    arch, text, _ = CONTAINERS["gemma3"]
+    fields = proof.tiny_fields(text, final_logit_softcapping=0.5)
+    hf = proof.make_container(tmp_path / "hf", arch, text, **fields)
+    with caplog.at_level("INFO", logger="porting"):
+        code, _, err = _run(["import", str(hf), "--out", str(tmp_path / "ck")])
+    assert code == 0, err
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "final_logit_softcapping=0.5 read as null: Gemma3ForConditionalGeneration" in said
+    proof.prove_round_trip(hf, tmp_path / "ck", tmp_path / "back")
+    assert (
+        json.loads((tmp_path / "back" / "config.json").read_text())["text_config"][
+            "final_logit_softcapping"
+        ]
+        == 0.5
+    )

@@ -34,20 +34,27 @@ class Container:
             first whose first prefix starts one of its tensors' names; a tensor no prefix of
             it starts is carried.
         text_config: the container config's key holding the language model's config.
+        unapplied: keys of the text config the container class does not apply, though the text
+            class does (``Gemma3ForConditionalGeneration`` never soft-caps its logits, whatever
+            ``final_logit_softcapping`` says): read as null, so that the language model is
+            converted as the container runs it, and written back as they came.
     """
 
     architecture: str
     text_architecture: str
     spellings: tuple[tuple[tuple[str, str], ...], ...]
     text_config: str = "text_config"
+    unapplied: tuple[str, ...] = ()
 
     def check(self) -> None:
         """Raise :class:`PortingError` naming what is malformed (a plugin's container)."""
-        names = (self.architecture, self.text_architecture, self.text_config)
-        if not all(isinstance(n, str) and n for n in names):
+        names = (self.architecture, self.text_architecture, self.text_config, *self.unapplied)
+        if not isinstance(self.unapplied, tuple) or not all(
+            isinstance(n, str) and n for n in names
+        ):
             raise PortingError(
                 "Container.architecture, text_architecture and text_config must be non-empty "
-                "strings"
+                "strings, unapplied a tuple of them"
             )
         ok = isinstance(self.spellings, tuple) and self.spellings
         for spelling in self.spellings if ok else ():
@@ -76,9 +83,10 @@ class Container:
                 f"object under {self.text_config!r}"
             )
         view = {**copy.deepcopy(text), "architectures": [self.text_architecture]}
-        if not hf_spelling.is_v5(view):
-            return view, None
-        return hf_spelling.internal(view, f"{where}: {self.text_config}"), view
+        written = None
+        if hf_spelling.is_v5(view):
+            view, written = hf_spelling.internal(view, f"{where}: {self.text_config}"), view
+        return {**view, **dict.fromkeys(k for k in self.unapplied if k in view)}, written
 
     @property
     def own_names(self) -> tuple[tuple[str, str], ...]:

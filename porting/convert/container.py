@@ -84,6 +84,18 @@ def of_manifest(family: Family, recorded: dict, where: str) -> tuple[Container, 
     return container, spelling
 
 
+def unapplied_note(held: ContainerSource) -> str:
+    """What of the text config the container class does not apply, said with the import."""
+    text = held.config.get(held.container.text_config) or {}
+    set_ = [f"{k}={text[k]!r}" for k in held.container.unapplied if text.get(k) is not None]
+    if not set_:
+        return ""
+    return (
+        f"; {', '.join(set_)} read as null: {held.container.architecture} does not apply it "
+        "(written back as it came)"
+    )
+
+
 def stored_names(spelling) -> tuple[tuple[str, str], ...]:
     """Text prefix -> stored prefix: export's renaming."""
     return reversed_pairs(spelling)

@@ -239,9 +239,10 @@ def import_into(
             held = container.record(hf.container, source)
             log.info(
                 "%s is a %s: its language model is converted, %d other tensor(s) carried as "
-                "stored (%s)",
+                "stored (%s)%s",
                 hf_dir, hf.container.container.architecture, carried,
                 ", ".join(sorted({k.split(".")[0] for k in source.carried})),
+                container.unapplied_note(hf.container),
             )  # fmt: skip
         manifest = write_extras(out, prep, held)
     if ranked:
