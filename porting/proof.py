@@ -225,6 +225,27 @@ def make_container(
     return out
 
 
+def make_container_as_shipped(out_dir: str | Path, config: dict, *, seed: int = 0) -> Path:
+    """Save a random model of the container class a published ``config.json`` (shrunk in size
+    only) describes, with that file as it is (a sparse ``text_config`` stays sparse: the model is
+    built from it as transformers reads it) and a tokenizer, at ``out_dir``."""
+    import transformers
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    make_tokenizer(out, vocab_size=120)
+    cls = getattr(transformers, config["architectures"][0])
+    torch.manual_seed(seed)
+    model = cls(cls.config_class.from_dict(copy.deepcopy(config)))
+    with torch.no_grad():
+        perturb(model, seed)
+        for p in model.parameters():  # logits that move: the default init leaves them near 0
+            p.mul_(4.0)
+    save_as_published(model, out)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
 def imported_variants(tmp_path_factory, make):
     """For a module-scoped fixture: ``get(variant) -> (hf_dir, ckpt)``, each variant's HF model
     built by ``make(directory, variant) -> hf_dir`` and imported (gate off) once per module."""

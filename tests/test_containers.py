@@ -213,3 +213,48 @@ def test_what_the_container_class_does_not_apply_is_converted_as_it_runs(tmp_pat
         ]
         == 0.5
     )
+
+
+# google/gemma-3-4b-it's config.json as published (transformers 4.50.0.dev0 wrote its
+# text_config as its differences from Gemma3TextConfig's defaults), shrunk in size only: the
+# language model to 6 layers (five local, one global) of width 64 and a 512-token vocabulary, the
+# vision tower to two layers of width 32 on 28-pixel images.
+GEMMA_3_4B_IT = {
+    "architectures": ["Gemma3ForConditionalGeneration"],
+    "boi_token_index": 255999,
+    "eoi_token_index": 256000,
+    "eos_token_id": [1, 106],
+    "image_token_index": 262144,
+    "initializer_range": 0.02,
+    "mm_tokens_per_image": 256,
+    "model_type": "gemma3",
+    "text_config": {
+        "hidden_size": 64,  # 2560
+        "intermediate_size": 128,  # 10240
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 6,  # 34
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 8,  # 1024
+        "vocab_size": 512,  # Gemma3TextConfig's 262208
+    },
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.50.0.dev0",
+    "vision_config": {
+        "hidden_size": 32,  # 1152
+        "image_size": 28,  # 896
+        "intermediate_size": 64,  # 4304
+        "model_type": "siglip_vision_model",
+        "num_attention_heads": 2,  # 16
+        "num_hidden_layers": 2,  # 27
+        "patch_size": 14,
+        "vision_use_head": False,
+    },
+}
+
+
+def test_gemma_3_4b_it_as_published_imports_with_the_gate_and_comes_back(tmp_path):
+    hf = proof.make_container_as_shipped(tmp_path / "hf", GEMMA_3_4B_IT)
+    code, _, err = _run(["import", str(hf), "--out", str(tmp_path / "ck")])
+    assert code == 0, err
+    proof.prove_round_trip(hf, tmp_path / "ck", tmp_path / "back")
+    assert json.loads((tmp_path / "back" / "config.json").read_text()) == GEMMA_3_4B_IT
