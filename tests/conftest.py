@@ -165,7 +165,7 @@ QUICK_FAMILY_FILES = {
     f"test_{family}.py" for family in (
         "llama", "tsuzumi", "falcon", "qwen", "mistral", "gemma", "gemma3", "moe", "gpt_oss",
         "deepseek", "deepseek_v2", "olmo2", "olmoe", "phi3", "nemotron", "granite", "smollm3",
-        "granitemoe",
+        "granitemoe", "containers",
     )
 }  # fmt: skip
 QUICK_IN_A_FAMILY_FILE = ("parity", "round_trip")
@@ -188,8 +188,9 @@ QUICK_FILES = {
 # against both models, the no-op field rules, the environments' own checks, data prep's tokenizer
 # records (keyed by the libraries' versions: megatron-core 0.19's tokenizer decides here), a
 # checkpoint Megatron-Core 0.15 saved (tsuzumi's, read and converted by either), the FP8 and
-# MXFP4 weights (which transformers 4 and 5 build differently: quant.fp8_targets) and data prep's
-# byte-identity with each Megatron-Core's own preprocess_data.py tokenizer arguments.
+# MXFP4 weights (which transformers 4 and 5 build differently: quant.fp8_targets), data prep's
+# byte-identity with each Megatron-Core's own preprocess_data.py tokenizer arguments, and the
+# vision-language containers (each transformers' own multimodal class is the gate's reference).
 CURRENT_STACK_FILES = {
     "test_published.py", "test_hf_v5.py", "test_formats.py", "test_verify_pair.py",
     "test_table_check.py", "test_noop_fields.py", "test_environments.py", "test_prep_record.py",
