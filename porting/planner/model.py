@@ -580,8 +580,8 @@ PRESETS: dict[str, ModelShape] = {
 }
 
 
-# Mixture-of-experts presets, read from their published config.json fields by the same reader
-# as a user's file (MTP layers and MoE routing details that do not change cost left out).
+# Mixture-of-experts presets, from their published config.json fields (MTP layers and MoE
+# routing details that do not change cost left out).
 _MOE_CONFIGS = {
     # mistralai/Mixtral-8x7B-v0.1
     "mixtral-8x7b": {
@@ -637,8 +637,14 @@ _MOE_CONFIGS = {
         "first_k_dense_replace": 3, "moe_layer_freq": 1, "n_group": 8, "topk_group": 4,
     },
 }  # fmt: skip
+# Read with the readers their families' plan_shape uses, not through the registry: importing the
+# planner (every command's parser lists the presets) must not load the installed families, whose
+# imports are plugins' code, before the command's signal handling is in place.
 PRESETS.update(
-    {name: from_hf_config(cfg, f"preset {name}", name) for name, cfg in _MOE_CONFIGS.items()}
+    {
+        name: ModelShape(name=name, **(llama_layout(cfg, name) | mla_fields(cfg, name)))
+        for name, cfg in _MOE_CONFIGS.items()
+    }
 )
 
 
