@@ -162,7 +162,7 @@ FAMILY = Family(
             unapplied=("final_logit_softcapping",),
         ),
     ),
-    summary="Gemma 3 text: Gemma 2's decoder with per-head q/k (1+w) norms and local/global "
+    summary="Gemma 3: Gemma 2's decoder with per-head q/k (1+w) norms and local/global "
     "layers, each kind with its own rotary base (linear scaling on the global ones)",
     variants=(
         Variant("gemma3", "gemma-3-1b layout: MQA, local:global 5:1, window, two rotary bases"),

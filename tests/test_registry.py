@@ -187,6 +187,11 @@ def test_families_lists_ours_with_their_source_files(capsys):
     assert "llama  (porting 0.1.0, converters.llama:FAMILY)" in out
     assert str(ROOT / "converters" / "falcon.py") in out
     assert "claims: FalconForCausalLM" in out
+    assert "and the language model of: Gemma3ForConditionalGeneration" in out
+    main(["families", "--json"])
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["mistral"]["containers"] == ["Mistral3ForConditionalGeneration"]
+    assert rows["llama"]["containers"] == []
 
 
 def test_a_reader_that_closes_the_pipe_ends_the_command_quietly():

@@ -16,7 +16,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="List every model family installed in this environment: ours and those of "
         "any package that declares an entry point in the porting.families group "
         "(docs/families.md). For each: the package and module it comes from, the HF "
-        "architectures and model types it claims, and the variants its tests prove. A family "
+        "architectures and model types it claims, the vision-language classes whose language "
+        "model it converts, and the variants its tests prove. A family "
         "that fails to load is listed with its error and the command exits 2.",
     )
     p.add_argument("--json", action="store_true", help="print the list as JSON")
@@ -86,6 +87,7 @@ def _cmd_families(args) -> int:
                     "summary": i.family.summary,
                     "architectures": list(i.family.architectures),
                     "model_types": list(i.family.model_types),
+                    "containers": [c.architecture for c in i.family.containers],
                     "variants": {v.name: v.summary for v in i.family.variants},
                 }
                 if i.family
@@ -106,6 +108,8 @@ def _cmd_families(args) -> int:
                 print(f"  {r['summary']}")
             print(f"  source: {r['source']}")
             print(f"  claims: {', '.join(r['architectures'] + r['model_types'])}")
+            if r["containers"]:
+                print(f"  and the language model of: {', '.join(r['containers'])}")
             for name, what in r["variants"].items():
                 print(f"  variant {name}: {what}")
         print(f"{sum(not r['error'] for r in rows)} families installed")
