@@ -274,3 +274,18 @@ def test_gemma_3_4b_it_as_published_imports_with_the_gate_and_comes_back(tmp_pat
     assert code == 0, err
     proof.prove_round_trip(hf, tmp_path / "ck", tmp_path / "back")
     assert json.loads((tmp_path / "back" / "config.json").read_text()) == GEMMA_3_4B_IT
+
+
+def test_carried_tensors_that_leave_the_checkpoint_are_refused_on_export(imported, tmp_path):
+    """A crafted checkpoint whose carried file links outside it: export refuses it by name and
+    writes nothing."""
+    _, ckpt = imported("mistral3")
+    copy = tmp_path / "ck"
+    shutil.copytree(ckpt, copy)
+    carried = copy / "context" / "hf_extra" / "carried" / "model.safetensors"
+    outside = tmp_path / "elsewhere.safetensors"
+    shutil.move(carried, outside)
+    carried.symlink_to(outside)
+    code, _, err = _run(["export", str(copy), "--out", str(tmp_path / "back")])
+    assert code == 2 and "outside" in err and "carried" in err, err
+    assert not (tmp_path / "back").exists()

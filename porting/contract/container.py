@@ -71,11 +71,11 @@ class Container:
                 "non-empty tuples of (stored prefix, text prefix) pairs, each ending in '.'"
             )
 
-    def text_view(self, config: dict, where: str) -> tuple[dict, dict | None]:
+    def text_view(self, config: dict, where: str) -> dict:
         """The language model's config in a container's ``config``, as import, the gate and the
-        planner read a checkpoint's own: in transformers 4.x's spelling with ``architectures``
-        naming :attr:`text_architecture`, and as written where transformers 5 spelled it (None
-        otherwise)."""
+        planner read a checkpoint's own: in transformers 4.x's spelling, with ``architectures``
+        naming :attr:`text_architecture` and :attr:`unapplied` keys null. The file as it came
+        stays the container's, which export writes back."""
         text = config.get(self.text_config)
         if not isinstance(text, dict):
             raise PortingError(
@@ -83,10 +83,9 @@ class Container:
                 f"object under {self.text_config!r}"
             )
         view = {**copy.deepcopy(text), "architectures": [self.text_architecture]}
-        written = None
         if hf_spelling.is_v5(view):
-            view, written = hf_spelling.internal(view, f"{where}: {self.text_config}"), view
-        return {**view, **dict.fromkeys(k for k in self.unapplied if k in view)}, written
+            view = hf_spelling.internal(view, f"{where}: {self.text_config}")
+        return {**view, **dict.fromkeys(k for k in self.unapplied if k in view)}
 
     @property
     def own_names(self) -> tuple[tuple[str, str], ...]:

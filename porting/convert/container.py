@@ -96,11 +96,6 @@ def unapplied_note(held: ContainerSource) -> str:
     )
 
 
-def stored_names(spelling) -> tuple[tuple[str, str], ...]:
-    """Text prefix -> stored prefix: export's renaming."""
-    return reversed_pairs(spelling)
-
-
 def carried_dir(meta: Path) -> Path:
     """Where a checkpoint keeps a container's carried tensors (``meta``: its layout's folder of
     our files, NeMo 2's ``context/``)."""
@@ -148,7 +143,7 @@ class ExportedContainer:
 
     def stored_name(self, key: str) -> str:
         """The name a language-model tensor (its family's text name) is written under."""
-        name = renamed(key, stored_names(self.spelling))
+        name = renamed(key, reversed_pairs(self.spelling))
         if name is None:
             raise PortingError(
                 f"export produced {key!r}, which no prefix of the {self.container.architecture} "

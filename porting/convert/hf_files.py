@@ -214,7 +214,7 @@ def read_hf_config_as_written(hf_dir: str | Path) -> tuple[dict, dict | None]:
     transformers 4.x's spelling, and the file's own content where it is spelled as transformers 5
     writes it (:mod:`porting.contract.hf_spelling`; None otherwise), for export to write back.
     A vision-language container of a family's language model (``Family.containers``) reads as
-    its language model's config (:func:`porting.convert.container.text_view`).
+    its language model's config (:meth:`porting.contract.container.Container.text_view`).
 
     Every file of the directory must pass :func:`check_model_files` first: the tokenizer and
     generation files are opened by ``transformers`` and copied by us, and a FIFO among them would
@@ -257,7 +257,7 @@ def _view(cfg: dict, path: Path) -> tuple[dict, dict | None, ContainerSource | N
     found = registry.container_for(cfg)
     if found is not None:  # a vision-language class: its language model is what is converted
         held = ContainerSource(*found, cfg)
-        view, _ = held.container.text_view(cfg, str(path))
+        view = held.container.text_view(cfg, str(path))
         # the file as it came is the container's (held.config), which export writes back
         return _completed(view, held, f"{path}: {held.container.text_config}"), None, held
     if not hf_spelling.is_v5(cfg):

@@ -440,7 +440,7 @@ def from_hf_config(cfg: dict, source: str = "config.json", name: str | None = No
         raise PortingError(f"{source}: expected a JSON object")
     held = registry.container_for(cfg)
     if held is not None:  # a vision-language class: its language model is what trains here
-        cfg = held[1].text_view(cfg, source)[0]
+        cfg = held[1].text_view(cfg, source)
     family = registry.claiming(cfg)
     if family is not None and family.plan_shape is not None:
         fields = family.plan_shape(cfg, source, READERS)
