@@ -34,7 +34,7 @@ from converters.llama import FULL, LLAMA_LAYOUT, ROPE_SCALING, SLIDING, layer_wi
 from porting.contract.config_map import Carry, Derived, Field, NoOp, Require
 from porting.contract.family import Family, ShapeContext, Variant
 from porting.contract.mapping import EMBEDDING, FINAL_NORM_AND_HEAD, Fused, Rename
-from porting.contract.transforms import QKV, TransformPair
+from porting.contract.transforms import QKV, TRANSPOSE, TransformPair
 from porting.errors import PortingError
 
 if TYPE_CHECKING:  # annotations only: the family's tables load without its Megatron side
@@ -183,12 +183,6 @@ INTERLEAVED_GATE_UP_BIAS = TransformPair(
     lambda t, ctx: deinterleave_rows(t),
     lambda t, ctx: (interleave_rows(t),),
 )
-# one expert's down_proj slice (f, hidden) -> linear_fc2.weight (hidden, f)
-TRANSPOSED = TransformPair(
-    "transpose",
-    lambda t, ctx: t.transpose(0, 1).contiguous(),
-    lambda t, ctx: (t.transpose(0, 1).contiguous(),),
-)
 
 _L = "model.layers.*."
 _M = "decoder.layers.*."
@@ -216,7 +210,7 @@ WEIGHTS = (
     Rename(_L + "mlp.router.bias", _M + "mlp.router.bias"),
     Fused((_X + "gate_up_proj[#]",), _EXPERT + "linear_fc1.weight", INTERLEAVED_GATE_UP),
     Fused((_X + "gate_up_proj_bias[#]",), _EXPERT + "linear_fc1.bias", INTERLEAVED_GATE_UP_BIAS),
-    Fused((_X + "down_proj[#]",), _EXPERT + "linear_fc2.weight", TRANSPOSED),
+    Fused((_X + "down_proj[#]",), _EXPERT + "linear_fc2.weight", TRANSPOSE),
     Rename(_X + "down_proj_bias[#]", _EXPERT + "linear_fc2.bias"),
     *FINAL_NORM_AND_HEAD,
 )

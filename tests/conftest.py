@@ -165,7 +165,7 @@ QUICK_FAMILY_FILES = {
     f"test_{family}.py" for family in (
         "llama", "tsuzumi", "falcon", "qwen", "mistral", "gemma", "gemma3", "moe", "gpt_oss",
         "deepseek", "deepseek_v2", "olmo2", "olmoe", "phi3", "nemotron", "granite", "smollm3",
-        "granitemoe", "containers",
+        "granitemoe", "containers", "llama4",
     )
 }  # fmt: skip
 QUICK_IN_A_FAMILY_FILE = ("parity", "round_trip")
@@ -215,7 +215,7 @@ CURRENT_STACK_ONLY = {
     "test_prep_blend.py", "test_prep_hostile.py", "test_prep_provenance.py", "test_prep_tools.py",
     "test_shell_trust.py", "test_overlap.py", "test_hostile.py", "test_nemotron.py",
     "test_granite.py", "test_smollm3.py", "test_granitemoe.py", "test_prep_ray.py",
-    "test_deepseek_v2.py",
+    "test_deepseek_v2.py", "test_llama4.py",
 }  # fmt: skip
 # Of those, the files with cases marked ``nemo2``: collected on the NeMo 2 stack too, for those.
 WITH_NEMO2_CASES = {
@@ -225,6 +225,7 @@ WITH_NEMO2_CASES = {
     "test_hostile.py",
     "test_rope.py",
     "test_output.py",
+    "test_llama4.py",
 }
 ON_CURRENT_STACK = importlib.util.find_spec("nemo") is None
 

@@ -52,6 +52,7 @@ ARCHITECTURES = (
     "NemotronForCausalLM",
     "GraniteForCausalLM",
     "SmolLM3ForCausalLM",
+    "Llama4ForCausalLM",
     "GraniteMoeForCausalLM",
     "DeepseekV2ForCausalLM",
 )
@@ -231,7 +232,7 @@ def _moe(configs):
 
 def test_top_k_above_the_expert_count_is_refused_in_every_moe_layout(configs):
     archs = _moe(configs)
-    assert len(archs) == 8
+    assert len(archs) == 9
     for arch in archs:
         family, cfg = configs[arch]
         experts = next(
@@ -240,7 +241,8 @@ def test_top_k_above_the_expert_count_is_refused_in_every_moe_layout(configs):
         n = cfg[experts]
         said = _refusal(family, cfg | {"num_experts_per_tok": n + 1})
         assert said == f"num_experts_per_tok={n + 1} must be at most {experts}={n}"
-        if arch != "DeepseekV3ForCausalLM":  # its groups fix k (group top-2, refused by name)
+        # DeepSeek's groups fix k (group top-2), Llama 4 routes top-1: each refused by name
+        if arch not in ("DeepseekV3ForCausalLM", "Llama4ForCausalLM"):
             config_map.to_mcore(cfg | {"num_experts_per_tok": n}, family.config_entries)
 
 

@@ -50,6 +50,12 @@ CASES = {
     "Olmo2ForCausalLM": ("Olmo2Config", {}, ()),
     "NemotronForCausalLM": ("NemotronConfig", dict(head_dim=32, partial_rotary_factor=0.5), ()),
     "SmolLM3ForCausalLM": ("SmolLM3Config", dict(no_rope_layers=[1, 0]), ()),
+    # Scout's kind of layers: a dense one, then a mixture (top-1 of 4) without rotary
+    "Llama4ForCausalLM": ("Llama4TextConfig", dict(
+        intermediate_size=32, intermediate_size_mlp=96, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=1, interleave_moe_layer_step=2, no_rope_layers=[1, 0],
+        attention_chunk_size=8, floor_scale=4, rope_scaling=_LLAMA3,
+    ), ()),
     "GraniteMoeForCausalLM": ("GraniteMoeConfig", dict(
         intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
         attention_multiplier=0.05, embedding_multiplier=3.0, residual_multiplier=0.5,

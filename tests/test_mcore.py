@@ -56,6 +56,7 @@ def test_every_family_with_a_core_config_is_covered():
     assert {name for name, _ in CASES} >= {
         "llama", "mistral", "qwen", "moe", "olmoe", "gpt-oss", "deepseek", "olmo2", "phi3",
         "gemma", "gemma3", "falcon", "nemotron", "granite", "smollm3", "granitemoe", "deepseek-v2",
+        "llama4",
     }  # fmt: skip
     assert registry.family_by_name("tsuzumi").core_config_cls == "models.llama:LlamaCore"
 

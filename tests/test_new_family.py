@@ -405,7 +405,12 @@ def test_base_picks_the_family_to_start_from(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "arch,base", [("Qwen3MoeForCausalLM", "moe"), ("DeepseekV2ForCausalLM", "deepseek-v2")]
+    "arch,base",
+    [
+        ("Qwen3MoeForCausalLM", "moe"),
+        ("DeepseekV2ForCausalLM", "deepseek-v2"),
+        ("Llama4ForCausalLM", "llama4"),
+    ],
 )
 def test_a_mixture_of_experts_starts_from_its_family_with_no_tensor_to_decide(arch, base, tmp_path):
     """transformers 5 holds a mixture's experts stacked in the model it builds and stores them

@@ -132,6 +132,11 @@ _BRIDGE_FAMILIES = {
     "smollm3": ("SmolLM3ForCausalLM", None, dict(
         intermediate_size=96, num_key_value_heads=2, no_rope_layers=[1, 0],
         use_sliding_window=True, sliding_window=8)),
+    "llama4": ("Llama4ForCausalLM", "llama4", dict(
+        intermediate_size=32, intermediate_size_mlp=96, num_key_value_heads=2, head_dim=16,
+        num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
+        no_rope_layers=[1, 0], attention_chunk_size=8, floor_scale=4,
+        rope_scaling=_ROPE_LLAMA3)),
     "nemotron": ("NemotronForCausalLM", None, dict(
         intermediate_size=96, num_key_value_heads=2, head_dim=32, partial_rotary_factor=0.5)),
     "olmoe": ("OlmoeForCausalLM", None, dict(

@@ -136,6 +136,14 @@ class TransformPair:
 
 IDENTITY = TransformPair("identity", lambda t, ctx: t, lambda t, ctx: (t,))
 
+# one expert's slice of a stack that HF multiplies as ``x @ w`` (gpt-oss's and Llama 4's
+# ``down_proj``, ``(ffn, hidden)``) into the ``(out, in)`` weight a Megatron linear holds
+TRANSPOSE = TransformPair(
+    "transpose",
+    lambda t, ctx: t.transpose(0, 1).contiguous(),
+    lambda t, ctx: (t.transpose(0, 1).contiguous(),),
+)
+
 QKV = TransformPair(
     "qkv_interleave",
     lambda q, k, v, ctx: interleave_qkv(

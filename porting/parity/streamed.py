@@ -414,9 +414,18 @@ class _Side:
                     lambda m, a, k, o, i=i: post(m, a, k, o, i), with_kwargs=True
                 )
             )
+        def unread(mod, *_):
+            # Between calls each tensor is a zero-stride stand-in on the compute device, not a
+            # meta tensor: a model may move its input to the module's device before the call
+            # (Llama 4's ``input_ids.to(embed_tokens.weight.device)``), which meta would empty.
+            for name, t in list(stored_tensors(mod)):
+                stand_in = torch.zeros((), dtype=t.dtype, device=self.buffers.device)
+                set_param(mod, name, stand_in.expand(t.shape))
+
         for module in self.on_call:
+            unread(module)
             handles.append(module.register_forward_pre_hook(called))
-            handles.append(module.register_forward_hook(lambda m, a, o: release(m)))
+            handles.append(module.register_forward_hook(unread))
         cut = stage.only_owned(self.model, self.layers) if stage is not None else nullcontext()
         try:
             with cut, experts_streamed(((i, self.layers[i]) for i in owned), load_expert):
