@@ -243,10 +243,16 @@ def make_container(
     return out
 
 
+def _text_tied(config) -> bool:
+    """Whether a container config's language model ties its head to its embedding."""
+    return bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
+
+
 def make_container_as_shipped(out_dir: str | Path, config: dict, *, seed: int = 0) -> Path:
     """Save a random model of the container class a published ``config.json`` (shrunk in size
     only) describes, with that file as it is (a sparse ``text_config`` stays sparse: the model is
-    built from it as transformers reads it) and a tokenizer, at ``out_dir``."""
+    built from it as transformers reads it), in the dtype the file names, and a tokenizer, at
+    ``out_dir``."""
     import transformers
 
     out = Path(out_dir)
@@ -259,6 +265,16 @@ def make_container_as_shipped(out_dir: str | Path, config: dict, *, seed: int = 
         perturb(model, seed)
         for p in model.parameters():  # logits that move: the default init leaves them near 0
             p.mul_(4.0)
+        head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+        if head.weight is embedding.weight and not _text_tied(model.config):
+            # transformers 5 ties a container's head by the container's own flag (true by
+            # default in Mistral3Config) where its language model's config unties it; the
+            # releases store their own head, which the gate reads as the language model says
+            head.weight = torch.nn.Parameter(embedding.weight.clone())
+    # the card's dtype for every tensor (transformers may build a part in another)
+    dtype = config.get("torch_dtype") or config.get("dtype")
+    if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
+        model.to(getattr(torch, dtype))
     save_as_published(model, out)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out

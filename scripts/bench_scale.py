@@ -22,6 +22,8 @@ weights, no model built in memory), then runs each command in a fresh process un
                    3 MoE layers of all 64 experts, YaRN as published             (2.3B, 4.6 GB)
     deepseek-v3-1  one DeepSeek-V3 MoE layer with all 256 experts, no MTP layer, vocab 32000, in
                    FP8                                      (11.3B, 22.5 GB in bf16, 11 GB FP8)
+    llama4-scout-1 one Llama 4 Scout MoE layer (16 stacked experts of 5120 x 8192, shared
+                   expert) with its vocab of 202048                        (4.3B, 8.6 GB in bf16)
 
 The frontier sizes are written from the HF class (every tensor it has) and quantized as released.
 
@@ -129,6 +131,60 @@ ARCH_SIZES = {
         ),
         "one DeepSeek-V3 MoE layer (MLA, hidden 7168, 256 experts of 2048, top-8), FP8, "
         "vocab 32000",
+    ),
+    # One Llama 4 Scout MoE layer at its real widths (16 experts of 5120 x 8192 stacked as HF
+    # stores them, a shared expert, 40 heads of 128, 8 KV groups) and its whole 202,048-token
+    # vocabulary: Scout's text_config as published (attn_temperature_tuning true, which either
+    # transformers reads) with its first layer only. 4.3B parameters, 8.6 GB in bf16.
+    "llama4-scout-1": (
+        None,
+        dict(
+            architectures=["Llama4ForCausalLM"],
+            model_type="llama4_text",
+            attention_bias=False,
+            attention_chunk_size=8192,
+            attention_dropout=0.0,
+            attn_scale=0.1,
+            attn_temperature_tuning=True,
+            bos_token_id=200000,
+            eos_token_id=[200001, 200007, 200008],
+            floor_scale=8192,
+            for_llm_compressor=False,
+            head_dim=128,
+            hidden_act="silu",
+            hidden_size=5120,
+            initializer_range=0.02,
+            interleave_moe_layer_step=1,
+            intermediate_size=8192,
+            intermediate_size_mlp=16384,
+            max_position_embeddings=262144,
+            moe_layers=[0],
+            no_rope_layers=[1],
+            num_attention_heads=40,
+            num_experts_per_tok=1,
+            num_hidden_layers=1,
+            num_key_value_heads=8,
+            num_local_experts=16,
+            output_router_logits=False,
+            pad_token_id=200018,
+            rms_norm_eps=1e-05,
+            rope_scaling={
+                "factor": 8.0,
+                "high_freq_factor": 4.0,
+                "low_freq_factor": 1.0,
+                "original_max_position_embeddings": 8192,
+                "rope_type": "llama3",
+            },
+            rope_theta=500000.0,
+            router_aux_loss_coef=0.001,
+            router_jitter_noise=0.0,
+            torch_dtype="bfloat16",
+            use_cache=True,
+            use_qk_norm=True,
+            vocab_size=202048,
+        ),
+        "one Llama 4 Scout MoE layer (hidden 5120, 16 experts of 8192 stacked, shared expert, "
+        "top-1 sigmoid), vocab 202048, bf16",
     ),
 }
 SHARD_BYTES = 4 * 2**30
@@ -266,7 +322,8 @@ def write_arch_checkpoint(out: Path, size: str) -> int:
     from porting.testing import make_tokenizer, quantize_hf_dir
 
     hub_id, changes, _ = ARCH_SIZES[size]
-    fields = published_config(hub_id) | changes
+    # a shape with no catalogue entry (a container's language model) gives its whole config
+    fields = (published_config(hub_id) if hub_id else {}) | changes
     if "layer_types" in fields:
         fields["layer_types"] = fields["layer_types"][: fields["num_hidden_layers"]]
     arch = fields["architectures"][0]

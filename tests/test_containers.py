@@ -276,6 +276,66 @@ def test_gemma_3_4b_it_as_published_imports_with_the_gate_and_comes_back(tmp_pat
     assert json.loads((tmp_path / "back" / "config.json").read_text()) == GEMMA_3_4B_IT
 
 
+# Mistral Small 3.2 24B's config.json as transformers 4.57.1 writes it (the copy of FLUX.2's text
+# encoder: "dtype" keys, a full text_config), shrunk in size only: the language model to 2 layers
+# of width 64 (4 heads of 16, 2 KV heads) and a 512-token vocabulary, the Pixtral tower to two
+# layers of width 32 on 28-pixel images.
+MISTRAL_SMALL_3_2 = {
+    "architectures": ["Mistral3ForConditionalGeneration"],
+    "dtype": "bfloat16",
+    "image_token_index": 10,
+    "model_type": "mistral3",
+    "multimodal_projector_bias": False,
+    "projector_hidden_act": "gelu",
+    "spatial_merge_size": 2,
+    "text_config": {
+        "attention_dropout": 0.0,
+        "dtype": "bfloat16",
+        "head_dim": 16,  # 128
+        "hidden_act": "silu",
+        "hidden_size": 64,  # 5120
+        "initializer_range": 0.02,
+        "intermediate_size": 128,  # 32768
+        "max_position_embeddings": 131072,
+        "model_type": "mistral",
+        "num_attention_heads": 4,  # 32
+        "num_hidden_layers": 2,  # 40
+        "num_key_value_heads": 2,  # 8
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 1000000000.0,
+        "sliding_window": None,
+        "use_cache": True,
+        "vocab_size": 512,  # 131072
+    },
+    "transformers_version": "4.57.1",
+    "vision_config": {
+        "attention_dropout": 0.0,
+        "dtype": "bfloat16",
+        "head_dim": 16,  # 64
+        "hidden_act": "silu",
+        "hidden_size": 32,  # 1024
+        "image_size": 28,  # 1540
+        "initializer_range": 0.02,
+        "intermediate_size": 64,  # 4096
+        "model_type": "pixtral",
+        "num_attention_heads": 2,  # 16
+        "num_channels": 3,
+        "num_hidden_layers": 2,  # 24
+        "patch_size": 14,
+        "rope_theta": 10000.0,
+    },
+    "vision_feature_layer": -1,
+}
+
+
+def test_mistral_small_3_2_as_written_imports_with_the_gate_and_comes_back(tmp_path):
+    hf = proof.make_container_as_shipped(tmp_path / "hf", MISTRAL_SMALL_3_2)
+    code, _, err = _run(["import", str(hf), "--out", str(tmp_path / "ck")])
+    assert code == 0, err
+    proof.prove_round_trip(hf, tmp_path / "ck", tmp_path / "back")
+    assert json.loads((tmp_path / "back" / "config.json").read_text()) == MISTRAL_SMALL_3_2
+
+
 def test_carried_tensors_that_leave_the_checkpoint_are_refused_on_export(imported, tmp_path):
     """A crafted checkpoint whose carried file links outside it: export refuses it by name and
     writes nothing."""

@@ -110,6 +110,14 @@ def test_parity_against_transformers(variant, converted):
     proof.prove_parity(*converted(variant), streamed_atol=STREAMED_ATOL)
 
 
+def test_the_gate_holds_one_expert_at_a_time(converted):
+    """Both sides stream a mixture layer's experts: Megatron-Core's modules one at a time, and
+    transformers' stacks (which Llama4TextExperts multiplies whole with torch.bmm) one expert's
+    slice at a time, so a Maverick layer's 128 experts (64 GB in fp32) never sit in memory."""
+    ran = proof.prove_experts_streamed(*converted("maverick"))
+    assert ran["ExpertStack"] > 0 and len(ran) == 2, ran
+
+
 @pytest.mark.parametrize("variant", ["scout", "maverick"])
 def test_routing_decisions_match_token_by_token(variant, converted):
     # Llama4Router returns the scattered sigmoid scores and the logits

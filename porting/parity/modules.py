@@ -50,12 +50,15 @@ def expert_lists(layer: torch.nn.Module) -> list[tuple[str, torch.nn.ModuleList]
 
 
 class ExpertStack:
-    """Stands in, while the streamed gate runs, for one of transformers 5's stacked expert
-    parameters (``mlp.experts.gate_up_proj`` ``(experts, 2 * ffn, hidden)``, ``down_proj``
-    ``(experts, hidden, ffn)``). transformers' eager experts loop indexes a stack one expert at a
-    time (``self.gate_up_proj[expert_idx]``); each index here reads that expert's slice alone, in
-    fp32, freed once the loop lets it go. So a layer's experts are in memory one at a time, as
-    :func:`experts_streamed` keeps transformers 4's expert modules."""
+    """Stands in, while the streamed gate runs, for a stacked expert parameter of transformers'
+    model: transformers 5's (``mlp.experts.gate_up_proj`` ``(experts, 2 * ffn, hidden)``,
+    ``down_proj`` ``(experts, hidden, ffn)``), whose eager experts loop indexes a stack one expert
+    at a time (``self.gate_up_proj[expert_idx]``), or Llama 4's (``(experts, hidden, 2 * ffn)``,
+    ``(experts, ffn, hidden)``), whose forward multiplies each stack whole
+    (``torch.bmm(x, self.gate_up_proj)``). Each index here, and each expert's product in such a
+    ``bmm``, reads that expert's slice alone, in fp32, freed once the product or the loop lets it
+    go. So a layer's experts are in memory one at a time, as :func:`experts_streamed` keeps
+    transformers 4's expert modules, and the model's own forward runs unchanged."""
 
     def __init__(self, shape: torch.Size, read: Callable[[int], torch.Tensor]):
         self.shape = torch.Size(shape)
@@ -68,6 +71,17 @@ class ExpertStack:
     def __getitem__(self, expert) -> torch.Tensor:
         return self._read(int(expert))
 
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        x, stack = args if len(args) == 2 else (None, None)
+        if func is not torch.bmm or kwargs or not isinstance(stack, cls):
+            raise TypeError(
+                f"{getattr(func, '__name__', func)} on a streamed expert stack: the gate reads a "
+                "stack one expert at a time, for a loop that indexes it or a torch.bmm with it"
+            )
+        # batch e of bmm is expert e's product: the same matrix product, one slice at a time
+        return torch.stack([torch.mm(x[e], stack[e]) for e in range(len(stack))])
+
 
 # the stacked expert parameters of a transformers 5 experts module, and the layout its eager loop
 # reads them in (use_experts_implementation's flags): [gate; up] rows, not transposed, no bias
@@ -75,19 +89,30 @@ _STACKS = ("gate_up_proj", "down_proj")
 _EAGER_LAYOUT = {"is_concatenated": True, "is_transposed": False, "has_bias": False}
 
 
+def _streamable(module: torch.nn.Module) -> bool:
+    """A module whose stacks :class:`ExpertStack` can stand in for: transformers 5's experts in
+    the eager loop's layout, or a module holding the two stacks and nothing else, without that
+    interface (Llama 4's ``Llama4TextExperts``, which multiplies them with ``torch.bmm``)."""
+    if all(getattr(module, flag, None) is want for flag, want in _EAGER_LAYOUT.items()):
+        return True
+    flags = any(hasattr(module, flag) for flag in _EAGER_LAYOUT)
+    return not flags and set(dict(module.named_parameters(recurse=False))) == set(_STACKS)
+
+
 def stream_expert_stacks(
     layer: torch.nn.Module, read: Callable[[str, int, torch.Size], torch.Tensor]
 ) -> int:
     """Put an :class:`ExpertStack` in place of each stacked expert parameter of ``layer`` (a
-    module transformers 5 computes expert by expert, in the layout above); ``read(name, e,
-    shape)`` reads expert ``e`` of the stack ``name`` (under ``layer``). The model must run its
-    experts eagerly (``set_experts_implementation("eager")``). Returns how many stacks."""
+    module that computes its experts one by one or by ``torch.bmm``, :func:`_streamable`);
+    ``read(name, e, shape)`` reads expert ``e`` of the stack ``name`` (under ``layer``). A
+    transformers 5 model must then run its experts eagerly
+    (``set_experts_implementation("eager")``). Returns how many stacks."""
     count = 0
     for sub, module in layer.named_modules():
         stacks = [getattr(module, n, None) for n in _STACKS]
         if not all(isinstance(t, torch.nn.Parameter) and t.dim() == 3 for t in stacks):
             continue
-        if any(getattr(module, flag, None) is not want for flag, want in _EAGER_LAYOUT.items()):
+        if not _streamable(module):
             continue
         for name, t in zip(_STACKS, stacks, strict=True):
             key = f"{sub}.{name}" if sub else name

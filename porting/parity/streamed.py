@@ -608,16 +608,16 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
     language = held.container.own_names[0][0].rstrip(".") if held is not None else ""
     prefix, layers = _layer_list(model, text.num_hidden_layers, language)
     available = set(source.keys())
-    # transformers 5 holds a mixture's experts in two stacks per layer: its eager loop reads
-    # them expert by expert, so no layer holds all of its experts (a 480B-class layer's are
-    # 30 GB in fp32)
+    # transformers 5 holds a mixture's experts in two stacks per layer, as Llama 4 does in
+    # either: its eager loop (or Llama 4's bmm) reads them expert by expert, so no layer holds all
+    # of its experts (a 480B-class layer's are 30 GB in fp32, a Maverick layer's 64 GB)
     stacks = sum(
         stream_expert_stacks(
             layer, lambda name, e, shape, i=i: read_expert(f"{prefix}.{i}.{name}", e, shape)
         )
         for i, layer in enumerate(layers)
     )
-    if stacks:
+    if stacks and hasattr(model, "set_experts_implementation"):  # transformers 5's interface
         model.set_experts_implementation("eager")
     buffers = _Buffers(device)
     buffers.reserve(_layer_numel(layers))
