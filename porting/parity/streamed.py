@@ -414,6 +414,7 @@ class _Side:
                     lambda m, a, k, o, i=i: post(m, a, k, o, i), with_kwargs=True
                 )
             )
+
         def unread(mod, *_):
             # Between calls each tensor is a zero-stride stand-in on the compute device, not a
             # meta tensor: a model may move its input to the module's device before the call
