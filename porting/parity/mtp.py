@@ -27,6 +27,7 @@ from porting.errors import PortingError
 from porting.parity.modules import (
     expert_lists,
     experts_streamed,
+    holds_tensors,
     release,
     set_param,
     stored_tensors,
@@ -224,7 +225,7 @@ def _held(model: torch.nn.Module, name: str, read) -> Iterator[None]:
     released them (an untied embedding or output layer is read when called,
     :class:`porting.parity.streamed._Side`), and released again after."""
     module = getattr(model, name)
-    if all(p.device.type != "meta" for p in module.parameters()):
+    if holds_tensors(module):
         yield
         return
     for pname, value in read(name, ()).items():

@@ -67,6 +67,7 @@ from porting.parity.modules import (
     experts_streamed,
     release,
     set_param,
+    stand_in,
     stored_tensors,
     stream_expert_stacks,
 )
@@ -416,12 +417,7 @@ class _Side:
             )
 
         def unread(mod, *_):
-            # Between calls each tensor is a zero-stride stand-in on the compute device, not a
-            # meta tensor: a model may move its input to the module's device before the call
-            # (Llama 4's ``input_ids.to(embed_tokens.weight.device)``), which meta would empty.
-            for name, t in list(stored_tensors(mod)):
-                stand_in = torch.zeros((), dtype=t.dtype, device=self.buffers.device)
-                set_param(mod, name, stand_in.expand(t.shape))
+            stand_in(mod, self.buffers.device)
 
         for module in self.on_call:
             unread(module)
