@@ -274,7 +274,8 @@ def make_container_as_shipped(out_dir: str | Path, config: dict, *, seed: int = 
     # the card's dtype for every tensor (transformers may build a part in another)
     dtype = config.get("torch_dtype") or config.get("dtype")
     if isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype):
-        model.to(getattr(torch, dtype))
+        for p in model.parameters():  # not model.to(): Llama 4's rotary table is complex
+            p.data = p.data.to(getattr(torch, dtype))
     save_as_published(model, out)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out

@@ -248,6 +248,16 @@ def test_config_lint_names_the_field(changes, needles, converted, tmp_path):
         assert needle in err, err
 
 
+def test_the_cards_number_for_a_switch_is_named_where_transformers_5_refuses_it(
+    converted, tmp_path
+):
+    """Scout's card sets ``attn_temperature_tuning: 4``: transformers 5's strict config refuses
+    a number there, and the import says which field, before writing anything (this file runs
+    on the current stack, transformers 5; 4.57 reads the card: the published cases below)."""
+    err = proof.refused_import(converted("scout")[0], {"attn_temperature_tuning": 4}, tmp_path)
+    assert "attn_temperature_tuning" in err and "expected bool" in err, err
+
+
 # meta-llama/Llama-4-Scout-17B-16E's and Llama-4-Maverick-17B-128E's config.json as published
 # (transformers 4.51.0), shrunk in size only: the language model to 4 layers of width 64 (8
 # heads of 16, 2 KV heads), 4 experts of width 48, a 512-token vocabulary; the vision tower to two
