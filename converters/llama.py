@@ -203,6 +203,20 @@ PARTIAL_ROTARY = NoOp(
     "transformers' Llama-layout attention rotates the whole head (a factor below 1 shortens only "
     "its frequency table, and its forward then fails), so there is no model to convert",
 )
+
+
+def rotary_free_every_nth(hf: dict) -> list[int]:
+    """Per layer, 1 where it rotates q and k, every ``no_rope_layer_interval``-th layer (4 where
+    absent) rotary-free: the list SmolLM3's and Llama 4's config classes derive where the config
+    gives none."""
+    interval = hf.get("no_rope_layer_interval", 4)
+    if not POSITIVE_INT.ok(interval):
+        raise PortingError(
+            f"config.json: no_rope_layer_interval={interval!r} must be a positive integer"
+        )
+    return [int((i + 1) % interval != 0) for i in range(hf["num_hidden_layers"])]
+
+
 # For configs that may leave head_dim out or null (hidden/heads then): the original value is
 # carried back on export as it was, never replaced by the derived one.
 HEAD_DIM_OR_NULL = Derived(

@@ -37,7 +37,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from converters.llama import QUERY_GROUPS, ROPE_SCALING, layout_with_defaults
+from converters.llama import (
+    QUERY_GROUPS,
+    ROPE_SCALING,
+    layout_with_defaults,
+    rotary_free_every_nth,
+)
 from porting.contract.config_map import (
     BOOL,
     LAYER_INDICES,
@@ -71,12 +76,7 @@ def rope_layers(hf: dict) -> list[int]:
     n = hf["num_hidden_layers"]
     given = hf.get("no_rope_layers")
     if not given:
-        interval = hf.get("no_rope_layer_interval", 4)
-        if not POSITIVE_INT.ok(interval):
-            raise PortingError(
-                f"config.json: no_rope_layer_interval={interval!r} must be a positive integer"
-            )
-        return [int((i + 1) % interval != 0) for i in range(n)]
+        return rotary_free_every_nth(hf)
     ok = isinstance(given, list) and all(v in (0, 1) and not isinstance(v, bool) for v in given)
     if not ok or len(given) < n:
         raise PortingError(

@@ -26,6 +26,7 @@ from converters.llama import (
     head_dim_read_by,
     layer_windows,
     layout_with_defaults,
+    rotary_free_every_nth,
 )
 from converters.llama import WEIGHTS as LLAMA_WEIGHTS
 from converters.llama import shape_context as llama_shape_context
@@ -49,12 +50,7 @@ def rope_layers(hf: dict) -> list[int]:
     n = hf["num_hidden_layers"]
     given = hf.get("no_rope_layers")
     if given is None:
-        interval = hf.get("no_rope_layer_interval", 4)
-        if not POSITIVE_INT.ok(interval):
-            raise PortingError(
-                f"config.json: no_rope_layer_interval={interval!r} must be a positive integer"
-            )
-        return [int((i + 1) % interval != 0) for i in range(n)]
+        return rotary_free_every_nth(hf)
     ok = isinstance(given, list) and all(v in (0, 1) and not isinstance(v, bool) for v in given)
     if not ok or len(given) != n:
         raise PortingError(
