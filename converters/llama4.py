@@ -106,8 +106,18 @@ def moe_layers(hf: dict) -> list[int]:
 def _layers_to_mcore(hf: dict) -> dict:
     """The per-layer lists: rotary-free, chunked, mixture; and what each kind reads."""
     rotary = rope_layers(hf)
-    types = hf.get("layer_types") or [CHUNKED if r else FULL for r in rotary]
+    types = hf.get("layer_types")
     n = hf["num_hidden_layers"]
+    if types is None:
+        # Llama4TextConfig derives one kind per entry of no_rope_layers, then checks the count
+        given = hf.get("no_rope_layers")
+        if given and len(given) != n:
+            raise PortingError(
+                f"config.json: no_rope_layers lists {len(given)} layers for {n}: without "
+                "layer_types, transformers derives a layer kind from each entry and refuses "
+                "the count"
+            )
+        types = [CHUNKED if r else FULL for r in rotary]
     if not isinstance(types, list) or len(types) != n or set(types) - {CHUNKED, FULL}:
         raise PortingError(
             f"config.json: layer_types={types!r} must name chunked_attention or full_attention "
@@ -115,10 +125,10 @@ def _layers_to_mcore(hf: dict) -> dict:
         )
     chunk = hf.get("attention_chunk_size", 8192)
     chunked = [int(t == CHUNKED) for t in types]
-    if any(chunked) and not POSITIVE_INT.ok(chunk):
+    if not POSITIVE_INT.ok(chunk):
         raise PortingError(
-            f"config.json: attention_chunk_size={chunk!r} with chunked_attention layers: "
-            "transformers builds their mask from a positive chunk size"
+            f"config.json: attention_chunk_size={chunk!r} must be a positive integer: "
+            "Llama4TextModel builds the chunked mask from it whatever layer_types says"
         )
     tuning = hf.get("attn_temperature_tuning", True)
     if not isinstance(tuning, (bool, int, float)):
@@ -127,10 +137,18 @@ def _layers_to_mcore(hf: dict) -> dict:
             "counts as its truth, as transformers 4.57 reads it)"
         )
     floor_scale, attn_scale = hf.get("floor_scale", 8192), hf.get("attn_scale", 0.1)
-    if bool(tuning) and not (POSITIVE_FLOAT.ok(floor_scale) and NON_NEGATIVE_FLOAT.ok(attn_scale)):
+    if not bool(tuning):  # read by nothing then: carried as they are
+        floor_scale, attn_scale = 8192, 0.1
+    elif not (POSITIVE_FLOAT.ok(floor_scale) and NON_NEGATIVE_FLOAT.ok(attn_scale)):
         raise PortingError(
             f"config.json: floor_scale={floor_scale!r} and attn_scale={attn_scale!r} must be "
             "numbers > 0 and >= 0 where attn_temperature_tuning is on"
+        )
+    aux = hf.get("router_aux_loss_coef", 0.001)
+    if not NON_NEGATIVE_FLOAT.ok(aux):
+        raise PortingError(
+            f"config.json: router_aux_loss_coef={aux!r} must be a finite number >= 0 (the "
+            "load-balancing loss's weight in training)"
         )
     sparse = moe_layers(hf)
     k = hf.get("num_experts_per_tok", 1)
@@ -154,7 +172,7 @@ def _layers_to_mcore(hf: dict) -> dict:
         "moe_ffn_hidden_size": width,
         "moe_shared_expert_intermediate_size": width,
         "ffn_hidden_size": hf.get("intermediate_size_mlp", DEFAULT_MLP),
-        "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.001)),
+        "moe_aux_loss_coeff": float(aux),
     }
 
 

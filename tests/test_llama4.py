@@ -228,6 +228,12 @@ def test_every_mapped_feature_is_seen_or_named(variant, converted):
         ({"num_experts_per_tok": 2}, ["num_experts_per_tok=2", "moe_apply_probs_on_input"]),
         ({"layer_types": ["sliding_attention"] * LAYERS}, ["layer_types", "chunked_attention"]),
         ({"attention_chunk_size": None}, ["attention_chunk_size=None"]),
+        # transformers builds the chunked mask even where no layer is chunked
+        ({"attention_chunk_size": 0, "layer_types": ["full_attention"] * LAYERS},
+         ["attention_chunk_size=0"]),
+        ({"no_rope_layers": [1, 1, 1, 0, 1], "layer_types": None}, ["lists 5 layers for 4"]),
+        ({"layer_types": []}, ["layer_types=[]"]),
+        ({"router_aux_loss_coef": None}, ["router_aux_loss_coef=None"]),
         ({"no_rope_layers": [1, 1, 0]}, ["no_rope_layers=[1, 1, 0]", "each of the 4 layers"]),
         ({"moe_layers": [0, 4]}, ["moe_layers=[0, 4]"]),
         # the step counts only where the list is left out (transformers writes the list)
@@ -238,7 +244,8 @@ def test_every_mapped_feature_is_seen_or_named(variant, converted):
         ({"model_type": "llama"}, ["model_type='llama'"]),
         ({"hidden_act": "gelu"}, ["hidden_act='gelu'"]),
     ],
-    ids=["top2", "sliding_layers", "no_chunk_size", "short_rope_list", "moe_layer_beyond",
+    ids=["top2", "sliding_layers", "no_chunk_size", "zero_chunk_all_full", "long_rope_list",
+         "empty_layer_types", "aux_null", "short_rope_list", "moe_layer_beyond",
          "zero_step", "attention_bias", "temperature_not_a_switch", "zero_floor", "model_type",
          "activation"],
 )  # fmt: skip
@@ -256,6 +263,17 @@ def test_the_cards_number_for_a_switch_is_named_where_transformers_5_refuses_it(
     on the current stack, transformers 5; 4.57 reads the card: the published cases below)."""
     err = proof.refused_import(converted("scout")[0], {"attn_temperature_tuning": 4}, tmp_path)
     assert "attn_temperature_tuning" in err and "expected bool" in err, err
+
+
+def test_what_nothing_reads_is_not_checked(converted):
+    """With the temperature off, its floor and scale are read by no class: a null one is
+    carried, not refused (and the temperature is off in Megatron too)."""
+    from porting.contract import config_map
+
+    cfg = json.loads((converted("scout")[0] / "config.json").read_text())
+    cfg |= {"attn_temperature_tuning": False, "floor_scale": None, "attn_scale": None}
+    mapped = config_map.to_mcore(cfg, llama4.FAMILY.config_entries)
+    assert mapped["attn_temperature_tuning"] is False
 
 
 # meta-llama/Llama-4-Scout-17B-16E's and Llama-4-Maverick-17B-128E's config.json as published

@@ -679,7 +679,7 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
 
     def head(module: torch.nn.Module, own: dict[str, str]) -> dict[str, torch.Tensor]:
         take = buffers.head()
-        # its parameters are meta tensors put there by release(), not the model's own
+        # its parameters are stand-ins (modules.stand_in), not the model's own: shapes only
         return {n: read(own[n], p.shape, take(n, p.shape)) for n, p in module.named_parameters()}
 
     if not tied:
