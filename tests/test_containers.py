@@ -268,14 +268,6 @@ GEMMA_3_4B_IT = {
 }
 
 
-def test_gemma_3_4b_it_as_published_imports_with_the_gate_and_comes_back(tmp_path):
-    hf = proof.make_container_as_shipped(tmp_path / "hf", GEMMA_3_4B_IT)
-    code, _, err = _run(["import", str(hf), "--out", str(tmp_path / "ck")])
-    assert code == 0, err
-    proof.prove_round_trip(hf, tmp_path / "ck", tmp_path / "back")
-    assert json.loads((tmp_path / "back" / "config.json").read_text()) == GEMMA_3_4B_IT
-
-
 # Mistral Small 3.2 24B's config.json as transformers 4.57.1 writes it (the copy of FLUX.2's text
 # encoder: "dtype" keys, a full text_config), shrunk in size only: the language model to 2 layers
 # of width 64 (4 heads of 16, 2 KV heads) and a 512-token vocabulary, the Pixtral tower to two
@@ -328,12 +320,15 @@ MISTRAL_SMALL_3_2 = {
 }
 
 
-def test_mistral_small_3_2_as_written_imports_with_the_gate_and_comes_back(tmp_path):
-    hf = proof.make_container_as_shipped(tmp_path / "hf", MISTRAL_SMALL_3_2)
+@pytest.mark.parametrize(
+    "config", [GEMMA_3_4B_IT, MISTRAL_SMALL_3_2], ids=["gemma-3-4b-it", "mistral-small-3.2"]
+)
+def test_a_release_s_config_as_written_imports_with_the_gate_and_comes_back(config, tmp_path):
+    hf = proof.make_container_as_shipped(tmp_path / "hf", config)
     code, _, err = _run(["import", str(hf), "--out", str(tmp_path / "ck")])
     assert code == 0, err
     proof.prove_round_trip(hf, tmp_path / "ck", tmp_path / "back")
-    assert json.loads((tmp_path / "back" / "config.json").read_text()) == MISTRAL_SMALL_3_2
+    assert json.loads((tmp_path / "back" / "config.json").read_text()) == config
 
 
 def test_carried_tensors_that_leave_the_checkpoint_are_refused_on_export(imported, tmp_path):
