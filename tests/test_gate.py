@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import pickle
 import shutil
 import zipfile
@@ -266,6 +267,33 @@ def test_the_kl_of_one_distribution_is_never_below_zero():
             report = harness.compare([hf], [hf + shift], atol=1.0)
             assert 0.0 <= report.kl_hf_mcore < 1e-15, (seed, shift, report.kl_hf_mcore)
             assert "KL(HF||Mcore)  -" not in report.summary()
+
+
+@pytest.mark.parametrize("poison", [None, "nan", "inf"])
+def test_the_comparison_by_blocks_of_positions_reports_what_the_whole_does(poison, monkeypatch):
+    """Each figure of the report is a maximum, a sum or a count over positions: blocks of a few
+    positions (prompts cut across blocks) give the report of one block, NaN and Inf included."""
+    from dataclasses import asdict
+
+    g = torch.Generator().manual_seed(5)
+    hf = [torch.randn(1, n, 301, generator=g) * 4 for n in (7, 1, 12)]
+    mc = [t + torch.randn(t.shape, generator=g) * 1e-3 for t in hf]
+    mc[2][0, 3] = mc[2][0, 3].flip(-1)  # a position whose top-1 differs
+    if poison:
+        mc[2][0, 5, 9] = float(poison)
+    whole = asdict(harness.compare(hf, mc))
+    assert whole["passed"] is False and 0 < whole["top1_agreement"] < 1
+    monkeypatch.setattr(harness, "COMPARE_BYTES", 3 * 8 * 301)  # 3 positions a block
+    blocks = asdict(harness.compare(hf, mc))
+    for name, value in whole.items():
+        if isinstance(value, float) and math.isnan(value):
+            assert math.isnan(blocks[name]), name
+        elif name in ("mean_abs_diff", "kl_hf_mcore"):  # sums in another order
+            assert blocks[name] == pytest.approx(value, rel=1e-12), name
+        else:
+            assert blocks[name] == value, name
+    with pytest.raises(ValueError, match=r"logit shapes differ: HF \(20, 301\) vs Megatron \(20, 300\)"):
+        harness.compare(hf, [t[..., :300] for t in mc])
 
 
 def _costed(floor_s: float, gflops: float, wall_s: float) -> harness.ParityReport:

@@ -128,24 +128,31 @@ def _qwen3_coder_layer(experts: int) -> dict:
 
 
 def test_the_gates_memory_bound_does_not_grow_with_the_experts():
-    from porting.convert.preflight import gate_memory
+    from porting.convert.preflight import GATE_POSITIONS, VOCAB_SLICE_BYTES, gate_memory
     from porting.convert.table_check import hf_meta_shapes
+    from porting.parity import harness, vocab
 
-    h, f, vocab = 6144, 2560, 32000
+    # the bound's constants are the gate's own
+    assert GATE_POSITIONS == (len(harness.PROMPT_TEXTS) + 1) * harness.RANDOM_PROMPT_LEN
+    assert vocab.SLICE_BYTES == VOCAB_SLICE_BYTES
+    h, f, vocab_size = 6144, 2560, 32000
     attention = h * 96 * 128 * 2 + h * 8 * 128 * 2 + 2 * 128  # q, o; k, v; the q/k norms
     for n in (160, 320):
         shapes = hf_meta_shapes(moe.FAMILY, _qwen3_coder_layer(n))
         need, part = gate_memory(shapes, tied=False)
         assert part["two experts"] == 2 * 4 * 3 * h * f
-        assert part["the embedding or output layer"] == 4 * vocab * h
+        # the tables by slices of 128 MiB, never whole (786 MB each here)
+        assert part["two slices of the embedding or output layer"] == 2 * VOCAB_SLICE_BYTES
+        assert part["the logits of the prompts"] == 2 * 4 * GATE_POSITIONS * vocab_size
         assert part["the rest outside the layers"] == 4 * h  # the final norm
         # two norms and the router, the one term that grows with the experts (a row each)
         layers = 2 * 4 * (attention + 2 * h + n * h)
         assert part["two layers without their experts"] == layers
-        # the layers outweigh the head here: held in turn, not together
-        assert need == 4 * h + layers + 2 * 4 * 3 * h * f
-        tied_need, _ = gate_memory(shapes, tied=True)
-        assert tied_need == need + 4 * vocab * h
+        # the layers outweigh the slices: held in turn, not together
+        logits = part["the logits of the prompts"]
+        assert need == 4 * h + logits + layers + 2 * 4 * 3 * h * f
+        # tied, the one table is read by slices the same way: nothing added
+        assert gate_memory(shapes, tied=True)[0] == need
 
 
 def test_a_gate_larger_than_free_memory_is_refused_before_anything_is_written(

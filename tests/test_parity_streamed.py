@@ -109,7 +109,7 @@ def test_a_layer_of_the_wrong_width_is_named(tiny_llama, tiny_nemo, tmp_path):
         harness.verify(hf, tiny_nemo)
 
 
-def test_both_models_and_the_heads_share_two_areas():
+def test_both_models_and_the_vocabulary_slices_share_two_areas():
     from porting.parity.streamed import _Buffers
 
     def base(t):
@@ -126,9 +126,15 @@ def test_both_models_and_the_heads_share_two_areas():
     assert base(b.take(0, "over", torch.Size([200]))) not in (area0, area1)  # past the area
     b.reserve(80)  # the Megatron model: the same areas, forgotten views
     assert base(b.take(1, "fc", torch.Size([80]))) == area1
-    assert base(b.head()("w", torch.Size([10, 10]))) == area0  # a head that fits
-    big = b.head()("w", torch.Size([200]))  # one that does not: the areas are freed first
-    assert base(big) not in (area0, area1) and b._areas == [None, None]
+    spare = b.spare()  # a head's two slices, while a layer holds area 1
+    assert base(spare("s0", torch.Size([5, 10]))) == area0
+    assert base(spare("s1", torch.Size([5, 10]))) == area0
+    assert base(spare("s2", torch.Size([5]))) not in (area0, area1)  # past area 0: its own
+    assert base(b.spare()("s", torch.Size([200]))) not in (area0, area1)  # larger than area 0
+    b.take(2, "fc", torch.Size([10]))  # a layer holds area 0: never handed out under it
+    assert base(b.spare()("s", torch.Size([10]))) != area0
+    b.free()  # no area is made for slices: they take memory of their own, no layer's size
+    assert base(b.spare()("s", torch.Size([10]))) not in (area0, area1) and b._areas == [None, None]
     b.reserve(120)  # larger than the areas were: made again at that size, when used
     assert b.take(0, "q", torch.Size([120])).untyped_storage().nbytes() == 120 * 4
 
@@ -183,3 +189,99 @@ def test_a_released_layer_keeps_no_view_of_an_area():
     assert {t.untyped_storage().data_ptr() for t in (layer.weight, layer.bias)} == {area}
     release(layer)
     assert layer.weight.is_meta and layer.bias.is_meta
+
+
+def _table(rows: int, width: int, seed: int = 0):
+    from porting.parity.vocab import VocabTable
+
+    whole = torch.randn(rows, width, generator=torch.Generator().manual_seed(seed))
+    asked = []
+
+    def read(start, stop, out):
+        asked.append((start, stop))
+        out.copy_(whole[start:stop])
+
+    return VocabTable("w", whole.shape, read, torch.device("cpu")), whole, asked
+
+
+def test_a_vocabulary_table_looks_up_only_the_rows_asked_for():
+    import torch.nn.functional as F
+
+    table, whole, asked = _table(10_000, 8)
+    ids = torch.tensor([[5, 9000, 5, 70, 71], [9999, 0, 70, 4000, 4001]])
+    for got in (F.embedding(ids, table), table[ids], table.lookup(ids)):
+        assert torch.equal(got, whole[ids])  # a gather: the same values, not close ones
+    # ids up to 64 apart read as one run; the rest of the vocabulary never
+    assert asked[:5] == [(0, 6), (70, 72), (4000, 4002), (9000, 9001), (9999, 10_000)]
+    assert table.rows_read == 3 * 12
+    with pytest.raises(IndexError, match=r"^w: id 10000 is out of range for a vocabulary of 10000$"):
+        table.lookup(torch.tensor([10_000]))
+
+
+@pytest.mark.parametrize("rows_per_slice", [1, 7, 128, 10_000])
+def test_a_vocabulary_table_multiplies_slice_by_slice_as_the_whole_table(rows_per_slice, monkeypatch):
+    import torch.nn.functional as F
+
+    from porting.parity import vocab
+
+    monkeypatch.setattr(vocab, "SLICE_BYTES", rows_per_slice * 4 * 16)
+    table, whole, asked = _table(1000, 16)
+    assert table.slice_rows == rows_per_slice
+    x = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(1))
+    bias = torch.randn(1000)
+    want = F.linear(x, whole, bias)
+    got = F.linear(x, table, bias)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)  # reduction order only
+    assert torch.equal(torch.matmul(x, table.t()), F.linear(x, table))  # Megatron's spelling
+    # every row read once per product, slice by slice in order
+    assert table.rows_read == 3 * 1000
+    starts = [a for a, _ in asked[: len(asked) // 3]]
+    assert starts == list(range(0, 1000, rows_per_slice))
+
+
+def test_an_operation_the_slices_do_not_cover_reads_the_table_whole_and_says_so(caplog):
+    table, whole, _ = _table(50, 4)
+    with caplog.at_level("WARNING", logger="porting.parity.vocab"):
+        assert torch.equal(torch.sum(table, dim=0), whole.sum(dim=0))
+    assert "w: the gate read this 50 x 4 table whole" in caplog.text
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_gate_never_holds_a_vocabulary_table_whole(tied, tmp_path, monkeypatch):
+    """The streamed gate's embedding and output layer, both sides, tied or not, are read by
+    slices: nothing reads a table whole, and slices of a few rows give the report the default
+    does (each logit the same dot product)."""
+    from porting.api import import_hf
+    from porting.contract.registry import family_by_name
+    from porting.convert.megatron import init_parallel
+    from porting.parity import vocab
+    from porting.parity.streamed import streamed_logits
+
+    hf = make_llama(tmp_path / "hf", vocab_size=301, tie_word_embeddings=tied, tokenizer_vocab=290)
+    import_hf(hf, tmp_path / "ck", show_progress=False, verify=False)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 301, (1, n), generator=g) for n in (4, 19, 11)]
+    init_parallel()
+
+    def gate():
+        return streamed_logits(hf, tmp_path / "ck", family_by_name("llama"), prompts, 301)
+
+    monkeypatch.setattr(vocab.VocabTable, "whole", lambda self: pytest.fail(f"{self} read whole"))
+    hf_default, mc_default, layers_default, _, _ = gate()
+    monkeypatch.setattr(vocab, "SLICE_BYTES", 13 * 4 * 64)  # 13 rows of width 64: 24 slices
+    monkeypatch.setattr(vocab, "_RUN_GAP", 0)  # a lookup reads runs of consecutive ids only
+    read = []
+    monkeypatch.setattr(vocab.VocabTable, "rows", _counting(vocab.VocabTable.rows, read))
+    hf_sliced, mc_sliced, layers_sliced, _, _ = gate()
+    assert max(stop - start for _, start, stop in read) <= 13 and len(read) > 2 * 24
+    for a, b in zip(hf_default + mc_default, hf_sliced + mc_sliced, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert [d.layer for d in layers_sliced] == [d.layer for d in layers_default]
+
+
+def _counting(rows, read: list):
+    def counted(self, start, stop, out=None):
+        read.append((self.name, start, stop))
+        return rows(self, start, stop, out)
+
+    return counted

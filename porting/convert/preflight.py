@@ -179,44 +179,54 @@ _IN_LAYER = re.compile(r"\.(\d+)\.")
 _IN_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
+# fp32 bytes of one slice of a vocabulary table the gate multiplies by (porting.parity.vocab)
+VOCAB_SLICE_BYTES = 128 << 20
+# the positions of the gate's default prompts, padded to one batch: porting.parity.harness's
+# three texts and its random prompt, at the random prompt's 64 tokens (tests/test_moe.py)
+GATE_POSITIONS = 4 * 64
+
+
 def gate_memory(shapes: dict[str, tuple[int, ...]], tied: bool) -> tuple[int, dict[str, int]]:
     """The fp32 bytes the streamed gate holds at once on one side (the sides run in turn), and
     its parts, from the HF model's tensor shapes (name -> shape); :mod:`porting.parity.streamed`.
 
-    Untied, the embedding and the output layer are each read when called and released after,
-    and the layers' buffers are freed before the output layer runs: the gate holds the larger of
-    one of them and two layers without their experts plus two experts (the one computing and the
-    next being read, of each). Tied, the one tensor stays throughout. A tensor is a layer's where
-    its name has a numeric part (``model.layers.3.``), an expert's where ``.experts.<e>.``
-    follows; stacked experts (one tensor for all) count with their layer."""
+    The embedding and the output layer, tied or not, are read by vocabulary slices
+    (:mod:`porting.parity.vocab`): two slices at a time, in the first layer area where they fit,
+    while no layer is loaded; so the gate holds the larger of those and two layers without their
+    experts plus two experts (the one computing and the next being read, of each), and the
+    logits of its prompts (the side running, padded to one batch, and the other side's). A tensor
+    is a layer's where its name has a numeric part (``model.layers.3.``), an expert's where
+    ``.experts.<e>.`` follows; stacked experts (one tensor for all) count with their layer."""
     outside, layers, experts = [], {}, {}
+    vocab = 0
     for name, shape in shapes.items():
         n = 4 * _numel(shape)
         layer, expert = _IN_LAYER.search(name), _IN_EXPERT.search(name)
         if layer is None:
             outside.append(n)
+            if len(shape) == 2:
+                vocab = max(vocab, shape[0])
         elif expert is not None and expert.start() >= layer.start():
             key = (layer.group(1), expert.group(1))
             experts[key] = experts.get(key, 0) + n
         else:
             layers[layer.group(1)] = layers.get(layer.group(1), 0) + n
     outside.sort(reverse=True)
-    if tied:  # the output layer is the embedding: one tensor, listed under both names
-        largest = outside[:1]
-        rest = outside[1:]
-        if rest and rest[0] == largest[0]:
-            rest = rest[1:]
-    else:
-        largest, rest = outside[:2], outside[2:]
+    tables = outside[:1] if tied else outside[:2]
+    if tied and len(outside) > 1 and outside[1] == outside[0]:
+        tables = outside[:2]  # the output layer listed under its own name too
+    rest = outside[len(tables) :]
+    table = max(tables, default=0)
     parts = {
         "two layers without their experts": 2 * max(layers.values(), default=0),
         "two experts": 2 * max(experts.values(), default=0),
-        "the embedding" + (" (tied)" if tied else " or output layer"): max(largest, default=0),
+        "two slices of the embedding or output layer": 2 * min(VOCAB_SLICE_BYTES, table),
+        "the logits of the prompts": 2 * 4 * GATE_POSITIONS * vocab,
         "the rest outside the layers": sum(rest),
     }
     streamed = parts["two layers without their experts"] + parts["two experts"]
-    big = max(largest, default=0)
-    need = sum(rest) + (big + streamed if tied else max(big, streamed))
+    slices = parts["two slices of the embedding or output layer"]
+    need = sum(rest) + parts["the logits of the prompts"] + max(streamed, slices)
     return need, parts
 
 

@@ -122,29 +122,6 @@ def stream_expert_stacks(
     return count
 
 
-# marks a tensor that stands in for one not read (:func:`stand_in`)
-_STAND_IN = "_porting_stand_in"
-
-
-def stand_in(module: torch.nn.Module, device: torch.device) -> None:
-    """Put a zero-stride stand-in on ``device`` in place of each of ``module``'s stored tensors:
-    what a module read when called holds between its calls, where a meta tensor would not do (a
-    model may move its input to the module's device before the call, as Llama 4 does with
-    ``input_ids.to(embed_tokens.weight.device)``, which meta would empty). Four bytes each."""
-    for name, t in list(stored_tensors(module)):
-        set_param(module, name, torch.zeros((), dtype=t.dtype, device=device).expand(t.shape))
-    for _, t in stored_tensors(module):
-        setattr(t, _STAND_IN, True)
-
-
-def holds_tensors(module: torch.nn.Module) -> bool:
-    """Whether every stored tensor of ``module`` is read: none on meta, none a stand-in."""
-    return all(
-        t.device.type != "meta" and not getattr(t, _STAND_IN, False)
-        for _, t in stored_tensors(module)
-    )
-
-
 def release(module: torch.nn.Module) -> None:
     """Put what was loaded of ``module`` (:func:`stored_tensors`: its parameters and persistent
     buffers) back on the meta device: frees their memory, and leaves no view of a reused buffer

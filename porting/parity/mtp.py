@@ -16,8 +16,7 @@ layer of the streamed gate.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +26,6 @@ from porting.errors import PortingError
 from porting.parity.modules import (
     expert_lists,
     experts_streamed,
-    holds_tensors,
     release,
     set_param,
     stored_tensors,
@@ -108,13 +106,15 @@ def hf_mtp_logits(
     ids: torch.Tensor,
     normed: torch.Tensor,
     layer_kwargs: dict,
+    table: Callable[[str], torch.Tensor],
     read_expert: Callable[[str, int, torch.Size], torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """Each MTP layer's logits ``[b, s, vocab]`` on the HF side. ``last_layer``: the model's last
     decoder layer (its class and norm kind; its weights are not used); ``normed``: the model's
     final hidden state after its norm; ``layer_kwargs``: what the model passed its last layer
     besides the hidden states. ``read(key, shape)`` reads one HF tensor in fp32 (``None``: as
-    stored); ``read_expert(key, e, shape)`` expert ``e`` of a transformers 5 expert stack, which
+    stored); ``table(key)`` stands in for an embedding or head that is read by vocabulary slices
+    (:class:`~porting.parity.vocab.VocabTable`); ``read_expert(key, e, shape)`` expert ``e`` of a transformers 5 expert stack, which
     the layer then reads one expert at a time (:func:`~porting.parity.modules.
     stream_expert_stacks`)."""
     from accelerate import init_empty_weights
@@ -134,8 +134,8 @@ def hf_mtp_logits(
             set_param(module, "weight", read(key, None))
             return module
 
-        # one large tensor at a time: the embedding, the layer, then the head
-        embedded = F.embedding(ids, read(n.embedding, None))
+        # the embedding and the head by vocabulary slices, the layer whole: one at a time
+        embedded = F.embedding(ids, table(n.embedding))
         x = F.linear(
             torch.cat([norm(n.enorm)(embedded), norm(n.hnorm)(hidden)], dim=-1),
             read(n.eh_proj, None),
@@ -165,7 +165,7 @@ def hf_mtp_logits(
             y = layer(x, **layer_kwargs)
         release(layer)
         hidden = norm(n.final_norm)(y[0] if isinstance(y, tuple) else y)
-        out.append(F.linear(hidden, read(n.head, None)))
+        out.append(F.linear(hidden, table(n.head)))
     return out
 
 
@@ -199,7 +199,8 @@ def megatron_mtp_logits(
         k: decoder_kwargs.get(k)
         for k in ("attention_mask", "rotary_pos_emb", "rotary_pos_cos", "rotary_pos_sin")
     }
-    with experts_streamed([(0, model.mtp)], expert), _held(model, "embedding", read):
+    # the embedding and the output layer are the main pass's vocabulary tables
+    with experts_streamed([(0, model.mtp)], expert):
         stacked = model.mtp(
             input_ids=ids,
             position_ids=positions,
@@ -212,25 +213,7 @@ def megatron_mtp_logits(
     weight = model.shared_embedding_or_output_weight() if tied else None
     n = model.config.mtp_num_layers
     out = []
-    with _held(model, "output_layer", read):
-        for hidden in torch.chunk(stacked, 1 + n, dim=0)[1:]:
-            logits, _ = model.output_layer(hidden, weight=weight)
-            out.append(logits.transpose(0, 1))
+    for hidden in torch.chunk(stacked, 1 + n, dim=0)[1:]:
+        logits, _ = model.output_layer(hidden, weight=weight)
+        out.append(logits.transpose(0, 1))
     return out
-
-
-@contextmanager
-def _held(model: torch.nn.Module, name: str, read) -> Iterator[None]:
-    """Model's submodule ``name`` with its tensors, read for the block where the main pass
-    released them (an untied embedding or output layer is read when called,
-    :class:`porting.parity.streamed._Side`), and released again after."""
-    module = getattr(model, name)
-    if holds_tensors(module):
-        yield
-        return
-    for pname, value in read(name, ()).items():
-        set_param(module, pname, value)
-    try:
-        yield
-    finally:
-        release(module)

@@ -52,7 +52,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -67,10 +67,10 @@ from porting.parity.modules import (
     experts_streamed,
     release,
     set_param,
-    stand_in,
     stored_tensors,
     stream_expert_stacks,
 )
+from porting.parity.vocab import VocabTable, install, vocab_tables
 
 log = logging.getLogger(__name__)
 
@@ -164,9 +164,17 @@ def pad_batch(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, valid
 
 
-def unpad(logits: torch.Tensor, prompts: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Per-prompt ``[1, s_i, vocab]`` logits from the padded batch."""
-    return [logits[i : i + 1, : p.shape[1]] for i, p in enumerate(prompts)]
+def unpad(logits: torch.Tensor, prompts: list[torch.Tensor], vocab: int) -> list[torch.Tensor]:
+    """Per-prompt ``[1, s_i, vocab]`` fp32 logits on the CPU from the padded batch's, each a copy
+    of its own: the padded batch (every prompt at the longest one's length, and Megatron's padded
+    vocabulary) is released once its side has run, not held through the other side's pass."""
+    return [
+        logits[i : i + 1, : p.shape[1], :vocab]
+        .float()
+        .cpu()
+        .clone(memory_format=torch.contiguous_format)
+        for i, p in enumerate(prompts)
+    ]
 
 
 def _output(out) -> torch.Tensor:
@@ -237,9 +245,8 @@ class _Buffers:
     Layer ``i`` computes in area ``i % 2`` while layer ``i + 1`` is read into the other. Reusing
     them costs no fresh pages: a new 800 MB buffer (a 7B layer in fp32) is 200,000 page faults,
     and freeing it an unmap. The Megatron model's layers take the areas the HF model's used
-    (:meth:`reserve`), and the embedding and the output layer, which run while no layer is
-    loaded, take one of them too where they fit (:meth:`head`): 0.7 M page faults fewer on a 7B
-    gate. Without :meth:`reserve` (an expert's tensors) each name keeps a buffer of its own.
+    (:meth:`reserve`), and the output layer's slices, which run while no layer is loaded, take
+    area 0 (:meth:`spare`). Without :meth:`reserve` (an expert's tensors) each name keeps a buffer of its own.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -278,21 +285,17 @@ class _Buffers:
         self._next[k] = start + shape.numel()
         return area[start : start + shape.numel()].view(shape)
 
-    def head(self) -> Take:
-        """What a module outside the layers, read while none of them is loaded, is read into:
-        area 0 where its tensors fit; where they do not, the areas are freed first and each of
-        its tensors gets its own memory. (An output layer in area 0 leaves area 1 resident
-        beside it: two areas, the layers' own peak.)"""
+    def spare(self) -> Take:
+        """What an operation between the layers (a vocabulary table's slices,
+        :mod:`porting.parity.vocab`) computes in: area 0 where it is made and no layer holds it;
+        otherwise memory of its own (an area is not made for it: it may be far larger)."""
         offset = [0]
 
         def take(name: str, shape: torch.Size) -> torch.Tensor:
-            start = offset[0]
-            if start >= 0 and start + shape.numel() <= self._numel:
+            area, start = self._areas[0], offset[0]
+            if area is not None and not self._sets[0] and start + shape.numel() <= area.numel():
                 offset[0] = start + shape.numel()
-                return self._area(0)[start : start + shape.numel()].view(shape)
-            if start >= 0:  # the areas would stay resident beside it
-                self.free()
-                offset[0] = -1
+                return area[start : start + shape.numel()].view(shape)
             return torch.empty(shape, dtype=torch.float32, device=self.device)
 
         return take
@@ -336,15 +339,11 @@ class _Side:
     read: Callable | None = None
     buffers: _Buffers | None = None
     expert_buffers: _Buffers | None = None
-    # Modules outside the layers read when the model calls them and released when they return
-    # (an untied embedding and output layer, each as large as a layer at a large vocabulary):
-    # module -> its stored tensors.
-    on_call: dict[torch.nn.Module, Callable[[], dict[str, torch.Tensor]]] = field(
-        default_factory=dict
-    )
     # HF, past the decoder: ``read_expert(key, e, shape)``, expert ``e`` of a transformers 5
-    # stack (:class:`~porting.parity.modules.ExpertStack`)
+    # stack (:class:`~porting.parity.modules.ExpertStack`); ``table(key)``, a vocabulary table
+    # (:class:`~porting.parity.vocab.VocabTable`) of a stored tensor, an MTP layer's own embedding
     read_expert: Callable | None = None
+    table: Callable[[str], VocabTable] | None = None
 
     def load_layer(self, i: int) -> dict[str, torch.Tensor]:
         """Layer ``i``'s tensors but its experts'."""
@@ -385,17 +384,13 @@ class _Side:
         def post(mod, args, kwargs, output, i):
             on_layer(i, mod, args, kwargs, _output(output))
             release(mod)
-            if i == n - 1:  # what runs after them (the output layer) takes their areas (head())
+            if i == n - 1:  # what runs after them (the output layer) takes their areas (spare())
                 for buffers in (self.buffers, self.expert_buffers):
                     if buffers is not None:
                         buffers.clear()
                 if stage is not None and not stage.last:
                     stage.send(_output(output))
                     raise _Handoff
-
-        def called(mod, args):
-            for name, value in self.on_call[mod]().items():
-                set_param(mod, name, value)
 
         def load_expert(i, sub, e, module, read):
             take = partial(self.expert_buffers.take, e)
@@ -416,13 +411,6 @@ class _Side:
                 )
             )
 
-        def unread(mod, *_):
-            stand_in(mod, self.buffers.device)
-
-        for module in self.on_call:
-            unread(module)
-            handles.append(module.register_forward_pre_hook(called))
-            handles.append(module.register_forward_hook(unread))
         cut = stage.only_owned(self.model, self.layers) if stage is not None else nullcontext()
         try:
             with cut, experts_streamed(((i, self.layers[i]) for i in owned), load_expert):
@@ -672,34 +660,38 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
         output = model.get_output_embeddings()
         if output.weight is model.get_input_embeddings().weight:
             output.weight = torch.nn.Parameter(torch.empty_like(output.weight, device="meta"))
-    # untied, the embedding and the output layer are read when called (one of them, or a
-    # layer, in memory at a time); tied, the one tensor stays
-    on_call = {}
-    names = {id(p): n for n, p in model.named_parameters()}
 
-    def head(module: torch.nn.Module, own: dict[str, str]) -> dict[str, torch.Tensor]:
-        take = buffers.head()
-        # its parameters are stand-ins (modules.stand_in), not the model's own: shapes only
-        return {n: read(own[n], p.shape, take(n, p.shape)) for n, p in module.named_parameters()}
+    def table(key: str, shape: torch.Size | None = None) -> VocabTable:
+        if key not in available:
+            raise PortingError(f"{hf_dir}: tensor {key!r} is missing")
+        stored = torch.Size(source.shape(key)[0])
+        _check_shape(str(hf_dir), key, stored, stored if shape is None else shape)
 
-    if not tied:
-        for module in (model.get_input_embeddings(), model.get_output_embeddings()):
-            if module is not None:
-                own = {n: names[id(p)] for n, p in module.named_parameters()}
-                on_call[module] = partial(head, module, own)
-    streamed = {id(p) for m in on_call for p in m.parameters()}
+        def rows(start: int, stop: int, out: torch.Tensor) -> None:
+            with source.mapped(key) as whole:
+                _cast_into(out, whole[start:stop])
+            check_finite(out, str(hf_dir), key)
+
+        return VocabTable(key, stored, rows, device, buffers.spare)
+
+    if tied:  # one table in both places (transformers 5 builds them apart on meta)
+        model.tie_weights()
+    # the embedding and the output layer read by vocabulary slices (porting.parity.vocab), tied
+    # or not: neither is ever in memory whole
+    tables = vocab_tables(
+        model, [model.get_input_embeddings(), model.get_output_embeddings()], text.vocab_size
+    )
+    for key, places in tables.items():
+        shared = table(key, places[0][2])
+        for module, pname, _ in places:
+            install(module, pname, shared)
     layer_params = {f"{prefix}.{i}.": layer for i, layer in enumerate(layers)}
     # a container's parts that text does not run (vision tower, projector) stay on meta
     own = tuple(p for p, _ in held.container.own_names) if held is not None else ("",)
     for name, p in model.named_parameters():
-        if id(p) in streamed or any(name.startswith(lp) for lp in layer_params):
+        if any(name.startswith(lp) for lp in layer_params) or not name.startswith(own):
             continue
-        if not name.startswith(own):
-            continue
-        if name in available or not tied:
-            set_param(model, name, read(name, p.shape))
-    if tied:
-        model.tie_weights()
+        set_param(model, name, read(name, p.shape))
 
     def load(i: int, sub: str, module, take: Take, skip) -> dict[str, torch.Tensor]:
         return {
@@ -718,8 +710,8 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
         read if beyond else None,
         buffers,
         _Buffers(device),
-        on_call,
         read_expert if beyond else None,
+        table if beyond else None,
     )
     return side, text
 
@@ -771,16 +763,41 @@ def _megatron_side(ckpt, family, device: torch.device, buffers: _Buffers):
             out[name] = buf
         return out
 
+    def table(key: str, shape: torch.Size) -> VocabTable:
+        item = sharded.get(loc.prefix + key)
+        if (
+            not isinstance(item, ShardedTensor)
+            or item.prepend_axis_num
+            or item.flattened_range is not None
+        ):
+            raise PortingError(f"{weights}: the model's layout has no plain tensor for {key!r}")
+        _check_shape(str(weights), key, torch.Size(item.local_shape), shape)
+        offset = tuple(item.global_offset)
+
+        def rows(start: int, stop: int, out: torch.Tensor) -> None:
+            at, size = (offset[0] + start, *offset[1:]), (stop - start, *shape[1:])
+            if device.type == "cpu":
+                reader.read(item.key, at, size, out)
+            else:
+                _cast_into(out, reader.read(item.key, at, size))
+
+        return VocabTable(key, shape, rows, device, buffers.spare)
+
+    # the embedding and the output layer read by vocabulary slices, as the HF side's
+    words = getattr(getattr(model, "embedding", None), "word_embeddings", None)
+    head = getattr(model, "output_layer", None)
+    vocab = next(
+        (m.weight.shape[0] for m in (words, head) if getattr(m, "weight", None) is not None), 0
+    )
+    tables = vocab_tables(model, [words, head], vocab)
+    for key, places in tables.items():
+        shared = table(key, places[0][2])
+        for module, pname, _ in places:
+            install(module, pname, shared)
     layers = model.decoder.layers
-    on_call = {}
-    if not model.share_embeddings_and_output_weights:  # as the HF side's
-        for name in ("embedding", "output_layer"):
-            module = getattr(model, name, None)
-            if module is not None:
-                on_call[module] = lambda n=f"{name}.", m=module: params_of(n, m, buffers.head())
     for name, module in model.named_children():
         # the gate runs the main head (main_head_only); the MTP check reads its own
-        if name not in ("decoder", "mtp") and module not in on_call:
+        if name not in ("decoder", "mtp"):
             for pname, value in params_of(f"{name}.", module).items():
                 set_param(module, pname, value)
     for name, module in model.decoder.named_children():
@@ -794,7 +811,7 @@ def _megatron_side(ckpt, family, device: torch.device, buffers: _Buffers):
     def module_params(name: str, skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
         return params_of(f"{name}.", model.get_submodule(name), None, skip)
 
-    side = _Side(model, layers, load, module_params, buffers, _Buffers(device), on_call)
+    side = _Side(model, layers, load, module_params, buffers, _Buffers(device))
     return side, config
 
 
@@ -911,10 +928,10 @@ def _streamed_logits(
             )
         grab.remove()
         if head:
-            hf_logits = hf_logits[..., :vocab_size].float().cpu()
+            hf_logits = unpad(hf_logits, prompts, vocab_size)
         hf_prefix = next(name for name, m in hf.model.named_modules() if m is hf.layers)
         hf_last, hf_read, buffers = hf.layers[-1], hf.read, hf.buffers
-        hf_read_expert = hf.read_expert
+        hf_read_expert, hf_table = hf.read_expert, hf.table
         hf = None  # the HF model is released before the Megatron side is built
 
         checkpoint = open_checkpoint(ckpt)
@@ -967,6 +984,8 @@ def _streamed_logits(
         with _real_rows_only(mc.model, mask, _megatron_linear_types(), [0.0]):
             with main_head_only(mc.model):
                 mc_logits = mc.run(lambda: mc.model(ids, positions, None), on_mc_layer, stage)
+            if head:
+                mc_logits = unpad(mc_logits, prompts, vocab_size)
             watch.remove()
             buffers.free()
             ctx = family.shape_context(mc_config, vocab_size)
@@ -989,7 +1008,7 @@ def _streamed_logits(
                     decoder["out"],
                     decoder["kwargs"],
                 )
-                got = [g[..., :vocab_size].float().cpu() for g in got]
+                got = [unpad(g, prompts, vocab_size) for g in got]
         mc = decoder = None  # released before the HF side's MTP layers are read
         mtp = []
         if got:
@@ -1001,20 +1020,16 @@ def _streamed_logits(
                 ids,
                 last["normed"],
                 last["kwargs"],
+                hf_table,
                 hf_read_expert,
             )
-            mtp = [
-                (unpad(w[..., :vocab_size].float().cpu(), prompts), unpad(g, prompts))
-                for w, g in zip(want, got, strict=True)
-            ]
+            mtp = [(unpad(w, prompts, vocab_size), g) for w, g in zip(want, got, strict=True)]
     bar.close()
-    if head:
-        mc_logits = mc_logits[..., :vocab_size].float().cpu()
     # Measured (where not cached) after the run: timed alone, not beside the reader.
     rate = machine_gflops(device, work_flop=2 * flop[0])  # both sides, as GateCost counts it
     result = [
-        unpad(hf_logits, prompts) if head else None,
-        unpad(mc_logits, prompts) if head else None,
+        hf_logits if head else None,
+        mc_logits if head else None,
         report,
         GateCost(flop=flop[0], gflops=rate),
         mtp,
