@@ -155,6 +155,48 @@ def test_the_gates_memory_bound_does_not_grow_with_the_experts():
         assert gate_memory(shapes, tied=True)[0] == need
 
 
+def test_the_gates_bound_reads_a_frontier_dense_layer_by_modules():
+    """DeepSeek-V3's dense layer (FFN 18432: 583M parameters, 2.3 GB in fp32) is over the
+    gate's layer size: its matrices count one module at a time (the largest, an MLP matrix of
+    18432 x 7168), its vectors twice; the MoE layer beside it is read whole, two at a time."""
+    import copy
+    import importlib.util
+    from pathlib import Path
+
+    from converters import deepseek
+    from porting.convert.preflight import GATE_LAYER_BYTES, gate_memory
+    from porting.convert.table_check import hf_meta_shapes
+
+    spec = importlib.util.spec_from_file_location(
+        "published_configs", Path(__file__).with_name("published_configs.py")
+    )
+    published = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(published)
+    config = copy.deepcopy(published.PUBLISHED["deepseek-ai/DeepSeek-V3"])
+    config |= {"num_hidden_layers": 2, "first_k_dense_replace": 1, "n_routed_experts": 16}
+    config.pop("quantization_config")
+    shapes = hf_meta_shapes(deepseek.FAMILY, config)
+    h, ffn = 7168, 18432
+    dense = sum(4 * _n(s) for k, s in shapes.items() if k.startswith("model.layers.0."))
+    assert dense > GATE_LAYER_BYTES
+    need, part = gate_memory(shapes, tied=False)
+    assert part["one module's matrices of a layer read by modules"] == 4 * ffn * h
+    moe_layer = sum(
+        4 * _n(s)
+        for k, s in shapes.items()
+        if k.startswith("model.layers.1.") and ".experts." not in k
+    )
+    assert part["two layers without their experts"] == 2 * moe_layer  # the MoE layer, whole
+    assert part["two experts"] == 2 * 4 * 3 * h * 2048
+    # the vocabulary tables by slices: 3.7 GB each in fp32, 256 MiB at a time
+    assert part["two slices of the embedding or output layer"] == 256 << 20
+    assert need < 3 << 30
+
+
+def _n(shape) -> int:
+    return int(torch.Size(shape).numel())
+
+
 def test_a_gate_larger_than_free_memory_is_refused_before_anything_is_written(
     converted, tmp_path, capsys, monkeypatch
 ):

@@ -285,3 +285,47 @@ def _counting(rows, read: list):
         return rows(self, start, stop, out)
 
     return counted
+
+
+def test_a_layer_read_by_pieces_holds_one_matrix_at_a_time_and_gives_the_same_report(
+    tiny_llama, tiny_nemo, monkeypatch
+):
+    """At the finest grain (what the proof kit runs for every family) each decoder layer's
+    matrices are read when their module is called and released when it returns: no other
+    module of the layers holds one then. The report is the default grain's, logit for logit."""
+    from porting.contract.registry import family_by_name
+    from porting.convert.megatron import init_parallel
+    from porting.parity import streamed
+    from porting.parity.modules import own_matrices
+
+    init_parallel()
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 130, (1, n), generator=g) for n in (5, 23, 2)]
+    family = family_by_name("llama")
+
+    def gate():
+        return streamed.streamed_logits(tiny_llama, tiny_nemo, family, prompts, 130)
+
+    default = gate()
+    loaded = []
+    load_piece = streamed._Side.load_piece
+
+    def watched(self, i, sub, module):
+        holding = [
+            m for layer in self.layers for m in layer.modules()
+            if any(not t.is_meta for _, t in own_matrices(m))
+        ]
+        assert holding == [], f"layer {i} {sub}: {len(holding)} other modules hold matrices"
+        loaded.append((type(self.model).__name__, i, sub))
+        return load_piece(self, i, sub, module)
+
+    monkeypatch.setattr(streamed._Side, "load_piece", watched)
+    with streamed.finest_grain():
+        finest = gate()
+    layers = 2  # tiny_llama's
+    hf = [x for x in loaded if x[0] == "LlamaForCausalLM"]
+    assert len(hf) == layers * 7  # q, k, v, o; gate, up, down
+    assert len(loaded) - len(hf) == layers * 4  # linear_qkv, linear_proj, linear_fc1, linear_fc2
+    for a, b in zip(default[0] + default[1], finest[0] + finest[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert [d.max_abs for d in finest[2]] == pytest.approx([d.max_abs for d in default[2]], abs=1e-6)

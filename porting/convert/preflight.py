@@ -181,6 +181,9 @@ _IN_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 # fp32 bytes of one slice of a vocabulary table the gate multiplies by (porting.parity.vocab)
 VOCAB_SLICE_BYTES = 128 << 20
+# A decoder layer whose tensors (not its experts') hold more than this in fp32 is read by the gate
+# a module's matrices at a time (porting.parity.streamed); a smaller one whole, two at a time
+GATE_LAYER_BYTES = 1 << 30
 # the positions of the gate's default prompts, padded to one batch: porting.parity.harness's
 # three texts and its random prompt, at the random prompt's 64 tokens (tests/test_moe.py)
 GATE_POSITIONS = 4 * 64
@@ -194,10 +197,13 @@ def gate_memory(shapes: dict[str, tuple[int, ...]], tied: bool) -> tuple[int, di
     (:mod:`porting.parity.vocab`): two slices at a time, in the first layer area where they fit,
     while no layer is loaded; so the gate holds the larger of those and two layers without their
     experts plus two experts (the one computing and the next being read, of each), and the
-    logits of its prompts (the side running, padded to one batch, and the other side's). A tensor
-    is a layer's where its name has a numeric part (``model.layers.3.``), an expert's where
-    ``.experts.<e>.`` follows; stacked experts (one tensor for all) count with their layer."""
-    outside, layers, experts = [], {}, {}
+    logits of its prompts (the side running, padded to one batch, and the other side's). A layer
+    over :data:`GATE_LAYER_BYTES` counts its vectors twice and its largest module's matrices
+    once: its matrices are read a module at a time. A tensor is a layer's where its name has a
+    numeric part (``model.layers.3.``), an expert's where ``.experts.<e>.`` follows; stacked
+    experts (one tensor for all) count with their layer."""
+    outside, experts = [], {}
+    layers: dict[str, dict[str, int]] = {}  # layer -> module -> matrix bytes ("": its vectors)
     vocab = 0
     for name, shape in shapes.items():
         n = 4 * _numel(shape)
@@ -210,21 +216,31 @@ def gate_memory(shapes: dict[str, tuple[int, ...]], tied: bool) -> tuple[int, di
             key = (layer.group(1), expert.group(1))
             experts[key] = experts.get(key, 0) + n
         else:
-            layers[layer.group(1)] = layers.get(layer.group(1), 0) + n
+            modules = layers.setdefault(layer.group(1), {})
+            module = name.rpartition(".")[0] if len(shape) >= 2 else ""
+            modules[module] = modules.get(module, 0) + n
     outside.sort(reverse=True)
     tables = outside[:1] if tied else outside[:2]
     if tied and len(outside) > 1 and outside[1] == outside[0]:
         tables = outside[:2]  # the output layer listed under its own name too
     rest = outside[len(tables) :]
     table = max(tables, default=0)
+    whole, piece = 0, 0
+    for modules in layers.values():
+        if sum(modules.values()) > GATE_LAYER_BYTES:
+            whole = max(whole, modules.get("", 0))
+            piece = max(piece, max((b for m, b in modules.items() if m), default=0))
+        else:
+            whole = max(whole, sum(modules.values()))
     parts = {
-        "two layers without their experts": 2 * max(layers.values(), default=0),
+        "two layers without their experts": 2 * whole,
+        "one module's matrices of a layer read by modules": piece,
         "two experts": 2 * max(experts.values(), default=0),
         "two slices of the embedding or output layer": 2 * min(VOCAB_SLICE_BYTES, table),
         "the logits of the prompts": 2 * 4 * GATE_POSITIONS * vocab,
         "the rest outside the layers": sum(rest),
     }
-    streamed = parts["two layers without their experts"] + parts["two experts"]
+    streamed = 2 * whole + piece + parts["two experts"]
     slices = parts["two slices of the embedding or output layer"]
     need = sum(rest) + parts["the logits of the prompts"] + max(streamed, slices)
     return need, parts

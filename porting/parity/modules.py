@@ -20,16 +20,25 @@ def set_param(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
         owner._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
 
 
-def stored_tensors(module: torch.nn.Module, skip: tuple[str, ...] = ()):
+def stored_tensors(
+    module: torch.nn.Module, skip: tuple[str, ...] = (), matrices: bool | None = None
+):
     """``(name, tensor)`` of what a checkpoint holds of ``module``: its parameters and its
     persistent buffers (a router's expert bias); none under the submodule prefixes ``skip``
-    (``"mlp.experts."``)."""
+    (``"mlp.experts."``). ``matrices``: True, only those of two or more dimensions; False, only
+    the others (norms, biases, a router's expert bias, attention sinks)."""
     saved = set(module.state_dict(keep_vars=True))
+
+    def kept(name: str, t: torch.Tensor) -> bool:
+        if skip and name.startswith(skip):
+            return False
+        return matrices is None or (t.dim() >= 2) == matrices
+
     for name, t in module.named_parameters():
-        if not (skip and name.startswith(skip)):
+        if kept(name, t):
             yield name, t
     for name, t in module.named_buffers():
-        if name in saved and not (skip and name.startswith(skip)):
+        if name in saved and kept(name, t):
             yield name, t
 
 
@@ -182,3 +191,60 @@ def experts_streamed(layers: Iterable[tuple[int, torch.nn.Module]], load: Expert
         for future in guessed.values():
             future.cancel()
         reader.shutdown(wait=True)
+
+
+def own_matrices(module: torch.nn.Module):
+    """``(name, tensor)`` of the matrices (two or more dimensions) a checkpoint holds of
+    ``module`` itself, none of its submodules'."""
+    children = tuple(f"{name}." for name, _ in module.named_children())
+    return stored_tensors(module, children, matrices=True)
+
+
+def pieces(layer: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """``(prefix, module)`` of each module below ``layer`` that holds matrices of its own (a
+    linear layer, a router), outside the mixtures' experts (:func:`expert_lists`, streamed by
+    :func:`experts_streamed`). A model may use a module's vectors outside its call
+    (transformers' DeepSeek-V3 reads its router's expert bias after the router returns), its
+    matrices only in it; so the vectors stay with the layer."""
+    experts = tuple(prefix for prefix, _ in expert_lists(layer))
+    out = []
+    for name, module in layer.named_modules():
+        if not name or (experts and f"{name}.".startswith(experts)):
+            continue
+        if any(True for _ in own_matrices(module)):
+            out.append((f"{name}.", module))
+    return out
+
+
+# ``load(i, sub, module)``: the matrices of ``module`` itself (:func:`own_matrices`), found at
+# ``sub`` (``"mlp.down_proj."``) in layer ``i``
+PieceLoad = Callable[[int, str, torch.nn.Module], dict[str, torch.Tensor]]
+
+
+@contextmanager
+def pieces_streamed(layers: Iterable[tuple[int, torch.nn.Module]], load: PieceLoad) -> Iterator:
+    """While inside, the matrices of each piece of ``layers`` (:func:`pieces`) are loaded by
+    ``load`` when the model calls it and released when it returns: a layer's matrices are in
+    memory a module at a time (one and those it is called inside of), for a layer too large to
+    hold two of. Its vectors are read with the layer."""
+    handles = []
+
+    def pre(module, args, i, sub):
+        for name, value in load(i, sub, module).items():
+            set_param(module, name, value)
+
+    def post(module, args, output):
+        for name, t in list(own_matrices(module)):
+            set_param(module, name, torch.empty(t.shape, dtype=t.dtype, device="meta"))
+
+    for i, layer in layers:
+        for sub, module in pieces(layer):
+            handles.append(
+                module.register_forward_pre_hook(lambda m, a, i=i, sub=sub: pre(m, a, i, sub))
+            )
+            handles.append(module.register_forward_hook(post))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()

@@ -59,12 +59,14 @@ from pathlib import Path
 import torch
 from torch.overrides import TorchFunctionMode
 
+from porting.convert.preflight import GATE_LAYER_BYTES
 from porting.errors import PortingError, check_finite
 from porting.guard import ReusedHeap
 from porting.parity.floor import machine_gflops
 from porting.parity.modules import (
     expert_lists,
     experts_streamed,
+    pieces_streamed,
     release,
     set_param,
     stored_tensors,
@@ -73,6 +75,13 @@ from porting.parity.modules import (
 from porting.parity.vocab import VocabTable, install, vocab_tables
 
 log = logging.getLogger(__name__)
+
+# A decoder layer whose own tensors (not its experts') hold more than this in fp32 is read a
+# module's matrices at a time, each when the model calls it (porting.parity.modules.
+# pieces_streamed), not whole and two at a time: DeepSeek-V3's and Kimi K2's dense layers (583M
+# parameters, 2.3 GB) would otherwise be the gate's peak, and a 70B's (856M, 3.4 GB). A 7B's
+# layer (810 MB) stays whole. The gate's memory bound counts it (preflight.gate_memory).
+LAYER_BYTES = GATE_LAYER_BYTES
 
 # A layer whose own error (Megatron's layer on the HF layer's input, against the HF layer's
 # output) exceeds this relative to the output's magnitude is broken: fp32 reduction order alone
@@ -330,9 +339,10 @@ class _Side:
 
     model: torch.nn.Module
     layers: torch.nn.ModuleList
-    # ``load(i, sub, module, take, skip)``: the stored tensors of ``module``, found at ``sub``
-    # (``""``, ``"mlp.experts.3."``) in layer ``i``, none under the prefixes ``skip``
-    load: Callable[[int, str, torch.nn.Module, Take, tuple[str, ...]], dict[str, torch.Tensor]]
+    # ``load(i, sub, module, take, skip, matrices=None)``: the stored tensors of ``module``,
+    # found at ``sub`` (``""``, ``"mlp.experts.3."``) in layer ``i``, none under the prefixes
+    # ``skip`` (``matrices``: only those of two or more dimensions, or only the others)
+    load: Callable[..., dict[str, torch.Tensor]]
     # HF: ``read(key, shape)``, one tensor by name, in fp32 (shape None: as stored); Megatron:
     # ``read(name, skip)``, the tensors of the submodule ``name`` (none under the prefixes
     # ``skip``). For what is not a decoder layer (the MTP layers).
@@ -346,9 +356,20 @@ class _Side:
     table: Callable[[str], VocabTable] | None = None
 
     def load_layer(self, i: int) -> dict[str, torch.Tensor]:
-        """Layer ``i``'s tensors but its experts'."""
-        skip = tuple(prefix for prefix, _ in expert_lists(self.layers[i]))
-        return self.load(i, "", self.layers[i], partial(self.buffers.take, i), skip)
+        """Layer ``i``'s tensors but its experts'; of a layer read by pieces
+        (:func:`_by_pieces`), only its vectors (norms, biases: its matrices are read when their
+        modules are called)."""
+        layer = self.layers[i]
+        skip = tuple(prefix for prefix, _ in expert_lists(layer))
+        matrices = False if _by_pieces(layer) else None
+        return self.load(i, "", layer, partial(self.buffers.take, i), skip, matrices)
+
+    def load_piece(self, i: int, sub: str, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The matrices of ``module`` itself, at ``sub`` in layer ``i``, each in memory of its
+        own (released when the module returns)."""
+        skip = tuple(f"{name}." for name, _ in module.named_children())
+        fresh = partial(_fresh, self.buffers.device)
+        return self.load(i, sub, module, fresh, skip, True)
 
     @torch.no_grad()
     def run(
@@ -412,8 +433,13 @@ class _Side:
             )
 
         cut = stage.only_owned(self.model, self.layers) if stage is not None else nullcontext()
+        by_pieces = [(i, self.layers[i]) for i in owned if _by_pieces(self.layers[i])]
         try:
-            with cut, experts_streamed(((i, self.layers[i]) for i in owned), load_expert):
+            with (
+                cut,
+                experts_streamed(((i, self.layers[i]) for i in owned), load_expert),
+                pieces_streamed(by_pieces, self.load_piece),
+            ):
                 return call()
         except _Handoff:
             return None
@@ -429,17 +455,46 @@ class _Side:
 
 
 def _layer_numel(layers: torch.nn.ModuleList) -> int:
-    """The most values one layer's own tensors (not its experts') hold."""
-    return max(
-        (
-            sum(
-                t.numel()
-                for _, t in stored_tensors(layer, tuple(p for p, _ in expert_lists(layer)))
-            )
-            for layer in layers
-        ),
-        default=0,
-    )
+    """The most values one layer's tensors read with it hold: its own but its experts', or of a
+    layer read by pieces (:func:`_by_pieces`) the layer's own only."""
+    return max((_read_with(layer) for layer in layers), default=0)
+
+
+def _read_with(layer: torch.nn.Module) -> int:
+    return _whole_numel(layer, False if _by_pieces(layer) else None)
+
+
+def _whole_numel(layer: torch.nn.Module, matrices: bool | None = None) -> int:
+    skip = tuple(p for p, _ in expert_lists(layer))
+    return sum(t.numel() for _, t in stored_tensors(layer, skip, matrices))
+
+
+def _by_pieces(layer: torch.nn.Module) -> bool:
+    """Whether ``layer`` is read a module at a time (:data:`LAYER_BYTES`)."""
+    return 4 * _whole_numel(layer) > LAYER_BYTES
+
+
+@contextmanager
+def finest_grain(rows: int = 16) -> Iterator[None]:
+    """Within, the gate reads every decoder layer a module at a time (:data:`LAYER_BYTES` 0) and
+    every vocabulary table ``rows`` rows at a time: the same computation, in the smallest pieces
+    it takes. The proof kit runs every family's streamed gate so (``porting.testing.
+    assert_streamed_agrees``), so that a family whose model uses a module's tensors outside its
+    call, or a table in an operation the slices do not cover, is found on a tiny model; the
+    default grain is the one every import's gate runs."""
+    from porting.parity import vocab
+
+    global LAYER_BYTES
+    was = LAYER_BYTES, vocab.SLICE_ROWS
+    LAYER_BYTES, vocab.SLICE_ROWS = 0, rows
+    try:
+        yield
+    finally:
+        LAYER_BYTES, vocab.SLICE_ROWS = was
+
+
+def _fresh(device: torch.device, name: str, shape: torch.Size) -> torch.Tensor:
+    return torch.empty(shape, dtype=torch.float32, device=device)
 
 
 def _megatron_linear_types() -> tuple[type, ...]:
@@ -693,10 +748,10 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
             continue
         set_param(model, name, read(name, p.shape))
 
-    def load(i: int, sub: str, module, take: Take, skip) -> dict[str, torch.Tensor]:
+    def load(i: int, sub: str, module, take: Take, skip, matrices=None) -> dict[str, torch.Tensor]:
         return {
             name: read(f"{prefix}.{i}.{sub}{name}", p.shape, take(name, p.shape))
-            for name, p in stored_tensors(module, skip)
+            for name, p in stored_tensors(module, skip, matrices)
         }
 
     # The reader (and the mapped files behind it) outlives the pass only for layers past the
@@ -740,10 +795,14 @@ def _megatron_side(ckpt, family, device: torch.device, buffers: _Buffers):
     buffers.reserve(_layer_numel(model.decoder.layers))
 
     def params_of(
-        module_prefix: str, module: torch.nn.Module, take: Take | None = None, skip=()
+        module_prefix: str,
+        module: torch.nn.Module,
+        take: Take | None = None,
+        skip=(),
+        matrices: bool | None = None,
     ) -> dict[str, torch.Tensor]:
         out = {}
-        for name, p in stored_tensors(module, skip):
+        for name, p in stored_tensors(module, skip, matrices):
             key = module_prefix + name
             item = sharded.get(loc.prefix + key)
             if item is None or isinstance(item, ShardedObject):
@@ -805,8 +864,8 @@ def _megatron_side(ckpt, family, device: torch.device, buffers: _Buffers):
             for pname, value in params_of(f"decoder.{name}.", module).items():
                 set_param(module, pname, value)
 
-    def load(i: int, sub: str, module, take: Take, skip) -> dict[str, torch.Tensor]:
-        return params_of(f"decoder.layers.{i}.{sub}", module, take, skip)
+    def load(i: int, sub: str, module, take: Take, skip, matrices=None) -> dict[str, torch.Tensor]:
+        return params_of(f"decoder.layers.{i}.{sub}", module, take, skip, matrices)
 
     def module_params(name: str, skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
         return params_of(f"{name}.", model.get_submodule(name), None, skip)

@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 # multiplied). 128 MiB is 4,681 rows at a width of 7168: a 129,280-row head in 28 slices. The
 # gate's memory bound counts them (porting.convert.preflight.gate_memory).
 SLICE_BYTES = VOCAB_SLICE_BYTES
+# rows of a slice where set, in place of SLICE_BYTES (porting.parity.streamed.finest_grain)
+SLICE_ROWS: int | None = None
 
 # ids closer than this are read as one run of rows (fewer reads, a few unused rows)
 _RUN_GAP = 64
@@ -72,7 +74,7 @@ class VocabTable:
         self.device = torch.device(device)
         self._read = read
         self._take = take
-        self.slice_rows = max(1, SLICE_BYTES // (4 * self.shape[1]))
+        self.slice_rows = SLICE_ROWS or max(1, SLICE_BYTES // (4 * self.shape[1]))
         self.rows_read = 0  # what the operations read, counted for the tests and the report
 
     ndim = 2
