@@ -292,7 +292,9 @@ def test_the_comparison_by_blocks_of_positions_reports_what_the_whole_does(poiso
             assert blocks[name] == pytest.approx(value, rel=1e-12), name
         else:
             assert blocks[name] == value, name
-    with pytest.raises(ValueError, match=r"logit shapes differ: HF \(20, 301\) vs Megatron \(20, 300\)"):
+    with pytest.raises(
+        ValueError, match=r"logit shapes differ: HF \(20, 301\) vs Megatron \(20, 300\)"
+    ):
         harness.compare(hf, [t[..., :300] for t in mc])
 
 

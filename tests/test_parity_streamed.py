@@ -214,12 +214,16 @@ def test_a_vocabulary_table_looks_up_only_the_rows_asked_for():
     # ids up to 64 apart read as one run; the rest of the vocabulary never
     assert asked[:5] == [(0, 6), (70, 72), (4000, 4002), (9000, 9001), (9999, 10_000)]
     assert table.rows_read == 3 * 12
-    with pytest.raises(IndexError, match=r"^w: id 10000 is out of range for a vocabulary of 10000$"):
+    with pytest.raises(
+        IndexError, match=r"^w: id 10000 is out of range for a vocabulary of 10000$"
+    ):
         table.lookup(torch.tensor([10_000]))
 
 
 @pytest.mark.parametrize("rows_per_slice", [1, 7, 128, 10_000])
-def test_a_vocabulary_table_multiplies_slice_by_slice_as_the_whole_table(rows_per_slice, monkeypatch):
+def test_a_vocabulary_table_multiplies_slice_by_slice_as_the_whole_table(
+    rows_per_slice, monkeypatch
+):
     import torch.nn.functional as F
 
     from porting.parity import vocab
@@ -312,7 +316,9 @@ def test_a_layer_read_by_pieces_holds_one_matrix_at_a_time_and_gives_the_same_re
 
     def watched(self, i, sub, module):
         holding = [
-            m for layer in self.layers for m in layer.modules()
+            m
+            for layer in self.layers
+            for m in layer.modules()
             if any(not t.is_meta for _, t in own_matrices(m))
         ]
         assert holding == [], f"layer {i} {sub}: {len(holding)} other modules hold matrices"
@@ -328,4 +334,40 @@ def test_a_layer_read_by_pieces_holds_one_matrix_at_a_time_and_gives_the_same_re
     assert len(loaded) - len(hf) == layers * 4  # linear_qkv, linear_proj, linear_fc1, linear_fc2
     for a, b in zip(default[0] + default[1], finest[0] + finest[1], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
-    assert [d.max_abs for d in finest[2]] == pytest.approx([d.max_abs for d in default[2]], abs=1e-6)
+    assert [d.max_abs for d in finest[2]] == pytest.approx(
+        [d.max_abs for d in default[2]], abs=1e-6
+    )
+
+
+def test_a_large_tensor_a_model_fills_while_it_is_built_is_made_on_meta():
+    """transformers 5's Llama 4 fills each layer's expert stack with torch.zeros before it is
+    registered (5.4 GB a Scout layer): built for the gate, such a tensor is made on meta at once,
+    while what a model keeps real (rotary frequencies, a mask) stays real."""
+    from accelerate import init_empty_weights
+    from transformers import Llama4TextConfig
+    from transformers.models.llama4.modeling_llama4 import (
+        Llama4TextExperts,
+        Llama4TextRotaryEmbedding,
+    )
+
+    from porting.parity.streamed import _LargeOnMeta
+
+    with _LargeOnMeta():
+        assert torch.zeros(16, 1024, 1025).is_meta  # just over 64 MiB
+        assert torch.full((4200, 4200), 1.0).is_meta and torch.ones(size=(9000, 2000)).is_meta
+        assert not torch.zeros(16, 1024, 1024).is_meta  # 64 MiB
+        assert not torch.zeros(4200, 4200, dtype=torch.bool).is_meta  # 17.6 MB of mask
+        assert not torch.zeros(16, 1024, 1025, device="cpu").is_meta  # asked for by name
+    scout = Llama4TextConfig(
+        hidden_size=5120,
+        intermediate_size=8192,
+        num_local_experts=16,
+        head_dim=128,
+        num_attention_heads=40,
+        rope_theta=500000.0,
+    )
+    with init_empty_weights(), _LargeOnMeta():
+        experts = Llama4TextExperts(scout)
+        rotary = Llama4TextRotaryEmbedding(scout)
+    assert experts.gate_up_proj.is_meta and experts.down_proj.is_meta
+    assert not rotary.inv_freq.is_meta and rotary.inv_freq.abs().sum() > 0

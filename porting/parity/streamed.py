@@ -584,6 +584,33 @@ class _MatmulWork(TorchFunctionMode):
         return out
 
 
+class _LargeOnMeta(TorchFunctionMode):
+    """While a model is built with ``init_empty_weights`` (each parameter moved to meta once
+    registered, buffers left real), a tensor made by a factory call (``torch.zeros``, ``ones``,
+    ``full``, ``empty``, ``rand``/``randn``) of more than :attr:`BYTES` is made on meta at once.
+    transformers 5's Llama 4 fills each layer's expert stack with ``torch.zeros`` before
+    registering it: 5.4 GB touched and dropped per Scout layer, 43 GB per Maverick layer, which
+    would be the gate's peak or kill it. What a model keeps real (rotary frequencies, ALiBi slopes,
+    a causal mask) is kilobytes to a few megabytes."""
+
+    BYTES = 64 << 20
+    _FACTORIES = frozenset(
+        {torch.zeros, torch.ones, torch.full, torch.empty, torch.rand, torch.randn}
+    )
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in self._FACTORIES and kwargs.get("device") is None:
+            size = kwargs.get("size", args[0] if args and not isinstance(args[0], int) else args)
+            if isinstance(size, (tuple, list, torch.Size)) and all(
+                isinstance(d, int) for d in size
+            ):
+                dtype = kwargs.get("dtype") or torch.get_default_dtype()
+                if torch.Size(size).numel() * dtype.itemsize > self.BYTES:
+                    kwargs["device"] = "meta"
+        return func(*args, **kwargs)
+
+
 def _to_device(model: torch.nn.Module, device: torch.device) -> None:
     """Move what the model computes with besides its parameters (buffers, and tensors kept as
     plain attributes: rotary frequencies, ALiBi slopes) to ``device``."""
@@ -639,7 +666,7 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
             str(hf_dir), local_files_only=True
         )
         text = config
-    with init_empty_weights():
+    with init_empty_weights(), _LargeOnMeta():
         model = cls._from_config(
             config, dtype=torch.float32, attn_implementation=family.hf_attn_implementation
         )
