@@ -371,3 +371,15 @@ def test_a_large_tensor_a_model_fills_while_it_is_built_is_made_on_meta():
         rotary = Llama4TextRotaryEmbedding(scout)
     assert experts.gate_up_proj.is_meta and experts.down_proj.is_meta
     assert not rotary.inv_freq.is_meta and rotary.inv_freq.abs().sum() > 0
+
+
+def test_at_the_finest_grain_a_table_read_whole_is_an_error():
+    """What the default grain does with a warning (test above), the proof kit's grain refuses:
+    a family whose model uses its embedding in an operation the slices do not cover fails its
+    own parity proof on the tiny model."""
+    from porting.parity.streamed import finest_grain
+
+    table, _, _ = _table(50, 4)
+    with finest_grain(), pytest.raises(RuntimeError, match=r"^w: the model used this vocabulary"):
+        torch.sum(table, dim=0)
+    assert torch.equal(table.lookup(torch.tensor([3])), _table(50, 4)[1][3:4])

@@ -480,17 +480,18 @@ def finest_grain(rows: int = 16) -> Iterator[None]:
     every vocabulary table ``rows`` rows at a time: the same computation, in the smallest pieces
     it takes. The proof kit runs every family's streamed gate so (``porting.testing.
     assert_streamed_agrees``), so that a family whose model uses a module's tensors outside its
-    call, or a table in an operation the slices do not cover, is found on a tiny model; the
-    default grain is the one every import's gate runs."""
+    call, or a table in an operation the slices do not cover (an error here, where the default
+    grain reads the table whole with a warning), is found on a tiny model; the default grain is
+    the one every import's gate runs."""
     from porting.parity import vocab
 
     global LAYER_BYTES
-    was = LAYER_BYTES, vocab.SLICE_ROWS
-    LAYER_BYTES, vocab.SLICE_ROWS = 0, rows
+    was = LAYER_BYTES, vocab.SLICE_ROWS, vocab.WHOLE_ALLOWED
+    LAYER_BYTES, vocab.SLICE_ROWS, vocab.WHOLE_ALLOWED = 0, rows, False
     try:
         yield
     finally:
-        LAYER_BYTES, vocab.SLICE_ROWS = was
+        LAYER_BYTES, vocab.SLICE_ROWS, vocab.WHOLE_ALLOWED = was
 
 
 def _fresh(device: torch.device, name: str, shape: torch.Size) -> torch.Tensor:
