@@ -199,7 +199,8 @@ def gate_memory(shapes: dict[str, tuple[int, ...]], tied: bool) -> tuple[int, di
     experts plus two experts (the one computing and the next being read, of each), and the
     logits of its prompts (the side running, padded to one batch, and the other side's). A layer
     over :data:`GATE_LAYER_BYTES` counts its vectors twice and its largest module's matrices
-    once: its matrices are read a module at a time. A tensor is a layer's where its name has a
+    once (Megatron's fused gate-and-up: the layer's two largest matrices): its matrices are read
+    a module at a time. A tensor is a layer's where its name has a
     numeric part (``model.layers.3.``), an expert's where ``.experts.<e>.`` follows; stacked
     experts (one tensor for all) count with their layer."""
     outside, experts = [], {}
@@ -229,7 +230,10 @@ def gate_memory(shapes: dict[str, tuple[int, ...]], tied: bool) -> tuple[int, di
     for modules in layers.values():
         if sum(modules.values()) > GATE_LAYER_BYTES:
             whole = max(whole, modules.get("", 0))
-            piece = max(piece, max((b for m, b in modules.items() if m), default=0))
+            # Megatron-Core holds gate and up (q, k and v) as one matrix: the layer's two
+            # largest, where HF keeps them apart
+            two = sorted((b for m, b in modules.items() if m), reverse=True)[:2]
+            piece = max(piece, sum(two))
         else:
             whole = max(whole, sum(modules.values()))
     parts = {
