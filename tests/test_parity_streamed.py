@@ -383,3 +383,27 @@ def test_at_the_finest_grain_a_table_read_whole_is_an_error():
     with finest_grain(), pytest.raises(RuntimeError, match=r"^w: the model used this vocabulary"):
         torch.sum(table, dim=0)
     assert torch.equal(table.lookup(torch.tensor([3])), _table(50, 4)[1][3:4])
+
+
+def test_a_matrix_used_outside_its_modules_call_is_read_for_that_use():
+    """Between its module's calls a matrix of a layer read by pieces stands in for itself:
+    its shape answers unread, and a use outside the call (transformers 5's DeepSeek-V2
+    multiplies by its router's weight without calling the router) reads it for that use."""
+    import torch.nn.functional as F
+
+    from porting.parity.modules import StoredMatrix
+
+    w = torch.randn(6, 4, generator=torch.Generator().manual_seed(2))
+    reads = []
+
+    def read():
+        reads.append(1)
+        return w
+
+    m = StoredMatrix(w.shape, w.dtype, "cpu", read)
+    assert (m.shape, m.dtype, m.dim(), m.size(0), m.requires_grad) == ((6, 4), w.dtype, 2, 6, False)
+    assert reads == []
+    x = torch.randn(3, 4)
+    assert torch.equal(F.linear(x.float(), m.type(torch.float32)), F.linear(x, w))
+    assert torch.equal(x @ m.t(), x @ w.t()) and torch.equal(m[1], w[1])
+    assert torch.equal(F.linear(x, m), F.linear(x, w)) and len(reads) == 4  # one a use

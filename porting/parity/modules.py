@@ -221,30 +221,126 @@ def pieces(layer: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 PieceLoad = Callable[[int, str, torch.nn.Module], dict[str, torch.Tensor]]
 
 
+class StoredMatrix:
+    """Stands in, between its module's calls, for a matrix of a layer read by pieces
+    (:func:`pieces_streamed`). Its shape, dtype and device answer at once; anything else done
+    with it reads it from storage first, for that one use: a model may multiply by a module's
+    matrix without calling the module (transformers 5's DeepSeek-V2 reads its router's weight
+    so), which must compute what the model computes, not fail or read nothing."""
+
+    requires_grad = False
+    is_meta = False
+
+    def __init__(
+        self, shape: torch.Size, dtype: torch.dtype, device, read: Callable[[], torch.Tensor]
+    ):
+        self.shape, self.dtype, self.device = torch.Size(shape), dtype, torch.device(device)
+        self._read = read
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def size(self, d: int | None = None):
+        return self.shape if d is None else self.shape[d]
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._read(), name)
+
+    def __getitem__(self, index):
+        return self._read()[index]
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        def real(a):
+            if isinstance(a, cls):
+                return a._read()
+            if isinstance(a, (list, tuple)):
+                return type(a)(real(b) for b in a)
+            return a
+
+        return func(*real(args), **{k: real(v) for k, v in (kwargs or {}).items()})
+
+
+def _binary(name: str):
+    return lambda self, other: getattr(self._read(), name)(other)
+
+
+for _name in ("__matmul__", "__rmatmul__", "__mul__", "__rmul__", "__add__", "__radd__", "__sub__"):
+    setattr(StoredMatrix, _name, _binary(_name))
+
+
 @contextmanager
-def pieces_streamed(layers: Iterable[tuple[int, torch.nn.Module]], load: PieceLoad) -> Iterator:
+def pieces_streamed(
+    layers: Iterable[tuple[int, torch.nn.Module]], load: PieceLoad, device: torch.device
+) -> Iterator:
     """While inside, the matrices of each piece of ``layers`` (:func:`pieces`) are loaded by
     ``load`` when the model calls it and released when it returns: a layer's matrices are in
     memory a module at a time (one and those it is called inside of), for a layer too large to
-    hold two of. Its vectors are read with the layer."""
+    hold two of. Between calls each is a :class:`StoredMatrix`. Its vectors are read with the
+    layer."""
     handles = []
+    # module -> its own matrices' (name, shape, dtype, a buffer), as built
+    matrices: dict[torch.nn.Module, list[tuple[str, torch.Size, torch.dtype, bool]]] = {}
+
+    def as_built(module):
+        for name, shape, dtype, buffer in matrices[module]:
+            module.__dict__.pop(name, None)
+            meta = torch.empty(shape, dtype=dtype, device="meta")
+            if buffer:
+                module._buffers[name] = meta
+            else:
+                set_param(module, name, meta)
+
+    def read(module, i, sub) -> dict[str, torch.Tensor]:
+        as_built(module)  # what load enumerates: the module's stored tensors
+        return load(i, sub, module)
+
+    def stand(module, i, sub):
+        for name, shape, dtype, _ in matrices[module]:
+            module._parameters.pop(name, None)
+            module._buffers.pop(name, None)
+            module.__dict__[name] = StoredMatrix(
+                shape, dtype, device, lambda n=name: one(read(module, i, sub), n, module, i, sub)
+            )
+
+    def one(values, name, module, i, sub):
+        stand(module, i, sub)  # read() put the module as built: it stands in again
+        return values[name]
 
     def pre(module, args, i, sub):
-        for name, value in load(i, sub, module).items():
-            set_param(module, name, value)
+        values = read(module, i, sub)
+        for name, _, _, buffer in matrices[module]:
+            if buffer:
+                module._buffers[name] = values[name]
+            else:
+                set_param(module, name, values[name])
 
-    def post(module, args, output):
-        for name, t in list(own_matrices(module)):
-            set_param(module, name, torch.empty(t.shape, dtype=t.dtype, device="meta"))
+    def post(module, args, output, i, sub):
+        stand(module, i, sub)
 
     for i, layer in layers:
         for sub, module in pieces(layer):
+            matrices[module] = [
+                (name, t.shape, t.dtype, name in module._buffers)
+                for name, t in own_matrices(module)
+            ]
+            stand(module, i, sub)
             handles.append(
                 module.register_forward_pre_hook(lambda m, a, i=i, sub=sub: pre(m, a, i, sub))
             )
-            handles.append(module.register_forward_hook(post))
+            handles.append(
+                module.register_forward_hook(lambda m, a, o, i=i, sub=sub: post(m, a, o, i, sub))
+            )
     try:
         yield
     finally:
         for h in handles:
             h.remove()
+        for module in matrices:
+            as_built(module)

@@ -52,7 +52,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -72,7 +72,7 @@ from porting.parity.modules import (
     stored_tensors,
     stream_expert_stacks,
 )
-from porting.parity.vocab import VocabTable, install, vocab_tables
+from porting.parity.vocab import VocabTable, install_tables
 
 log = logging.getLogger(__name__)
 
@@ -354,6 +354,8 @@ class _Side:
     # (:class:`~porting.parity.vocab.VocabTable`) of a stored tensor, an MTP layer's own embedding
     read_expert: Callable | None = None
     table: Callable[[str], VocabTable] | None = None
+    # the layers read a module's matrices at a time in the current run (_by_pieces)
+    by_pieces: set[int] = field(default_factory=set)
 
     def load_layer(self, i: int) -> dict[str, torch.Tensor]:
         """Layer ``i``'s tensors but its experts'; of a layer read by pieces
@@ -361,7 +363,7 @@ class _Side:
         modules are called)."""
         layer = self.layers[i]
         skip = tuple(prefix for prefix, _ in expert_lists(layer))
-        matrices = False if _by_pieces(layer) else None
+        matrices = False if i in self.by_pieces else None
         return self.load(i, "", layer, partial(self.buffers.take, i), skip, matrices)
 
     def load_piece(self, i: int, sub: str, module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -433,12 +435,14 @@ class _Side:
             )
 
         cut = stage.only_owned(self.model, self.layers) if stage is not None else nullcontext()
-        by_pieces = [(i, self.layers[i]) for i in owned if _by_pieces(self.layers[i])]
+        # decided before the pieces' matrices stand in for themselves (no longer parameters)
+        self.by_pieces = {i for i in owned if _by_pieces(self.layers[i])}
+        by_pieces = [(i, self.layers[i]) for i in sorted(self.by_pieces)]
         try:
             with (
                 cut,
                 experts_streamed(((i, self.layers[i]) for i in owned), load_expert),
-                pieces_streamed(by_pieces, self.load_piece),
+                pieces_streamed(by_pieces, self.load_piece, self.buffers.device),
             ):
                 return call()
         except _Handoff:
@@ -761,13 +765,8 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
         model.tie_weights()
     # the embedding and the output layer read by vocabulary slices (porting.parity.vocab), tied
     # or not: neither is ever in memory whole
-    tables = vocab_tables(
-        model, [model.get_input_embeddings(), model.get_output_embeddings()], text.vocab_size
-    )
-    for key, places in tables.items():
-        shared = table(key, places[0][2])
-        for module, pname, _ in places:
-            install(module, pname, shared)
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    install_tables(model, [inputs, outputs], text.vocab_size, table)
     layer_params = {f"{prefix}.{i}.": layer for i, layer in enumerate(layers)}
     # a container's parts that text does not run (vision tower, projector) stay on meta
     own = tuple(p for p, _ in held.container.own_names) if held is not None else ("",)
@@ -850,37 +849,20 @@ def _megatron_side(ckpt, family, device: torch.device, buffers: _Buffers):
             out[name] = buf
         return out
 
-    def table(key: str, shape: torch.Size) -> VocabTable:
-        item = sharded.get(loc.prefix + key)
-        if (
-            not isinstance(item, ShardedTensor)
-            or item.prepend_axis_num
-            or item.flattened_range is not None
-        ):
-            raise PortingError(f"{weights}: the model's layout has no plain tensor for {key!r}")
-        _check_shape(str(weights), key, torch.Size(item.local_shape), shape)
-        offset = tuple(item.global_offset)
-
-        def rows(start: int, stop: int, out: torch.Tensor) -> None:
-            at, size = (offset[0] + start, *offset[1:]), (stop - start, *shape[1:])
-            if device.type == "cpu":
-                reader.read(item.key, at, size, out)
-            else:
-                _cast_into(out, reader.read(item.key, at, size))
-
-        return VocabTable(key, shape, rows, device, buffers.spare)
-
     # the embedding and the output layer read by vocabulary slices, as the HF side's
     words = getattr(getattr(model, "embedding", None), "word_embeddings", None)
     head = getattr(model, "output_layer", None)
     vocab = next(
         (m.weight.shape[0] for m in (words, head) if getattr(m, "weight", None) is not None), 0
     )
-    tables = vocab_tables(model, [words, head], vocab)
-    for key, places in tables.items():
-        shared = table(key, places[0][2])
-        for module, pname, _ in places:
-            install(module, pname, shared)
+    install_tables(
+        model,
+        [words, head],
+        vocab,
+        lambda key, shape: _stored_table(
+            reader, sharded.get(loc.prefix + key), key, shape, device, buffers.spare
+        ),
+    )
     layers = model.decoder.layers
     for name, module in model.named_children():
         # the gate runs the main head (main_head_only); the MTP check reads its own
@@ -900,6 +882,26 @@ def _megatron_side(ckpt, family, device: torch.device, buffers: _Buffers):
 
     side = _Side(model, layers, load, module_params, buffers, _Buffers(device))
     return side, config
+
+
+def _stored_table(reader, item, key: str, shape: torch.Size, device, spare) -> VocabTable:
+    """A vocabulary table whose rows ``reader`` reads from the checkpoint's stored chunks
+    (``item``: its ``ShardedTensor`` in the model's layout)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    if not isinstance(item, ShardedTensor) or item.prepend_axis_num or item.flattened_range:
+        raise PortingError(f"{reader.dir}: the model's layout has no plain tensor for {key!r}")
+    _check_shape(str(reader.dir), key, torch.Size(item.local_shape), shape)
+    offset = tuple(item.global_offset)
+
+    def rows(start: int, stop: int, out: torch.Tensor) -> None:
+        at, size = (offset[0] + start, *offset[1:]), (stop - start, *shape[1:])
+        if device.type == "cpu":
+            reader.read(item.key, at, size, out)
+        else:
+            _cast_into(out, reader.read(item.key, at, size))
+
+    return VocabTable(key, shape, rows, device, spare)
 
 
 def _relative(diff_max: float, ref: torch.Tensor) -> float:

@@ -260,6 +260,20 @@ def uninstall(module: torch.nn.Module, name: str) -> None:
         )
 
 
+def install_tables(
+    model: torch.nn.Module,
+    modules: list[torch.nn.Module | None],
+    vocab: int,
+    make: Callable[[str, torch.Size], VocabTable],
+) -> None:
+    """A table made by ``make(name, shape)`` in place of each vocabulary table of ``modules``
+    (:func:`vocab_tables`): one for a tied pair, in both places."""
+    for key, places in vocab_tables(model, modules, vocab).items():
+        shared = make(key, places[0][2])
+        for module, pname, _ in places:
+            install(module, pname, shared)
+
+
 def vocab_tables(
     model: torch.nn.Module, modules: list[torch.nn.Module | None], vocab: int
 ) -> dict[str, list[tuple[torch.nn.Module, str, torch.Size]]]:
