@@ -407,3 +407,28 @@ def test_a_matrix_used_outside_its_modules_call_is_read_for_that_use():
     assert torch.equal(F.linear(x.float(), m.type(torch.float32)), F.linear(x, w))
     assert torch.equal(x @ m.t(), x @ w.t()) and torch.equal(m[1], w[1])
     assert torch.equal(F.linear(x, m), F.linear(x, w)) and len(reads) == 4  # one a use
+
+
+@pytest.mark.parametrize(
+    "key,value,match",
+    [
+        # a head of another vocabulary: named with both shapes before anything runs
+        ("lm_head.weight", torch.zeros(131, 64), r"lm_head\.weight.*\(131, 64\)"),
+        # a NaN in one row of the head, read in a slice of its own: named, never compared
+        ("lm_head.weight", "nan", r"lm_head\.weight' holds 1 NaN/Inf"),
+        ("model.embed_tokens.weight", "nan", r"embed_tokens\.weight' holds 1 NaN/Inf"),
+    ],
+)
+def test_a_bad_vocabulary_table_is_named_by_key(tiny_llama, tiny_nemo, tmp_path, key, value, match):
+    import shutil
+
+    hf = tmp_path / "hf"
+    shutil.copytree(tiny_llama, hf)
+    sd = load_file(hf / "model.safetensors")
+    if value == "nan":  # row 5: read by the head's slice, and by the lookup's run of ids
+        value = sd[key].clone()
+        value[5, 3] = float("nan")
+    sd[key] = value
+    save_file(sd, hf / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(PortingError, match=match):
+        harness.verify(hf, tiny_nemo)

@@ -72,7 +72,7 @@ from porting.parity.modules import (
     stored_tensors,
     stream_expert_stacks,
 )
-from porting.parity.vocab import VocabTable, install_tables
+from porting.parity.vocab import VocabTable, fresh, install_tables
 
 log = logging.getLogger(__name__)
 
@@ -370,8 +370,7 @@ class _Side:
         """The matrices of ``module`` itself, at ``sub`` in layer ``i``, each in memory of its
         own (released when the module returns)."""
         skip = tuple(f"{name}." for name, _ in module.named_children())
-        fresh = partial(_fresh, self.buffers.device)
-        return self.load(i, sub, module, fresh, skip, True)
+        return self.load(i, sub, module, fresh(self.buffers.device), skip, True)
 
     @torch.no_grad()
     def run(
@@ -496,10 +495,6 @@ def finest_grain(rows: int = 16) -> Iterator[None]:
         yield
     finally:
         LAYER_BYTES, vocab.SLICE_ROWS, vocab.WHOLE_ALLOWED = was
-
-
-def _fresh(device: torch.device, name: str, shape: torch.Size) -> torch.Tensor:
-    return torch.empty(shape, dtype=torch.float32, device=device)
 
 
 def _megatron_linear_types() -> tuple[type, ...]:

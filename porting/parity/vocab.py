@@ -59,7 +59,6 @@ class VocabTable:
 
     dtype = torch.float32
     requires_grad = False
-    is_sparse = False
     is_meta = False
 
     def __init__(
@@ -145,7 +144,7 @@ class VocabTable:
         out = torch.empty(*x.shape[:-1], vocab, dtype=x.dtype, device=x.device)
         bounds = [(a, min(a + self.slice_rows, vocab)) for a in range(0, vocab, self.slice_rows)]
         shape = torch.Size((min(self.slice_rows, vocab), self.shape[1]))
-        take = self._take() if self._take is not None else _fresh(self.device)
+        take = self._take() if self._take is not None else fresh(self.device)
         areas = [take(f"{self.name} slice {k}", shape) for k in range(min(2, len(bounds)))]
         with ThreadPoolExecutor(1, thread_name_prefix="porting-parity-vocab") as reader:
 
@@ -223,7 +222,7 @@ class _Transposed:
 _MATMULS = frozenset({torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__})
 
 
-def _fresh(device: torch.device) -> Take:
+def fresh(device: torch.device) -> Take:
     return lambda name, shape: torch.empty(shape, dtype=torch.float32, device=device)
 
 
@@ -249,15 +248,6 @@ def install(module: torch.nn.Module, name: str, table: VocabTable) -> None:
     module's forward reads it as it read the parameter)."""
     module._parameters.pop(name, None)
     module.__dict__[name] = table
-
-
-def uninstall(module: torch.nn.Module, name: str) -> None:
-    """Put a meta parameter of the table's shape back (the model as it was built)."""
-    table = module.__dict__.pop(name, None)
-    if isinstance(table, VocabTable):
-        module._parameters[name] = torch.nn.Parameter(
-            torch.empty(table.shape, device="meta"), requires_grad=False
-        )
 
 
 def install_tables(
