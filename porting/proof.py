@@ -724,6 +724,11 @@ for line in sys.stdin:
 """
 
 
+class _PortTaken(AssertionError):
+    """The ranks' rendezvous port was taken between choosing it and binding it (another
+    process of the suite, on the same machine): the harness's race, not the property."""
+
+
 class _TP2Ranks:
     """The two ranks of :data:`_TP2_SERVER`, started at the first request, ended at exit."""
 
@@ -779,7 +784,8 @@ class _TP2Ranks:
             p.wait()
         logs = [(self.logs / f"rank{r}.log").read_text()[-3000:] for r in range(2)]
         self.close(kill=True)
-        raise AssertionError(f"the TP=2 ranks failed:\n{logs[0]}\n{logs[1]}")
+        failed = _PortTaken if any("EADDRINUSE" in log for log in logs) else AssertionError
+        raise failed(f"the TP=2 ranks failed:\n{logs[0]}\n{logs[1]}")
 
     def alive(self) -> bool:
         return all(p.poll() is None for p in self.procs)
@@ -823,15 +829,21 @@ def tp2_logits(
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
     torch.save(ids, work / "ids.pt")
-    if _TP2 is None or not _TP2.alive():
-        _TP2 = _TP2Ranks()
     request = {
         "ids": str(work / "ids.pt"),
         "out": str(work / "tp2.pt"),
         "ckpts": [str(c) for c in ckpts],
         "patches": [list(p) for p in patches],
     }
-    _TP2.ask(request, timeout=600)
+    for attempt in range(3):  # fresh ranks on a new port where the chosen one was taken
+        if _TP2 is None or not _TP2.alive():
+            _TP2 = _TP2Ranks()
+        try:
+            _TP2.ask(request, timeout=600)
+            break
+        except _PortTaken:
+            if attempt == 2:
+                raise
     return torch.load(work / "tp2.pt", weights_only=True)
 
 

@@ -236,3 +236,37 @@ def test_a_failed_tp2_request_is_named_and_the_next_one_gets_fresh_ranks(tiny_ne
     (tp1,) = parity.megatron_logits_from_checkpoint(tiny_nemo, [ids], 256)
     tp2 = tp2_logits([tiny_nemo], ids, tmp_path / "good")[str(tiny_nemo)]
     torch.testing.assert_close(tp2, tp1, atol=1e-5, rtol=1e-5)
+
+
+def test_a_tp2_request_whose_port_was_taken_runs_again_on_fresh_ranks(tmp_path, monkeypatch):
+    """The ranks' rendezvous port can be taken by another process between choosing and binding
+    it (seen once in a full run): that request runs again on fresh ranks; any other failure,
+    and a port taken three times, still fails."""
+    from porting import proof
+
+    started = []
+
+    class Ranks:
+        def __init__(self):
+            started.append(self)
+
+        def alive(self):
+            return False  # each failure ends its ranks
+
+        def ask(self, request, timeout):
+            if len(started) < 3:
+                raise proof._PortTaken("EADDRINUSE")
+            torch.save({"ck": torch.ones(1)}, request["out"])
+
+    monkeypatch.setattr(proof, "_TP2Ranks", Ranks)
+    monkeypatch.setattr(proof, "_TP2", None)
+    ids = torch.zeros(1, 2, dtype=torch.long)
+    assert torch.equal(proof.tp2_logits(["ck"], ids, tmp_path)["ck"], torch.ones(1))
+    assert len(started) == 3
+    started.clear()
+    monkeypatch.setattr(
+        Ranks, "ask", lambda self, r, timeout: (_ for _ in ()).throw(proof._PortTaken("x"))
+    )
+    with pytest.raises(proof._PortTaken):
+        proof.tp2_logits(["ck"], ids, tmp_path)
+    assert len(started) == 3
