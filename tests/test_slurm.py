@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -63,12 +64,12 @@ def _block(env, nodes: str) -> str:
                   "--wrap", "sleep 300", "-o", "/dev/null")  # fmt: skip
 
 
-def _wait_for(what, predicate, timeout=120.0):
+def _wait_for(what, predicate, timeout=120.0, every=0.2):
     end = time.time() + timeout
     while time.time() < end:
         if predicate():
             return
-        time.sleep(0.2)
+        time.sleep(every)
     raise AssertionError(f"timed out waiting for {what}")
 
 
@@ -240,20 +241,48 @@ def _two_nodes(tiny_nemo, train_corpus, out: Path) -> list[str]:
             "--gpus-per-node", "1", "--executor", "slurm"]  # fmt: skip
 
 
-def _at_first_checkpoint(argv: list[str], out: Path, env) -> tuple[subprocess.Popen, str]:
+def _at_first_checkpoint(
+    argv: list[str], out: Path, env
+) -> tuple[subprocess.Popen, str, list[int]]:
     """Start the two-node training ``argv`` (the command follows its job); once a checkpoint is
-    complete, the following process and the Slurm job id."""
+    complete, freeze the job's processes where they are, as a node that fails at that instant
+    would: the following process, the Slurm job id and the frozen pids.
+
+    Unfrozen, the job's last four steps and its last save could finish before Slurm acted on a
+    node set down (run 59 on a loaded host): the resume would then have no step left to prove."""
     from porting.testing import checkpoint_complete
 
     follower = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=env)  # fmt: skip
     try:
-        _wait_for("a complete checkpoint", lambda: checkpoint_complete(out), timeout=TIMEOUT)
+        _wait_for("a complete checkpoint", lambda: checkpoint_complete(out), timeout=TIMEOUT,
+                  every=0.02)  # fmt: skip
+        frozen = _signal_job(out, follower.pid, signal.SIGSTOP)
         (log,) = (out / "slurm").glob("job-*.out")
     except BaseException:
         follower.kill()
         raise
-    return follower, log.stem.removeprefix("job-")
+    return follower, log.stem.removeprefix("job-"), frozen
+
+
+def _signal_job(out: Path, follower: int, sig: int, pids: list[int] | None = None) -> list[int]:
+    """Send ``sig`` to the job's processes (those naming ``out``, not the following command nor
+    what it runs), or to those of ``pids`` still alive; the pids signalled."""
+    from porting.testing import processes_mentioning
+
+    if pids is None:
+        pids = [int(line.split(":", 1)[0]) for line in processes_mentioning(str(out))]
+    sent = []
+    for pid in pids:
+        try:
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            if follower in (pid, parent):
+                continue
+            os.kill(pid, sig)
+        except (OSError, IndexError, ValueError):
+            continue  # ended meanwhile
+        sent.append(pid)
+    return sent
 
 
 def _assert_losses(got: dict[int, float], want: dict[int, float]) -> None:
@@ -275,12 +304,15 @@ def test_train_on_two_nodes_requeued_then_cancelled_and_resumed_follows_one_proc
 
     out = tmp_path / "two"
     argv = _two_nodes(tiny_nemo, train_corpus, out)
-    follower, job = _at_first_checkpoint(argv, out, slurm_cluster)
+    follower, job, frozen = _at_first_checkpoint(argv, out, slurm_cluster)
     try:
         _slurm(slurm_cluster, "scontrol", "update", "nodename=node2", "state=down",
                "reason=porting-test")  # fmt: skip
         _wait_for("the requeue", lambda: "Restarts=1" in _slurm(
             slurm_cluster, "scontrol", "-o", "show", "job", job))  # fmt: skip
+        # Slurm ended the job before requeueing it; a frozen rank it did not reach (the down
+        # node's) runs on to find its peers gone, as it would have unfrozen
+        _signal_job(out, follower.pid, signal.SIGCONT, frozen)
         # ReturnToService=2: the node's slurmd registers again and it is back in service
         _wait_for("node2 back", lambda: "down" not in _slurm(
             slurm_cluster, "sinfo", "-h", "-n", "node2", "-o", "%t"))  # fmt: skip
