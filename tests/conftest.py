@@ -226,6 +226,7 @@ WITH_NEMO2_CASES = {
     "test_rope.py",
     "test_output.py",
     "test_llama4.py",
+    "test_gpt_oss.py",
 }
 ON_CURRENT_STACK = importlib.util.find_spec("nemo") is None
 

@@ -104,6 +104,19 @@ def test_parity_against_transformers(variant, converted):
     proof.prove_parity(*converted(variant))
 
 
+@pytest.mark.parametrize(
+    "transformers", [pytest.param(4, marks=pytest.mark.nemo2), 5], ids=lambda v: f"transformers-{v}"
+)
+def test_the_gate_holds_one_expert_at_a_time(transformers, converted):
+    """gpt-oss's stacks (transposed, bias stacks beside them) are read one expert's slice at a
+    time, under transformers 4 (its CPU loop) as under 5 (its eager loop)."""
+    import transformers as installed
+
+    assert int(installed.__version__.split(".")[0]) == transformers
+    ran = proof.prove_experts_streamed(*converted("yarn"))
+    assert ran.get("ExpertStack", 0) > 0, ran
+
+
 @pytest.mark.parametrize("variant", ["yarn", "no_scaling"])
 def test_routing_decisions_match_token_by_token(variant, converted):
     proof.prove_routing(*converted(variant), ROUTER, router_logits=_router_logits)

@@ -375,6 +375,14 @@ def test_an_mxfp4_checkpoint_reads_as_transformers_loads_it(mxfp4):
     assert ours.shape(experts + "gate_up_proj")[0] == (4, 64, 192)  # gate/up interleaved last
     for key in ours.keys():
         assert torch.equal(_bits(ours.get(key)), _bits(theirs[key])), key
+    # the gate's reference reads a stack one expert at a time: each dequantized alone is the
+    # whole's slice, by either dequantizer
+    for source in (ours, SafetensorsSource(mxfp4, dequantizer=REFERENCE)):
+        for name in ("gate_up_proj", "down_proj"):
+            whole = theirs[experts + name]
+            for e in range(whole.shape[0]):
+                with source.mapped(experts + name, e) as one:
+                    assert torch.equal(_bits(one), _bits(whole[e])), (source, name, e)
 
 
 def test_an_mxfp4_gpt_oss_imports_with_the_gate(mxfp4, tmp_path):

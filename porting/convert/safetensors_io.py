@@ -363,17 +363,20 @@ class SafetensorsSource:
     def _planned(self, key: str):
         return self._quant.planned.get(key) if self._quant is not None else None
 
-    def _dequantized(self, key: str) -> torch.Tensor:
+    def _dequantized(self, key: str, expert: int | None = None) -> torch.Tensor:
+        """Weight ``key`` dequantized; with ``expert``, only that index of its parts' first
+        dimension (a stack's expert: the arithmetic is per expert, so it is the whole's slice)."""
         from porting.convert import quant
 
         def read(part: str) -> torch.Tensor:
             # the view itself: it keeps its private mapping alive, and a copy would be one more
             # full-size tensor
             with self._view(part, _RAW_TORCH) as view:
-                return view
+                return view if expert is None else view[expert : expert + 1]
 
         path = self._key_to_file[self._planned(key).parts[0]]
-        return self._quant.dequantize(key, read, self._dequantizer or quant.OURS, str(path))
+        whole = self._quant.dequantize(key, read, self._dequantizer or quant.OURS, str(path))
+        return whole if expert is None else whole[0]
 
     def _read_header(self, path: Path) -> dict[str, TensorInfo]:
         header = read_safetensors_header(path)
@@ -438,18 +441,25 @@ class SafetensorsSource:
             )
 
     @contextmanager
-    def mapped(self, key: str) -> Iterator[torch.Tensor]:
-        """One tensor as a view of the mapped file (private: writes to it reach no file).
+    def mapped(self, key: str, expert: int | None = None) -> Iterator[torch.Tensor]:
+        """One tensor as a view of the mapped file (private: writes to it reach no file); with
+        ``expert``, that index of its first dimension (one expert of a stack).
 
         For a reader that copies it on at once (the parity gate casts it straight into the
-        buffer its layer computes with): no intermediate tensor is made. The caller checks the
-        copy for NaN/Inf (:func:`porting.errors.check_finite`); a view is not checked here.
+        buffer its layer computes with): no intermediate tensor is made, and a quantized stack
+        is dequantized for that expert alone. The caller checks the copy for NaN/Inf
+        (:func:`porting.errors.check_finite`); a view is not checked here.
         """
+        if self._planned(key) is not None and self._pickled is None:
+            yield self._dequantized(key, expert)
+            return
+        with self._mapped_whole(key) as whole:
+            yield whole if expert is None else whole[expert]
+
+    @contextmanager
+    def _mapped_whole(self, key: str) -> Iterator[torch.Tensor]:
         if self._pickled is not None:
             yield self._pickled[key]
-            return
-        if self._planned(key) is not None:
-            yield self._dequantized(key)
             return
         if key in self._unpacked:
             with self._view(self._stored(key), _ST_TO_TORCH) as view:
@@ -766,8 +776,8 @@ class RenamedSource:
         return self.inner.stored_dtype(self.stored_name(key))
 
     @contextmanager
-    def mapped(self, key: str):
-        with self.inner.mapped(self.stored_name(key)) as t:
+    def mapped(self, key: str, expert: int | None = None):
+        with self.inner.mapped(self.stored_name(key), expert) as t:
             yield t
 
     def dtypes(self, skip: Callable[[str], bool] = lambda key: False) -> set[torch.dtype]:

@@ -92,20 +92,25 @@ class ExpertStack:
         return torch.stack([torch.mm(x[e], stack[e]) for e in range(len(stack))])
 
 
-# the stacked expert parameters of a transformers 5 experts module, and the layout its eager loop
-# reads them in (use_experts_implementation's flags): [gate; up] rows, not transposed, no bias
+# the stacked expert parameters of a transformers 5 experts module; use_experts_implementation
+# marks such a class with its stacks' layout (these flags), and its "eager" implementation is the
+# class's own forward: a loop indexing each stack per expert, whatever the layout (gpt-oss's
+# stacks are transposed, with bias stacks beside them)
 _STACKS = ("gate_up_proj", "down_proj")
-_EAGER_LAYOUT = {"is_concatenated": True, "is_transposed": False, "has_bias": False}
+_LAYOUT_FLAGS = ("is_concatenated", "is_transposed", "has_bias")
 
 
 def _streamable(module: torch.nn.Module) -> bool:
-    """A module whose stacks :class:`ExpertStack` can stand in for: transformers 5's experts in
-    the eager loop's layout, or a module holding the two stacks and nothing else, without that
-    interface (Llama 4's ``Llama4TextExperts``, which multiplies them with ``torch.bmm``)."""
-    if all(getattr(module, flag, None) is want for flag, want in _EAGER_LAYOUT.items()):
+    """A module whose stacks :class:`ExpertStack` can stand in for: transformers 5's experts
+    (run by their own eager loop), or a module holding the two stacks and at most their bias
+    stacks, without that interface (Llama 4's ``Llama4TextExperts``, which multiplies them with
+    ``torch.bmm``; transformers 4's gpt-oss, which loops over the experts on the CPU and uses
+    ``torch.bmm`` elsewhere). A forward that does anything else with a stack fails naming it
+    (:class:`ExpertStack`)."""
+    if all(hasattr(module, flag) for flag in _LAYOUT_FLAGS):
         return True
-    flags = any(hasattr(module, flag) for flag in _EAGER_LAYOUT)
-    return not flags and set(dict(module.named_parameters(recurse=False))) == set(_STACKS)
+    own = set(dict(module.named_parameters(recurse=False)))
+    return set(_STACKS) <= own <= {*_STACKS, *(f"{n}_bias" for n in _STACKS)}
 
 
 def stream_expert_stacks(

@@ -698,8 +698,8 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
             _check_shape(str(hf_dir), key, stored[1:], shape)
             if not 0 <= e < stored[0]:
                 raise PortingError(f"{hf_dir}: tensor {key!r} has no expert {e}")
-            with source.mapped(key) as whole:
-                _cast_into(buf, whole[e])
+            with source.mapped(key, e) as one:
+                _cast_into(buf, one)
             check_finite(buf, str(hf_dir), key)
             return buf
         parts = published_parts(text.model_type, key, (e + 1, *shape)) or []
