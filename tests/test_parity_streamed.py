@@ -291,12 +291,14 @@ def _counting(rows, read: list):
     return counted
 
 
-def test_a_layer_read_by_pieces_holds_one_matrix_at_a_time_and_gives_the_same_report(
+def test_a_layer_read_by_pieces_holds_two_modules_at_a_time_and_gives_the_same_report(
     tiny_llama, tiny_nemo, monkeypatch
 ):
     """At the finest grain (what the proof kit runs for every family) each decoder layer's
-    matrices are read when their module is called and released when it returns: no other
-    module of the layers holds one then. The report is the default grain's, logit for logit."""
+    matrices are read while the module before computes and released when their module returns:
+    at most one other module of the layers holds matrices when one is read, and each module is
+    read once (the next one called is the one read ahead). The report is the default grain's,
+    logit for logit."""
     from porting.contract.registry import family_by_name
     from porting.convert.megatron import init_parallel
     from porting.parity import streamed
@@ -314,16 +316,17 @@ def test_a_layer_read_by_pieces_holds_one_matrix_at_a_time_and_gives_the_same_re
     loaded = []
     load_piece = streamed._Side.load_piece
 
-    def watched(self, i, sub, module):
+    def watched(self, i, sub, module, take):
         holding = [
             m
             for layer in self.layers
             for m in layer.modules()
             if any(not t.is_meta for _, t in own_matrices(m))
         ]
-        assert holding == [], f"layer {i} {sub}: {len(holding)} other modules hold matrices"
+        assert len(holding) <= 1, f"layer {i} {sub}: {len(holding)} other modules hold matrices"
+        assert module not in holding and not any(t.is_meta is False for t in module.parameters())
         loaded.append((type(self.model).__name__, i, sub))
-        return load_piece(self, i, sub, module)
+        return load_piece(self, i, sub, module, take)
 
     monkeypatch.setattr(streamed._Side, "load_piece", watched)
     with streamed.finest_grain():
@@ -331,7 +334,15 @@ def test_a_layer_read_by_pieces_holds_one_matrix_at_a_time_and_gives_the_same_re
     layers = 2  # tiny_llama's
     hf = [x for x in loaded if x[0] == "LlamaForCausalLM"]
     assert len(hf) == layers * 7  # q, k, v, o; gate, up, down
-    assert len(loaded) - len(hf) == layers * 4  # linear_qkv, linear_proj, linear_fc1, linear_fc2
+    # Megatron-Core registers linear_proj before linear_qkv and calls it after: a first layer's
+    # order is learned, one read dropped; the second layer's reads are all used
+    mc = [x for x in loaded if x[0] == "GPTModel"]
+    # linear_qkv, linear_proj, linear_fc1, linear_fc2
+    assert len(mc) <= layers * 4 + 1, [x[1:] for x in mc]
+    assert [x[2] for x in mc if x[1] == 1] == [
+        "self_attention.linear_qkv.", "self_attention.linear_proj.", "mlp.linear_fc1.",
+        "mlp.linear_fc2.",
+    ]  # fmt: skip
     for a, b in zip(default[0] + default[1], finest[0] + finest[1], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     assert [d.max_abs for d in finest[2]] == pytest.approx(

@@ -68,6 +68,16 @@ def _parts(kind: str, name: str) -> tuple[str, str]:
 REFERENCE = Dequantizer("transformers (FP8: ModelOpt)", _fp8_block, _mxfp4, _parts)
 
 
+def import_references() -> None:
+    """Import the reference implementations now, from a shallow frame, not on the first read.
+
+    Importing ModelOpt keeps the frames of the code that imported it alive: done by the gate's
+    first FP8 read, it kept that read's buffer, a view of a 528 MB area of a layer read by pieces,
+    for the rest of the process (DeepSeek-V3's gate)."""
+    from modelopt.torch.quantization.qtensor.fp8_tensor import FP8QTensor  # noqa: F401
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors  # noqa: F401
+
+
 def load_whole(hf_dir, cls, attn_implementation: str) -> torch.nn.Module:
     """The whole fp32 HF model of a quantized directory: loaded as transformers loads it, each
     weight dequantized to the checkpoint's compute dtype, then cast to fp32 as the gate computes.

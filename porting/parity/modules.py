@@ -3,6 +3,7 @@ before it runs and frees it after (:mod:`porting.parity.streamed`, :mod:`porting
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
@@ -221,9 +222,48 @@ def pieces(layer: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return out
 
 
-# ``load(i, sub, module)``: the matrices of ``module`` itself (:func:`own_matrices`), found at
-# ``sub`` (``"mlp.down_proj."``) in layer ``i``
-PieceLoad = Callable[[int, str, torch.nn.Module], dict[str, torch.Tensor]]
+# ``load(i, sub, module, take)``: the matrices of ``module`` itself (:func:`own_matrices`), found
+# at ``sub`` (``"mlp.down_proj."``) in layer ``i``, each read into ``take(name, shape)``
+PieceLoad = Callable[..., dict[str, torch.Tensor]]
+# A piece's matrices are read into one of two areas that the pieces reuse (a fresh 180 MB buffer,
+# a 7B's gate projection in fp32, is 45,000 page faults): an area holds the largest piece up to
+# this, and a larger piece (DeepSeek-V3's fused dense gate-and-up, 1.06 GB) has memory of its own.
+PIECE_AREA_BYTES = 512 << 20
+
+
+def _fresh(device: torch.device) -> Callable[[str, torch.Size], torch.Tensor]:
+    return lambda name, shape: torch.empty(shape, dtype=torch.float32, device=device)
+
+
+class _PieceAreas:
+    """Two fp32 areas, each lent to one piece's read until that piece is released; a read when
+    both are lent, or larger than an area, gets memory of its own."""
+
+    def __init__(self, numel: int, device: torch.device) -> None:
+        self.numel, self.device = numel, device
+        self._areas: list[torch.Tensor | None] = [None, None]
+        self._lent: list[object | None] = [None, None]
+        self._lock = threading.Lock()
+
+    def take(self, token: object, numel: int) -> Callable[[str, torch.Size], torch.Tensor]:
+        with self._lock:
+            k = next((k for k in (0, 1) if self._lent[k] is None), None)
+            if k is None or numel > self.numel:
+                return _fresh(self.device)
+            self._lent[k] = token
+        if self._areas[k] is None:
+            self._areas[k] = torch.empty(self.numel, dtype=torch.float32, device=self.device)
+        area, at = self._areas[k], [0]
+
+        def carve(name: str, shape: torch.Size) -> torch.Tensor:
+            start, at[0] = at[0], at[0] + shape.numel()
+            return area[start : at[0]].view(shape)
+
+        return carve
+
+    def give_back(self, token: object) -> None:
+        with self._lock:
+            self._lent = [None if t is token else t for t in self._lent]
 
 
 class StoredMatrix:
@@ -280,18 +320,48 @@ for _name in ("__matmul__", "__rmatmul__", "__mul__", "__rmul__", "__add__", "__
     setattr(StoredMatrix, _name, _binary(_name))
 
 
+def _shadow(module: torch.nn.Module) -> torch.nn.Module:
+    """A module holding meta copies of ``module``'s own matrices under their names (persistent
+    buffers as such): what a piece's load enumerates, on the reading thread, while the model's
+    own module stands in for its matrices on the computing one."""
+    shadow = torch.nn.Module()
+    saved = set(module.state_dict(keep_vars=True))
+    for name, t in own_matrices(module):
+        meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+        if name in module._buffers:
+            shadow.register_buffer(name, meta, persistent=name in saved)
+        else:
+            shadow.register_parameter(name, torch.nn.Parameter(meta, requires_grad=False))
+    return shadow
+
+
 @contextmanager
 def pieces_streamed(
     layers: Iterable[tuple[int, torch.nn.Module]], load: PieceLoad, device: torch.device
 ) -> Iterator:
     """While inside, the matrices of each piece of ``layers`` (:func:`pieces`) are loaded by
-    ``load`` when the model calls it and released when it returns: a layer's matrices are in
-    memory a module at a time (one and those it is called inside of), for a layer too large to
-    hold two of. Between calls each is a :class:`StoredMatrix`. Its vectors are read with the
-    layer."""
+    ``load`` before the model calls it and released when it returns: a layer's matrices are in
+    memory a module at a time (one and those it is called inside of) plus the next one, read on
+    a thread while this one computes, for a layer too large to hold two of. The next is the one
+    called after this module in the layer before, else the next in the modules' order not yet
+    called nor guessed wrong in this layer; a read for a module not called next is dropped (a
+    first layer's cost, while its order is learned). The reads go to two reused areas
+    (:data:`PIECE_AREA_BYTES`). Between calls each matrix is a :class:`StoredMatrix`. Its vectors
+    are read with the layer."""
     handles = []
+    layers = list(layers)
     # module -> its own matrices' (name, shape, dtype, a buffer), as built
     matrices: dict[torch.nn.Module, list[tuple[str, torch.Size, torch.dtype, bool]]] = {}
+    shadows: dict[torch.nn.Module, torch.nn.Module] = {}
+    lent: dict[torch.nn.Module, object] = {}  # the token of the area a loaded piece holds
+    # (layer, prefix) -> its module, in the order the layers run; what followed each prefix
+    order: list[tuple[int, str]] = []
+    modules: dict[tuple[int, str], torch.nn.Module] = {}
+    follows: dict[str, str] = {}
+    called: dict[int, list[str]] = {}
+    missed: set[tuple[int, str]] = set()
+    reader = ThreadPoolExecutor(1, thread_name_prefix="porting-parity-piece")
+    ahead: dict[tuple[int, str], Future] = {}
 
     def as_built(module):
         for name, shape, dtype, buffer in matrices[module]:
@@ -302,29 +372,63 @@ def pieces_streamed(
             else:
                 set_param(module, name, meta)
 
-    def read(module, i, sub) -> dict[str, torch.Tensor]:
-        as_built(module)  # what load enumerates: the module's stored tensors
-        return load(i, sub, module)
+    def read(module, i, sub, token=None) -> dict[str, torch.Tensor]:
+        """The piece's matrices, in an area lent to ``token`` (none: memory of their own)."""
+        if token is None:
+            return load(i, sub, shadows[module], _fresh(device))
+        numel = sum(shape.numel() for _, shape, _, _ in matrices[module])
+        return load(i, sub, shadows[module], areas.take(token, numel))
 
     def stand(module, i, sub):
+        areas.give_back(lent.pop(module, None))
         for name, shape, dtype, _ in matrices[module]:
             module._parameters.pop(name, None)
             module._buffers.pop(name, None)
             module.__dict__[name] = StoredMatrix(
-                shape, dtype, device, lambda n=name: one(read(module, i, sub), n, module, i, sub)
+                shape, dtype, device, lambda n=name: read(module, i, sub)[n]
             )
 
-    def one(values, name, module, i, sub):
-        stand(module, i, sub)  # read() put the module as built: it stands in again
-        return values[name]
+    def after(i: int, sub: str) -> tuple[int, str] | None:
+        """The piece expected to be called after ``sub`` of layer ``i``: the one that followed
+        it in a layer before, else the next not yet called in the modules' order (the next
+        layer's first)."""
+        if sub in follows and (i, follows[sub]) in modules:
+            return i, follows[sub]
+        here = [p for p in order if p[0] == i and p[1] not in called[i] and p not in missed]
+        if here:
+            return here[0]
+        j = next((p[0] for p in order if p[0] > i), None)
+        if j is None:
+            return None
+        first = next(iter(called.values()))[0]  # what the first layer began with
+        return (j, first) if (j, first) in modules else next(p for p in order if p[0] == j)
 
     def pre(module, args, i, sub):
-        values = read(module, i, sub)
+        if called.get(i):
+            follows[called[i][-1]] = sub
+        called.setdefault(i, []).append(sub)
+        future = ahead.pop((i, sub), None)
+        for key, dropped in ahead.items():  # a read for another piece, not called next: its
+            dropped.add_done_callback(lambda f: areas.give_back(f.token))  # area back once done
+            missed.add(key)  # and not guessed again for its layer
+        ahead.clear()
+        if future is None:
+            lent[module] = object()
+            values = read(module, i, sub, lent[module])
+        else:
+            lent[module] = future.token
+            values = future.result()
         for name, _, _, buffer in matrices[module]:
+            module.__dict__.pop(name, None)
             if buffer:
                 module._buffers[name] = values[name]
             else:
                 set_param(module, name, values[name])
+        nxt = after(i, sub)
+        if nxt is not None:
+            token = object()
+            ahead[nxt] = reader.submit(read, modules[nxt], *nxt, token)
+            ahead[nxt].token = token
 
     def post(module, args, output, i, sub):
         stand(module, i, sub)
@@ -335,17 +439,27 @@ def pieces_streamed(
                 (name, t.shape, t.dtype, name in module._buffers)
                 for name, t in own_matrices(module)
             ]
-            stand(module, i, sub)
-            handles.append(
-                module.register_forward_pre_hook(lambda m, a, i=i, sub=sub: pre(m, a, i, sub))
-            )
-            handles.append(
-                module.register_forward_hook(lambda m, a, o, i=i, sub=sub: post(m, a, o, i, sub))
-            )
+            shadows[module] = _shadow(module)
+            order.append((i, sub))
+            modules[i, sub] = module
+    sizes = [sum(shape.numel() for _, shape, _, _ in m) for m in matrices.values()]
+    areas = _PieceAreas(min(max(sizes, default=0), PIECE_AREA_BYTES // 4), device)
+    for (i, sub), module in modules.items():
+        stand(module, i, sub)
+        handles.append(
+            module.register_forward_pre_hook(lambda m, a, i=i, sub=sub: pre(m, a, i, sub))
+        )
+        handles.append(
+            module.register_forward_hook(lambda m, a, o, i=i, sub=sub: post(m, a, o, i, sub))
+        )
     try:
         yield
     finally:
         for h in handles:
             h.remove()
+        for future in ahead.values():
+            future.cancel()
+        reader.shutdown(wait=True)
+        ahead.clear()
         for module in matrices:
             as_built(module)

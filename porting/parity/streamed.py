@@ -72,15 +72,15 @@ from porting.parity.modules import (
     stored_tensors,
     stream_expert_stacks,
 )
-from porting.parity.vocab import VocabTable, fresh, install_tables
+from porting.parity.vocab import VocabTable, install_tables
 
 log = logging.getLogger(__name__)
 
 # A decoder layer whose own tensors (not its experts') hold more than this in fp32 is read a
-# module's matrices at a time, each when the model calls it (porting.parity.modules.
-# pieces_streamed), not whole and two at a time: DeepSeek-V3's and Kimi K2's dense layers (583M
-# parameters, 2.3 GB) would otherwise be the gate's peak, and a 70B's (856M, 3.4 GB). A 7B's
-# layer (810 MB) stays whole. The gate's memory bound counts it (preflight.gate_memory).
+# module's matrices at a time, the next module's while one computes (porting.parity.modules.
+# pieces_streamed), not whole and two at a time: two of DeepSeek-V3's MoE layers without their
+# experts (0.93 GB each) or of its dense layers (2.3 GB) would otherwise be the gate's peak. The
+# gate's memory bound counts it (preflight.gate_memory).
 LAYER_BYTES = GATE_LAYER_BYTES
 
 # A layer whose own error (Megatron's layer on the HF layer's input, against the HF layer's
@@ -366,11 +366,13 @@ class _Side:
         matrices = False if i in self.by_pieces else None
         return self.load(i, "", layer, partial(self.buffers.take, i), skip, matrices)
 
-    def load_piece(self, i: int, sub: str, module: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """The matrices of ``module`` itself, at ``sub`` in layer ``i``, each in memory of its
-        own (released when the module returns)."""
+    def load_piece(
+        self, i: int, sub: str, module: torch.nn.Module, take: Take
+    ) -> dict[str, torch.Tensor]:
+        """The matrices of ``module`` itself, at ``sub`` in layer ``i``, read into ``take``
+        (:func:`~porting.parity.modules.pieces_streamed`'s areas)."""
         skip = tuple(f"{name}." for name, _ in module.named_children())
-        return self.load(i, sub, module, fresh(self.buffers.device), skip, True)
+        return self.load(i, sub, module, take, skip, True)
 
     @torch.no_grad()
     def run(
@@ -651,6 +653,10 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
         source = source.renamed_as("own")
     else:
         held = None
+    if source.dequantized() is not None:
+        from porting.parity.hf_dequant import import_references
+
+        import_references()
     if held is not None:
         # the container class itself, run on text: its language model, its head
         cls = family.hf_class(held.container.architecture)
