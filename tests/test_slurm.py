@@ -244,19 +244,23 @@ def _two_nodes(tiny_nemo, train_corpus, out: Path) -> list[str]:
 def _at_first_checkpoint(
     argv: list[str], out: Path, env
 ) -> tuple[subprocess.Popen, str, list[int]]:
-    """Start the two-node training ``argv`` (the command follows its job); once a checkpoint is
-    complete, freeze the job's processes where they are, as a node that fails at that instant
-    would: the following process, the Slurm job id and the frozen pids.
+    """Start the two-node training ``argv`` (the command follows its job); once the first
+    checkpoint (step 4) is complete and the losses of its steps are written, freeze the job's
+    processes where they are, as a node that fails at that instant would: the following
+    process, the Slurm job id and the frozen pids.
 
     Unfrozen, the job's last four steps and its last save could finish before Slurm acted on a
-    node set down (run 59 on a loaded host): the resume would then have no step left to prove."""
-    from porting.testing import checkpoint_complete
+    node set down (run 59 on a loaded host): the resume would then have no step left to prove.
+    Frozen at the checkpoint alone, step 4's loss, which the logger writes just after the save,
+    was lost with the node (run 60)."""
+    from porting.testing import checkpoint_complete, train_losses
 
     follower = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=env)  # fmt: skip
     try:
-        _wait_for("a complete checkpoint", lambda: checkpoint_complete(out), timeout=TIMEOUT,
-                  every=0.02)  # fmt: skip
+        _wait_for("a complete checkpoint and its steps' losses",
+                  lambda: checkpoint_complete(out) and set(range(4)) <= set(train_losses(out)),
+                  timeout=TIMEOUT, every=0.02)  # fmt: skip
         frozen = _signal_job(out, follower.pid, signal.SIGSTOP)
         (log,) = (out / "slurm").glob("job-*.out")
     except BaseException:
