@@ -28,13 +28,14 @@ import json
 import logging
 import multiprocessing
 import os
+import pickle
 import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
 
-from data_prep import provenance, worker
+from data_prep import provenance, worker, worker_start
 from data_prep.backends import LightReference, build_backend, describe_diff
 from data_prep.executors.base import (
     PrepConfig,
@@ -130,10 +131,7 @@ def check_backend(facts: Facts, backend_name: str, spec) -> int:
     except (ValueError, RuntimeError, OSError) as err:
         raise PortingError(f"the {backend_name} backend cannot load {facts.path}: {err}") from err
     light = LightReference(facts.kind, facts.payload, facts.include_special_tokens)
-    each = getattr(backend, "encode_each", None)
-    got = (
-        each(list(facts.texts)) if each else [backend.encode([t])[0].tolist() for t in facts.texts]
-    )
+    got = [backend.encode([t])[0].tolist() for t in facts.texts]
     for text, want, ids in zip(facts.texts, facts.ids, got, strict=True):
         diff = describe_diff(ids, list(want), text)
         if diff is not None:
@@ -376,8 +374,8 @@ class _Runner:
                 self._pool = ProcessPoolExecutor(
                     max_workers=self._cfg.workers,
                     mp_context=multiprocessing.get_context("spawn"),
-                    initializer=worker.init,
-                    initargs=(wcfg,),
+                    initializer=worker_start.init,
+                    initargs=(pickle.dumps(wcfg),),
                 )
 
     def _submit(self, task, head: bool):
