@@ -130,7 +130,11 @@ def check_backend(facts: Facts, backend_name: str, spec) -> int:
         ) from err
     except (ValueError, RuntimeError, OSError) as err:
         raise PortingError(f"the {backend_name} backend cannot load {facts.path}: {err}") from err
-    light = LightReference(facts.kind, facts.payload, facts.include_special_tokens)
+    # The light reference checks gigatoken's sampled documents in the workers; the other
+    # backends are the reference's own library, checked here already.
+    light = None
+    if backend_name == "gigatoken":
+        light = LightReference(facts.kind, facts.payload, facts.include_special_tokens)
     got = [backend.encode([t])[0].tolist() for t in facts.texts]
     for text, want, ids in zip(facts.texts, facts.ids, got, strict=True):
         diff = describe_diff(ids, list(want), text)
@@ -140,6 +144,8 @@ def check_backend(facts: Facts, backend_name: str, spec) -> int:
                 f"({facts.path}) on {diff}; use --tokenizer-backend "
                 f"{_default_backend(facts.kind)} (or megatron)"
             )
+        if light is None:
+            continue
         diff = describe_diff(light.encode(text), list(want), text)
         if diff is not None:
             raise PortingError(
