@@ -195,6 +195,33 @@ def test_gigatoken_backend_is_byte_identical(tmp_path, texts, tok_dirs):
     assert _bytes(output_prefix_for(tmp_path / "gt", "text")) == _bytes(ref["text"])
 
 
+def test_gigatoken_rebuilt_mid_corpus_gives_the_tokenizers_ids(texts, tok_dirs, monkeypatch):
+    # Its pretoken cache is bounded by rebuilding it every RESET_CHARS characters; a rebuild
+    # between two batches must change no id (and per-document encoding none either).
+    from tokenizers import Tokenizer
+
+    from data_prep.backends import BackendSpec, GigatokenBackend
+
+    payload = (tok_dirs["hf"] / "tokenizer.json").read_text()
+    want = [
+        e.ids for e in Tokenizer.from_str(payload).encode_batch(texts, add_special_tokens=False)
+    ]
+    monkeypatch.setattr(GigatokenBackend, "RESET_CHARS", 500)
+    backend = GigatokenBackend(BackendSpec("gigatoken", "hf-json", payload))
+    builds = []
+    build = backend._build
+    monkeypatch.setattr(backend, "_build", lambda: builds.append(1) or build())
+    got_ids, got_lens = [], []
+    for i in range(0, len(texts), 3):
+        ids, lens = backend.encode(texts[i : i + 3])
+        got_ids.append(ids)
+        got_lens.append(lens)
+    assert len(builds) >= 5, "the tokenizer was rebuilt between batches"
+    ids, lens = np.concatenate(got_ids), np.concatenate(got_lens)
+    assert lens.tolist() == [len(w) for w in want]
+    assert ids.tolist() == [t for w in want for t in w]
+
+
 def test_gigatoken_refused_where_it_differs_from_the_reference(tmp_path, texts, tok_dirs):
     # gigatoken reads a literal "<s>" in text as the control token; sentencepiece does not.
     corpus = T.write_jsonl(tmp_path / "c.jsonl", [{"text": t} for t in texts])
