@@ -195,9 +195,11 @@ def test_gigatoken_backend_is_byte_identical(tmp_path, texts, tok_dirs):
     assert _bytes(output_prefix_for(tmp_path / "gt", "text")) == _bytes(ref["text"])
 
 
-def test_gigatoken_rebuilt_mid_corpus_gives_the_tokenizers_ids(texts, tok_dirs, monkeypatch):
-    # Its pretoken cache is bounded by rebuilding it every RESET_CHARS characters; a rebuild
-    # between two batches must change no id (and per-document encoding none either).
+def test_gigatoken_rebuilt_and_batched_mid_corpus_gives_the_tokenizers_ids(
+    texts, tok_dirs, monkeypatch
+):
+    # Its pretoken cache is bounded by rebuilding it every RESET_CHARS characters, and a worker
+    # turns from per-document calls to batches after BATCH_AFTER_CHARS: neither may change an id.
     from tokenizers import Tokenizer
 
     from data_prep.backends import BackendSpec, GigatokenBackend
@@ -207,16 +209,20 @@ def test_gigatoken_rebuilt_mid_corpus_gives_the_tokenizers_ids(texts, tok_dirs, 
         e.ids for e in Tokenizer.from_str(payload).encode_batch(texts, add_special_tokens=False)
     ]
     monkeypatch.setattr(GigatokenBackend, "RESET_CHARS", 500)
+    monkeypatch.setattr(GigatokenBackend, "BATCH_AFTER_CHARS", 4000)
     backend = GigatokenBackend(BackendSpec("gigatoken", "hf-json", payload))
-    builds = []
-    build = backend._build
-    monkeypatch.setattr(backend, "_build", lambda: builds.append(1) or build())
+    calls = []
+    for name in ("_build", "_each", "_batch"):
+        method = getattr(backend, name)
+        monkeypatch.setattr(backend, name, lambda *a, n=name, m=method: calls.append(n) or m(*a))
     got_ids, got_lens = [], []
     for i in range(0, len(texts), 3):
         ids, lens = backend.encode(texts[i : i + 3])
         got_ids.append(ids)
         got_lens.append(lens)
-    assert len(builds) >= 5, "the tokenizer was rebuilt between batches"
+    assert calls.count("_build") >= 5, "the tokenizer was rebuilt between batches"
+    assert 0 < calls.count("_each") < len(got_ids), "documents one by one, then batches"
+    assert calls[-1] == "_batch"
     ids, lens = np.concatenate(got_ids), np.concatenate(got_lens)
     assert lens.tolist() == [len(w) for w in want]
     assert ids.tolist() == [t for w in want for t in w]
