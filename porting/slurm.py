@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -209,6 +210,46 @@ def tasks(job_id: str | None) -> list[dict] | None:
         said = done.stderr.strip() or f"exit {done.returncode}"
         raise Unreachable(f"scontrol show job {job_id}: {said}")
     return [dict(re.findall(r"(\w+)=(\S*)", line)) for line in done.stdout.splitlines() if line]
+
+
+class JobLog:
+    """A followed job's log as it grows: each poll passes its new whole lines to this terminal
+    (``stream``: ``"stdout"`` or ``"stderr"``), until a line ``quiet_from`` matches (where a
+    failure's report begins: the follower's one error speaks instead). A log that shrank was
+    started afresh (a requeued job's script runs again) and is shown again from its start."""
+
+    def __init__(self, path: Path, stream: str = "stderr", quiet_from: re.Pattern | None = None):
+        self.path, self.stream, self.quiet_from = path, stream, quiet_from
+        self.shown, self.quiet = 0, False
+
+    def show(self) -> None:
+        """Pass on the lines written since the last call."""
+        try:
+            with open(self.path, "rb") as fh:
+                if os.fstat(fh.fileno()).st_size < self.shown:
+                    self.shown = 0
+                fh.seek(self.shown)
+                new = fh.read()
+        except FileNotFoundError:
+            return
+        cut = new.rfind(b"\n") + 1  # whole lines only
+        if not cut:
+            return
+        out = getattr(sys, self.stream)
+        for line in new[:cut].decode(errors="replace").splitlines(keepends=True):
+            if self.quiet_from is not None:
+                self.quiet = self.quiet or bool(self.quiet_from.match(line))
+            if not self.quiet:
+                out.write(line)
+        out.flush()
+        self.shown += cut
+
+    def text(self) -> str:
+        """The whole log so far (empty before the job writes it)."""
+        try:
+            return self.path.read_bytes().decode(errors="replace")
+        except FileNotFoundError:
+            return ""
 
 
 def tail(path: Path, lines: int = 12) -> str:

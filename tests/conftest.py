@@ -202,6 +202,7 @@ CURRENT_STACK_FILES = {
 # 2 stack's pass instead (:func:`_runs_here`).
 CURRENT_STACK_ONLY = {
     "test_train_bridge.py", "test_train_bridge_families.py", "test_deepseek.py", "test_gpt_oss.py",
+    "test_executors.py",
     "test_rope.py", "test_cli_exit.py", "test_output.py", "test_contract.py", "test_mapping.py", "test_transforms.py",
     "test_plan_domains.py", "test_plan_hostile.py", "test_plan_model.py", "test_plan_placement.py",
     "test_plan_properties.py", "test_plan_published.py", "test_plan_sites.py",

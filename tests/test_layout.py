@@ -154,6 +154,7 @@ LAYERS = (
             "porting.shell",
             "porting.handoff",
             "porting.slurm",
+            "porting.launch",
             "porting.untrusted",
         ),
     ),  # fmt: skip

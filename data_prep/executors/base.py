@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from data_prep.report import report_path
 from data_prep.sources import MAX_RECORD_BYTES, Source, expand_inputs, line_ranges
+from porting import launch
 from porting.errors import PortingError
 from porting.guard import check_outputs, output_lock
+from porting.launch import Flag
 
 if TYPE_CHECKING:
     from data_prep.tokenizer import TokenizerSource
@@ -164,43 +166,9 @@ def plan_units(sources: list[Source], unit_bytes: int) -> list[Unit]:
     return units
 
 
-@dataclass(frozen=True)
-class Flag:
-    """A command-line flag that only some executors take, and the :class:`PrepConfig` field it
-    fills (through ``convert`` where the flag's unit is not the field's)."""
-
-    option: str
-    field: str
-    help: str
-    type: Callable[[str], Any] | None = None
-    default: Any = None
-    metavar: str | None = None
-    convert: Callable[[Any], Any] | None = None
-    # argparse's action for a switch (``store_true``); then type and metavar are not given
-    action: str | None = None
-
-    def add_to(self, parser) -> None:
-        """Declare the flag on an argparse parser or group."""
-        if self.action:
-            parser.add_argument(self.option, action=self.action, help=self.help)
-            return
-        parser.add_argument(
-            self.option, type=self.type, default=self.default, metavar=self.metavar, help=self.help
-        )
-
-    def value(self, args) -> Any:
-        """The field's value from parsed arguments."""
-        given = getattr(args, self.option.removeprefix("--").replace("-", "_"))
-        return given if self.convert is None else self.convert(given)
-
-
-class Executor(ABC):
-    """Where one ``prep-data`` run tokenizes: ``name`` is its ``--executor`` value, ``help`` its
-    part of that flag's help, ``flags`` the flags of its own."""
-
-    name: ClassVar[str]
-    help: ClassVar[str]
-    flags: ClassVar[tuple[Flag, ...]] = ()
+class Executor(launch.Executor, ABC):
+    """Where one ``prep-data`` run tokenizes (:class:`porting.launch.Executor`: its name, help
+    and flags)."""
 
     @abstractmethod
     def run(self, cfg: PrepConfig) -> dict:

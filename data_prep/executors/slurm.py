@@ -9,6 +9,7 @@ from pathlib import Path
 
 from data_prep.executors.base import UNIT_MB, Flag, PrepConfig, UnitExecutor
 from data_prep.sources import Source
+from porting.launch import Scheduled
 
 
 def emit_flag(cfg: PrepConfig) -> str:
@@ -22,7 +23,7 @@ def emit_dir(cfg: PrepConfig) -> Path:
     return Path(cfg.emit) if cfg.emit else Path(f"{cfg.output_prefix}.prep-data.slurm")
 
 
-class Slurm(UnitExecutor):
+class Slurm(Scheduled, UnitExecutor):
     """Plans and stages the job here; the array tasks and the merge run wherever Slurm puts them."""
 
     name = "slurm"
@@ -61,15 +62,14 @@ class Slurm(UnitExecutor):
         return [*super().writes(cfg), ("--emit", emit_dir(cfg))]
 
     def refuse(self, cfg: PrepConfig) -> None:
-        from porting import shell, slurm
-
         # each reaches the scripts: a control character would end the line it is written on
-        shell.checked(str(Path(emit_dir(cfg)).absolute()), emit_flag(cfg))
-        for flag, value in (("--partition", cfg.partition), ("--time", cfg.time_limit)):
-            if value is not None:
-                shell.checked(value, flag)
+        self.check_script_values([
+            (emit_flag(cfg), Path(emit_dir(cfg)).absolute()),
+            ("--partition", cfg.partition),
+            ("--time", cfg.time_limit),
+        ])  # fmt: skip
         if not cfg.no_submit:
-            slurm.sbatch_path()  # before anything is staged
+            self.check_submit()  # before anything is staged
 
     def run(self, cfg: PrepConfig) -> dict:
         from data_prep import slurm

@@ -11,9 +11,10 @@ from pathlib import Path
 
 from porting import guard, quiet
 from porting.commands.verify import add_gate_flags, print_report
+from porting.convert import executors
+from porting.convert.executors import add_launch_flags
 from porting.convert.foreign import add_source_flags, source_inputs
 from porting.convert.layouts.registry import NAMES
-from porting.convert.ranks import add_launch_flags
 from porting.errors import PortingError
 
 
@@ -147,10 +148,9 @@ def _launched(args, command: str, what: str, reads, refuse_early=None, before_ra
     the output claimed here, the ranks run into its staging directory (porting.convert.ranks).
     ``before_ranks``: checks that take seconds, made once the output is claimed (a second run on
     it is refused at once) and before any rank starts."""
-    from porting.convert import ranks
     from porting.convert.checkpoint import claimed_output
 
-    ranks.check_launch_flags(args)
+    executors.check_launch_flags(args)
     quiet.offline()
     guard.check_outputs(reads, writes=[("--out", args.out)])
     if refuse_early is not None:
@@ -158,10 +158,10 @@ def _launched(args, command: str, what: str, reads, refuse_early=None, before_ra
     with claimed_output(args.out, args.overwrite, what) as tmp:
         if before_ranks is not None:
             before_ranks()
-        said, _ = ranks.launch(args, command, tmp)
+        said, _ = executors.launch(args, command, tmp)
     sys.stdout.write(said)
     if not args.json:
-        print(f"wrote {args.out} ({ranks.described(args)})")
+        print(f"wrote {args.out} ({executors.described(args)})")
     return 0
 
 
@@ -210,7 +210,7 @@ def _cmd_import(args) -> int:
     def early() -> None:
         opened["hf"] = open_hf(args.hf_dir, args.family)
 
-    if args.executor != "local":
+    if executors.executor(args).starts_ranks:
         return _launched(
             args, "import", "checkpoint", reads, early, lambda: _weights_readable(args)
         )
@@ -353,7 +353,7 @@ def _cmd_export(args) -> int:
 
     reads = source_inputs("checkpoint", args.ckpt, args)
     early = lambda: _open_early(args, args.ckpt)  # noqa: E731
-    if args.executor != "local":
+    if executors.executor(args).starts_ranks:
         return _launched(args, "export", "HF directory", reads, early)
     if ranks.staging() is not None:
         return _export_rank(args)

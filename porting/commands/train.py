@@ -7,14 +7,13 @@ import contextlib
 import gc
 import logging
 import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 from porting import guard, quiet
 from porting.errors import PortingError
 from porting.train import stop
+from porting.train.executors import EXECUTORS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -178,15 +177,7 @@ def _launch_flags(p) -> None:
         "bridge (Megatron-Bridge's pretrain; a Megatron-Bridge checkpoint, from `porting import "
         "--format megatron-bridge`). Default: nemo2 where NeMo is installed, else bridge",
     )
-    p.add_argument(
-        "--executor",
-        choices=["local", "torchrun", "slurm", "nemo-run"],
-        default="local",
-        help="local: this process (or the rank torchrun/srun started); torchrun: start "
-        "--gpus-per-node processes here; slurm: submit OUT/slurm/train.sbatch (torchrun on "
-        "every node) and follow it; "
-        "nemo-run: launch through NeMo-Run's LocalExecutor with its torchrun launcher",
-    )
+    EXECUTORS.add_to(p)
     g = p.add_argument_group("--executor slurm")
     g.add_argument(
         "--no-submit",
@@ -271,27 +262,6 @@ def _rank_argv(args) -> list[str]:
     return out + ["--executor", "local"]
 
 
-def _run_ranks(cmd: list[str], out: Path) -> int:
-    """Run the rank launcher in its own process group; a stop of ours stops every rank with it.
-
-    ``subprocess.call`` would SIGKILL only the launcher on an exception, orphaning its ranks; a
-    SIGKILL of this process reaches the launcher and the ranks through
-    :func:`porting.train.stop.die_with_parent`.
-    """
-
-    def launch() -> int:
-        # torchrun sets OMP_NUM_THREADS=1 per rank when unset, with a banner saying so; the same
-        # value, given, keeps the banner out of the user's terminal. The environment is taken
-        # now: stop.launched has handed the ranks their launcher and a private TMPDIR.
-        proc = subprocess.Popen(
-            cmd, env={"OMP_NUM_THREADS": "1"} | os.environ, start_new_session=True,
-            preexec_fn=stop.die_with_parent,
-        )  # fmt: skip
-        return proc.wait()
-
-    return stop.launched(launch, out)
-
-
 def _engine(chosen: str | None) -> str:
     """The training loop: the one asked for, else NeMo 2's where NeMo is installed (the nemo2
     stack) and Megatron-Bridge's where it is not (the current stack)."""
@@ -329,12 +299,11 @@ def _cmd_train(args) -> int:
     spec = _spec(args)
     engine = _engine(args.engine)
     checks.refuse_input_overlap(spec)
-    if engine == "bridge" and args.executor == "nemo-run":
-        raise PortingError(
-            "--executor nemo-run comes with NeMo 2; launch --engine bridge with torchrun or slurm"
-        )
-    if args.executor != "local" or args.dry_run:
-        _checked_before_any_rank(args, spec, engine)
+    executor = EXECUTORS.get(args.executor)
+    if engine not in executor.engines:
+        raise PortingError(executor.other_engine)
+    if executor.starts_ranks or args.dry_run:
+        _checked_before_any_rank(args, spec, engine, executor)
     if args.dry_run:
         print(
             f"ok: TP {spec.tp} x PP {spec.pp} x CP {spec.cp} x DP {spec.data_parallel}"
@@ -345,25 +314,23 @@ def _cmd_train(args) -> int:
         )
         return 0
     _need_engine(engine)
-    launch = _LAUNCHERS.get(args.executor)
-    if launch is not None:
-        return launch(args, spec)
+    if executor.starts_ranks:
+        return executor.start(args, spec, _rank_argv(args))
     return _train_here(args, spec, engine)
 
 
-def _checked_before_any_rank(args, spec, engine: str) -> None:
+def _checked_before_any_rank(args, spec, engine: str, executor) -> None:
     """Every check that needs no trainer, in this process, before any rank is started: the
     launch's size, each value a rank's command line (or a script) holds, and the run's
     preflight on the NeMo-free config, so that the launcher is not one more NeMo start-up (~15 s
     of CPU) beside its ranks'."""
-    from porting import shell, slurm
+    from porting import shell
     from porting.train import checks
 
-    if args.executor != "local":
-        slurm.check_launch_size(
-            spec.nodes, spec.gpus_per_node, local=args.executor != "slurm",
-            nodes_flag="--nodes", ranks_flag="--gpus-per-node",
-        )  # fmt: skip
+    if executor.starts_ranks:
+        executor.check_size(
+            spec.nodes, spec.gpus_per_node, nodes_flag="--nodes", ranks_flag="--gpus-per-node"
+        )
         for flag, value in (("--partition", args.partition), ("--time", args.time_limit)):
             if value is not None:
                 shell.checked(value, flag)
@@ -372,64 +339,6 @@ def _checked_before_any_rank(args, spec, engine: str) -> None:
     for w in pre.warnings:
         print(f"warning: {w}", file=sys.stderr)
     gc.freeze()  # as at the end of _train_here
-
-
-def _submit_to_slurm(args, spec) -> int:
-    """``--executor slurm``: OUT/slurm/train.sbatch written, submitted and followed to its end
-    (or only written, or handed over once submitted)."""
-    from porting import slurm
-    from porting.train import launch
-
-    if not args.no_submit:
-        slurm.sbatch_path()
-    text = launch.slurm_script(
-        spec, _rank_argv(args), cpu_nodes=args.cpu_nodes, partition=args.partition,
-        time_limit=args.time_limit,
-    )  # fmt: skip
-    script = Path(spec.out).absolute() / "slurm" / "train.sbatch"
-    script.parent.mkdir(parents=True, exist_ok=True)
-    script.write_text(text)
-    if args.no_submit:
-        print(f"wrote {script}; submit with: sbatch {script}")
-        return 0
-    job = slurm.sbatch([str(script)], "the training job")
-    log_file = script.parent / f"job-{job}.out"
-    print(f"submitted Slurm job {job} ({spec.nodes} nodes); log {log_file}", flush=True)
-    if args.no_wait:
-        print(f"follow with: tail -f {log_file}; stop with: scancel {job}")
-        return 0
-    launch.follow_slurm(job, log_file, out=Path(spec.out))
-    return 0
-
-
-def _start_torchrun(args, spec) -> int:
-    """``--executor torchrun``: this node's ranks, under the run's lock."""
-    if spec.nodes != 1:
-        raise PortingError("--executor torchrun starts processes on this node only; use slurm")
-    torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
-    cmd = [
-        torchrun,
-        "--standalone",
-        f"--nproc-per-node={spec.gpus_per_node}",
-        "-m",
-        "porting.cli",
-        "train",
-        *_rank_argv(args),
-    ]
-    with guard.output_lock(spec.out, "training run"):
-        return _run_ranks(cmd, Path(spec.out))
-
-
-def _launch_nemo_run(args, spec) -> int:
-    """``--executor nemo-run``: NeMo-Run's LocalExecutor with its torchrun launcher."""
-    from porting.train import launch
-
-    with guard.output_lock(spec.out, "training run"):
-        argv = _rank_argv(args)
-        return stop.launched(lambda: launch.launch_nemo_run(spec, argv), Path(spec.out))
-
-
-_LAUNCHERS = {"slurm": _submit_to_slurm, "torchrun": _start_torchrun, "nemo-run": _launch_nemo_run}
 
 
 def _train_here(args, spec, engine: str) -> int:

@@ -88,8 +88,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(torch.load weights_only=True)",
     )
     add_gate_flags(p)
+    from porting.convert.executors import add_launch_flags
     from porting.convert.foreign import add_source_flags
-    from porting.convert.ranks import add_launch_flags
 
     add_source_flags(p)
     add_launch_flags(p)
@@ -104,7 +104,7 @@ def _cmd_verify(args) -> int:
     guard.check_outputs(reads, files=[("--plot", args.plot)])
     if args.plot and args.whole_model:
         raise PortingError("--plot needs the layer-streamed check (drop --whole-model)")
-    from porting.convert import ranks
+    from porting.convert import executors, ranks
     from porting.convert.checkpoint import open_checkpoint
     from porting.convert.foreign import reading
     from porting.parity.pair import check_pair
@@ -115,7 +115,7 @@ def _cmd_verify(args) -> int:
         # the gate checks its pair once the process is offline with its GPUs hidden.
         with reading(args.ckpt, args.src_format, None, args.tokenizer):
             check_pair(args.hf_dir, open_checkpoint(args.ckpt))
-    if args.executor != "local":
+    if executors.executor(args).starts_ranks:
         return _verify_launched(args)
     ranks.refuse_hand_launched("verify")
     quiet.offline()
@@ -174,12 +174,13 @@ def _verify_launched(args) -> int:
     which every node must see)."""
     import tempfile
 
-    from porting.convert import ranks
+    from porting.convert import executors
 
-    ranks.check_launch_flags(args)
+    executors.check_launch_flags(args)
     quiet.offline()
-    here = "." if args.executor == "slurm" else None
+    # ranks on other nodes write where every node sees: under this directory
+    here = "." if executors.executor(args).spans_nodes else None
     with tempfile.TemporaryDirectory(prefix=".porting-verify-", dir=here) as stage:
-        said, passed = ranks.launch(args, "verify", Path(stage).absolute())
+        said, passed = executors.launch(args, "verify", Path(stage).absolute())
     sys.stdout.write(said)
     return 0 if passed else 1

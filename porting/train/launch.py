@@ -1,4 +1,5 @@
-"""Launchers for ``porting train``: a Slurm batch script and NeMo-Run (torchrun runs in the CLI)."""
+"""What ``porting train``'s executors (:mod:`porting.train.executors`) run: the Slurm batch
+script and its follower, rank 0's verdict for it, and NeMo-Run's launch."""
 
 from __future__ import annotations
 
@@ -66,28 +67,12 @@ def follow_slurm(job_id: str, log: Path, poll_s: float = 1.0, out: Path | None =
     from porting import slurm
     from porting.train.stop import settle_checkpoints
 
-    shown = 0
+    job_log = slurm.JobLog(log, stream="stdout")
     restarts = 0
-
-    def show() -> None:
-        nonlocal shown
-        try:
-            with open(log, "rb") as fh:
-                if os.fstat(fh.fileno()).st_size < shown:  # a requeued job starts its log afresh
-                    shown = 0
-                fh.seek(shown)
-                new = fh.read()
-        except FileNotFoundError:
-            return
-        cut = new.rfind(b"\n") + 1  # whole lines only
-        if cut:
-            sys.stdout.write(new[:cut].decode(errors="replace"))
-            sys.stdout.flush()
-            shown += cut
 
     def poll() -> bool:
         nonlocal restarts
-        show()
+        job_log.show()
         tasks = slurm.tasks(job_id)
         state = tasks[0].get("JobState", "") if tasks else None
         if tasks and int(tasks[0].get("Restarts", "0") or 0) > restarts:
@@ -100,7 +85,7 @@ def follow_slurm(job_id: str, log: Path, poll_s: float = 1.0, out: Path | None =
                 flush=True,
             )
         if state == "COMPLETED" or state is None:
-            show()
+            job_log.show()
             if out is not None and verdict_path(out, job_id).is_file():
                 return True
             how = "completed" if state else "is no longer known to Slurm"
@@ -111,7 +96,7 @@ def follow_slurm(job_id: str, log: Path, poll_s: float = 1.0, out: Path | None =
                 f"path. Its log {log} ends:\n{slurm.tail(log)}"
             )
         if state in slurm.FAILED_STATES:
-            show()
+            job_log.show()
             longer = " with a longer --time" if state == "TIMEOUT" else ""
             kept = "the checkpoints saved so far are kept"
             if out is not None:
