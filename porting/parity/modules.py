@@ -348,23 +348,69 @@ def pieces_streamed(
     first layer's cost, while its order is learned). The reads go to two reused areas
     (:data:`PIECE_AREA_BYTES`). Between calls each matrix is a :class:`StoredMatrix`. Its vectors
     are read with the layer."""
-    handles = []
-    layers = list(layers)
-    # module -> its own matrices' (name, shape, dtype, a buffer), as built
-    matrices: dict[torch.nn.Module, list[tuple[str, torch.Size, torch.dtype, bool]]] = {}
-    shadows: dict[torch.nn.Module, torch.nn.Module] = {}
-    lent: dict[torch.nn.Module, object] = {}  # the token of the area a loaded piece holds
-    # (layer, prefix) -> its module, in the order the layers run; what followed each prefix
-    order: list[tuple[int, str]] = []
-    modules: dict[tuple[int, str], torch.nn.Module] = {}
-    follows: dict[str, str] = {}
-    called: dict[int, list[str]] = {}
-    missed: set[tuple[int, str]] = set()
-    reader = ThreadPoolExecutor(1, thread_name_prefix="porting-parity-piece")
-    ahead: dict[tuple[int, str], Future] = {}
+    stream = _PieceStream(layers, load, device)
+    stream.install()
+    try:
+        yield
+    finally:
+        stream.close()
 
-    def as_built(module):
-        for name, shape, dtype, buffer in matrices[module]:
+
+class _PieceStream:
+    """The state of :func:`pieces_streamed`: each piece's matrices as built, the order the
+    pieces are called in, the read ahead."""
+
+    def __init__(self, layers, load: PieceLoad, device: torch.device) -> None:
+        self.load, self.device = load, device
+        self.handles: list = []
+        # module -> its own matrices' (name, shape, dtype, a buffer), as built
+        self.matrices: dict[torch.nn.Module, list[tuple[str, torch.Size, torch.dtype, bool]]] = {}
+        self.shadows: dict[torch.nn.Module, torch.nn.Module] = {}
+        self.lent: dict[torch.nn.Module, object] = {}  # the token of the area a loaded piece holds
+        # (layer, prefix) -> its module, in the order the layers run; what followed each prefix
+        self.order: list[tuple[int, str]] = []
+        self.modules: dict[tuple[int, str], torch.nn.Module] = {}
+        self.follows: dict[str, str] = {}
+        self.called: dict[int, list[str]] = {}
+        self.missed: set[tuple[int, str]] = set()
+        self.reader = ThreadPoolExecutor(1, thread_name_prefix="porting-parity-piece")
+        self.ahead: dict[tuple[int, str], Future] = {}
+        for i, layer in layers:
+            for sub, module in pieces(layer):
+                self.matrices[module] = [
+                    (name, t.shape, t.dtype, name in module._buffers)
+                    for name, t in own_matrices(module)
+                ]
+                self.shadows[module] = _shadow(module)
+                self.order.append((i, sub))
+                self.modules[i, sub] = module
+        sizes = [sum(shape.numel() for _, shape, _, _ in m) for m in self.matrices.values()]
+        self.areas = _PieceAreas(min(max(sizes, default=0), PIECE_AREA_BYTES // 4), device)
+
+    def install(self) -> None:
+        """Every piece stands for its matrices, and is loaded when called."""
+        for (i, sub), module in self.modules.items():
+            self.stand(module, i, sub)
+            self.handles.append(
+                module.register_forward_pre_hook(lambda m, a, i=i, sub=sub: self.pre(m, i, sub))
+            )
+            self.handles.append(
+                module.register_forward_hook(lambda m, a, o, i=i, sub=sub: self.stand(m, i, sub))
+            )
+
+    def close(self) -> None:
+        """The hooks removed, the reads ahead ended, every module as built."""
+        for h in self.handles:
+            h.remove()
+        for future in self.ahead.values():
+            future.cancel()
+        self.reader.shutdown(wait=True)
+        self.ahead.clear()
+        for module in self.matrices:
+            self.as_built(module)
+
+    def as_built(self, module) -> None:
+        for name, shape, dtype, buffer in self.matrices[module]:
             module.__dict__.pop(name, None)
             meta = torch.empty(shape, dtype=dtype, device="meta")
             if buffer:
@@ -372,94 +418,67 @@ def pieces_streamed(
             else:
                 set_param(module, name, meta)
 
-    def read(module, i, sub, token=None) -> dict[str, torch.Tensor]:
+    def read(self, module, i, sub, token=None) -> dict[str, torch.Tensor]:
         """The piece's matrices, in an area lent to ``token`` (none: memory of their own)."""
         if token is None:
-            return load(i, sub, shadows[module], _fresh(device))
-        numel = sum(shape.numel() for _, shape, _, _ in matrices[module])
-        return load(i, sub, shadows[module], areas.take(token, numel))
+            return self.load(i, sub, self.shadows[module], _fresh(self.device))
+        numel = sum(shape.numel() for _, shape, _, _ in self.matrices[module])
+        return self.load(i, sub, self.shadows[module], self.areas.take(token, numel))
 
-    def stand(module, i, sub):
-        areas.give_back(lent.pop(module, None))
-        for name, shape, dtype, _ in matrices[module]:
+    def stand(self, module, i, sub) -> None:
+        """The piece's matrices released: each a :class:`StoredMatrix` until called again."""
+        self.areas.give_back(self.lent.pop(module, None))
+        for name, shape, dtype, _ in self.matrices[module]:
             module._parameters.pop(name, None)
             module._buffers.pop(name, None)
             module.__dict__[name] = StoredMatrix(
-                shape, dtype, device, lambda n=name: read(module, i, sub)[n]
+                shape, dtype, self.device, lambda n=name: self.read(module, i, sub)[n]
             )
 
-    def after(i: int, sub: str) -> tuple[int, str] | None:
+    def after(self, i: int, sub: str) -> tuple[int, str] | None:
         """The piece expected to be called after ``sub`` of layer ``i``: the one that followed
         it in a layer before, else the next not yet called in the modules' order (the next
         layer's first)."""
-        if sub in follows and (i, follows[sub]) in modules:
-            return i, follows[sub]
-        here = [p for p in order if p[0] == i and p[1] not in called[i] and p not in missed]
+        if sub in self.follows and (i, self.follows[sub]) in self.modules:
+            return i, self.follows[sub]
+        here = [
+            p for p in self.order
+            if p[0] == i and p[1] not in self.called[i] and p not in self.missed
+        ]  # fmt: skip
         if here:
             return here[0]
-        j = next((p[0] for p in order if p[0] > i), None)
+        j = next((p[0] for p in self.order if p[0] > i), None)
         if j is None:
             return None
-        first = next(iter(called.values()))[0]  # what the first layer began with
-        return (j, first) if (j, first) in modules else next(p for p in order if p[0] == j)
+        first = next(iter(self.called.values()))[0]  # what the first layer began with
+        if (j, first) in self.modules:
+            return j, first
+        return next(p for p in self.order if p[0] == j)
 
-    def pre(module, args, i, sub):
-        if called.get(i):
-            follows[called[i][-1]] = sub
-        called.setdefault(i, []).append(sub)
-        future = ahead.pop((i, sub), None)
-        for key, dropped in ahead.items():  # a read for another piece, not called next: its
-            dropped.add_done_callback(lambda f: areas.give_back(f.token))  # area back once done
-            missed.add(key)  # and not guessed again for its layer
-        ahead.clear()
+    def pre(self, module, i, sub) -> None:
+        """Before the piece runs: its matrices in place (read ahead, or now), the next read."""
+        if self.called.get(i):
+            self.follows[self.called[i][-1]] = sub
+        self.called.setdefault(i, []).append(sub)
+        future = self.ahead.pop((i, sub), None)
+        for key, dropped in self.ahead.items():  # a read for another piece, not called next:
+            dropped.add_done_callback(lambda f: self.areas.give_back(f.token))  # area back once
+            self.missed.add(key)  # done, and not guessed again for its layer
+        self.ahead.clear()
         if future is None:
-            lent[module] = object()
-            values = read(module, i, sub, lent[module])
+            self.lent[module] = object()
+            values = self.read(module, i, sub, self.lent[module])
         else:
-            lent[module] = future.token
+            self.lent[module] = future.token
             values = future.result()
-        for name, _, _, buffer in matrices[module]:
+        for name, _, _, buffer in self.matrices[module]:
             module.__dict__.pop(name, None)
             if buffer:
                 module._buffers[name] = values[name]
             else:
                 set_param(module, name, values[name])
-        nxt = after(i, sub)
+        nxt = self.after(i, sub)
         if nxt is not None:
             token = object()
-            ahead[nxt] = reader.submit(read, modules[nxt], *nxt, token)
-            ahead[nxt].token = token
-
-    def post(module, args, output, i, sub):
-        stand(module, i, sub)
-
-    for i, layer in layers:
-        for sub, module in pieces(layer):
-            matrices[module] = [
-                (name, t.shape, t.dtype, name in module._buffers)
-                for name, t in own_matrices(module)
-            ]
-            shadows[module] = _shadow(module)
-            order.append((i, sub))
-            modules[i, sub] = module
-    sizes = [sum(shape.numel() for _, shape, _, _ in m) for m in matrices.values()]
-    areas = _PieceAreas(min(max(sizes, default=0), PIECE_AREA_BYTES // 4), device)
-    for (i, sub), module in modules.items():
-        stand(module, i, sub)
-        handles.append(
-            module.register_forward_pre_hook(lambda m, a, i=i, sub=sub: pre(m, a, i, sub))
-        )
-        handles.append(
-            module.register_forward_hook(lambda m, a, o, i=i, sub=sub: post(m, a, o, i, sub))
-        )
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-        for future in ahead.values():
-            future.cancel()
-        reader.shutdown(wait=True)
-        ahead.clear()
-        for module in matrices:
-            as_built(module)
+            self.ahead[nxt] = self.reader.submit(self.read, self.modules[nxt], *nxt, token)
+            self.ahead[nxt].token = token

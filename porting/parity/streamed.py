@@ -629,21 +629,64 @@ def _to_device(model: torch.nn.Module, device: torch.device) -> None:
 
 
 def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, read=None):
-    """``read``: ``(config dict, SafetensorsSource, config as written)`` of ``hf_dir`` where the
-    caller has them (verify reads them before the gate starts); read here otherwise."""
-    from accelerate import init_empty_weights
+    """The reference model with streamed layers, and its text config. ``read``: ``(config dict,
+    SafetensorsSource, config as written)`` of ``hf_dir`` where the caller has them (verify
+    reads them before the gate starts); read here otherwise."""
+    hf_config, source, written, held = _reference_weights(hf_dir, allow_pickle, read)
+    model, text = _reference_model(hf_dir, family, hf_config, written, held)
+    _to_device(model, device)
+    language = held.container.own_names[0][0].rstrip(".") if held is not None else ""
+    prefix, layers = _layer_list(model, text.num_hidden_layers, language)
+    buffers = _Buffers(device)
+    reader = _ReferenceReader(hf_dir, source, text.model_type, prefix, device, buffers)
+    # transformers 5 holds a mixture's experts in two stacks per layer, as Llama 4 does in
+    # either: its eager loop (or Llama 4's bmm) reads them expert by expert, so no layer holds all
+    # of its experts (a 480B-class layer's are 30 GB in fp32, a Maverick layer's 64 GB)
+    stacks = sum(
+        stream_expert_stacks(
+            layer, lambda name, e, shape, i=i: reader.read_expert(f"{prefix}.{i}.{name}", e, shape)
+        )
+        for i, layer in enumerate(layers)
+    )
+    if stacks and hasattr(model, "set_experts_implementation"):  # transformers 5's interface
+        model.set_experts_implementation("eager")
+    buffers.reserve(_layer_numel(layers))
+    _install_reference_tables(model, text, held, reader)
+    # a container's parts that text does not run (vision tower, projector) stay on meta
+    own = tuple(p for p, _ in held.container.own_names) if held is not None else ("",)
+    in_layers = tuple(f"{prefix}.{i}." for i in range(len(layers)))
+    for name, p in model.named_parameters():
+        if name.startswith(own) and not name.startswith(in_layers):
+            set_param(model, name, reader.read(name, p.shape))
+    # The reader (and the mapped files behind it) outlives the pass only for layers past the
+    # decoder's (MTP layers, porting.parity.mtp): otherwise its pages would stay resident
+    # through the Megatron pass.
+    beyond = any(k.startswith(f"{prefix}.{text.num_hidden_layers}.") for k in reader.available)
+    side = _Side(
+        model,
+        layers,
+        reader.load,
+        reader.read if beyond else None,
+        buffers,
+        _Buffers(device),
+        reader.read_expert if beyond else None,
+        reader.table if beyond else None,
+    )
+    return side, text
 
-    from porting.contract.hf_spelling import config_for_reference
-    from porting.convert.container import reference_config
+
+def _reference_weights(hf_dir: Path, allow_pickle: bool, read):
+    """The HF directory's config (as read, and as written), its weights as the reference reads
+    them (a quantized checkpoint dequantized by the reference's own code, not the importer's),
+    and the container it is held in (None: a text model's own checkpoint)."""
     from porting.convert.hf_files import read_hf_config_as_written
-    from porting.convert.packed_experts import published_parts
     from porting.convert.safetensors_io import RenamedSource, weights_at
 
     if read:
         hf_config, source, written = read
     else:
         (hf_config, written), source = read_hf_config_as_written(hf_dir), None
-    if source is None:  # a quantized checkpoint dequantized by the reference, not the importer
+    if source is None:
         from porting.parity.hf_dequant import REFERENCE
 
         source = weights_at(hf_dir, allow_pickle=allow_pickle, dequantizer=REFERENCE, names="own")
@@ -657,6 +700,17 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
         from porting.parity.hf_dequant import import_references
 
         import_references()
+    return hf_config, source, written, held
+
+
+def _reference_model(hf_dir: Path, family, hf_config: dict, written, held):
+    """The family's transformers class built on meta in fp32 (its large tensors never
+    allocated), and the config of its language model."""
+    from accelerate import init_empty_weights
+
+    from porting.contract.hf_spelling import config_for_reference
+    from porting.convert.container import reference_config
+
     if held is not None:
         # the container class itself, run on text: its language model, its head
         cls = family.hf_class(held.container.architecture)
@@ -677,70 +731,12 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
             config, dtype=torch.float32, attn_implementation=family.hf_attn_implementation
         )
     model.eval()
-    _to_device(model, device)
-    language = held.container.own_names[0][0].rstrip(".") if held is not None else ""
-    prefix, layers = _layer_list(model, text.num_hidden_layers, language)
-    available = set(source.keys())
-    # transformers 5 holds a mixture's experts in two stacks per layer, as Llama 4 does in
-    # either: its eager loop (or Llama 4's bmm) reads them expert by expert, so no layer holds all
-    # of its experts (a 480B-class layer's are 30 GB in fp32, a Maverick layer's 64 GB)
-    stacks = sum(
-        stream_expert_stacks(
-            layer, lambda name, e, shape, i=i: read_expert(f"{prefix}.{i}.{name}", e, shape)
-        )
-        for i, layer in enumerate(layers)
-    )
-    if stacks and hasattr(model, "set_experts_implementation"):  # transformers 5's interface
-        model.set_experts_implementation("eager")
-    buffers = _Buffers(device)
-    buffers.reserve(_layer_numel(layers))
+    return model, text
 
-    def read_expert(key: str, e: int, shape: torch.Size) -> torch.Tensor:
-        """Expert ``e`` (of ``shape``) of the stack ``key``: its slice of a stored stack, or the
-        published per-expert tensors it is made of."""
-        buf = torch.empty(shape, dtype=torch.float32, device=device)
-        if key in available:
-            stored = torch.Size(source.shape(key)[0])
-            _check_shape(str(hf_dir), key, stored[1:], shape)
-            if not 0 <= e < stored[0]:
-                raise PortingError(f"{hf_dir}: tensor {key!r} has no expert {e}")
-            with source.mapped(key, e) as one:
-                _cast_into(buf, one)
-            check_finite(buf, str(hf_dir), key)
-            return buf
-        parts = published_parts(text.model_type, key, (e + 1, *shape)) or []
-        mine = [(name, part) for name, part in parts if part is not None and part.expert == e]
-        if not mine or any(name not in available for name, _ in mine):
-            raise PortingError(f"{hf_dir}: tensor {key!r} is missing")
-        for name, part in mine:
-            into = buf if part.rows is None else buf[part.rows[0] : part.rows[1]]
-            into.copy_(read(name, into.shape))
-        return buf
 
-    def read(key: str, want: torch.Size | None, buf: torch.Tensor | None = None) -> torch.Tensor:
-        if key not in available:
-            parts = want is not None and published_parts(text.model_type, key, tuple(want))
-            if not parts or any(name not in available for name, _ in parts):
-                raise PortingError(f"{hf_dir}: tensor {key!r} is missing")
-            # transformers 5's model stacks what the checkpoint stores per expert
-            if buf is None:
-                buf = torch.empty(want, dtype=torch.float32, device=device)
-            for name, part in parts:
-                into = buf if part is None else buf[part.expert]
-                if part is not None and part.rows is not None:
-                    into = into[part.rows[0] : part.rows[1]]
-                into.copy_(read(name, into.shape))
-            return buf
-        stored = torch.Size(source.shape(key)[0])
-        want = stored if want is None else want
-        _check_shape(str(hf_dir), key, stored, want)
-        if buf is None:
-            buf = torch.empty(want, dtype=torch.float32, device=device)
-        with source.mapped(key) as stored:
-            _cast_into(buf, stored)
-        check_finite(buf, str(hf_dir), key)
-        return buf
-
+def _install_reference_tables(model, text, held, reader: _ReferenceReader) -> None:
+    """The embedding and the output layer read by vocabulary slices (porting.parity.vocab),
+    tied or not: neither is ever in memory whole."""
     tied = bool(getattr(text, "tie_word_embeddings", False))
     if held is not None and not tied:
         # a container's head may be tied to its embedding by the container's own flag (as
@@ -748,55 +744,96 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
         output = model.get_output_embeddings()
         if output.weight is model.get_input_embeddings().weight:
             output.weight = torch.nn.Parameter(torch.empty_like(output.weight, device="meta"))
+    if tied:  # one table in both places (transformers 5 builds them apart on meta)
+        model.tie_weights()
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    install_tables(model, [inputs, outputs], text.vocab_size, reader.table)
 
-    def table(key: str, shape: torch.Size | None = None) -> VocabTable:
-        if key not in available:
-            raise PortingError(f"{hf_dir}: tensor {key!r} is missing")
-        stored = torch.Size(source.shape(key)[0])
-        _check_shape(str(hf_dir), key, stored, stored if shape is None else shape)
+
+class _ReferenceReader:
+    """The reference's tensors by name from the HF directory's weights, each in fp32 on the
+    gate's device: whole, an expert of a stack, a vocabulary table's rows, a layer's."""
+
+    def __init__(self, hf_dir: Path, source, model_type: str, prefix: str, device, buffers):
+        self.hf_dir, self.source, self.model_type = hf_dir, source, model_type
+        self.prefix, self.device, self.buffers = prefix, device, buffers
+        self.available = set(source.keys())
+
+    def _missing(self, key: str) -> PortingError:
+        return PortingError(f"{self.hf_dir}: tensor {key!r} is missing")
+
+    def read(self, key: str, want: torch.Size | None, buf: torch.Tensor | None = None):
+        """Tensor ``key`` (of shape ``want``; None: as stored) into ``buf`` (a new tensor where
+        None); one transformers 5 stacks, made of the per-expert tensors a checkpoint stores."""
+        from porting.convert.packed_experts import published_parts
+
+        if key not in self.available:
+            parts = want is not None and published_parts(self.model_type, key, tuple(want))
+            if not parts or any(name not in self.available for name, _ in parts):
+                raise self._missing(key)
+            if buf is None:
+                buf = torch.empty(want, dtype=torch.float32, device=self.device)
+            for name, part in parts:
+                into = buf if part is None else buf[part.expert]
+                if part is not None and part.rows is not None:
+                    into = into[part.rows[0] : part.rows[1]]
+                into.copy_(self.read(name, into.shape))
+            return buf
+        stored = torch.Size(self.source.shape(key)[0])
+        want = stored if want is None else want
+        _check_shape(str(self.hf_dir), key, stored, want)
+        if buf is None:
+            buf = torch.empty(want, dtype=torch.float32, device=self.device)
+        with self.source.mapped(key) as stored:
+            _cast_into(buf, stored)
+        check_finite(buf, str(self.hf_dir), key)
+        return buf
+
+    def read_expert(self, key: str, e: int, shape: torch.Size) -> torch.Tensor:
+        """Expert ``e`` (of ``shape``) of the stack ``key``: its slice of a stored stack, or the
+        published per-expert tensors it is made of."""
+        from porting.convert.packed_experts import published_parts
+
+        buf = torch.empty(shape, dtype=torch.float32, device=self.device)
+        if key in self.available:
+            stored = torch.Size(self.source.shape(key)[0])
+            _check_shape(str(self.hf_dir), key, stored[1:], shape)
+            if not 0 <= e < stored[0]:
+                raise PortingError(f"{self.hf_dir}: tensor {key!r} has no expert {e}")
+            with self.source.mapped(key, e) as one:
+                _cast_into(buf, one)
+            check_finite(buf, str(self.hf_dir), key)
+            return buf
+        parts = published_parts(self.model_type, key, (e + 1, *shape)) or []
+        mine = [(name, part) for name, part in parts if part is not None and part.expert == e]
+        if not mine or any(name not in self.available for name, _ in mine):
+            raise self._missing(key)
+        for name, part in mine:
+            into = buf if part.rows is None else buf[part.rows[0] : part.rows[1]]
+            into.copy_(self.read(name, into.shape))
+        return buf
+
+    def table(self, key: str, shape: torch.Size | None = None) -> VocabTable:
+        """The stored tensor ``key`` as a vocabulary table, read by rows when used."""
+        if key not in self.available:
+            raise self._missing(key)
+        stored = torch.Size(self.source.shape(key)[0])
+        _check_shape(str(self.hf_dir), key, stored, stored if shape is None else shape)
+        source, where = self.source, str(self.hf_dir)
 
         def rows(start: int, stop: int, out: torch.Tensor) -> None:
             with source.mapped(key) as whole:
                 _cast_into(out, whole[start:stop])
-            check_finite(out, str(hf_dir), key)
+            check_finite(out, where, key)
 
-        return VocabTable(key, stored, rows, device, buffers.spare)
+        return VocabTable(key, stored, rows, self.device, self.buffers.spare)
 
-    if tied:  # one table in both places (transformers 5 builds them apart on meta)
-        model.tie_weights()
-    # the embedding and the output layer read by vocabulary slices (porting.parity.vocab), tied
-    # or not: neither is ever in memory whole
-    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
-    install_tables(model, [inputs, outputs], text.vocab_size, table)
-    layer_params = {f"{prefix}.{i}.": layer for i, layer in enumerate(layers)}
-    # a container's parts that text does not run (vision tower, projector) stay on meta
-    own = tuple(p for p, _ in held.container.own_names) if held is not None else ("",)
-    for name, p in model.named_parameters():
-        if any(name.startswith(lp) for lp in layer_params) or not name.startswith(own):
-            continue
-        set_param(model, name, read(name, p.shape))
-
-    def load(i: int, sub: str, module, take: Take, skip, matrices=None) -> dict[str, torch.Tensor]:
+    def load(self, i: int, sub: str, module, take: Take, skip, matrices=None):
+        """The stored tensors of ``module`` at ``sub`` in layer ``i`` (:attr:`_Side.load`)."""
         return {
-            name: read(f"{prefix}.{i}.{sub}{name}", p.shape, take(name, p.shape))
+            name: self.read(f"{self.prefix}.{i}.{sub}{name}", p.shape, take(name, p.shape))
             for name, p in stored_tensors(module, skip, matrices)
         }
-
-    # The reader (and the mapped files behind it) outlives the pass only for layers past the
-    # decoder's (MTP layers, porting.parity.mtp): otherwise its pages would stay resident
-    # through the Megatron pass.
-    beyond = any(k.startswith(f"{prefix}.{text.num_hidden_layers}.") for k in available)
-    side = _Side(
-        model,
-        layers,
-        load,
-        read if beyond else None,
-        buffers,
-        _Buffers(device),
-        read_expert if beyond else None,
-        table if beyond else None,
-    )
-    return side, text
 
 
 def _megatron_side(ckpt, family, device: torch.device, buffers: _Buffers):
@@ -972,161 +1009,224 @@ def _streamed_logits(
 ):
     from tqdm import tqdm
 
-    from porting.convert.checkpoint import open_checkpoint
-    from porting.convert.megatron import main_head_only
-
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     ids, valid = pad_batch(prompts)
-    ids, valid = ids.to(device), valid.to(device)
     hf, hf_config = _hf_side(Path(hf_dir), family, allow_pickle, device, hf_read)
     n = len(hf.layers)
     stage = _Stage.of_this_process(n)
-    head = stage is None or stage.last
-    # what an MTP layer's HF side needs of this pass (porting.parity.mtp): the arguments of the
-    # last decoder layer and the head's input, the final hidden state after its norm
-    last: dict = {}
     steps = 2 * (n if stage is None else len(stage.owned))
     bar = tqdm(total=steps, desc="parity", unit="layer", leave=False, disable=not show_progress)
     # Each HF layer's input and output go to disk, not memory: the Megatron pass needs them one
     # layer at a time, and kept in RAM they would grow with the depth.
-    scratch = tempfile.TemporaryDirectory(prefix=".porting-parity-", dir=scratch_dir)
-    kept = Path(scratch.name)
-    flop = [0.0]
-
-    def on_hf_layer(i, layer, args, kwargs, output):
-        hidden = args[0] if args else kwargs["hidden_states"]
-        torch.save({"in": hidden.detach().cpu(), "out": output.detach().cpu()}, kept / f"{i}.pt")
-        if i == n - 1:
-            last["kwargs"] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
-        heap.step()
-        bar.update()
-
-    grab = hf.model.get_output_embeddings().register_forward_pre_hook(
-        lambda m, a: last.update(normed=a[0])
-    )
-
-    with scratch:
-        with (
-            _real_rows_only(hf.model, valid, (torch.nn.Linear,), flop),
-            _MatmulWork(flop),
-            hf_probe or nullcontext(),
-        ):
-            hf_logits = hf.run(
-                lambda: hf.model(input_ids=ids, use_cache=False).logits, on_hf_layer, stage
-            )
-        grab.remove()
-        if head:
-            hf_logits = unpad(hf_logits, prompts, vocab_size)
-        hf_prefix = next(name for name, m in hf.model.named_modules() if m is hf.layers)
-        hf_last, hf_read, buffers = hf.layers[-1], hf.read, hf.buffers
-        hf_read_expert, hf_table = hf.read_expert, hf.table
-        hf = None  # the HF model is released before the Megatron side is built
-
-        checkpoint = open_checkpoint(ckpt)
-        mc, mc_config = _megatron_side(checkpoint, family, device, buffers)
-        if len(mc.layers) != n:
-            raise PortingError(
-                f"{checkpoint.path}: {len(mc.layers)} Megatron layers against {n} in {hf_dir}/config.json"
-            )
-        report: list[LayerDivergence] = []
-        mask = valid.transpose(0, 1)  # Megatron's hidden states are [s, b, h]
-
-        def on_mc_layer(i, layer, args, kwargs, output):
-            saved = torch.load(kept / f"{i}.pt", weights_only=True)
-            ref = saved["out"].to(device).transpose(0, 1)[mask]
-            got = output[mask]
-            diff = (got - ref).abs()
-            max_abs = diff.max().item()
-            max_rel = _relative(max_abs, ref)
-            hf_in = saved["in"].to(device).transpose(0, 1).contiguous()
-            given = kwargs.get("hidden_states", args[0] if args else None)
-            same_input = given is not None and torch.equal(given, hf_in)
-            if same_input or max_rel <= LAYER_RTOL:  # NaN is not within: it runs again
-                # the same computation on the same input, or a layer within the tolerance on its
-                # own input: nothing carried in to tell from its own error
-                own_abs, own_rel = max_abs, max_rel
-            else:
-                own_kwargs = dict(kwargs, hidden_states=hf_in)
-                own = _output(layer.forward(*args, **own_kwargs))[mask]
-                own_abs = (own - ref).abs().max().item()
-                own_rel = _relative(own_abs, ref)
-            report.append(
-                LayerDivergence(
-                    layer=i,
-                    max_abs=max_abs,
-                    mean_abs=diff.mean().item(),
-                    max_rel=max_rel,
-                    own_max_abs=own_abs,
-                    own_max_rel=own_rel,
-                    own_on_hf_input=same_input or not max_rel <= LAYER_RTOL,
-                )
-            )
-            heap.step()
-            bar.update()
-
-        positions = torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(ids)
-        decoder: dict = {}
-        watch = mc.model.decoder.register_forward_hook(
-            lambda m, a, k, o: decoder.update(out=_output(o), kwargs=k), with_kwargs=True
+    with tempfile.TemporaryDirectory(prefix=".porting-parity-", dir=scratch_dir) as scratch:
+        run = _Pass(
+            ids.to(device), valid.to(device), prompts, vocab_size, Path(scratch), stage, heap, bar
         )
-        with _real_rows_only(mc.model, mask, _megatron_linear_types(), [0.0]):
-            with main_head_only(mc.model):
-                mc_logits = mc.run(lambda: mc.model(ids, positions, None), on_mc_layer, stage)
-            if head:
-                mc_logits = unpad(mc_logits, prompts, vocab_size)
-            watch.remove()
-            buffers.free()
-            ctx = family.shape_context(mc_config, vocab_size)
-            got = []
-            if ctx.mtp_layers and head:
-                from porting.parity import mtp as mtp_check
-
-                if hf_read is None:
-                    raise PortingError(
-                        f"{checkpoint.path} has {ctx.mtp_layers} multi-token-prediction "
-                        f"layer(s); {hf_dir} has no tensors past its decoder's "
-                        f"{hf_prefix}.{n - 1}"
-                    )
-
-                got = mtp_check.megatron_mtp_logits(
-                    mc.model,
-                    mc.read,
-                    ids,
-                    positions,
-                    decoder["out"],
-                    decoder["kwargs"],
-                )
-                got = [unpad(g, prompts, vocab_size) for g in got]
-        mc = decoder = None  # released before the HF side's MTP layers are read
-        mtp = []
-        if got:
-            want = mtp_check.hf_mtp_logits(
-                mtp_check.mtp_names(family, ctx, hf_prefix),
-                hf_read,
-                hf_last,
-                hf_config,
-                ids,
-                last["normed"],
-                last["kwargs"],
-                hf_table,
-                hf_read_expert,
-            )
-            mtp = [(unpad(w, prompts, vocab_size), g) for w, g in zip(want, got, strict=True)]
+        reference = _reference_pass(hf, run, hf_probe)
+        hf = None  # the HF model is released before the Megatron side is built
+        mc_logits, report, got, ctx = _megatron_pass(ckpt, family, hf_dir, run, reference)
+        mtp = _mtp_pairs(family, ctx, hf_config, run, reference, got) if got else []
     bar.close()
     # Measured (where not cached) after the run: timed alone, not beside the reader.
-    rate = machine_gflops(device, work_flop=2 * flop[0])  # both sides, as GateCost counts it
+    rate = machine_gflops(device, work_flop=2 * run.flop[0])  # both sides, as GateCost counts it
     result = [
-        hf_logits if head else None,
-        mc_logits if head else None,
+        reference.logits if run.head else None,
+        mc_logits if run.head else None,
         report,
-        GateCost(flop=flop[0], gflops=rate),
+        GateCost(flop=run.flop[0], gflops=rate),
         mtp,
     ]
     if stage is not None:
         result = _gathered(stage, result)
     return tuple(result)
+
+
+@dataclass
+class _Pass:
+    """What the two sides' passes share: the padded batch, where the reference's layer inputs
+    and outputs are kept, this process's pipeline stage (None: every layer), the matmul work
+    counted on the reference side."""
+
+    ids: torch.Tensor
+    valid: torch.Tensor
+    prompts: list[torch.Tensor]
+    vocab_size: int
+    kept: Path
+    stage: _Stage | None
+    heap: ReusedHeap
+    bar: object
+    flop: list[float] = field(default_factory=lambda: [0.0])
+
+    @property
+    def head(self) -> bool:
+        """This process computes the logits (the last stage, or the whole model)."""
+        return self.stage is None or self.stage.last
+
+    def step(self) -> None:
+        self.heap.step()
+        self.bar.update()
+
+
+@dataclass
+class _Reference:
+    """What the Megatron pass and the MTP check need of the reference's, once its model is gone:
+    its logits (per prompt, on the last stage), the last decoder layer's arguments and the final
+    norm's output (``last``), its layer list's name, its last layer, its readers and its layer
+    areas (for the Megatron side's)."""
+
+    logits: list[torch.Tensor] | torch.Tensor | None
+    last: dict
+    prefix: str
+    last_layer: torch.nn.Module
+    read: Callable | None
+    read_expert: Callable | None
+    table: Callable | None
+    buffers: _Buffers
+    layers: int
+
+
+def _reference_pass(hf: _Side, run: _Pass, hf_probe) -> _Reference:
+    """The reference model over the batch, each layer's input and output saved for the Megatron
+    pass's comparison."""
+    n = len(hf.layers)
+    last: dict = {}
+
+    def on_hf_layer(i, layer, args, kwargs, output):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        torch.save(
+            {"in": hidden.detach().cpu(), "out": output.detach().cpu()}, run.kept / f"{i}.pt"
+        )
+        if i == n - 1:
+            last["kwargs"] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+        run.step()
+
+    grab = hf.model.get_output_embeddings().register_forward_pre_hook(
+        lambda m, a: last.update(normed=a[0])
+    )
+    with (
+        _real_rows_only(hf.model, run.valid, (torch.nn.Linear,), run.flop),
+        _MatmulWork(run.flop),
+        hf_probe or nullcontext(),
+    ):
+        logits = hf.run(
+            lambda: hf.model(input_ids=run.ids, use_cache=False).logits, on_hf_layer, run.stage
+        )
+    grab.remove()
+    if run.head:
+        logits = unpad(logits, run.prompts, run.vocab_size)
+    prefix = next(name for name, m in hf.model.named_modules() if m is hf.layers)
+    return _Reference(
+        logits, last, prefix, hf.layers[-1], hf.read, hf.read_expert, hf.table, hf.buffers, n
+    )
+
+
+def _megatron_pass(ckpt, family, hf_dir, run: _Pass, reference: _Reference):
+    """The Megatron model over the batch, each layer compared with the reference's as it
+    returns; its logits, the layers' report, its MTP heads' logits (where it has them) and the
+    shape context. The model is released on return, before the reference's MTP layers are read."""
+    from porting.convert.checkpoint import open_checkpoint
+    from porting.convert.megatron import main_head_only
+
+    device = run.ids.device
+    checkpoint = open_checkpoint(ckpt)
+    mc, mc_config = _megatron_side(checkpoint, family, device, reference.buffers)
+    n = reference.layers
+    if len(mc.layers) != n:
+        raise PortingError(
+            f"{checkpoint.path}: {len(mc.layers)} Megatron layers against {n} in {hf_dir}/config.json"
+        )
+    report: list[LayerDivergence] = []
+    mask = run.valid.transpose(0, 1)  # Megatron's hidden states are [s, b, h]
+    positions = torch.arange(run.ids.shape[1], device=device).unsqueeze(0).expand_as(run.ids)
+    decoder: dict = {}
+    watch = mc.model.decoder.register_forward_hook(
+        lambda m, a, k, o: decoder.update(out=_output(o), kwargs=k), with_kwargs=True
+    )
+    on_layer = _layer_comparison(run, mask, report)
+    with _real_rows_only(mc.model, mask, _megatron_linear_types(), [0.0]):
+        with main_head_only(mc.model):
+            logits = mc.run(lambda: mc.model(run.ids, positions, None), on_layer, run.stage)
+        if run.head:
+            logits = unpad(logits, run.prompts, run.vocab_size)
+        watch.remove()
+        reference.buffers.free()
+        ctx = family.shape_context(mc_config, run.vocab_size)
+        got = []
+        if ctx.mtp_layers and run.head:
+            from porting.parity import mtp as mtp_check
+
+            if reference.read is None:
+                raise PortingError(
+                    f"{checkpoint.path} has {ctx.mtp_layers} multi-token-prediction "
+                    f"layer(s); {hf_dir} has no tensors past its decoder's "
+                    f"{reference.prefix}.{n - 1}"
+                )
+            got = mtp_check.megatron_mtp_logits(
+                mc.model, mc.read, run.ids, positions, decoder["out"], decoder["kwargs"]
+            )
+            got = [unpad(g, run.prompts, run.vocab_size) for g in got]
+    return logits, report, got, ctx
+
+
+def _layer_comparison(run: _Pass, mask: torch.Tensor, report: list[LayerDivergence]):
+    """``on_layer`` of the Megatron pass: layer ``i``'s output against the reference's, and where
+    it differs beyond the tolerance, the same layer again on the reference's input (its own
+    error, apart from what it was handed), into ``report``."""
+    device = run.ids.device
+
+    def on_mc_layer(i, layer, args, kwargs, output):
+        saved = torch.load(run.kept / f"{i}.pt", weights_only=True)
+        ref = saved["out"].to(device).transpose(0, 1)[mask]
+        got = output[mask]
+        diff = (got - ref).abs()
+        max_abs = diff.max().item()
+        max_rel = _relative(max_abs, ref)
+        hf_in = saved["in"].to(device).transpose(0, 1).contiguous()
+        given = kwargs.get("hidden_states", args[0] if args else None)
+        same_input = given is not None and torch.equal(given, hf_in)
+        if same_input or max_rel <= LAYER_RTOL:  # NaN is not within: it runs again
+            # the same computation on the same input, or a layer within the tolerance on its
+            # own input: nothing carried in to tell from its own error
+            own_abs, own_rel = max_abs, max_rel
+        else:
+            own_kwargs = dict(kwargs, hidden_states=hf_in)
+            own = _output(layer.forward(*args, **own_kwargs))[mask]
+            own_abs = (own - ref).abs().max().item()
+            own_rel = _relative(own_abs, ref)
+        report.append(
+            LayerDivergence(
+                layer=i,
+                max_abs=max_abs,
+                mean_abs=diff.mean().item(),
+                max_rel=max_rel,
+                own_max_abs=own_abs,
+                own_max_rel=own_rel,
+                own_on_hf_input=same_input or not max_rel <= LAYER_RTOL,
+            )
+        )
+        run.step()
+
+    return on_mc_layer
+
+
+def _mtp_pairs(family, ctx, hf_config, run: _Pass, reference: _Reference, got: list) -> list:
+    """Each MTP head's logits, the reference's (its MTP layers read now) beside Megatron's."""
+    from porting.parity import mtp as mtp_check
+
+    want = mtp_check.hf_mtp_logits(
+        mtp_check.mtp_names(family, ctx, reference.prefix),
+        reference.read,
+        reference.last_layer,
+        hf_config,
+        run.ids,
+        reference.last["normed"],
+        reference.last["kwargs"],
+        reference.table,
+        reference.read_expert,
+    )
+    return [(unpad(w, run.prompts, run.vocab_size), g) for w, g in zip(want, got, strict=True)]
 
 
 def _gathered(stage: _Stage, mine: list) -> list:
