@@ -44,7 +44,7 @@ VARIANTS = {
     ),
     "gemma3_bf16": dict(num_key_value_heads=2, sliding_window_pattern=2, dtype=torch.bfloat16),
 }
-_LOCAL_BASE = {"rope_local_base_freq": proof._doubled("rope_local_base_freq")}
+_LOCAL_BASE = {"rope_local_base_freq": proof.features._doubled("rope_local_base_freq")}
 
 
 @pytest.fixture(scope="module")

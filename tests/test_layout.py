@@ -310,6 +310,30 @@ def test_each_subpackage_says_what_it_is():
         assert doc and "import" in doc, f"{pkg}/__init__.py must say what it may import"
 
 
+def test_the_proof_kit_says_what_it_offers():
+    """Every public name of the proof kit (``porting.proof.__all__``) is made in one of its
+    submodules, imported by the package, and documented in docs/families.md's "The proof kit"."""
+    tree = ast.parse((ROOT / "porting/proof/__init__.py").read_text())
+    public = next(
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "__all__"
+    )
+    imported = {
+        alias.asname or alias.name: node.module
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("porting.proof.")
+        for alias in node.names
+    }
+    page = (ROOT / "docs/families.md").read_text()
+    kit = page[page.index("## The proof kit") : page.index("## What the engine gives for free")]
+    assert public and set(public) == set(imported), set(public) ^ set(imported)
+    assert [n for n in public if f"`{n}" not in kit] == []
+    assert {m.rpartition(".")[2] for m in imported.values()} == {
+        p.stem for p in (ROOT / "porting/proof").glob("*.py") if p.stem != "__init__"
+    }
+
+
 def _loaded_after(code: str) -> set[str]:
     out = subprocess.run(
         [sys.executable, "-c", code + "\nimport sys; print(' '.join(sys.modules))"],

@@ -243,6 +243,7 @@ def test_a_tp2_request_whose_port_was_taken_runs_again_on_fresh_ranks(tmp_path, 
     it (seen once in a full run): that request runs again on fresh ranks; any other failure,
     and a port taken three times, still fails."""
     from porting import proof
+    from porting.proof import tp2
 
     started = []
 
@@ -255,18 +256,18 @@ def test_a_tp2_request_whose_port_was_taken_runs_again_on_fresh_ranks(tmp_path, 
 
         def ask(self, request, timeout):
             if len(started) < 3:
-                raise proof._PortTaken("EADDRINUSE")
+                raise tp2._PortTaken("EADDRINUSE")
             torch.save({"ck": torch.ones(1)}, request["out"])
 
-    monkeypatch.setattr(proof, "_TP2Ranks", Ranks)
-    monkeypatch.setattr(proof, "_TP2", None)
+    monkeypatch.setattr(tp2, "_TP2Ranks", Ranks)
+    monkeypatch.setattr(tp2, "_TP2", None)
     ids = torch.zeros(1, 2, dtype=torch.long)
     assert torch.equal(proof.tp2_logits(["ck"], ids, tmp_path)["ck"], torch.ones(1))
     assert len(started) == 3
     started.clear()
     monkeypatch.setattr(
-        Ranks, "ask", lambda self, r, timeout: (_ for _ in ()).throw(proof._PortTaken("x"))
+        Ranks, "ask", lambda self, r, timeout: (_ for _ in ()).throw(tp2._PortTaken("x"))
     )
-    with pytest.raises(proof._PortTaken):
+    with pytest.raises(tp2._PortTaken):
         proof.tp2_logits(["ck"], ids, tmp_path)
     assert len(started) == 3
