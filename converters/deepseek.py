@@ -41,9 +41,9 @@ from typing import TYPE_CHECKING
 
 from porting.contract.config_map import BOOL, Carry, Derived, Field, NoOp, Require
 from porting.contract.family import Family, ShapeContext, Variant
-from porting.contract.mapping import Fused, Ignore, Rename
+from porting.contract.mapping import Fused, Ignore, Rename, gated_mlp
 from porting.contract.rope import rope_kind, rope_number
-from porting.contract.transforms import GATED_MLP, VOCAB_PAD, TransformPair
+from porting.contract.transforms import VOCAB_PAD, TransformPair
 from porting.errors import PortingError
 
 if TYPE_CHECKING:  # annotations only: the family's tables load without its Megatron side
@@ -454,13 +454,7 @@ LAYER_WEIGHTS = (
     Rename(_A + "kv_b_proj.weight", _SA + "linear_kv_up_proj.weight"),
     Rename(_A + "o_proj.weight", _SA + "linear_proj.weight"),
     Rename(_L + "post_attention_layernorm.weight", _M + "pre_mlp_layernorm.weight"),
-    Fused(
-        (_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"),
-        _M + "mlp.linear_fc1.weight",
-        GATED_MLP,
-        layers=_dense,
-    ),
-    Rename(_L + "mlp.down_proj.weight", _M + "mlp.linear_fc2.weight", layers=_dense),
+    *gated_mlp(_L + "mlp.", _M + "mlp.", layers=_dense),
     Rename(_L + "mlp.gate.weight", _M + "mlp.router.weight", layers=_sparse),
     Fused(
         (_L + "mlp.gate.e_score_correction_bias",),
@@ -468,24 +462,8 @@ LAYER_WEIGHTS = (
         TO_FP32,
         layers=_sparse,
     ),
-    Fused(
-        (_L + "mlp.experts.#.gate_proj.weight", _L + "mlp.experts.#.up_proj.weight"),
-        _EXPERT + "linear_fc1.weight",
-        GATED_MLP,
-        layers=_sparse,
-    ),
-    Rename(_L + "mlp.experts.#.down_proj.weight", _EXPERT + "linear_fc2.weight", layers=_sparse),
-    Fused(
-        (_L + "mlp.shared_experts.gate_proj.weight", _L + "mlp.shared_experts.up_proj.weight"),
-        _M + "mlp.shared_experts.linear_fc1.weight",
-        GATED_MLP,
-        layers=_sparse,
-    ),
-    Rename(
-        _L + "mlp.shared_experts.down_proj.weight",
-        _M + "mlp.shared_experts.linear_fc2.weight",
-        layers=_sparse,
-    ),
+    *gated_mlp(_L + "mlp.experts.#.", _EXPERT, layers=_sparse),
+    *gated_mlp(_L + "mlp.shared_experts.", _M + "mlp.shared_experts.", layers=_sparse),
 )
 
 

@@ -57,8 +57,8 @@ from porting.contract.config_map import (
 )
 from porting.contract.container import Container
 from porting.contract.family import Family, ShapeContext, Variant
-from porting.contract.mapping import EMBEDDING, FINAL_NORM_AND_HEAD, Fused, Rename
-from porting.contract.transforms import GATED_MLP, QKV, TRANSPOSE
+from porting.contract.mapping import EMBEDDING, FINAL_NORM_AND_HEAD, Fused, Rename, gated_mlp
+from porting.contract.transforms import QKV, TRANSPOSE
 from porting.errors import PortingError
 
 if TYPE_CHECKING:  # annotations only: the family's tables load without its Megatron side
@@ -268,25 +268,13 @@ WEIGHTS = (
     ),
     Rename(_L + "self_attn.o_proj.weight", _M + "self_attention.linear_proj.weight"),
     Rename(_L + "post_attention_layernorm.weight", _M + "pre_mlp_layernorm.weight"),
-    Fused(
-        (_F + "gate_proj.weight", _F + "up_proj.weight"),
-        _M + "mlp.linear_fc1.weight",
-        GATED_MLP,
-        layers=_dense,
-    ),
-    Rename(_F + "down_proj.weight", _M + "mlp.linear_fc2.weight", layers=_dense),
+    *gated_mlp(_F, _M + "mlp.", layers=_dense),
     Rename(_F + "router.weight", _M + "mlp.router.weight", layers=_sparse),
     Fused(
         (_F + "experts.gate_up_proj[#]",), _EXPERT + "linear_fc1.weight", TRANSPOSE, layers=_sparse
     ),
     Fused((_F + "experts.down_proj[#]",), _EXPERT + "linear_fc2.weight", TRANSPOSE, layers=_sparse),
-    Fused(
-        (_S + "gate_proj.weight", _S + "up_proj.weight"),
-        _M + "mlp.shared_experts.linear_fc1.weight",
-        GATED_MLP,
-        layers=_sparse,
-    ),
-    Rename(_S + "down_proj.weight", _M + "mlp.shared_experts.linear_fc2.weight", layers=_sparse),
+    *gated_mlp(_S, _M + "mlp.shared_experts.", layers=_sparse),
     *FINAL_NORM_AND_HEAD,
 )
 

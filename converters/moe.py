@@ -17,8 +17,7 @@ from converters import qwen
 from converters.llama import HEAD_DIM_OR_NULL, LLAMA_LAYOUT, ROPE_SCALING, check_model_type
 from porting.contract.config_map import Carry, Derived
 from porting.contract.family import Family, Variant
-from porting.contract.mapping import Fused, Rename
-from porting.contract.transforms import GATED_MLP
+from porting.contract.mapping import Rename, gated_mlp
 from porting.errors import PortingError
 
 _MODEL_TYPES = {
@@ -196,32 +195,10 @@ WEIGHTS = (
     # attention, norms, embeddings and output: the Qwen table without its dense MLP
     *(e for e in qwen.WEIGHTS if ".mlp." not in getattr(e, "mcore", "")),
     Rename(_B + "gate.weight", _M + "mlp.router.weight", when=_mixtral),
-    Fused(
-        (_B + "experts.#.w1.weight", _B + "experts.#.w3.weight"),
-        _EXPERT + "linear_fc1.weight",
-        GATED_MLP,
-        when=_mixtral,
-    ),
-    Rename(_B + "experts.#.w2.weight", _EXPERT + "linear_fc2.weight", when=_mixtral),
+    *gated_mlp(_B + "experts.#.", _EXPERT, gate="w1", up="w3", down="w2", when=_mixtral),
     Rename(_L + "mlp.gate.weight", _M + "mlp.router.weight", when=_qwen),
-    Fused(
-        (_L + "mlp.experts.#.gate_proj.weight", _L + "mlp.experts.#.up_proj.weight"),
-        _EXPERT + "linear_fc1.weight",
-        GATED_MLP,
-        when=_qwen,
-    ),
-    Rename(_L + "mlp.experts.#.down_proj.weight", _EXPERT + "linear_fc2.weight", when=_qwen),
-    Fused(
-        (_L + "mlp.shared_expert.gate_proj.weight", _L + "mlp.shared_expert.up_proj.weight"),
-        _M + "mlp.shared_experts.linear_fc1.weight",
-        GATED_MLP,
-        when=_shared,
-    ),
-    Rename(
-        _L + "mlp.shared_expert.down_proj.weight",
-        _M + "mlp.shared_experts.linear_fc2.weight",
-        when=_shared,
-    ),
+    *gated_mlp(_L + "mlp.experts.#.", _EXPERT, when=_qwen),
+    *gated_mlp(_L + "mlp.shared_expert.", _M + "mlp.shared_experts.", when=_shared),
     Rename(
         _L + "mlp.shared_expert_gate.weight", _M + "mlp.shared_experts.gate_weight", when=_shared
     ),

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from porting.contract.transforms import IDENTITY, VOCAB_PAD, TransformPair
+from porting.contract.transforms import GATED_MLP, IDENTITY, VOCAB_PAD, TransformPair
 
 Predicate = Callable[[Any], bool]
 LayerPredicate = Callable[[Any, int], bool]
@@ -91,6 +91,31 @@ FINAL_NORM_AND_HEAD = (
         when=_tied,
     ),
 )
+
+
+def gated_mlp(
+    hf: str,
+    mcore: str,
+    *,
+    gate: str = "gate_proj",
+    up: str = "up_proj",
+    down: str = "down_proj",
+    when: Predicate | None = None,
+    layers: LayerPredicate | None = None,
+) -> tuple[Fused, Rename]:
+    """A gated MLP's two entries, as most families store one (a dense MLP, each expert, a shared
+    expert): HF's ``{hf}{gate}.weight`` and ``{hf}{up}.weight`` fused into Megatron's
+    ``{mcore}linear_fc1.weight``, ``{hf}{down}.weight`` renamed ``{mcore}linear_fc2.weight``."""
+    return (
+        Fused(
+            (f"{hf}{gate}.weight", f"{hf}{up}.weight"),
+            f"{mcore}linear_fc1.weight",
+            GATED_MLP,
+            when=when,
+            layers=layers,
+        ),
+        Rename(f"{hf}{down}.weight", f"{mcore}linear_fc2.weight", when=when, layers=layers),
+    )
 
 
 @dataclass(frozen=True)
