@@ -7,7 +7,11 @@
 - ``mapping``: weight-table entries (``Rename``, ``Fused``, ``Ignore``) and their expansion;
 - ``transforms``: the paired layout transforms a table names (they compute on the tensors handed
   to them and import torch only then);
-- ``named``: a family's Megatron classes and functions, named instead of imported.
+- ``named``: a family's Megatron classes and functions, named instead of imported;
+- ``container``: the vision-language classes a family's language model comes in;
+  ``quantization``: the ``quantization_config`` methods porting reads; ``hf_spelling``: the two
+  ways transformers spells a ``config.json``; ``rope``: a config's ``rope_scaling`` as
+  transformers validates it, for any family's entries.
 
 Imports only the core (``porting.errors``, ``porting.guard``) and the standard library: no torch,
 NeMo, Megatron or checkpoint I/O, so that listing the families and refusing a config answer at

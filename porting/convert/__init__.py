@@ -13,10 +13,13 @@
 - ``connectors``: the generic NeMo ``io.ModelConnector`` importer/exporter (``llm.import_ckpt``),
   registered on a family's model class when it is first loaded through it;
 - ``megatron``: process groups and loading a Megatron model from a checkpoint;
-- ``cli``: ``porting import`` / ``export`` / ``convert``, over :mod:`porting.api` (which adds the
-  parity gate).
+- ``export``: one of our checkpoints to an HF directory, streamed; ``quant`` / ``quant_export``:
+  quantized checkpoints read and written; ``foreign``: a Megatron checkpoint porting did not write;
+- ``ranks`` / ``executors``: one conversion over several processes (torchrun, Slurm), the ranks'
+  side and the launcher's.
 
-Imports the contract below it, never ``porting.parity``, ``porting.train`` or ``porting.planner``
-(only its ``cli``, the command edge, reaches up to :mod:`porting.api` and
-:mod:`porting.commands.verify`). The package root imports nothing.
+The commands (``porting import`` / ``export`` / ``convert``) are :mod:`porting.commands.convert`,
+over :mod:`porting.api` (which adds the parity gate). Imports the contract and the core below it,
+never ``porting.parity``, ``porting.train``, ``porting.planner`` or a command. The package root
+imports nothing.
 """

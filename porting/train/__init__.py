@@ -1,12 +1,18 @@
-"""Continued pretraining of an imported checkpoint with NeMo 2.0 / Megatron-Core.
+"""Continued pretraining of an imported checkpoint on Megatron-Core, through NeMo 2.0 or
+Megatron-Bridge.
 
 - ``checks``: the run's spec and every check made before a process is launched (the layout, batch
   and data against the model, the run directory, a resume at another layout, a plan); no NeMo;
-- ``recipe``: the NeMo 2.0 objects of a run (model, data, strategy, optimizer, logging, resume,
-  the best-validation checkpoint) and the run itself;
-- ``launch``: the launchers (torchrun on this node, a Slurm batch script, NeMo-Run);
-- ``cli``: ``porting train``.
+- ``settings``: what the spec sets in Megatron on both engines (the model config, the optimizer,
+  data parallelism, the layout a checkpoint records);
+- ``recipe``: the NeMo 2.0 engine's objects of a run (model, data, strategy, optimizer, logging,
+  resume, the best-validation checkpoint) and the run itself; ``bridge``: the Megatron-Bridge
+  engine's;
+- ``executors``: where a run's processes run (this process, torchrun, Slurm, NeMo-Run), one
+  object each (:mod:`porting.launch`); ``launch``: what they run (the Slurm batch script, the
+  ranks' verdict); ``stop``: a stopped run leaves a run directory to resume from.
 
-Reads checkpoints through :mod:`porting.convert`; imports neither ``porting.parity`` nor
-``porting.planner``. CPU shims live in :mod:`porting.cpu`, not here.
+The command, ``porting train``, is :mod:`porting.commands.train`. Reads checkpoints through
+:mod:`porting.convert`; imports neither ``porting.parity`` nor ``porting.planner``. CPU shims live
+in :mod:`porting.cpu`, not here.
 """

@@ -37,11 +37,13 @@ from porting.guard import Terminated
 from porting.train.checks import (
     TrainSpec,
     bridge_iteration,
+    parse_blend,
+    preflight_bridge,
+)
+from porting.train.settings import (
     configure_model,
     ddp_settings,
     optimizer_settings,
-    parse_blend,
-    preflight_bridge,
     wants_bf16,
 )
 

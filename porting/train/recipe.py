@@ -34,18 +34,20 @@ from porting.train.checks import (
     BEST_FILE,
     LAYOUT_FILE,
     TrainSpec,
-    configure_model,
-    ddp_settings,
     megatron_paths,
-    optimizer_settings,
     preflight,
     read_json,
-    saved_layout,
-    wants_bf16,
 )
 from porting.train.checks import max_token_id as max_token_id
 from porting.train.checks import parse_blend as parse_blend
 from porting.train.checks import validate as validate
+from porting.train.settings import (
+    configure_model,
+    ddp_settings,
+    optimizer_settings,
+    saved_layout,
+    wants_bf16,
+)
 
 log = logging.getLogger(__name__)
 
