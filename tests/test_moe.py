@@ -135,11 +135,11 @@ def test_the_gates_memory_bound_does_not_grow_with_the_experts():
         gate_memory,
     )
     from porting.convert.table_check import hf_meta_shapes
-    from porting.parity import harness, streamed, vocab
+    from porting.parity import harness, sides, vocab
 
     # the bound's constants are the gate's own
     assert GATE_POSITIONS == (len(harness.PROMPT_TEXTS) + 1) * harness.RANDOM_PROMPT_LEN
-    assert vocab.SLICE_BYTES == VOCAB_SLICE_BYTES and streamed.LAYER_BYTES == GATE_LAYER_BYTES
+    assert vocab.SLICE_BYTES == VOCAB_SLICE_BYTES and sides.LAYER_BYTES == GATE_LAYER_BYTES
     h, f, vocab_size = 6144, 2560, 32000
     needs = []
     attention = h * 96 * 128 * 2 + h * 8 * 128 * 2 + 2 * 128  # q, o; k, v; the q/k norms

@@ -110,12 +110,12 @@ def test_a_layer_of_the_wrong_width_is_named(tiny_llama, tiny_nemo, tmp_path):
 
 
 def test_both_models_and_the_vocabulary_slices_share_two_areas():
-    from porting.parity.streamed import _Buffers
+    from porting.parity.sides import Buffers
 
     def base(t):
         return t.untyped_storage().data_ptr()
 
-    b = _Buffers(torch.device("cpu"))
+    b = Buffers(torch.device("cpu"))
     b.reserve(100)  # the HF model: layers of up to 100 values
     q, k = b.take(0, "q", torch.Size([4, 5])), b.take(0, "k", torch.Size([10]))
     r = b.take(1, "q", torch.Size([4, 5]))
@@ -173,7 +173,7 @@ def test_a_gated_mlp_factory_reads_into_its_rows_as_its_merge_would(tiny_llama, 
 
 def test_a_released_layer_keeps_no_view_of_an_area():
     from porting.parity.modules import release, set_param, stored_tensors
-    from porting.parity.streamed import _Buffers
+    from porting.parity.sides import Buffers
 
     class Router(torch.nn.Module):  # a weight and a persistent buffer, as a router's bias is
         def __init__(self):
@@ -181,7 +181,7 @@ def test_a_released_layer_keeps_no_view_of_an_area():
             self.weight = torch.nn.Parameter(torch.empty(4, 8, device="meta"))
             self.register_buffer("bias", torch.empty(4, device="meta"))
 
-    layer, b = Router(), _Buffers(torch.device("cpu"))
+    layer, b = Router(), Buffers(torch.device("cpu"))
     b.reserve(64)
     for name, t in list(stored_tensors(layer)):
         set_param(layer, name, b.take(0, name, t.shape))
@@ -301,7 +301,7 @@ def test_a_layer_read_by_pieces_holds_two_modules_at_a_time_and_gives_the_same_r
     logit for logit."""
     from porting.contract.registry import family_by_name
     from porting.convert.megatron import init_parallel
-    from porting.parity import streamed
+    from porting.parity import sides, streamed
     from porting.parity.modules import own_matrices
 
     init_parallel()
@@ -314,7 +314,7 @@ def test_a_layer_read_by_pieces_holds_two_modules_at_a_time_and_gives_the_same_r
 
     default = gate()
     loaded = []
-    load_piece = streamed._Side.load_piece
+    load_piece = sides.Side.load_piece
 
     def watched(self, i, sub, module, take):
         holding = [
@@ -328,7 +328,7 @@ def test_a_layer_read_by_pieces_holds_two_modules_at_a_time_and_gives_the_same_r
         loaded.append((type(self.model).__name__, i, sub))
         return load_piece(self, i, sub, module, take)
 
-    monkeypatch.setattr(streamed._Side, "load_piece", watched)
+    monkeypatch.setattr(sides.Side, "load_piece", watched)
     with streamed.finest_grain():
         finest = gate()
     layers = 2  # tiny_llama's
@@ -361,9 +361,9 @@ def test_a_large_tensor_a_model_fills_while_it_is_built_is_made_on_meta():
         Llama4TextRotaryEmbedding,
     )
 
-    from porting.parity.streamed import _LargeOnMeta
+    from porting.parity.sides import LargeOnMeta
 
-    with _LargeOnMeta():
+    with LargeOnMeta():
         assert torch.zeros(16, 1024, 1025).is_meta  # just over 64 MiB
         assert torch.full((4200, 4200), 1.0).is_meta and torch.ones(size=(9000, 2000)).is_meta
         assert not torch.zeros(16, 1024, 1024).is_meta  # 64 MiB
@@ -377,7 +377,7 @@ def test_a_large_tensor_a_model_fills_while_it_is_built_is_made_on_meta():
         num_attention_heads=40,
         rope_theta=500000.0,
     )
-    with init_empty_weights(), _LargeOnMeta():
+    with init_empty_weights(), LargeOnMeta():
         experts = Llama4TextExperts(scout)
         rotary = Llama4TextRotaryEmbedding(scout)
     assert experts.gate_up_proj.is_meta and experts.down_proj.is_meta

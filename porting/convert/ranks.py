@@ -9,7 +9,7 @@ process group (gloo on the CPU): NeMo's trainer runs data parallel over them, an
 fully-parallel save (``FullyParallelSaveStrategyWrapper``) gives each rank a balanced share of the
 checkpoint's tensors to produce and write into the one ``torch_dist`` checkpoint (one
 ``.metadata``, every rank's ``__R_0.distcp``). The gate is a pipeline of the ranks
-(:class:`porting.parity.streamed._Stage`). Rank 0 writes the layout files, prints the report and
+(:class:`porting.parity.sides.Stage`). Rank 0 writes the layout files, prints the report and
 leaves the verdict; the launcher moves the staging directory into place only when every rank
 succeeded and rank 0's verdict is there, and otherwise removes it and names the rank that failed
 first and why.

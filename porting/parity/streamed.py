@@ -5,8 +5,8 @@ each), which no ordinary node has for a 70B. Here each side is built with its pa
 ``meta`` device (``accelerate.init_empty_weights``: buffers and plain attributes such as rotary
 frequencies and ALiBi slopes stay real), the embeddings, final norm and output layer are loaded,
 and each decoder layer is loaded just before it runs and released just after, by forward hooks
-around the model's own forward. So each side runs its own code (masks, rotary, ALiBi) and nothing
-family-specific lives here:
+around the model's own forward (a side: :class:`porting.parity.sides.Side`). So each side runs its
+own code (masks, rotary, ALiBi) and nothing family-specific lives here:
 
 - HF side: layer ``i``'s tensors are cast from the mapped safetensors shards;
 - Megatron side: layer ``i``'s slice of the stacked layer keys is read from the written checkpoint
@@ -50,38 +50,39 @@ from __future__ import annotations
 import logging
 import tempfile
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from porting.convert.preflight import GATE_LAYER_BYTES
 from porting.errors import PortingError, check_finite
 from porting.guard import ReusedHeap
+from porting.parity import sides
 from porting.parity.floor import machine_gflops
 from porting.parity.modules import (
-    expert_lists,
-    experts_streamed,
-    pieces_streamed,
-    release,
     set_param,
     stored_tensors,
     stream_expert_stacks,
+)
+from porting.parity.sides import (
+    Buffers,
+    LargeOnMeta,
+    Side,
+    Stage,
+    Take,
+    cast_into,
+    check_shape,
+    layer_list,
+    layer_numel,
+    output_of,
+    to_device,
 )
 from porting.parity.vocab import VocabTable, install_tables
 
 log = logging.getLogger(__name__)
 
-# A decoder layer whose own tensors (not its experts') hold more than this in fp32 is read a
-# module's matrices at a time, the next module's while one computes (porting.parity.modules.
-# pieces_streamed), not whole and two at a time: two of DeepSeek-V3's MoE layers without their
-# experts (0.93 GB each) or of its dense layers (2.3 GB) would otherwise be the gate's peak. The
-# gate's memory bound counts it (preflight.gate_memory).
-LAYER_BYTES = GATE_LAYER_BYTES
 
 # A layer whose own error (Megatron's layer on the HF layer's input, against the HF layer's
 # output) exceeds this relative to the output's magnitude is broken: fp32 reduction order alone
@@ -136,32 +137,6 @@ class GateCost:
         return 2 * self.flop / (self.gflops * 1e9)
 
 
-def _check_shape(where: str, key: str, got: torch.Size, want: torch.Size) -> None:
-    if tuple(got) != tuple(want):
-        raise PortingError(
-            f"{where}: tensor {key!r} has shape {tuple(got)}, the config implies {tuple(want)}"
-        )
-
-
-def _layer_list(
-    model: torch.nn.Module, num_layers: int, under: str = ""
-) -> tuple[str, torch.nn.ModuleList]:
-    """The model's one ``ModuleList`` of ``num_layers`` decoder layers, and its name (``under``:
-    only inside that submodule, a container's language model)."""
-    root = model.get_submodule(under) if under else model
-    found = [
-        (f"{under}.{n}" if under else n, m)
-        for n, m in root.named_modules()
-        if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers
-    ]
-    if len(found) != 1:
-        raise PortingError(
-            f"cannot tell the decoder layers of {type(model).__name__} "
-            f"({len(found)} module lists of {num_layers} layers)"
-        )
-    return found[0]
-
-
 def pad_batch(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompts ``[1, s_i]`` right-padded into ``[B, max s]`` ids and the mask of real positions."""
     longest = max(p.shape[1] for p in prompts)
@@ -186,302 +161,10 @@ def unpad(logits: torch.Tensor, prompts: list[torch.Tensor], vocab: int) -> list
     ]
 
 
-def _output(out) -> torch.Tensor:
-    return out[0] if isinstance(out, tuple) else out
-
-
-class _Handoff(Exception):
-    """Raised after a stage's last layer: the rest of the model is the next stage's."""
-
-
-@dataclass
-class _Stage:
-    """This process's share of a gate split over the ranks of a conversion: a pipeline.
-
-    Rank ``r`` of ``k`` runs the contiguous layers ``owned`` of both sides: it takes the hidden
-    state its predecessor's last layer made, runs its own, and hands the result on; the last
-    stage runs the head. Every layer is computed exactly as in one process (its input is the
-    same tensor, passed whole), so the verdict is one process's, and each rank reads only its
-    layers' tensors. Ranks beyond the number of layers take no part in the passes.
-    """
-
-    rank: int
-    stages: int
-    owned: range
-
-    @classmethod
-    def of_this_process(cls, num_layers: int) -> _Stage | None:
-        """The stage of this rank, or None outside a multi-process conversion."""
-        dist = torch.distributed
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return None
-        rank, stages = dist.get_rank(), min(dist.get_world_size(), num_layers)
-        if rank >= stages:
-            return cls(rank, stages, range(0))
-        return cls(
-            rank, stages, range(rank * num_layers // stages, (rank + 1) * num_layers // stages)
-        )
-
-    @property
-    def last(self) -> bool:
-        return self.rank == self.stages - 1
-
-    def receive(self, like: torch.Tensor) -> torch.Tensor:
-        got = torch.empty(like.shape, dtype=like.dtype)
-        torch.distributed.recv(got, src=self.rank - 1)
-        return got.to(like.device)
-
-    def send(self, t: torch.Tensor) -> None:
-        torch.distributed.send(t.detach().contiguous().cpu(), dst=self.rank + 1)
-
-    @contextmanager
-    def only_owned(self, model: torch.nn.Module, layers: torch.nn.ModuleList):
-        """The model's layer list cut to this stage's layers for the block (the model's own
-        forward then runs only those: embeddings, then the owned layers, then the head)."""
-        name = next(n for n, m in model.named_modules() if m is layers)
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        setattr(parent, attr, torch.nn.ModuleList([layers[i] for i in self.owned]))
-        try:
-            yield
-        finally:
-            setattr(parent, attr, layers)
-
-
-class _Buffers:
-    """Two fp32 areas on ``device``, used in turn by consecutive layers, and by both models.
-
-    Layer ``i`` computes in area ``i % 2`` while layer ``i + 1`` is read into the other. Reusing
-    them costs no fresh pages: a new 800 MB buffer (a 7B layer in fp32) is 200,000 page faults,
-    and freeing it an unmap. The Megatron model's layers take the areas the HF model's used
-    (:meth:`reserve`), and the output layer's slices, which run while no layer is loaded, take
-    area 0 (:meth:`spare`). Without :meth:`reserve` (an expert's tensors) each name keeps a buffer of its own.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._numel = 0
-        self._areas: list[torch.Tensor | None] = [None, None]
-        self.clear()
-
-    def reserve(self, numel: int) -> None:
-        """A model whose layers hold up to ``numel`` values each takes the areas (each made when
-        first used, so that an embedding larger than a layer is not read beside them)."""
-        self.clear()
-        if numel > self._numel:
-            self._areas = [None, None]
-        self._numel = max(numel, self._numel)
-
-    def _area(self, k: int) -> torch.Tensor | None:
-        if self._areas[k] is None and self._numel:
-            self._areas[k] = torch.empty(self._numel, dtype=torch.float32, device=self.device)
-        return self._areas[k]
-
-    def take(self, layer: int, name: str, shape: torch.Size) -> torch.Tensor:
-        """The buffer for parameter ``name`` of ``layer`` (the same one for every layer of its
-        parity, while its shape is the same)."""
-        k = layer % 2
-        buffers = self._sets[k]
-        buf = buffers.get(name)
-        if buf is None or buf.shape != shape:
-            buf = buffers[name] = self._carve(k, shape)
-        return buf
-
-    def _carve(self, k: int, shape: torch.Size) -> torch.Tensor:
-        area, start = self._area(k), self._next[k]
-        if area is None or start + shape.numel() > area.numel():
-            return torch.empty(shape, dtype=torch.float32, device=self.device)
-        self._next[k] = start + shape.numel()
-        return area[start : start + shape.numel()].view(shape)
-
-    def spare(self) -> Take:
-        """What an operation between the layers (a vocabulary table's slices,
-        :mod:`porting.parity.vocab`) computes in: area 0 where it is made and no layer holds it;
-        otherwise memory of its own (an area is not made for it: it may be far larger)."""
-        offset = [0]
-
-        def take(name: str, shape: torch.Size) -> torch.Tensor:
-            area, start = self._areas[0], offset[0]
-            if area is not None and not self._sets[0] and start + shape.numel() <= area.numel():
-                offset[0] = start + shape.numel()
-                return area[start : start + shape.numel()].view(shape)
-            return torch.empty(shape, dtype=torch.float32, device=self.device)
-
-        return take
-
-    def clear(self) -> None:
-        """Forget the buffers handed out (their layers are released); the areas stay."""
-        self._sets: tuple[dict, dict] = ({}, {})
-        self._next = [0, 0]
-
-    def free(self) -> None:
-        """Free the areas too (made again when next used)."""
-        self.clear()
-        self._areas = [None, None]
-
-
-def _cast_into(buf: torch.Tensor, value: torch.Tensor) -> None:
-    """Copy ``value`` (any float dtype, on the host) into ``buf``, cast on ``buf``'s device."""
-    if buf.device.type == "cpu":
-        buf.copy_(value)
-    else:  # send the stored dtype (half the bytes of fp32), cast where it lands
-        buf.copy_(value.to(buf.device))
-
-
-# What a module's tensors are read into: ``take(name, shape)`` gives the buffer.
-Take = Callable[[str, torch.Size], torch.Tensor]
-
-
-@dataclass
-class _Side:
-    """One model with streamed layers: hooks load layer ``i`` before it runs, release it after;
-    inside a layer, each expert of a mixture the same (:func:`expert_lists`)."""
-
-    model: torch.nn.Module
-    layers: torch.nn.ModuleList
-    # ``load(i, sub, module, take, skip, matrices=None)``: the stored tensors of ``module``,
-    # found at ``sub`` (``""``, ``"mlp.experts.3."``) in layer ``i``, none under the prefixes
-    # ``skip`` (``matrices``: only those of two or more dimensions, or only the others)
-    load: Callable[..., dict[str, torch.Tensor]]
-    # HF: ``read(key, shape)``, one tensor by name, in fp32 (shape None: as stored); Megatron:
-    # ``read(name, skip)``, the tensors of the submodule ``name`` (none under the prefixes
-    # ``skip``). For what is not a decoder layer (the MTP layers).
-    read: Callable | None = None
-    buffers: _Buffers | None = None
-    expert_buffers: _Buffers | None = None
-    # HF, past the decoder: ``read_expert(key, e, shape)``, expert ``e`` of a transformers 5
-    # stack (:class:`~porting.parity.modules.ExpertStack`); ``table(key)``, a vocabulary table
-    # (:class:`~porting.parity.vocab.VocabTable`) of a stored tensor, an MTP layer's own embedding
-    read_expert: Callable | None = None
-    table: Callable[[str], VocabTable] | None = None
-    # the layers read a module's matrices at a time in the current run (_by_pieces)
-    by_pieces: set[int] = field(default_factory=set)
-
-    def load_layer(self, i: int) -> dict[str, torch.Tensor]:
-        """Layer ``i``'s tensors but its experts'; of a layer read by pieces
-        (:func:`_by_pieces`), only its vectors (norms, biases: its matrices are read when their
-        modules are called)."""
-        layer = self.layers[i]
-        skip = tuple(prefix for prefix, _ in expert_lists(layer))
-        matrices = False if i in self.by_pieces else None
-        return self.load(i, "", layer, partial(self.buffers.take, i), skip, matrices)
-
-    def load_piece(
-        self, i: int, sub: str, module: torch.nn.Module, take: Take
-    ) -> dict[str, torch.Tensor]:
-        """The matrices of ``module`` itself, at ``sub`` in layer ``i``, read into ``take``
-        (:func:`~porting.parity.modules.pieces_streamed`'s areas)."""
-        skip = tuple(f"{name}." for name, _ in module.named_children())
-        return self.load(i, sub, module, take, skip, True)
-
-    @torch.no_grad()
-    def run(
-        self, call: Callable[[], torch.Tensor], on_layer, stage: _Stage | None = None
-    ) -> torch.Tensor | None:
-        """``call()`` with every layer streamed; ``on_layer(i, layer, args, kwargs, output)``
-        after each. Layer ``i + 1`` is read on a thread while layer ``i`` computes, and expert
-        ``e + 1`` on another while expert ``e`` computes: a layer's experts are in memory two at
-        a time, whatever their number. With a ``stage``, only its layers run (the first on the
-        hidden state the previous stage sends); a stage but the last returns None after sending
-        its last layer's output on."""
-        owned = stage.owned if stage is not None else range(len(self.layers))
-        if not owned:
-            return None
-        n = owned.stop
-        reader = ThreadPoolExecutor(1, thread_name_prefix="porting-parity-read")
-        pending: dict[int, Future] = {}
-        handles = []
-
-        def pre(mod, args, kwargs, i):
-            future = pending.pop(i, None)
-            params = future.result() if future is not None else self.load_layer(i)
-            for name, value in params.items():
-                set_param(mod, name, value)
-            if i + 1 < n:  # its buffers are those of layer i - 1, released already
-                pending[i + 1] = reader.submit(self.load_layer, i + 1)
-            if i == owned.start and stage is not None and stage.rank > 0:
-                if args:  # HF passes the hidden state by position, Megatron by name
-                    return (stage.receive(args[0]), *args[1:]), kwargs
-                return args, dict(kwargs, hidden_states=stage.receive(kwargs["hidden_states"]))
-            return None
-
-        def post(mod, args, kwargs, output, i):
-            on_layer(i, mod, args, kwargs, _output(output))
-            release(mod)
-            if i == n - 1:  # what runs after them (the output layer) takes their areas (spare())
-                for buffers in (self.buffers, self.expert_buffers):
-                    if buffers is not None:
-                        buffers.clear()
-                if stage is not None and not stage.last:
-                    stage.send(_output(output))
-                    raise _Handoff
-
-        def load_expert(i, sub, e, module, read):
-            take = partial(self.expert_buffers.take, e)
-            if not read:
-                return {name: take(name, p.shape) for name, p in stored_tensors(module)}
-            return self.load(i, f"{sub}{e}.", module, take, ())
-
-        for i in owned:
-            layer = self.layers[i]
-            handles.append(
-                layer.register_forward_pre_hook(
-                    lambda m, a, k, i=i: pre(m, a, k, i), with_kwargs=True
-                )
-            )
-            handles.append(
-                layer.register_forward_hook(
-                    lambda m, a, k, o, i=i: post(m, a, k, o, i), with_kwargs=True
-                )
-            )
-
-        cut = stage.only_owned(self.model, self.layers) if stage is not None else nullcontext()
-        # decided before the pieces' matrices stand in for themselves (no longer parameters)
-        self.by_pieces = {i for i in owned if _by_pieces(self.layers[i])}
-        by_pieces = [(i, self.layers[i]) for i in sorted(self.by_pieces)]
-        try:
-            with (
-                cut,
-                experts_streamed(((i, self.layers[i]) for i in owned), load_expert),
-                pieces_streamed(by_pieces, self.load_piece, self.buffers.device),
-            ):
-                return call()
-        except _Handoff:
-            return None
-        finally:
-            for h in handles:
-                h.remove()
-            for future in pending.values():
-                future.cancel()
-            reader.shutdown(wait=True)
-            for buffers in (self.buffers, self.expert_buffers):
-                if buffers is not None:
-                    buffers.clear()
-
-
-def _layer_numel(layers: torch.nn.ModuleList) -> int:
-    """The most values one layer's tensors read with it hold: its own but its experts', or of a
-    layer read by pieces (:func:`_by_pieces`) the layer's own only."""
-    return max((_read_with(layer) for layer in layers), default=0)
-
-
-def _read_with(layer: torch.nn.Module) -> int:
-    return _whole_numel(layer, False if _by_pieces(layer) else None)
-
-
-def _whole_numel(layer: torch.nn.Module, matrices: bool | None = None) -> int:
-    skip = tuple(p for p, _ in expert_lists(layer))
-    return sum(t.numel() for _, t in stored_tensors(layer, skip, matrices))
-
-
-def _by_pieces(layer: torch.nn.Module) -> bool:
-    """Whether ``layer`` is read a module at a time (:data:`LAYER_BYTES`)."""
-    return 4 * _whole_numel(layer) > LAYER_BYTES
-
-
 @contextmanager
 def finest_grain(rows: int = 16) -> Iterator[None]:
-    """Within, the gate reads every decoder layer a module at a time (:data:`LAYER_BYTES` 0) and
+    """Within, the gate reads every decoder layer a module at a time
+    (:data:`porting.parity.sides.LAYER_BYTES` 0) and
     every vocabulary table ``rows`` rows at a time: the same computation, in the smallest pieces
     it takes. The proof kit runs every family's streamed gate so (``porting.testing.
     assert_streamed_agrees``), so that a family whose model uses a module's tensors outside its
@@ -490,13 +173,12 @@ def finest_grain(rows: int = 16) -> Iterator[None]:
     the one every import's gate runs."""
     from porting.parity import vocab
 
-    global LAYER_BYTES
-    was = LAYER_BYTES, vocab.SLICE_ROWS, vocab.WHOLE_ALLOWED
-    LAYER_BYTES, vocab.SLICE_ROWS, vocab.WHOLE_ALLOWED = 0, rows, False
+    was = sides.LAYER_BYTES, vocab.SLICE_ROWS, vocab.WHOLE_ALLOWED
+    sides.LAYER_BYTES, vocab.SLICE_ROWS, vocab.WHOLE_ALLOWED = 0, rows, False
     try:
         yield
     finally:
-        LAYER_BYTES, vocab.SLICE_ROWS, vocab.WHOLE_ALLOWED = was
+        sides.LAYER_BYTES, vocab.SLICE_ROWS, vocab.WHOLE_ALLOWED = was
 
 
 def _megatron_linear_types() -> tuple[type, ...]:
@@ -586,58 +268,16 @@ class _MatmulWork(TorchFunctionMode):
         return out
 
 
-class _LargeOnMeta(TorchFunctionMode):
-    """While a model is built with ``init_empty_weights`` (each parameter moved to meta once
-    registered, buffers left real), a tensor made by a factory call (``torch.zeros``, ``ones``,
-    ``full``, ``empty``, ``rand``/``randn``) of more than :attr:`BYTES` is made on meta at once.
-    transformers 5's Llama 4 fills each layer's expert stack with ``torch.zeros`` before
-    registering it: 5.4 GB touched and dropped per Scout layer, 43 GB per Maverick layer, which
-    would be the gate's peak or kill it. What a model keeps real (rotary frequencies, ALiBi slopes,
-    a causal mask) is kilobytes to a few megabytes."""
-
-    BYTES = 64 << 20
-    _FACTORIES = frozenset(
-        {torch.zeros, torch.ones, torch.full, torch.empty, torch.rand, torch.randn}
-    )
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func in self._FACTORIES and kwargs.get("device") is None:
-            size = kwargs.get("size", args[0] if args and not isinstance(args[0], int) else args)
-            if isinstance(size, (tuple, list, torch.Size)) and all(
-                isinstance(d, int) for d in size
-            ):
-                dtype = kwargs.get("dtype") or torch.get_default_dtype()
-                if torch.Size(size).numel() * dtype.itemsize > self.BYTES:
-                    kwargs["device"] = "meta"
-        return func(*args, **kwargs)
-
-
-def _to_device(model: torch.nn.Module, device: torch.device) -> None:
-    """Move what the model computes with besides its parameters (buffers, and tensors kept as
-    plain attributes: rotary frequencies, ALiBi slopes) to ``device``."""
-    if device.type == "cpu":
-        return  # built there
-    for module in model.modules():
-        for name, buf in list(module._buffers.items()):
-            if buf is not None and buf.device.type != "meta":
-                module._buffers[name] = buf.to(device)
-        for name, value in list(vars(module).items()):
-            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
-                if value.device.type != "meta":
-                    setattr(module, name, value.to(device))
-
-
 def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, read=None):
     """The reference model with streamed layers, and its text config. ``read``: ``(config dict,
     SafetensorsSource, config as written)`` of ``hf_dir`` where the caller has them (verify
     reads them before the gate starts); read here otherwise."""
     hf_config, source, written, held = _reference_weights(hf_dir, allow_pickle, read)
     model, text = _reference_model(hf_dir, family, hf_config, written, held)
-    _to_device(model, device)
+    to_device(model, device)
     language = held.container.own_names[0][0].rstrip(".") if held is not None else ""
-    prefix, layers = _layer_list(model, text.num_hidden_layers, language)
-    buffers = _Buffers(device)
+    prefix, layers = layer_list(model, text.num_hidden_layers, language)
+    buffers = Buffers(device)
     reader = _ReferenceReader(hf_dir, source, text.model_type, prefix, device, buffers)
     # transformers 5 holds a mixture's experts in two stacks per layer, as Llama 4 does in
     # either: its eager loop (or Llama 4's bmm) reads them expert by expert, so no layer holds all
@@ -650,7 +290,7 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
     )
     if stacks and hasattr(model, "set_experts_implementation"):  # transformers 5's interface
         model.set_experts_implementation("eager")
-    buffers.reserve(_layer_numel(layers))
+    buffers.reserve(layer_numel(layers))
     _install_reference_tables(model, text, held, reader)
     # a container's parts that text does not run (vision tower, projector) stay on meta
     own = tuple(p for p, _ in held.container.own_names) if held is not None else ("",)
@@ -662,13 +302,13 @@ def _hf_side(hf_dir: Path, family, allow_pickle: bool, device: torch.device, rea
     # decoder's (MTP layers, porting.parity.mtp): otherwise its pages would stay resident
     # through the Megatron pass.
     beyond = any(k.startswith(f"{prefix}.{text.num_hidden_layers}.") for k in reader.available)
-    side = _Side(
+    side = Side(
         model,
         layers,
         reader.load,
         reader.read if beyond else None,
         buffers,
-        _Buffers(device),
+        Buffers(device),
         reader.read_expert if beyond else None,
         reader.table if beyond else None,
     )
@@ -726,7 +366,7 @@ def _reference_model(hf_dir: Path, family, hf_config: dict, written, held):
             str(hf_dir), local_files_only=True
         )
         text = config
-    with init_empty_weights(), _LargeOnMeta():
+    with init_empty_weights(), LargeOnMeta():
         model = cls._from_config(
             config, dtype=torch.float32, attn_implementation=family.hf_attn_implementation
         )
@@ -781,11 +421,11 @@ class _ReferenceReader:
             return buf
         stored = torch.Size(self.source.shape(key)[0])
         want = stored if want is None else want
-        _check_shape(str(self.hf_dir), key, stored, want)
+        check_shape(str(self.hf_dir), key, stored, want)
         if buf is None:
             buf = torch.empty(want, dtype=torch.float32, device=self.device)
         with self.source.mapped(key) as stored:
-            _cast_into(buf, stored)
+            cast_into(buf, stored)
         check_finite(buf, str(self.hf_dir), key)
         return buf
 
@@ -797,11 +437,11 @@ class _ReferenceReader:
         buf = torch.empty(shape, dtype=torch.float32, device=self.device)
         if key in self.available:
             stored = torch.Size(self.source.shape(key)[0])
-            _check_shape(str(self.hf_dir), key, stored[1:], shape)
+            check_shape(str(self.hf_dir), key, stored[1:], shape)
             if not 0 <= e < stored[0]:
                 raise PortingError(f"{self.hf_dir}: tensor {key!r} has no expert {e}")
             with self.source.mapped(key, e) as one:
-                _cast_into(buf, one)
+                cast_into(buf, one)
             check_finite(buf, str(self.hf_dir), key)
             return buf
         parts = published_parts(self.model_type, key, (e + 1, *shape)) or []
@@ -818,25 +458,25 @@ class _ReferenceReader:
         if key not in self.available:
             raise self._missing(key)
         stored = torch.Size(self.source.shape(key)[0])
-        _check_shape(str(self.hf_dir), key, stored, stored if shape is None else shape)
+        check_shape(str(self.hf_dir), key, stored, stored if shape is None else shape)
         source, where = self.source, str(self.hf_dir)
 
         def rows(start: int, stop: int, out: torch.Tensor) -> None:
             with source.mapped(key) as whole:
-                _cast_into(out, whole[start:stop])
+                cast_into(out, whole[start:stop])
             check_finite(out, where, key)
 
         return VocabTable(key, stored, rows, self.device, self.buffers.spare)
 
     def load(self, i: int, sub: str, module, take: Take, skip, matrices=None):
-        """The stored tensors of ``module`` at ``sub`` in layer ``i`` (:attr:`_Side.load`)."""
+        """The stored tensors of ``module`` at ``sub`` in layer ``i`` (:attr:`Side.load`)."""
         return {
             name: self.read(f"{self.prefix}.{i}.{sub}{name}", p.shape, take(name, p.shape))
             for name, p in stored_tensors(module, skip, matrices)
         }
 
 
-def _megatron_side(ckpt, family, device: torch.device, buffers: _Buffers):
+def _megatron_side(ckpt, family, device: torch.device, buffers: Buffers):
     """``buffers``: the HF side's (the areas its layers were read into), for this model's."""
     from accelerate import init_empty_weights
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
@@ -850,14 +490,14 @@ def _megatron_side(ckpt, family, device: torch.device, buffers: _Buffers):
     config = checkpoint_config(checkpoint, family, torch.float32)  # the layers run in fp32
     with init_empty_weights():
         model = build_mcore_model(config)
-    _to_device(model, device)
+    to_device(model, device)
     loc = checkpoint.located
     weights = loc.weights
     reader = DistCheckpointReader(weights)
     # Every key, offset and factory of the checkpoint's layout, without data.
     sharded = model.sharded_state_dict(prefix=loc.prefix)
     check_nemo_layout(sharded, reader, str(loc.manifest_path))
-    buffers.reserve(_layer_numel(model.decoder.layers))
+    buffers.reserve(layer_numel(model.decoder.layers))
 
     def params_of(
         module_prefix: str,
@@ -873,7 +513,7 @@ def _megatron_side(ckpt, family, device: torch.device, buffers: _Buffers):
             if item is None or isinstance(item, ShardedObject):
                 raise PortingError(f"{weights}: the model's layout has no tensor for {key!r}")
             if isinstance(item, ShardedTensor):
-                _check_shape(str(weights), key, torch.Size(item.local_shape), p.shape)
+                check_shape(str(weights), key, torch.Size(item.local_shape), p.shape)
             if take is None:
                 buf = torch.empty(p.shape, dtype=torch.float32, device=device)
             else:
@@ -882,8 +522,8 @@ def _megatron_side(ckpt, family, device: torch.device, buffers: _Buffers):
                 reader.read_sharded(item, out=buf)
             else:
                 value = reader.read_sharded(item)
-                _check_shape(str(weights), key, value.shape, p.shape)
-                _cast_into(buf, value)
+                check_shape(str(weights), key, value.shape, p.shape)
+                cast_into(buf, value)
             out[name] = buf
         return out
 
@@ -918,7 +558,7 @@ def _megatron_side(ckpt, family, device: torch.device, buffers: _Buffers):
     def module_params(name: str, skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
         return params_of(f"{name}.", model.get_submodule(name), None, skip)
 
-    side = _Side(model, layers, load, module_params, buffers, _Buffers(device))
+    side = Side(model, layers, load, module_params, buffers, Buffers(device))
     return side, config
 
 
@@ -929,7 +569,7 @@ def _stored_table(reader, item, key: str, shape: torch.Size, device, spare) -> V
 
     if not isinstance(item, ShardedTensor) or item.prepend_axis_num or item.flattened_range:
         raise PortingError(f"{reader.dir}: the model's layout has no plain tensor for {key!r}")
-    _check_shape(str(reader.dir), key, torch.Size(item.local_shape), shape)
+    check_shape(str(reader.dir), key, torch.Size(item.local_shape), shape)
     offset = tuple(item.global_offset)
 
     def rows(start: int, stop: int, out: torch.Tensor) -> None:
@@ -937,7 +577,7 @@ def _stored_table(reader, item, key: str, shape: torch.Size, device, spare) -> V
         if device.type == "cpu":
             reader.read(item.key, at, size, out)
         else:
-            _cast_into(out, reader.read(item.key, at, size))
+            cast_into(out, reader.read(item.key, at, size))
 
     return VocabTable(key, shape, rows, device, spare)
 
@@ -1015,7 +655,7 @@ def _streamed_logits(
     ids, valid = pad_batch(prompts)
     hf, hf_config = _hf_side(Path(hf_dir), family, allow_pickle, device, hf_read)
     n = len(hf.layers)
-    stage = _Stage.of_this_process(n)
+    stage = Stage.of_this_process(n)
     steps = 2 * (n if stage is None else len(stage.owned))
     bar = tqdm(total=steps, desc="parity", unit="layer", leave=False, disable=not show_progress)
     # Each HF layer's input and output go to disk, not memory: the Megatron pass needs them one
@@ -1054,7 +694,7 @@ class _Pass:
     prompts: list[torch.Tensor]
     vocab_size: int
     kept: Path
-    stage: _Stage | None
+    stage: Stage | None
     heap: ReusedHeap
     bar: object
     flop: list[float] = field(default_factory=lambda: [0.0])
@@ -1083,11 +723,11 @@ class _Reference:
     read: Callable | None
     read_expert: Callable | None
     table: Callable | None
-    buffers: _Buffers
+    buffers: Buffers
     layers: int
 
 
-def _reference_pass(hf: _Side, run: _Pass, hf_probe) -> _Reference:
+def _reference_pass(hf: Side, run: _Pass, hf_probe) -> _Reference:
     """The reference model over the batch, each layer's input and output saved for the Megatron
     pass's comparison."""
     n = len(hf.layers)
@@ -1142,7 +782,7 @@ def _megatron_pass(ckpt, family, hf_dir, run: _Pass, reference: _Reference):
     positions = torch.arange(run.ids.shape[1], device=device).unsqueeze(0).expand_as(run.ids)
     decoder: dict = {}
     watch = mc.model.decoder.register_forward_hook(
-        lambda m, a, k, o: decoder.update(out=_output(o), kwargs=k), with_kwargs=True
+        lambda m, a, k, o: decoder.update(out=output_of(o), kwargs=k), with_kwargs=True
     )
     on_layer = _layer_comparison(run, mask, report)
     with _real_rows_only(mc.model, mask, _megatron_linear_types(), [0.0]):
@@ -1192,7 +832,7 @@ def _layer_comparison(run: _Pass, mask: torch.Tensor, report: list[LayerDivergen
             own_abs, own_rel = max_abs, max_rel
         else:
             own_kwargs = dict(kwargs, hidden_states=hf_in)
-            own = _output(layer.forward(*args, **own_kwargs))[mask]
+            own = output_of(layer.forward(*args, **own_kwargs))[mask]
             own_abs = (own - ref).abs().max().item()
             own_rel = _relative(own_abs, ref)
         report.append(
@@ -1229,7 +869,7 @@ def _mtp_pairs(family, ctx, hf_config, run: _Pass, reference: _Reference, got: l
     return [(unpad(w, run.prompts, run.vocab_size), g) for w, g in zip(want, got, strict=True)]
 
 
-def _gathered(stage: _Stage, mine: list) -> list:
+def _gathered(stage: Stage, mine: list) -> list:
     """What every rank of a split gate returns: the last stage's logits and MTP pairs, every
     stage's layer reports in layer order, the matmul work of all of them (at the slowest rank's
     measured rate: the gate's floor is its slowest stage's)."""

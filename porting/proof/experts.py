@@ -122,7 +122,7 @@ def prove_experts_streamed(hf_dir: str | Path, ckpt: str | Path, prompts=None) -
     import weakref
     from contextlib import contextmanager
 
-    from porting.parity import modules, mtp, streamed
+    from porting.parity import modules, mtp, sides
 
     seen: dict[str, list[int]] = {}
     real = modules.experts_streamed
@@ -154,12 +154,12 @@ def prove_experts_streamed(hf_dir: str | Path, ckpt: str | Path, prompts=None) -
             for h in handles:
                 h.remove()
 
-    streamed.experts_streamed = mtp.experts_streamed = observed
+    sides.experts_streamed = mtp.experts_streamed = observed
     modules.ExpertStack.__getitem__ = item
     try:
         prove_parity(hf_dir, ckpt, prompts)
     finally:
-        streamed.experts_streamed = mtp.experts_streamed = real
+        sides.experts_streamed = mtp.experts_streamed = real
         modules.ExpertStack.__getitem__ = real_item
     assert len(seen) >= 2, f"experts seen running in {sorted(seen)} only"
     for kind, live in seen.items():
