@@ -705,7 +705,7 @@ def test_no_parser_takes_an_abbreviated_flag(tiny_llama, tmp_path):
 
 
 def test_a_malformed_plan_json_is_refused_by_field(tmp_path):
-    from porting.train import checks
+    from porting.train import checks, plan_check
 
     plan = {"model": {"hidden": 64}, "layouts": [{"layout": {"tp": 1}}], "settings": {}}
     spec = checks.TrainSpec(checkpoint=str(tmp_path), data=[], out=str(tmp_path / "o"))
@@ -726,4 +726,4 @@ def test_a_malformed_plan_json_is_refused_by_field(tmp_path):
         spec.plan = path
         said = rf"plan.json: {re.escape(field)} is .*, not {kind}"
         with pytest.raises(PortingError, match=said):
-            checks.check_plan(spec, None, None)
+            plan_check.check_plan(spec, None, None)

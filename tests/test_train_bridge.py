@@ -164,7 +164,7 @@ def _spec(ckpt, data, out, **kw):
 def test_a_layout_change_from_a_dp_reshardable_save_is_refused_naming_its_run_config(
     bridge_ckpt, train_corpus, reference
 ):
-    from porting.train.checks import preflight_bridge
+    from porting.train.preflight import preflight_bridge
 
     out, _ = reference
     with pytest.raises(PortingError) as err:
@@ -184,7 +184,7 @@ def test_a_layout_change_from_a_dp_reshardable_save_is_refused_naming_its_run_co
 def test_a_run_directory_of_another_model_is_refused(bridge_ckpt, train_corpus, tmp_path):
     import json
 
-    from porting.train.checks import preflight_bridge
+    from porting.train.preflight import preflight_bridge
 
     meta = tmp_path / "run" / "checkpoints" / "porting"
     shutil.copytree(bridge_ckpt / "porting", meta)
@@ -198,7 +198,7 @@ def test_a_run_directory_of_another_model_is_refused(bridge_ckpt, train_corpus, 
 def test_an_iteration_or_a_nemo2_checkpoint_is_refused_with_what_to_give(
     bridge_ckpt, train_corpus, tmp_path
 ):
-    from porting.train.checks import preflight_bridge
+    from porting.train.preflight import preflight_bridge
 
     it = bridge_ckpt / "iter_0000000"
     with pytest.raises(PortingError, match=r"give the checkpoint's root \(.*\), not one of its"):

@@ -3,7 +3,7 @@
 A run directory holding checkpoints of another model or family, a TP that does not divide the
 heads, validation data from another tokenizer, a plan emitted for another model (or flags that do
 not follow it), and a resume that changes TP/PP from a checkpoint whose distributed-optimizer
-state reshards across DP only. Everything here runs :func:`porting.train.checks.preflight`, the
+state reshards across DP only. Everything here runs :func:`porting.train.preflight.preflight`, the
 function the launchers call before starting ranks; one test runs the CLI to show no rank starts.
 """
 
@@ -31,7 +31,7 @@ def _spec(tiny_nemo, train_corpus, out, **kw):
 
 
 def _preflight(spec):
-    from porting.train.checks import preflight
+    from porting.train.preflight import preflight
 
     return preflight(spec)
 

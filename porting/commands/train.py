@@ -325,7 +325,7 @@ def _checked_before_any_rank(args, spec, engine: str, executor) -> None:
     preflight on the NeMo-free config, so that the launcher is not one more NeMo start-up (~15 s
     of CPU) beside its ranks'."""
     from porting import shell
-    from porting.train import checks
+    from porting.train import preflight
 
     if executor.starts_ranks:
         executor.check_size(
@@ -335,7 +335,9 @@ def _checked_before_any_rank(args, spec, engine: str, executor) -> None:
             if value is not None:
                 shell.checked(value, flag)
         shell.command(_rank_argv(args))
-    pre = checks.preflight_bridge(spec) if engine == "bridge" else checks.preflight(spec, False)
+    pre = (
+        preflight.preflight_bridge(spec) if engine == "bridge" else preflight.preflight(spec, False)
+    )
     for w in pre.warnings:
         print(f"warning: {w}", file=sys.stderr)
     gc.freeze()  # as at the end of _train_here

@@ -1,8 +1,10 @@
 """Continued pretraining of an imported checkpoint on Megatron-Core, through NeMo 2.0 or
 Megatron-Bridge.
 
-- ``checks``: the run's spec and every check made before a process is launched (the layout, batch
-  and data against the model, the run directory, a resume at another layout, a plan); no NeMo;
+- ``checks``: the run's spec and the checks made of it before a process is launched (the layout,
+  batch and data against the model, the run directory, a resume at another layout); no NeMo;
+  ``plan_check``: a plan from ``porting plan --emit`` against the run; ``preflight``: every
+  check in order, for either engine;
 - ``settings``: what the spec sets in Megatron on both engines (the model config, the optimizer,
   data parallelism, the layout a checkpoint records);
 - ``recipe``: the NeMo 2.0 engine's objects of a run (model, data, strategy, optimizer, logging,

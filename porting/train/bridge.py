@@ -38,8 +38,8 @@ from porting.train.checks import (
     TrainSpec,
     bridge_iteration,
     parse_blend,
-    preflight_bridge,
 )
+from porting.train.preflight import preflight_bridge
 from porting.train.settings import (
     configure_model,
     ddp_settings,

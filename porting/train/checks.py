@@ -1,17 +1,13 @@
-"""Checks of a ``porting train`` run before anything is launched, and the run's spec.
-
-:func:`preflight` reads the checkpoint's manifest and builds the model's config (no trainer, no
-model), then checks the layout, batch and data against the model (:func:`validate`), the run
-directory's checkpoints (:func:`check_run_dir`), a resume at another layout
-(:func:`check_layout_change`) and a plan from ``porting plan --emit`` (:func:`check_plan`). Each
-failure is a :class:`PortingError` naming the file and field (or the flag). The launchers call it
-in the launching process, so a bad run fails before a rank starts.
+"""A ``porting train`` run's spec and the checks made of it before anything is launched: the
+layout, batch and data against the model (:func:`validate`), the run directory's checkpoints
+(:func:`check_run_dir`), a resume at another layout (:func:`check_layout_change`). Each failure
+is a :class:`PortingError` naming the file and field (or the flag). A plan's check is
+:mod:`porting.train.plan_check`; the checks in order, for either engine,
+:mod:`porting.train.preflight`.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -364,7 +360,7 @@ def max_token_id(prefix: str) -> int | None:
 
 # Shape fields of the model that a checkpoint of the same model must share: (field of the HF config
 # in porting.json, field of the Megatron config in model.yaml, field of a plan's model).
-_SHAPE = (
+SHAPE = (
     ("hidden_size", "hidden_size", "hidden"),
     ("num_hidden_layers", "num_layers", "layers"),
     ("num_attention_heads", "num_attention_heads", "heads"),
@@ -389,7 +385,7 @@ def read_json(path: Path, inside: Path | None = None) -> dict:
     return data
 
 
-def _model_facts(manifest, config) -> dict:
+def model_facts(manifest, config) -> dict:
     """Our model's values of the fields a resume checkpoint and a plan are checked against."""
     return {
         "hidden_size": config.hidden_size,
@@ -414,7 +410,7 @@ def check_same_model(ours: Path, inside: Path, spec: TrainSpec, manifest, source
             )
     hf = theirs.get("hf_config") or {}
     mine = manifest.hf_config
-    for hf_key, _, _ in _SHAPE:
+    for hf_key, _, _ in SHAPE:
         if hf_key in mine and hf.get(hf_key, mine[hf_key]) != mine[hf_key]:
             raise PortingError(
                 f"{ours}: hf_config.{hf_key} is {hf.get(hf_key)!r}, but --checkpoint "
@@ -434,7 +430,7 @@ def check_run_dir(spec: TrainSpec, manifest, config) -> None:
     from porting import untrusted
 
     source = Path(spec.checkpoint) / "context" / "porting.json"
-    facts = _model_facts(manifest, config)
+    facts = model_facts(manifest, config)
     for ctx in sorted((Path(spec.out) / "checkpoints").glob("*/context")):
         if ctx.parent.is_symlink():
             continue
@@ -445,7 +441,7 @@ def check_run_dir(spec: TrainSpec, manifest, config) -> None:
         if model_yaml.is_file():
             cfg = untrusted.read_yaml(model_yaml, ctx.parent) or {}
             cfg = (cfg.get("config") if isinstance(cfg, dict) else None) or {}
-            for _, key, _ in _SHAPE:
+            for _, key, _ in SHAPE:
                 if key is None or key not in cfg:
                     continue
                 theirs = cfg[key]
@@ -513,172 +509,6 @@ def check_layout_change(spec: TrainSpec) -> str | None:
     return f"resuming {ckpt.name} with a new layout ({change}); Megatron reshards on load"
 
 
-def check_plan(spec: TrainSpec, manifest, config) -> None:
-    """A ``plan.json`` written by ``porting plan --emit`` must describe this model and this run.
-
-    The plan's ``model`` is compared with the checkpoint's model, and the chosen layout and
-    settings with the flags, each mismatch an error naming the plan's field.
-    """
-    path = Path(spec.plan)
-    if not path.is_file():
-        raise PortingError(f"--plan {path}: no such file")
-    plan = read_json(path)
-    model = plan.get("model")
-    layouts = plan.get("layouts")
-    if not isinstance(model, dict) or not isinstance(layouts, list) or not layouts:
-        raise PortingError(f"{path}: not a plan written by `porting plan --emit` (model, layouts)")
-    _check_plan_types(plan, path)
-    _check_plan_model(model, path, spec, manifest, config)
-    chosen = layouts[0].get("layout") or {}
-    for where, (planned, flag_value, flag) in _planned_and_given(plan, chosen, spec).items():
-        if planned is not None and planned != flag_value:
-            raise PortingError(
-                f"{path}: {where} is {planned!r}, but {flag} gives {flag_value!r}: the flags do "
-                "not follow the plan (drop --plan to run another layout)"
-            )
-    planned_split = (chosen.get("first_layers") or None, chosen.get("last_layers") or None)
-    given_split = (spec.first_stage_layers, spec.last_stage_layers)
-    if "first_layers" in chosen and planned_split != given_split:
-        raise PortingError(
-            f"{path}: layouts[0].layout first_layers/last_layers are {planned_split}, but "
-            f"--first-stage-layers / --last-stage-layers give {given_split}: the flags do not "
-            "follow the plan"
-        )
-    order = layouts[0].get("rank_order")
-    pp_order = "tp-cp-ep-pp-dp"
-    if order is not None and spec.pp > 1 and (order == pp_order) != spec.use_tp_pp_dp_mapping:
-        raise PortingError(
-            f"{path}: layouts[0].rank_order is {order!r}, but --use-tp-pp-dp-mapping is "
-            f"{'on' if spec.use_tp_pp_dp_mapping else 'off'}: the flags do not follow the plan"
-        )
-
-
-def _check_plan_model(model: dict, path: Path, spec: TrainSpec, manifest, config) -> None:
-    """The plan's ``model`` fields against the checkpoint's model."""
-    facts = _model_facts(manifest, config)
-    source = Path(spec.checkpoint) / "context" / "porting.json"
-    for _, key, plan_key in _SHAPE:
-        key = key or "vocab_size"
-        if plan_key in model and model[plan_key] != facts[key]:
-            raise PortingError(
-                f"{path}: model.{plan_key} is {model[plan_key]!r}, but the model of --checkpoint "
-                f"{source} has {key} {facts[key]}: the plan was made for another model "
-                f"({model.get('name', '?')})"
-            )
-
-
-def _planned_and_given(plan: dict, chosen: dict, spec: TrainSpec) -> dict:
-    """``{plan field: (its value, the flags' value, the flag)}`` of the layout and settings the
-    flags must follow (a dense plan's EP and ETP left out)."""
-    model = plan["model"]
-    settings = plan.get("settings") or {}
-    expect = {
-        "layouts[0].layout.tp": (chosen.get("tp"), spec.tp, "--tp"),
-        "layouts[0].layout.pp": (chosen.get("pp"), spec.pp, "--pp"),
-        "layouts[0].layout.vp": (chosen.get("vp"), spec.vp or 1, "--vp"),
-        "layouts[0].layout.cp": (chosen.get("cp"), spec.cp, "--cp"),
-        "layouts[0].layout.dp": (chosen.get("dp"), spec.data_parallel, "the data-parallel size"),
-        "layouts[0].layout.ep": (chosen.get("ep"), spec.ep, "--ep"),
-        "layouts[0].layout.etp": (
-            chosen.get("etp"),
-            spec.etp if spec.etp is not None else spec.tp,
-            "--etp",
-        ),
-        "layouts[0].layout.micro_batch": (
-            chosen.get("micro_batch"),
-            spec.micro_batch,
-            "--micro-batch",
-        ),
-        "layouts[0].layout.recompute": (chosen.get("recompute"), spec.recompute, "--recompute"),
-        "layouts[0].layout.instances": (
-            chosen.get("instances"),
-            spec.num_distributed_optimizer_instances,
-            "--num-distributed-optimizer-instances",
-        ),
-        "layouts[0].layout.sequence_parallel": (
-            chosen.get("sequence_parallel"),
-            spec.sequence_parallel,
-            "--sequence-parallel",
-        ),
-        "global_batch": (plan.get("global_batch"), spec.global_batch, "--global-batch"),
-        "seq_length": (plan.get("seq_length"), spec.seq_length, "--seq-length"),
-        "settings.distributed_optimizer": (
-            settings.get("distributed_optimizer"),
-            spec.distributed_optimizer,
-            "--no-distributed-optimizer",
-        ),
-        "settings.overlap_grad_reduce": (
-            settings.get("overlap_grad_reduce"),
-            spec.overlap_grad_reduce,
-            "--overlap-grad-reduce",
-        ),
-        "settings.overlap_param_gather": (
-            # only meaningful with the distributed optimizer (emit drops it otherwise)
-            settings.get("overlap_param_gather") and settings.get("distributed_optimizer", True),
-            spec.overlap_param_gather,
-            "--overlap-param-gather",
-        ),
-        "settings.grad_reduce_in_fp32": (
-            settings.get("grad_reduce_in_fp32"),
-            spec.grad_reduce_in_fp32,
-            "--grad-reduce-in-bf16",
-        ),
-    }
-    if not model.get("experts"):
-        # a dense plan's layout carries EP 1 and ETP 1, which mean nothing without experts
-        del expect["layouts[0].layout.ep"], expect["layouts[0].layout.etp"]
-    return expect
-
-
-# The fields of a plan.json that train reads, and their kinds: a plan is input, read as data
-# and typed before anything is compared (``true`` is not a TP of 1).
-_PLAN_KINDS = {
-    "model": dict, "layouts": list, "settings": dict, "global_batch": int, "seq_length": int,
-    "layouts[0]": dict, "layouts[0].layout": dict, "layouts[0].rank_order": str,
-    **{f"model.{key}": int for _, _, key in _SHAPE},
-    **{f"layouts[0].layout.{key}": int for key in (
-        "tp", "pp", "vp", "cp", "dp", "ep", "etp", "micro_batch", "instances", "first_layers",
-        "last_layers")},
-    "layouts[0].layout.recompute": str, "layouts[0].layout.sequence_parallel": bool,
-    **{f"settings.{key}": bool for key in (
-        "distributed_optimizer", "overlap_grad_reduce", "overlap_param_gather",
-        "grad_reduce_in_fp32")},
-}  # fmt: skip
-
-
-def _check_plan_types(plan: dict, path: Path) -> None:
-    """Each field of :data:`_PLAN_KINDS` that the plan has is of its kind (null where absent
-    is allowed), else an error naming the field."""
-    names = {
-        dict: "an object",
-        list: "a list",
-        int: "an integer",
-        str: "a string",
-        bool: "true/false",
-    }
-    for where, kind in _PLAN_KINDS.items():
-        value: object = plan
-        for part in where.replace("[0]", ".0").split("."):
-            if isinstance(value, list) and part == "0":
-                value = value[0] if value else None
-            elif isinstance(value, dict):
-                value = value.get(part)
-            else:
-                value = None
-        if value is None:
-            continue
-        if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):
-            shown = (
-                json.dumps(value)[:40]
-                if isinstance(value, str | int | float)
-                else type(value).__name__
-            )
-            raise PortingError(
-                f"{path}: {where} is {shown}, not {names[kind]}: not a plan written by "
-                "`porting plan --emit`"
-            )
-
-
 def stage_layers(spec: TrainSpec, layers: int) -> list[int]:
     """Decoder layers of each pipeline stage, as Megatron-Core splits them for these flags."""
     first, last = spec.first_stage_layers, spec.last_stage_layers
@@ -730,93 +560,6 @@ def check_stage_layers(spec: TrainSpec, layers: int, manifest: object) -> None:
         raise PortingError(f"--vp {spec.vp} does not divide the {rest // stages} layers per stage")
 
 
-@dataclass
-class Preflight:
-    """What :func:`preflight` read and found: the manifest, the model's config, warnings."""
-
-    manifest: object
-    family: object
-    config: object
-    warnings: list[str]
-
-
-def check_memory(spec: TrainSpec, weights: Path | None = None) -> None:
-    """On the CPU, refuse a run whose ranks on this node cannot hold even their share of the
-    model's fp32 weights and gradients (8 bytes a parameter; Adam's states and activations come on
-    top): it would be killed by the out-of-memory killer minutes in. The parameter count comes
-    from the checkpoint's ``.metadata``; on GPUs the planner (`porting plan`) is the check."""
-    import torch
-
-    from porting.convert.dist_reader import DistCheckpointReader
-    from porting.convert.preflight import available_bytes, size
-
-    if torch.cuda.is_available():
-        return
-    reader = DistCheckpointReader(weights or Path(spec.checkpoint) / "weights")
-    # NeMo 2 names the model's weights "module.*"; Megatron-Bridge's iterations hold them
-    # unprefixed, beside "optimizer.*" and "rng_state" of a trained one.
-    prefix = "module." if weights is None else ""
-    params = sum(
-        math.prod(reader.global_shape(k))
-        for k in reader.keys()
-        if k.startswith(prefix) and not k.startswith(("optimizer.", "rng_state"))
-    )
-    ranks = spec.gpus_per_node
-    need = params * 8 * ranks // (spec.tp * spec.pp)
-    have = available_bytes()
-    if need > have:
-        raise PortingError(
-            f"--checkpoint {spec.checkpoint}: {params / 1e9:.2f}B parameters need at least "
-            f"{size(need)} on this node for fp32 weights and gradients alone ({ranks} rank(s), "
-            f"each 1/{spec.tp * spec.pp} of the model); it has {size(have)} free. Train on GPUs, "
-            "or on more nodes with a larger --tp / --pp"
-        )
-
-
-def preflight(spec: TrainSpec, nemo: bool = True) -> Preflight:
-    """Every check that can be made before a process is launched (no trainer, no model built).
-
-    The checkpoint's manifest and ``io.json`` files, the layout, batch and data against the model
-    (:func:`validate`), the run directory's checkpoints (:func:`check_run_dir`), a resume at another
-    layout (:func:`check_layout_change`) and a plan (:func:`check_plan`). Raises
-    :class:`PortingError` naming the file and field; returns the warnings. ``nemo``: the config
-    is NeMo's class (the model a rank trains); otherwise the family's NeMo-free twin of it
-    (``Family.core_config_cls``, the same fields and model: tests/test_mcore.py), so a launcher
-    that only checks never loads NeMo.
-    """
-    from porting.contract.registry import family_by_name
-    from porting.convert.checkpoint import open_checkpoint
-    from porting.convert.context import check_io_json
-    from porting.convert.megatron import checkpoint_config
-
-    checkpoint = open_checkpoint(spec.checkpoint)
-    if checkpoint.located.format != "nemo2":
-        raise PortingError(
-            f"--checkpoint {spec.checkpoint}: a {checkpoint.located.format} checkpoint, and "
-            "--engine nemo2 trains a NeMo 2 one: train it with --engine bridge (the current "
-            f"stack), or convert it first with `porting convert {spec.checkpoint} --to nemo2 "
-            "--out DIR`"
-        )
-    manifest = checkpoint.manifest
-    family = family_by_name(checkpoint.family)
-    # NeMo reads io.json of the restored checkpoint and of every checkpoint it may resume from
-    # (artifacts, the tokenizer); each is checked before NeMo sees it. The model itself is built
-    # from our manifest.
-    check_io_json(spec.checkpoint, family)
-    for resumable in sorted((Path(spec.out) / "checkpoints").glob("*/context")):
-        check_io_json(resumable.parent, family)
-    config = checkpoint_config(checkpoint, family, nemo=nemo)
-    check_memory(spec)
-    check_run_dir(spec, manifest, config)
-    warnings = validate(spec, config, manifest.vocab_size)
-    if spec.plan is not None:
-        check_plan(spec, manifest, config)
-    note = check_layout_change(spec)
-    if note:
-        warnings.append(note)
-    return Preflight(manifest, family, config, warnings)
-
-
 def bridge_iteration(root: Path) -> Path | None:
     """The newest complete iteration of a Megatron-Bridge checkpoint root (what its tracker file,
     written once a save has finished, names), or None where there is none."""
@@ -863,41 +606,3 @@ def check_bridge_layout_change(spec: TrainSpec) -> str | None:
             "--optim-fully-reshardable and let it save a checkpoint, then change the layout"
         )
     return f"resuming {it.name} with a new layout ({change}); Megatron reshards on load"
-
-
-def preflight_bridge(spec: TrainSpec) -> Preflight:
-    """:func:`preflight` for the Megatron-Bridge engine: ``--checkpoint`` must be a
-    Megatron-Bridge checkpoint of ours (`porting import --format megatron-bridge`, or `porting
-    convert --to megatron-bridge`), and the run directory's checkpoints (a Bridge root,
-    ``OUT/checkpoints``) must be of its model."""
-    from porting.contract.registry import family_by_name
-    from porting.convert.checkpoint import open_checkpoint
-    from porting.convert.megatron import checkpoint_config
-
-    checkpoint = open_checkpoint(spec.checkpoint)
-    if checkpoint.located.format != "megatron-bridge":
-        raise PortingError(
-            f"--checkpoint {spec.checkpoint}: a {checkpoint.located.format} checkpoint, and "
-            "--engine bridge trains a Megatron-Bridge one: convert it first with `porting "
-            f"convert {spec.checkpoint} --to megatron-bridge --out DIR` (or train it with "
-            "--engine nemo2, in the nemo2 environment)"
-        )
-    if Path(spec.checkpoint).resolve() != checkpoint.located.root.resolve():
-        raise PortingError(
-            f"--checkpoint {spec.checkpoint}: give the checkpoint's root "
-            f"({checkpoint.located.root}), not one of its iterations"
-        )
-    manifest = checkpoint.manifest
-    family = family_by_name(checkpoint.family)
-    config = checkpoint_config(checkpoint, family, nemo=False)
-    check_memory(spec, checkpoint.located.weights)
-    ours = Path(spec.out) / "checkpoints" / "porting" / "porting.json"
-    if ours.is_file():
-        check_same_model(ours, ours.parent.parent, spec, manifest, checkpoint.located.manifest_path)
-    warnings = validate(spec, config, manifest.vocab_size)
-    if spec.plan is not None:
-        check_plan(spec, manifest, config)
-    note = check_bridge_layout_change(spec)
-    if note:
-        warnings.append(note)
-    return Preflight(manifest, family, config, warnings)

@@ -35,12 +35,12 @@ from porting.train.checks import (
     LAYOUT_FILE,
     TrainSpec,
     megatron_paths,
-    preflight,
     read_json,
 )
 from porting.train.checks import max_token_id as max_token_id
 from porting.train.checks import parse_blend as parse_blend
 from porting.train.checks import validate as validate
+from porting.train.preflight import preflight
 from porting.train.settings import (
     configure_model,
     ddp_settings,
