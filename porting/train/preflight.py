@@ -101,13 +101,7 @@ def preflight(spec: TrainSpec, nemo: bool = True) -> Preflight:
     config = checkpoint_config(checkpoint, family, nemo=nemo)
     check_memory(spec)
     check_run_dir(spec, manifest, config)
-    warnings = validate(spec, config, manifest.vocab_size)
-    if spec.plan is not None:
-        check_plan(spec, manifest, config)
-    note = check_layout_change(spec)
-    if note:
-        warnings.append(note)
-    return Preflight(manifest, family, config, warnings)
+    return _checked(spec, manifest, family, config, check_layout_change)
 
 
 def preflight_bridge(spec: TrainSpec) -> Preflight:
@@ -139,10 +133,17 @@ def preflight_bridge(spec: TrainSpec) -> Preflight:
     ours = Path(spec.out) / "checkpoints" / "porting" / "porting.json"
     if ours.is_file():
         check_same_model(ours, ours.parent.parent, spec, manifest, checkpoint.located.manifest_path)
+    return _checked(spec, manifest, family, config, check_bridge_layout_change)
+
+
+def _checked(spec: TrainSpec, manifest, family, config, layout_change) -> Preflight:
+    """The checks both engines make once the model's config is built: the layout, batch and
+    data, a plan, and a resume at another layout (``layout_change``: the engine's own reading of
+    what its checkpoints were saved at), whose note joins the warnings."""
     warnings = validate(spec, config, manifest.vocab_size)
     if spec.plan is not None:
         check_plan(spec, manifest, config)
-    note = check_bridge_layout_change(spec)
+    note = layout_change(spec)
     if note:
         warnings.append(note)
     return Preflight(manifest, family, config, warnings)
