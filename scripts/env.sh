@@ -92,10 +92,18 @@ case "$job" in
     # the workers share the cores: a second OpenMP thread per process would only spin and wait
     export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
     echo "[env] environments ready after ${SECONDS} s; the tests start" >&2
-    # The two stacks' passes run side by side: the NeMo 2 pass's process-level cases wait on Slurm
-    # and on their ranks as much as they compute (docs/testing.md, run 66: 1,014 CPU-s in 1,511
-    # worker-s), and the current pass's cases fill those waits. Its own report beside a
-    # --junitxml one, so that neither run overwrites the other's.
+    # the wall time, whatever the verdict, so each landing shows the trend against CI's 90 min
+    rc=0
+    .venv-nemo2/bin/python -m pytest -q -n "${PORTING_TEST_WORKERS:-2}" --dist loadfile \
+      --no-loadscope-reorder "$@" || rc=$?
+    # 5: pytest collected nothing, which is right when the files asked for are the current stack's
+    none=""
+    if [ "$rc" = 5 ] && [ $# -gt 0 ]; then
+      echo "[env] none of the tests asked for runs on the nemo2 stack" >&2
+      rc=0 none=1
+    fi
+    echo "[env] the current stack's files (.venv, tests/conftest.py: CURRENT_STACK_FILES)" >&2
+    # its own report beside a --junitxml one, so that neither run overwrites the other's
     args=()
     for arg in "$@"; do
       if [[ $arg == --junitxml=* ]]; then
@@ -104,34 +112,16 @@ case "$job" in
       fi
       args+=("$arg")
     done
-    clog=$(mktemp "${TMPDIR:-/tmp}/porting-current-pass.XXXXXX")
-    # its own session, so that an interrupted suite stops that pass's whole tree too (a
-    # background job of a script ignores SIGINT: it is told with SIGTERM)
-    setsid .venv/bin/python -m pytest -q -n "${PORTING_TEST_WORKERS:-2}" --dist loadfile \
-      --no-loadscope-reorder "${args[@]}" >"$clog" 2>&1 &
-    cpid=$!
-    trap 'kill -TERM -- -"$cpid" 2>/dev/null; rm -f "$clog"; exit 130' INT TERM
-    echo "[env] the NeMo 2 stack's pass (.venv-nemo2) here; the current stack's files" \
-      "(.venv, tests/conftest.py: CURRENT_STACK_FILES) beside it, printed when both end" >&2
-    rc=0
-    .venv-nemo2/bin/python -m pytest -q -n "${PORTING_TEST_WORKERS:-2}" --dist loadfile \
-      --no-loadscope-reorder "$@" || rc=$?
     crc=0
-    wait "$cpid" || crc=$?
-    trap - INT TERM
-    echo "[env] the current stack's pass (.venv):" >&2
-    cat "$clog"
-    rm -f "$clog"
-    # 5: pytest collected nothing, which is right when the files asked for are the other stack's
-    if [ "$rc" = 5 ] && [ "$crc" = 5 ] && [ $# -gt 0 ]; then
+    .venv/bin/python -m pytest -q -n "${PORTING_TEST_WORKERS:-2}" --dist loadfile \
+      --no-loadscope-reorder "${args[@]}" || crc=$?
+    # 5: pytest collected nothing, which is right when the files asked for are nemo2's only
+    if [ "$crc" = 5 ] && [ -n "$none" ]; then
       echo "[env] none of the tests asked for runs on either stack" >&2
-    elif [ "$rc" = 5 ] && [ $# -gt 0 ]; then
-      echo "[env] none of the tests asked for runs on the nemo2 stack" >&2
-      rc=$crc
+      rc=5
     elif [ "$crc" = 5 ] && [ $# -gt 0 ]; then
       echo "[env] none of the tests asked for runs on the current stack" >&2
-    elif [ "$rc" = 0 ]; then rc=$crc; fi
-    # the wall time, whatever the verdict, so each landing shows the trend against CI's 90 min
+    elif [ "$crc" != 0 ]; then rc=$crc; fi
     echo "[env] wall time $((SECONDS / 60)) min $((SECONDS % 60)) s, set-up and tests (exit $rc)" >&2
     exit "$rc" ;;
   current) current_env ;;
