@@ -406,23 +406,34 @@ def test_a_plans_emitted_sbatch_runs_on_the_cluster_as_one_process(
 def test_train_killed_at_its_time_limit_says_so_and_keeps_its_checkpoints(
     slurm_cluster, tiny_nemo, train_corpus, tmp_path
 ):
-    """--time 1 (Slurm's shortest limit, a minute) on a run that needs longer: the command ends
-    with one line naming TIMEOUT and what to do, exit 2, and the checkpoints written are complete.
-    One node: the limit ends a job whatever its size, and a second node would only train on for
-    the same minute (two nodes' ranks: the requeue test and the emitted sbatch above)."""
+    """A job past its time limit: the command ends with one line naming TIMEOUT and what to do,
+    exit 2, and the checkpoints written are complete. The job goes with `--time 10`, and once its
+    first checkpoint is complete its limit is cut to Slurm's shortest (a minute), which ends it as
+    `--time 1` would, but never before a checkpoint: a fixed minute from the start left none
+    when NeMo started slowly (run 67, four test workers on two cores). One node: the limit ends a
+    job whatever its size (two nodes' ranks: the requeue test and the emitted sbatch above)."""
     from porting.testing import checkpoint_complete
 
     out = tmp_path / "run"
-    # a checkpoint every 4 steps, so that one lands within the minute even when NeMo starts slowly
-    # (every 20 steps left none once, on a machine loaded by a third test worker)
     argv = [*_train_argv(tiny_nemo, train_corpus), "--out", str(out), "--steps", "5000",
             "--save-every", "4", "--nodes", "1", "--gpus-per-node", "1", "--executor", "slurm",
-            "--time", "1"]  # fmt: skip
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT, env=slurm_cluster)
-    assert done.returncode == 2, done.stderr[-3000:]
-    (line,) = [x for x in done.stderr.splitlines() if x.startswith("porting train: error:")]
+            "--time", "10"]  # fmt: skip
+    follower = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=slurm_cluster)  # fmt: skip
+    try:
+        _wait_for("a complete checkpoint", lambda: checkpoint_complete(out), timeout=TIMEOUT)
+        (log,) = (out / "slurm").glob("job-*.out")
+        job = log.stem.removeprefix("job-")
+        # the command's --time reached Slurm as the job's limit
+        assert " TimeLimit=00:10:00 " in _slurm(slurm_cluster, "scontrol", "-o", "show", "job", job)
+        _slurm(slurm_cluster, "scontrol", "update", f"jobid={job}", "TimeLimit=1")
+        _, stderr = follower.communicate(timeout=TIMEOUT)
+    finally:
+        follower.kill()
+    assert follower.returncode == 2, stderr[-3000:]
+    (line,) = [x for x in stderr.splitlines() if x.startswith("porting train: error:")]
     assert re.search(r" ended TIMEOUT on node[12] ", line), line
-    assert "rerun the same command with a longer --time to resume" in done.stderr
+    assert "rerun the same command with a longer --time to resume" in stderr
     assert checkpoint_complete(out)
 
 
