@@ -459,7 +459,7 @@ def timed(cmd: list[str], log: Path) -> dict:
     if "{" in proc.stdout:
         try:
             report, _ = json.JSONDecoder().raw_decode(proc.stdout[proc.stdout.index("{") :])
-            gate = {k: report.get(k) for k in ("wall_s", "floor_s", "floor_ratio")}
+            gate = {k: report.get(k) for k in ("wall_s", "floor_s", "floor_ratio", "ranks")}
         except ValueError:
             pass
     m = re.search(r"Maximum resident set size \(kbytes\): (\d+)", text)
@@ -475,6 +475,8 @@ def timed(cmd: list[str], log: Path) -> dict:
         "gate_s": gate.get("wall_s"),
         "gate_floor_s": gate.get("floor_s"),
         "gate_ratio": gate.get("floor_ratio"),
+        # each process's CPU seconds in the gate (one, or one a rank)
+        "gate_cpu_s": [r["cpu_s"] for r in gate.get("ranks") or []],
     }
     if proc.returncode != 0:
         # The exception's own line (the last one naming an error), for the table.
@@ -642,7 +644,8 @@ def main() -> int:
     sw = max([len("size"), *(len(r["size"]) for r in rows)]) + 2
     print(
         f"{'size':<{sw}}{'step':<22}{'wall s':>8}{'peak RSS GiB':>14}{'peak/weights':>14}"
-        f"{'gate s':>8}{'floor s':>9}{'gate/floor':>12}{'disk GB r/w':>14}{'MB/s':>7}  result"
+        f"{'gate s':>8}{'floor s':>9}{'gate/floor':>12}{'gate CPU-s':>14}{'disk GB r/w':>14}"
+        f"{'MB/s':>7}  result"
     )
     for r in rows:
         peak = r["peak_rss"] or 0
@@ -657,6 +660,9 @@ def main() -> int:
                 (r.get("gate_ratio"), 12),
             )
         )
+        # a rank's each, "/" between them
+        cpu = "/".join(f"{c:.1f}" for c in r.get("gate_cpu_s") or []) or "-"
+        gate += f"{cpu:>14}"
         moved = (r.get("disk_read") or 0) + (r.get("disk_written") or 0)
         disk = f"{(r.get('disk_read') or 0) / 1e9:.1f}/{(r.get('disk_written') or 0) / 1e9:.1f}"
         print(

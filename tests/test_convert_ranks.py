@@ -195,6 +195,14 @@ def test_verify_over_two_ranks_gives_the_one_process_verdict(tiny_llama, tiny_ne
     _same_verdict(json.loads(one.stdout), json.loads(two.stdout))
     assert two.stderr == "", two.stderr
     assert json.loads(two.stdout)["first_divergent_layer"] == 1
+    # each process's share of the gate: one process every layer, each rank its own
+    shares = [json.loads(r.stdout)["ranks"] for r in (one, two)]
+    n = len(json.loads(one.stdout)["layers"])
+    assert [(r["rank"], r["layers"]) for r in shares[0]] == [(0, [0, n - 1])], shares[0]
+    assert [(r["rank"], r["layers"]) for r in shares[1]] == [
+        (0, [0, n // 2 - 1]), (1, [n // 2, n - 1])
+    ], shares[1]  # fmt: skip
+    assert all(r["cpu_s"] > 0 and r["wall_s"] > 0 for r in shares[0] + shares[1]), shares
 
 
 def test_the_gates_memory_is_counted_for_every_rank_on_the_node(tiny_llama, monkeypatch, tmp_path):

@@ -87,6 +87,9 @@ class ParityReport:
     floor_ratio: float | None = None
     matmul_tflop: float | None = None
     matmul_gflops: float | None = None
+    # Each process's share of a layer-streamed gate (streamed.GateCost.ranks): its layers, CPU
+    # and wall seconds; one entry in one process, one a rank where the ranks split the layers.
+    ranks: list[dict] = field(default_factory=list)
     # The mapped features the prompts could not see (``{"field", "value", "why"}`` each, see
     # :func:`unobserved_features`): a conversion that dropped one would pass all the same.
     unobserved: list[dict] = field(default_factory=list)
@@ -163,6 +166,14 @@ class ParityReport:
                         f"; no ratio under a {FLOOR_MIN_S:g} s floor: fixed costs, not matmuls, "
                         "set the time"
                     )
+        if len(self.ranks) > 1:
+            shares = ", ".join(
+                f"{r['rank']}: layers {r['layers'][0]}-{r['layers'][1]} {r['cpu_s']:.1f} CPU-s"
+                if r["layers"]
+                else f"{r['rank']}: no layer"
+                for r in self.ranks
+            )
+            text += f"\n  ranks          {shares}"
         if self.first_divergent_layer is not None:
             d = self.layers[self.first_divergent_layer]
             text += (
@@ -838,6 +849,7 @@ def _streamed_report(hf, mc, layers, cost, mtp, atol, rtol, min_top1) -> ParityR
     report.matmul_tflop = cost.flop * 2 / 1e12
     report.matmul_gflops = cost.gflops
     report.floor_s = cost.floor_s
+    report.ranks = cost.ranks
     report.layers = [asdict(d) for d in layers]
     first = next((d.layer for d in layers if d.diverges), None)
     report.first_divergent_layer = first

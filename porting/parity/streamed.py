@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -125,11 +126,15 @@ class GateCost:
     matrix products (experts computed as ``x @ w``, attention's scores: :class:`_MatmulWork`);
     the Megatron side does the same work. ``gflops``: this device's fp32 ``F.linear`` rate,
     measured once per machine and cached (:func:`porting.parity.floor.machine_gflops`).
-    ``floor_s``: both sides at that rate.
+    ``floor_s``: both sides at that rate. ``ranks``: each process's share of the gate, in rank
+    order (one for a gate in one process): ``{"rank", "layers": [first, last] (empty for a rank
+    past the layers), "cpu_s", "wall_s"}``, from reading its side's inputs to its last pass
+    (``cpu_s``: the process's CPU time, its reader and matmul threads included).
     """
 
     flop: float
     gflops: float
+    ranks: list[dict] = field(default_factory=list)
 
     @property
     def floor_s(self) -> float:
@@ -649,6 +654,7 @@ def _streamed_logits(
 ):
     from tqdm import tqdm
 
+    started = time.process_time(), time.perf_counter()
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
@@ -671,11 +677,18 @@ def _streamed_logits(
     bar.close()
     # Measured (where not cached) after the run: timed alone, not beside the reader.
     rate = machine_gflops(device, work_flop=2 * run.flop[0])  # both sides, as GateCost counts it
+    owned = range(n) if stage is None else stage.owned
+    share = {
+        "rank": 0 if stage is None else stage.rank,
+        "layers": [owned[0], owned[-1]] if owned else [],
+        "cpu_s": round(time.process_time() - started[0], 3),
+        "wall_s": round(time.perf_counter() - started[1], 3),
+    }
     result = [
         reference.logits if run.head else None,
         mc_logits if run.head else None,
         report,
-        GateCost(flop=run.flop[0], gflops=rate),
+        GateCost(flop=run.flop[0], gflops=rate, ranks=[share]),
         mtp,
     ]
     if stage is not None:
@@ -875,9 +888,13 @@ def _gathered(stage: Stage, mine: list) -> list:
     measured rate: the gate's floor is its slowest stage's)."""
     dist = torch.distributed
     parts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, (mine[2], mine[3].flop, mine[3].gflops))
+    dist.all_gather_object(parts, (mine[2], mine[3].flop, mine[3].gflops, mine[3].ranks))
     head = [mine[0], mine[1], mine[4]] if stage.last else [None, None, None]
     dist.broadcast_object_list(head, src=stage.stages - 1)
     layers = sorted((d for p in parts for d in p[0]), key=lambda d: d.layer)
-    cost = GateCost(flop=sum(p[1] for p in parts), gflops=min(p[2] for p in parts))
+    cost = GateCost(
+        flop=sum(p[1] for p in parts),
+        gflops=min(p[2] for p in parts),
+        ranks=[share for p in parts for share in p[3]],
+    )
     return [head[0], head[1], layers, cost, head[2]]
