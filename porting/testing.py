@@ -435,7 +435,7 @@ OWN_OUTPUT_PATTERNS = (
     r"removing \S+, left by an earlier run",
     r"porting [a-z-]+: error: ",
     r"parity (PASS|FAIL): \d+ prompts",
-    r"  (max \|dlogit\||mean \|dlogit\||KL\(HF\|\|Mcore\)|top-1 agree|layers|first divergence|gate) ",
+    r"  (max \|dlogit\||mean \|dlogit\||KL\(HF\|\|Mcore\)|top-1 agree|layers|first divergence|gate|ranks) ",
     r"wrote \S",
     # the import's own lines (porting.convert.connectors): a config note, and its summary
     r"\S*config\.json: ",
