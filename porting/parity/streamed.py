@@ -675,8 +675,7 @@ def _streamed_logits(
         mc_logits, report, got, ctx = _megatron_pass(ckpt, family, hf_dir, run, reference)
         mtp = _mtp_pairs(family, ctx, hf_config, run, reference, got) if got else []
     bar.close()
-    # Measured (where not cached) after the run: timed alone, not beside the reader.
-    rate = machine_gflops(device, work_flop=2 * run.flop[0])  # both sides, as GateCost counts it
+    # this process's share ends with its passes: the rate's first measurement below is not the gate's
     owned = range(n) if stage is None else stage.owned
     share = {
         "rank": 0 if stage is None else stage.rank,
@@ -684,6 +683,8 @@ def _streamed_logits(
         "cpu_s": round(time.process_time() - started[0], 3),
         "wall_s": round(time.perf_counter() - started[1], 3),
     }
+    # Measured (where not cached) after the run: timed alone, not beside the reader.
+    rate = machine_gflops(device, work_flop=2 * run.flop[0])  # both sides, as GateCost counts it
     result = [
         reference.logits if run.head else None,
         mc_logits if run.head else None,
