@@ -216,7 +216,7 @@ CURRENT_STACK_ONLY = {
     "test_prep_blend.py", "test_prep_hostile.py", "test_prep_provenance.py", "test_prep_tools.py",
     "test_shell_trust.py", "test_overlap.py", "test_hostile.py", "test_nemotron.py",
     "test_granite.py", "test_smollm3.py", "test_granitemoe.py", "test_prep_ray.py",
-    "test_deepseek_v2.py", "test_llama4.py",
+    "test_deepseek_v2.py", "test_llama4.py", "test_pages.py",
 }  # fmt: skip
 # Of those, the files with cases marked ``nemo2``: collected on the NeMo 2 stack too, for those.
 WITH_NEMO2_CASES = {

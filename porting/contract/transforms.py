@@ -111,8 +111,23 @@ def pad_vocab(weight: torch.Tensor, *, padded_vocab_size: int) -> torch.Tensor:
         raise PortingError(f"padded vocabulary {padded_vocab_size} is smaller than {vocab}")
     if padded_vocab_size == vocab:
         return weight
-    pad = weight.new_zeros((padded_vocab_size - vocab, *weight.shape[1:]))
-    return _cat([weight, pad], dim=0)
+    from porting import pages
+
+    out = weight.new_empty((padded_vocab_size, *weight.shape[1:]))
+    out[vocab:].zero_()
+    # a block at a time, each block of a mapped table released once copied: a 202,048-row
+    # table is otherwise resident twice, its file's pages and the copy
+    pages.copy_rows(out[:vocab], weight)
+    return out
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``torch.equal(a, b)`` in bounded memory: two tables read from mapped files compared a
+    block of rows at a time, each block's pages released once compared (a family checking a
+    copy it reads against the model's, as DeepSeek's MTP layer's embedding)."""
+    from porting import pages
+
+    return pages.equal_rows(a, b)
 
 
 def unpad_vocab(weight: torch.Tensor, *, vocab_size: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 
 from porting.contract import config_map, hf_spelling
 from porting.contract.family import Family
+from porting.contract.mapping import stacked_part, stored_key
 from porting.convert import ranks
 from porting.convert.checkpoint import Checkpoint, extra_file, tokenizer_files
 from porting.convert.dist_reader import CheckpointParameters, DistCheckpointReader
@@ -101,6 +102,12 @@ def export_into(
         (key, tuple(t.shape), dtype_of(key))
         for key, t in export_weights(meta, family.weights, ctx, ctx.num_layers)
     ]
+    # A stacked HF tensor (Llama 4's, gpt-oss's experts) is written a slice at a time into its
+    # place, never made whole: a Scout layer's stack is 2.7 GB, and its slices as many again.
+    slices = {}
+    for key, t in export_weights(meta, family.weights, ctx, ctx.num_layers, stack=False):
+        if (part := stacked_part(key)) is not None:
+            slices[key] = (part[0], part[1] * t.numel(), tuple(t.shape))
     # A launched export: each rank makes and writes its share of the tensors into the planned
     # files (porting.convert.ranks), rank 0 made them first and names them once all are done.
     world, rank = ranks.world_size(), ranks.rank()
@@ -111,6 +118,10 @@ def export_into(
         keep = lambda key: owner[key] == rank  # noqa: E731
     stored, parts = _hf_layout(hf_layout, manifest, specs, str(checkpoint.path))
     mine = None if keep is None else {k for k in owner if keep(k)}
+    if slices:
+        parts = {**(parts or {}), **slices}
+        if mine is not None:
+            mine |= {key for key, (into, _, _) in slices.items() if into in mine}
     held = _container(checkpoint, family)
     if held is not None:  # the language model under the names it came with, beside the rest
         stored, parts, mine = held.renamed(stored, parts, mine, rank == 0)
@@ -168,8 +179,10 @@ def _stream_weights(
     check_nemo_layout(sharded, reader, str(loc.manifest_path))
     params = CheckpointParameters(reader, sharded, meta, loc.prefix)
     name = held.stored_name if held is not None else (lambda key: key)
-    for key, tensor in export_weights(params, family.weights, ctx, ctx.num_layers, keep):
-        writer.write(name(key), tensor.to(dtype_of(key)))
+    for key, tensor in export_weights(
+        params, family.weights, ctx, ctx.num_layers, keep, stack=False
+    ):
+        writer.write(name(key), tensor.to(dtype_of(stored_key(key))))
         del tensor
 
 

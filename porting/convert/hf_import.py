@@ -84,7 +84,12 @@ class _CastingSource:
         return self.inner.keys()
 
     def get(self, key: str) -> torch.Tensor:
-        t = self.inner.get(key)
+        return self._cast(key, self.inner.get(key))
+
+    def expert(self, key: str, index: int) -> torch.Tensor:
+        return self._cast(key, self.inner.expert(key, index))
+
+    def _cast(self, key: str, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.dtype) if t.is_floating_point() and key not in self.keep else t
 
 

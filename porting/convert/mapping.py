@@ -192,12 +192,16 @@ def export_weights(
     ctx: Any,
     num_layers: int,
     keep: Callable[[str], bool] | None = None,
+    stack: bool = True,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_key, tensor)`` pairs derived from Megatron parameters through the inverse table.
 
     Every Megatron parameter must be used exactly once; an unused one is an error (it would be lost).
     ``keep``: only the entries whose (stored) HF tensor it keeps are read and made (a rank's share
     of a launched export, :func:`export_owners`); the checks above still cover the whole table.
+    ``stack=False``: the slices of a stacked HF tensor are yielded as they are made, under their
+    slice keys (``name[i]``), for a writer that puts each into its place in the stack; else each
+    stacked tensor is yielded whole once its last slice is made.
     """
     entries, _ = expand(table, ctx, num_layers)
     entries = resolve_target_names(entries, source.keys())
@@ -231,7 +235,7 @@ def export_weights(
             )
         for k, t in zip(c.hf, outs, strict=True):
             part = stacked_part(k)
-            if part is None:
+            if part is None or not stack:
                 yield k, t
                 continue
             name, index = part
@@ -248,9 +252,10 @@ def export_weights(
 
 
 class StackedReads:
-    """``source`` with the table's slice keys (``name[i]``) readable: a stacked tensor is read once,
-    kept while slices of it are still to be read, and dropped after its last one (so an import
-    holds about one layer's stacked experts)."""
+    """``source`` with the table's slice keys (``name[i]``) readable: each slice read alone where
+    the source reads one expert of a stack (``expert(name, i)``, a checkpoint's reader); else the
+    stacked tensor is read once, kept while slices of it are still to be read, and dropped after
+    its last one (so an import holds about one layer's stacked experts)."""
 
     def __init__(self, source: TensorSource, entries: Iterable[Concrete]) -> None:
         self.source = source
@@ -269,6 +274,8 @@ class StackedReads:
         if part is None:
             return self.source.get(key)
         name, index = part
+        if hasattr(self.source, "expert"):
+            return self.source.expert(name, index)
         stacked = self.held.get(name)
         if stacked is None:
             stacked = self.held[name] = self.source.get(name)

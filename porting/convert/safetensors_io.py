@@ -27,6 +27,7 @@ from pathlib import Path, PurePath
 import torch
 from safetensors import SafetensorError, safe_open
 
+from porting import pages
 from porting.contract.container import language_pairs, renamed
 from porting.convert.hf_files import model_file, no_duplicate_keys, read_container, read_json
 from porting.errors import PortingError, check_finite
@@ -479,6 +480,7 @@ class SafetensorsSource:
         with open(path, "rb") as f:
             # A private mapping: torch.frombuffer wants a writable buffer; nothing writes to it.
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        pages.register(mm)
         count = math.prod(info.shape)
         try:
             if count:
@@ -493,8 +495,26 @@ class SafetensorsSource:
             # when its last view does (at once, for a caller that only copied it).
             view = mm = None
 
+    def expert(self, key: str, index: int) -> torch.Tensor:
+        """Index ``index`` of stacked tensor ``key``'s first dimension (one expert of a stack), a
+        fresh tensor copied out of a mapping made for it and dropped after (a quantized stack
+        dequantized for that expert alone): the stack's pages are never resident together, where
+        a whole stack held while its experts are copied out leaves all of them so (4 GB for a
+        Llama 4 Scout layer's two stacks)."""
+        shape, path = self.shape(key)
+        if not shape or not 0 <= index < shape[0]:
+            raise PortingError(
+                f"tensor {key!r} stacks {shape[0] if shape else 0} experts; the table reads "
+                f"slice {index}"
+            )
+        with self.mapped(key, index) as view:
+            t = view.clone()
+        check_finite(t, str(path), key)
+        return t
+
     def get(self, key: str) -> torch.Tensor:
-        """Read one tensor (a fresh CPU tensor, not a view into the mapped file)."""
+        """Read one tensor: a view of the file mapped for this read, checked finite (a quantized
+        weight dequantized, a published expert copied out of its stack: fresh tensors)."""
         if self._pickled is not None:
             check_finite(self._pickled[key], str(self.dir), key)
             return self._pickled[key]
@@ -512,21 +532,13 @@ class SafetensorsSource:
             check_finite(t, str(self._key_to_file[stored]), key)
             return t
         path = self._key_to_file[key]
-        self._unchanged(path, key)
-        # A handle per read: the mapped pages are released right after the copy, so resident
-        # memory never accumulates the shards already streamed (a kept handle would hold them).
-        with _safe_open(path) as h:
-            try:
-                t = h.get_tensor(key)
-            except (SafetensorError, OSError, RuntimeError) as err:
-                raise PortingError(f"{path}: tensor {key!r} cannot be read ({err})") from err
-        info = self._headers[path][key]
-        if tuple(t.shape) != info.shape or t.dtype != _ST_TO_TORCH.get(info.dtype, t.dtype):
-            raise PortingError(
-                f"{path}: tensor {key!r} read as {tuple(t.shape)} {t.dtype}, its header says "
-                f"{info.shape} {info.dtype}"
-            )
-        check_finite(t, str(path), key)
+        # A view of a mapping made for this read (as safetensors' own reader gives since 0.6),
+        # checked a block at a time with each block's pages released: a table is not resident
+        # until its reader copies it, and then a block at a time where it copies by
+        # :mod:`porting.pages`. The mapping goes with the last view.
+        with self._view(key, _READ_TORCH) as view:
+            t = view
+        pages.check_rows(t, str(path), key)
         return t
 
     def shape(self, key: str) -> tuple[tuple[int, ...], Path]:
@@ -593,6 +605,11 @@ _ST_TO_TORCH = {
 }
 # what a quantized weight's stored parts are read as (never weights of their own)
 _RAW_TORCH = {**_ST_TO_TORCH, "F8_E4M3": torch.float8_e4m3fn, "U8": torch.uint8}
+# what a tensor read as itself may be stored as (safetensors' own reader's dtypes that torch has)
+_READ_TORCH = {
+    **_RAW_TORCH, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "BOOL": torch.bool,
+}  # fmt: skip
 
 
 # safetensors orders a file's tensors by dtype, widest first, then by name
@@ -768,6 +785,9 @@ class RenamedSource:
 
     def get(self, key: str) -> torch.Tensor:
         return self.inner.get(self.stored_name(key))
+
+    def expert(self, key: str, index: int) -> torch.Tensor:
+        return self.inner.expert(self.stored_name(key), index)
 
     def shape(self, key: str):
         return self.inner.shape(self.stored_name(key))
