@@ -621,7 +621,10 @@ def streamed_logits(
     side's ``(config dict, SafetensorsSource)`` where the caller has read them.
     """
     # the same activations in every layer: freed blocks serve the next layer's
-    with ReusedHeap() as heap:
+    # 32 MiB: every activation of the default prompts at these widths (a 7B's largest is 11 MB)
+    # is reused from the heap, but not a frontier mixture's experts (DeepSeek-V3's are 59 MB in
+    # fp32), which took the heap to 1.8 GB with 0.9 GB of it free and resident under the MTP check
+    with ReusedHeap(threshold=32 << 20) as heap:
         return _streamed_logits(
             hf_dir,
             ckpt,
