@@ -176,3 +176,18 @@ def test_verify_reports_json(tiny_llama, tiny_nemo, capsys):
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["passed"] and report["top1_agreement"] == 1.0
     assert report["positions"] > 100 and report["max_abs_diff"] < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32])
+def test_a_weight_of_a_dtype_torch_cannot_read_as_itself_is_refused_by_name(tmp_path, dtype):
+    """The reader maps each tensor itself (porting.pages): a stored dtype it does not list is
+    refused naming the file, the tensor and the dtype, not read as something else."""
+    from porting.convert.safetensors_io import SafetensorsSource
+    from porting.errors import PortingError
+
+    save_file({"w": torch.zeros(4, 4, dtype=dtype)}, tmp_path / "model.safetensors")
+    source = SafetensorsSource(tmp_path, hf_config={})
+    with pytest.raises(
+        PortingError, match=r"model\.safetensors: tensor 'w' has dtype U(16|32), not"
+    ):
+        source.get("w")
