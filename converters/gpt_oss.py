@@ -33,8 +33,8 @@ from converters import moe
 from converters.llama import FULL, LLAMA_LAYOUT, ROPE_SCALING, SLIDING, layer_windows
 from porting.contract.config_map import Carry, Derived, Field, NoOp, Require
 from porting.contract.family import Family, ShapeContext, Variant
-from porting.contract.mapping import EMBEDDING, FINAL_NORM_AND_HEAD, Fused, Rename
-from porting.contract.transforms import QKV, TRANSPOSE, TransformPair
+from porting.contract.mapping import EMBEDDING, FINAL_NORM_AND_HEAD, Fused, Rename, attention
+from porting.contract.transforms import TRANSPOSE, TransformPair
 from porting.errors import PortingError
 
 if TYPE_CHECKING:  # annotations only: the family's tables load without its Megatron side
@@ -192,18 +192,7 @@ _ATTN = _L + "self_attn."
 WEIGHTS = (
     EMBEDDING,
     Rename(_L + "input_layernorm.weight", _M + "input_layernorm.weight"),
-    Fused(
-        (_ATTN + "q_proj.weight", _ATTN + "k_proj.weight", _ATTN + "v_proj.weight"),
-        _M + "self_attention.linear_qkv.weight",
-        QKV,
-    ),
-    Fused(
-        (_ATTN + "q_proj.bias", _ATTN + "k_proj.bias", _ATTN + "v_proj.bias"),
-        _M + "self_attention.linear_qkv.bias",
-        QKV,
-    ),
-    Rename(_ATTN + "o_proj.weight", _M + "self_attention.linear_proj.weight"),
-    Rename(_ATTN + "o_proj.bias", _M + "self_attention.linear_proj.bias"),
+    *attention(_ATTN, _M + "self_attention.", qkv_bias=True, proj_bias=True),
     Rename(_ATTN + "sinks", _M + "self_attention.core_attention.softmax_offset"),
     Rename(_L + "post_attention_layernorm.weight", _M + "pre_mlp_layernorm.weight"),
     Rename(_L + "mlp.router.weight", _M + "mlp.router.weight"),

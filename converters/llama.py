@@ -18,9 +18,16 @@ from typing import TYPE_CHECKING
 
 from porting.contract.config_map import BOOL, POSITIVE_INT, Carry, Derived, Field, NoOp, Require
 from porting.contract.family import Family, ShapeContext, Variant
-from porting.contract.mapping import EMBEDDING, FINAL_NORM_AND_HEAD, Fused, Ignore, Rename
+from porting.contract.mapping import (
+    EMBEDDING,
+    FINAL_NORM_AND_HEAD,
+    Fused,
+    Ignore,
+    Rename,
+    attention,
+)
 from porting.contract.rope import rope_kind, rope_number
-from porting.contract.transforms import GATED_MLP, QKV
+from porting.contract.transforms import GATED_MLP
 from porting.errors import PortingError
 
 if TYPE_CHECKING:  # annotations only: the family's tables load without its Megatron side
@@ -309,23 +316,7 @@ def _biased(ctx: ShapeContext) -> bool:
 WEIGHTS = (
     EMBEDDING,
     Rename(_L + "input_layernorm.weight", _M + "input_layernorm.weight"),
-    Fused(
-        (
-            _L + "self_attn.q_proj.weight",
-            _L + "self_attn.k_proj.weight",
-            _L + "self_attn.v_proj.weight",
-        ),
-        _M + "self_attention.linear_qkv.weight",
-        QKV,
-    ),
-    Fused(
-        (_L + "self_attn.q_proj.bias", _L + "self_attn.k_proj.bias", _L + "self_attn.v_proj.bias"),
-        _M + "self_attention.linear_qkv.bias",
-        QKV,
-        when=_biased,
-    ),
-    Rename(_L + "self_attn.o_proj.weight", _M + "self_attention.linear_proj.weight"),
-    Rename(_L + "self_attn.o_proj.bias", _M + "self_attention.linear_proj.bias", when=_biased),
+    *attention(_L + "self_attn.", _M + "self_attention.", qkv_bias=_biased, proj_bias=_biased),
     Rename(_L + "post_attention_layernorm.weight", _M + "pre_mlp_layernorm.weight"),
     Fused(
         (_L + "mlp.gate_proj.weight", _L + "mlp.up_proj.weight"),

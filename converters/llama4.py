@@ -57,8 +57,15 @@ from porting.contract.config_map import (
 )
 from porting.contract.container import Container
 from porting.contract.family import Family, ShapeContext, Variant
-from porting.contract.mapping import EMBEDDING, FINAL_NORM_AND_HEAD, Fused, Rename, gated_mlp
-from porting.contract.transforms import QKV, TRANSPOSE
+from porting.contract.mapping import (
+    EMBEDDING,
+    FINAL_NORM_AND_HEAD,
+    Fused,
+    Rename,
+    attention,
+    gated_mlp,
+)
+from porting.contract.transforms import TRANSPOSE
 from porting.errors import PortingError
 
 if TYPE_CHECKING:  # annotations only: the family's tables load without its Megatron side
@@ -257,16 +264,7 @@ _EXPERT = _M + "mlp.experts.local_experts.#."
 WEIGHTS = (
     EMBEDDING,
     Rename(_L + "input_layernorm.weight", _M + "input_layernorm.weight"),
-    Fused(
-        (
-            _L + "self_attn.q_proj.weight",
-            _L + "self_attn.k_proj.weight",
-            _L + "self_attn.v_proj.weight",
-        ),
-        _M + "self_attention.linear_qkv.weight",
-        QKV,
-    ),
-    Rename(_L + "self_attn.o_proj.weight", _M + "self_attention.linear_proj.weight"),
+    *attention(_L + "self_attn.", _M + "self_attention."),
     Rename(_L + "post_attention_layernorm.weight", _M + "pre_mlp_layernorm.weight"),
     *gated_mlp(_F, _M + "mlp.", layers=_dense),
     Rename(_F + "router.weight", _M + "mlp.router.weight", layers=_sparse),

@@ -31,15 +31,12 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import (
-    TransformerBlock,
-    TransformerBlockSubmodules,
-    get_num_layers_to_build,
-)
 from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
     TransformerLayerSubmodules,
 )
+
+from porting.mcore import block_of
 
 
 class GemmaRMSNorm(torch.nn.Module):
@@ -130,10 +127,4 @@ def build_gemma_block_spec(
             mlp_bda=get_bias_dropout_add,
         ),
     )
-    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return ModuleSpec(
-        module=TransformerBlock,
-        submodules=TransformerBlockSubmodules(
-            layer_specs=[layer] * layers, layer_norm=GemmaRMSNorm
-        ),
-    )
+    return block_of(layer, GemmaRMSNorm, config, vp_stage)

@@ -46,19 +46,32 @@ def add_multipliers(model, config) -> None:
         output.register_forward_hook(lambda mod, args, out: (out[0] / scale, *out[1:]))
 
 
-@dataclass
-class GraniteCore(LlamaCore):
-    """Megatron GPT config for Granite (defaults: granite-3.1-8b); the Llama fields and rotary
-    scaling, ``softmax_scale`` from ``attention_multiplier``, and the three multipliers
-    :meth:`configure_model` applies."""
+class Multiplied:
+    """What a Granite config adds to its base config's: the multipliers, applied after the model is
+    built (:func:`add_multipliers`), which is why Megatron-Bridge's provider cannot build it. The
+    config holds ``embedding_multiplier``, ``residual_multiplier`` and ``logits_scaling``."""
 
-    # the family's own Megatron-Bridge provider, where Bridge's cannot describe the model
-    megatron_bridge_provider: ClassVar[str] = "models.granite_bridge.GraniteModelProvider"
     # what keeps Megatron-Bridge's GPTModelProvider from building this model (porting.convert.bridge)
     megatron_bridge_refusal: ClassVar[str] = (
         "the embedding, residual and logit multipliers are added by the family's configure_model, "
         "which Bridge's provider does not run"
     )
+
+    def configure_model(self, tokenizer, pre_process=None, post_process=None, vp_stage=None):
+        """Build the Megatron-Core GPT model, then add the multipliers (:func:`add_multipliers`)."""
+        model = super().configure_model(tokenizer, pre_process, post_process, vp_stage)
+        add_multipliers(model, self)
+        return model
+
+
+@dataclass
+class GraniteCore(Multiplied, LlamaCore):
+    """Megatron GPT config for Granite (defaults: granite-3.1-8b); the Llama fields and rotary
+    scaling, ``softmax_scale`` from ``attention_multiplier``, and the three multipliers
+    (:class:`Multiplied`)."""
+
+    # the family's own Megatron-Bridge provider, where Bridge's cannot describe the model
+    megatron_bridge_provider: ClassVar[str] = "models.granite_bridge.GraniteModelProvider"
 
     num_layers: int = 40
     hidden_size: int = 4096
@@ -72,9 +85,3 @@ class GraniteCore(LlamaCore):
     embedding_multiplier: float = 12.0
     residual_multiplier: float = 0.22
     logits_scaling: float = 16.0
-
-    def configure_model(self, tokenizer, pre_process=None, post_process=None, vp_stage=None):
-        """Build the Megatron-Core GPT model, then add the multipliers (:func:`add_multipliers`)."""
-        model = super().configure_model(tokenizer, pre_process, post_process, vp_stage)
-        add_multipliers(model, self)
-        return model

@@ -7,21 +7,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from models.granite import add_multipliers
+from models.granite import Multiplied
 from models.moe import MoECore
 
 
 @dataclass
-class GraniteMoeCore(MoECore):
+class GraniteMoeCore(Multiplied, MoECore):
     """Megatron GPT config for Granite MoE (defaults: granite-3.0-3b-a800m): the MoE family's
     router (top-k then softmax) and Granite's ``softmax_scale`` and multipliers."""
 
     # the family's own Megatron-Bridge provider, where Bridge's cannot describe the model
     megatron_bridge_provider: ClassVar[str] = "models.granitemoe_bridge.GraniteMoeModelProvider"
-    megatron_bridge_refusal: ClassVar[str] = (
-        "the embedding, residual and logit multipliers are added by the family's configure_model, "
-        "which Bridge's provider does not run"
-    )
 
     num_layers: int = 32
     hidden_size: int = 1536
@@ -38,9 +34,3 @@ class GraniteMoeCore(MoECore):
     embedding_multiplier: float = 12.0
     residual_multiplier: float = 0.22
     logits_scaling: float = 6.0
-
-    def configure_model(self, tokenizer, pre_process=None, post_process=None, vp_stage=None):
-        """Build the Megatron-Core GPT model, then add the multipliers."""
-        model = super().configure_model(tokenizer, pre_process, post_process, vp_stage)
-        add_multipliers(model, self)
-        return model

@@ -28,13 +28,9 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import (
-    TransformerBlock,
-    TransformerBlockSubmodules,
-    get_num_layers_to_build,
-)
 
 from models.llama import LlamaCore
+from porting.mcore import block_of
 
 
 def squared_relu(x: torch.Tensor) -> torch.Tensor:
@@ -67,11 +63,7 @@ def nemotron_block_spec(config: NemotronCore, vp_stage=None) -> ModuleSpec:
     layer = get_gpt_layer_local_spec(normalization="LayerNorm")
     layer.submodules.input_layernorm = LayerNorm1P
     layer.submodules.pre_mlp_layernorm = LayerNorm1P
-    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return ModuleSpec(
-        module=TransformerBlock,
-        submodules=TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=LayerNorm1P),
-    )
+    return block_of(layer, LayerNorm1P, config, vp_stage)
 
 
 @dataclass

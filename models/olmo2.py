@@ -27,11 +27,6 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import (
-    TransformerBlock,
-    TransformerBlockSubmodules,
-    get_num_layers_to_build,
-)
 from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
     TransformerLayerSubmodules,
@@ -39,7 +34,7 @@ from megatron.core.transformer.transformer_layer import (
 
 from models.llama import LlamaCore
 from models.olmo_attention import FullQKNormSelfAttention, RMSNorm
-from porting.mcore import moved_to
+from porting.mcore import block_of, moved_to
 
 
 class PostNormRowParallelLinear(RowParallelLinear):
@@ -80,11 +75,7 @@ def olmo2_block_spec(config: Olmo2Core, vp_stage=None) -> ModuleSpec:
             mlp_bda=get_bias_dropout_add,
         ),
     )
-    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return ModuleSpec(
-        module=TransformerBlock,
-        submodules=TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=RMSNorm),
-    )
+    return block_of(layer, RMSNorm, config, vp_stage)
 
 
 @dataclass

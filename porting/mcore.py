@@ -69,6 +69,23 @@ def default_layer_spec(config: GPTCore, vp_stage: int | None = None) -> ModuleSp
     )
 
 
+def block_of(layer: ModuleSpec, final_norm: type, config: GPTCore, vp_stage=None) -> ModuleSpec:
+    """A decoder block spec of ``layer`` repeated for the layers this pipeline stage builds, and
+    ``final_norm`` after them (a family's custom spec: Megatron-Core's own builders take no
+    layer of ours)."""
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlock,
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return ModuleSpec(
+        module=TransformerBlock,
+        submodules=TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=final_norm),
+    )
+
+
 def submodules_of(spec):
     """The ``submodules`` a spec entry builds with: a ``ModuleSpec``'s field, or, where
     Megatron-Core 0.19 writes the entry as ``functools.partial(Module, submodules=...)`` (its MoE

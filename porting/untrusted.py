@@ -234,7 +234,8 @@ def _json_constant(text: str) -> float:
     return float(text)
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """``json.loads`` ``object_pairs_hook`` refusing a repeated key (``json`` keeps the last)."""
     out: dict[str, Any] = {}
     for k, v in pairs:
         if k in out:
@@ -280,7 +281,7 @@ def parse_json(text: str, path: str | os.PathLike, number_chars: int = MAX_NUMBE
     try:
         data = json.loads(
             text,
-            object_pairs_hook=_unique_keys,
+            object_pairs_hook=unique_keys,
             parse_int=lambda s: int(_number(s, number_chars)),
             parse_float=functools.partial(_json_float, limit=number_chars),
             parse_constant=_json_constant,

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from porting.contract.transforms import GATED_MLP, IDENTITY, VOCAB_PAD, TransformPair
+from porting.contract.transforms import GATED_MLP, IDENTITY, QKV, VOCAB_PAD, TransformPair
 
 Predicate = Callable[[Any], bool]
 LayerPredicate = Callable[[Any, int], bool]
@@ -116,6 +116,36 @@ def gated_mlp(
         ),
         Rename(f"{hf}{down}.weight", f"{mcore}linear_fc2.weight", when=when, layers=layers),
     )
+
+
+def attention(
+    hf: str,
+    mcore: str,
+    *,
+    qkv_bias: Predicate | bool = False,
+    proj_bias: Predicate | bool = False,
+    layers: LayerPredicate | None = None,
+) -> tuple[Entry, ...]:
+    """A self-attention's projections, as the Llama layout stores them: HF's
+    ``{hf}q_proj``, ``k_proj`` and ``v_proj`` fused into Megatron's ``{mcore}linear_qkv`` (per
+    query group, :data:`QKV`), ``{hf}o_proj`` renamed ``{mcore}linear_proj``. A bias is
+    ``False``: none; ``True``: always stored; a predicate: stored where it holds."""
+
+    def biased(bias: Predicate | bool) -> dict | None:
+        if bias is False:
+            return None
+        return {"when": None if bias is True else bias, "layers": layers}
+
+    def qkv(part: str) -> tuple[str, ...]:
+        return tuple(f"{hf}{x}_proj.{part}" for x in "qkv")
+
+    entries: list[Entry] = [Fused(qkv("weight"), f"{mcore}linear_qkv.weight", QKV, layers=layers)]
+    if (kw := biased(qkv_bias)) is not None:
+        entries.append(Fused(qkv("bias"), f"{mcore}linear_qkv.bias", QKV, **kw))
+    entries.append(Rename(f"{hf}o_proj.weight", f"{mcore}linear_proj.weight", layers=layers))
+    if (kw := biased(proj_bias)) is not None:
+        entries.append(Rename(f"{hf}o_proj.bias", f"{mcore}linear_proj.bias", **kw))
+    return tuple(entries)
 
 
 @dataclass(frozen=True)

@@ -180,16 +180,6 @@ def _tokenizer_class(model_dir: str | Path) -> str | None:
     return cfg.get("tokenizer_class") if isinstance(cfg, dict) else None
 
 
-def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
-    """``json.loads`` ``object_pairs_hook`` refusing a repeated key (``json`` keeps the last)."""
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"key {k!r} appears twice")
-        out[k] = v
-    return out
-
-
 def read_json(path: Path, model_dir: str | Path) -> Any:
     """Parse a JSON file of the HF directory, naming the file on any failure.
 

@@ -27,9 +27,9 @@ from pathlib import Path, PurePath
 import torch
 from safetensors import SafetensorError, safe_open
 
-from porting import pages
+from porting import pages, untrusted
 from porting.contract.container import language_pairs, renamed
-from porting.convert.hf_files import model_file, no_duplicate_keys, read_container, read_json
+from porting.convert.hf_files import model_file, read_container, read_json
 from porting.errors import PortingError, check_finite
 
 SAFE_INDEX = "model.safetensors.index.json"
@@ -158,7 +158,7 @@ def read_safetensors_header(path: Path) -> dict[str, TensorInfo]:
         raise PortingError(f"{path}: safetensors header is not UTF-8 ({err})") from err
     try:
         header = json.loads(
-            text, object_pairs_hook=no_duplicate_keys, parse_constant=_refuse_constant
+            text, object_pairs_hook=untrusted.unique_keys, parse_constant=_refuse_constant
         )
     except (ValueError, RecursionError) as err:
         raise PortingError(f"{path}: corrupt safetensors header: not valid JSON ({err})") from err

@@ -192,11 +192,17 @@ def experts_streamed(layers: Iterable[tuple[int, torch.nn.Module]], load: Expert
     try:
         yield
     finally:
-        for h in handles:
-            h.remove()
-        for future in guessed.values():
-            future.cancel()
-        reader.shutdown(wait=True)
+        unhook(handles, guessed.values(), reader)
+
+
+def unhook(handles: Iterable, pending: Iterable[Future], reader: ThreadPoolExecutor) -> None:
+    """Remove the forward hooks ``handles``, cancel the reads ``pending`` still queued and wait
+    for ``reader``'s running one: after it no read lands in a buffer that is given back."""
+    for h in handles:
+        h.remove()
+    for future in pending:
+        future.cancel()
+    reader.shutdown(wait=True)
 
 
 def own_matrices(module: torch.nn.Module):

@@ -25,6 +25,7 @@ from porting.parity.modules import (
     release,
     set_param,
     stored_tensors,
+    unhook,
 )
 from porting.parity.vocab import VocabTable
 
@@ -325,11 +326,7 @@ class Side:
         except Handoff:
             return None
         finally:
-            for h in handles:
-                h.remove()
-            for future in pending.values():
-                future.cancel()
-            reader.shutdown(wait=True)
+            unhook(handles, pending.values(), reader)
             for buffers in (self.buffers, self.expert_buffers):
                 if buffers is not None:
                     buffers.clear()

@@ -77,21 +77,17 @@ def preflight(spec: TrainSpec, nemo: bool = True) -> Preflight:
     (``Family.core_config_cls``, the same fields and model: tests/test_mcore.py), so a launcher
     that only checks never loads NeMo.
     """
-    from porting.contract.registry import family_by_name
-    from porting.convert.checkpoint import open_checkpoint
     from porting.convert.context import check_io_json
     from porting.convert.megatron import checkpoint_config
 
-    checkpoint = open_checkpoint(spec.checkpoint)
-    if checkpoint.located.format != "nemo2":
-        raise PortingError(
-            f"--checkpoint {spec.checkpoint}: a {checkpoint.located.format} checkpoint, and "
-            "--engine nemo2 trains a NeMo 2 one: train it with --engine bridge (the current "
-            f"stack), or convert it first with `porting convert {spec.checkpoint} --to nemo2 "
-            "--out DIR`"
-        )
+    checkpoint, family = _engine_checkpoint(
+        spec,
+        "nemo2",
+        "--engine nemo2 trains a NeMo 2 one: train it with --engine bridge (the current "
+        f"stack), or convert it first with `porting convert {spec.checkpoint} --to nemo2 "
+        "--out DIR`",
+    )
     manifest = checkpoint.manifest
-    family = family_by_name(checkpoint.family)
     # NeMo reads io.json of the restored checkpoint and of every checkpoint it may resume from
     # (artifacts, the tokenizer); each is checked before NeMo sees it. The model itself is built
     # from our manifest.
@@ -104,30 +100,40 @@ def preflight(spec: TrainSpec, nemo: bool = True) -> Preflight:
     return _checked(spec, manifest, family, config, check_layout_change)
 
 
+def _engine_checkpoint(spec: TrainSpec, layout: str, wanted: str):
+    """The checkpoint ``--checkpoint`` names and its family, refused unless it is in ``layout``
+    (``wanted``: the engine, the layout it trains, and how to get one)."""
+    from porting.contract.registry import family_by_name
+    from porting.convert.checkpoint import open_checkpoint
+
+    checkpoint = open_checkpoint(spec.checkpoint)
+    if checkpoint.located.format != layout:
+        raise PortingError(
+            f"--checkpoint {spec.checkpoint}: a {checkpoint.located.format} checkpoint, and {wanted}"
+        )
+    return checkpoint, family_by_name(checkpoint.family)
+
+
 def preflight_bridge(spec: TrainSpec) -> Preflight:
     """:func:`preflight` for the Megatron-Bridge engine: ``--checkpoint`` must be a
     Megatron-Bridge checkpoint of ours (`porting import --format megatron-bridge`, or `porting
     convert --to megatron-bridge`), and the run directory's checkpoints (a Bridge root,
     ``OUT/checkpoints``) must be of its model."""
-    from porting.contract.registry import family_by_name
-    from porting.convert.checkpoint import open_checkpoint
     from porting.convert.megatron import checkpoint_config
 
-    checkpoint = open_checkpoint(spec.checkpoint)
-    if checkpoint.located.format != "megatron-bridge":
-        raise PortingError(
-            f"--checkpoint {spec.checkpoint}: a {checkpoint.located.format} checkpoint, and "
-            "--engine bridge trains a Megatron-Bridge one: convert it first with `porting "
-            f"convert {spec.checkpoint} --to megatron-bridge --out DIR` (or train it with "
-            "--engine nemo2, in the nemo2 environment)"
-        )
+    checkpoint, family = _engine_checkpoint(
+        spec,
+        "megatron-bridge",
+        "--engine bridge trains a Megatron-Bridge one: convert it first with `porting convert "
+        f"{spec.checkpoint} --to megatron-bridge --out DIR` (or train it with --engine nemo2, "
+        "in the nemo2 environment)",
+    )
     if Path(spec.checkpoint).resolve() != checkpoint.located.root.resolve():
         raise PortingError(
             f"--checkpoint {spec.checkpoint}: give the checkpoint's root "
             f"({checkpoint.located.root}), not one of its iterations"
         )
     manifest = checkpoint.manifest
-    family = family_by_name(checkpoint.family)
     config = checkpoint_config(checkpoint, family, nemo=False)
     check_memory(spec, checkpoint.located.weights)
     ours = Path(spec.out) / "checkpoints" / "porting" / "porting.json"
