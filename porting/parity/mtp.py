@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +109,8 @@ def hf_mtp_logits(
     layer_kwargs: dict,
     table: Callable[[str], torch.Tensor],
     read_expert: Callable[[str, int, torch.Size], torch.Tensor] | None = None,
+    linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
+    computing: Callable[[torch.nn.Module], AbstractContextManager] = lambda layer: nullcontext(),
 ) -> list[torch.Tensor]:
     """Each MTP layer's logits ``[b, s, vocab]`` on the HF side. ``last_layer``: the model's last
     decoder layer (its class and norm kind; its weights are not used); ``normed``: the model's
@@ -116,7 +119,10 @@ def hf_mtp_logits(
     stored); ``table(key)`` stands in for an embedding or head that is read by vocabulary slices
     (:class:`~porting.parity.vocab.VocabTable`); ``read_expert(key, e, shape)`` expert ``e`` of a transformers 5 expert stack, which
     the layer then reads one expert at a time (:func:`~porting.parity.modules.
-    stream_expert_stacks`)."""
+    stream_expert_stacks`). ``linear(x, weight)``: how the projection and the head multiply (the
+    gate's: the real positions only, counted); ``computing(layer)``: a context around the MTP
+    layer's forward (the gate's counts its products and runs its linear layers on the real
+    positions)."""
     from accelerate import init_empty_weights
 
     norm_kind = getattr(last_layer, "input_layernorm", None)
@@ -136,7 +142,7 @@ def hf_mtp_logits(
 
         # the embedding and the head by vocabulary slices, the layer whole: one at a time
         embedded = F.embedding(ids, table(n.embedding))
-        x = F.linear(
+        x = linear(
             torch.cat([norm(n.enorm)(embedded), norm(n.hnorm)(hidden)], dim=-1),
             read(n.eh_proj, None),
         )
@@ -161,11 +167,11 @@ def hf_mtp_logits(
                 for name, p in stored_tensors(module)
             }
 
-        with experts_streamed([(index, layer)], expert):
+        with experts_streamed([(index, layer)], expert), computing(layer):
             y = layer(x, **layer_kwargs)
         release(layer)
         hidden = norm(n.final_norm)(y[0] if isinstance(y, tuple) else y)
-        out.append(F.linear(hidden, table(n.head)))
+        out.append(linear(hidden, table(n.head)))
     return out
 
 

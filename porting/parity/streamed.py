@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from porting.errors import PortingError, check_finite
@@ -872,6 +873,19 @@ def _mtp_pairs(family, ctx, hf_config, run: _Pass, reference: _Reference, got: l
     """Each MTP head's logits, the reference's (its MTP layers read now) beside Megatron's."""
     from porting.parity import mtp as mtp_check
 
+    def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # position-wise, as the model's own linear layers run in the pass (_real_rows_only)
+        rows = F.linear(x[run.valid], weight)
+        run.flop[0] += 2.0 * rows.shape[0] * x.shape[-1] * rows.shape[-1]
+        full = rows.new_zeros(*run.valid.shape, rows.shape[-1])
+        full[run.valid] = rows
+        return full
+
+    @contextmanager
+    def computing(layer: torch.nn.Module) -> Iterator[None]:
+        with _real_rows_only(layer, run.valid, (torch.nn.Linear,), run.flop), _MatmulWork(run.flop):
+            yield
+
     want = mtp_check.hf_mtp_logits(
         mtp_check.mtp_names(family, ctx, reference.prefix),
         reference.read,
@@ -882,6 +896,8 @@ def _mtp_pairs(family, ctx, hf_config, run: _Pass, reference: _Reference, got: l
         reference.last["kwargs"],
         reference.table,
         reference.read_expert,
+        linear,
+        computing,
     )
     return [(unpad(w, run.prompts, run.vocab_size), g) for w, g in zip(want, got, strict=True)]
 
