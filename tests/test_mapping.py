@@ -105,3 +105,36 @@ def test_export_refuses_unused_megatron_parameter():
     target = _target() | {"extra.weight": torch.zeros(1)}
     with pytest.raises(PortingError, match="no HF destination.*extra.weight"):
         list(export_weights(target, TABLE, CTX, num_layers=2))
+
+
+def test_attention_entries_store_each_bias_as_asked():
+    """``attention``: q/k/v fused by ``QKV`` into ``linear_qkv`` and ``o_proj`` renamed, each bias
+    left out (False), always stored (True) or stored where its predicate holds."""
+    from porting.contract.mapping import attention
+    from porting.contract.transforms import QKV
+
+    plain = attention("a.", "m.")
+    assert [type(e) for e in plain] == [Fused, Rename]
+    assert plain[0].hf == ("a.q_proj.weight", "a.k_proj.weight", "a.v_proj.weight")
+    assert plain[0].mcore == "m.linear_qkv.weight" and plain[0].transform is QKV
+    assert (plain[1].hf, plain[1].mcore) == ("a.o_proj.weight", "m.linear_proj.weight")
+
+    biased = attention("a.", "m.", qkv_bias=True, proj_bias=True)
+    assert [e.mcore for e in biased] == [
+        "m.linear_qkv.weight", "m.linear_qkv.bias", "m.linear_proj.weight", "m.linear_proj.bias"
+    ]  # fmt: skip
+    assert biased[1].hf == ("a.q_proj.bias", "a.k_proj.bias", "a.v_proj.bias")
+    assert all(e.when is None for e in biased)
+
+    def when(c):
+        return c.bias
+
+    def dense(c, i):
+        return i == 0
+
+    only_qkv = attention("a.", "m.", qkv_bias=when, layers=dense)
+    assert [e.mcore for e in only_qkv] == [
+        "m.linear_qkv.weight", "m.linear_qkv.bias", "m.linear_proj.weight"
+    ]  # fmt: skip
+    assert only_qkv[1].when is when and only_qkv[0].when is None
+    assert all(e.layers is dense for e in only_qkv)
